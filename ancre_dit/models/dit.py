@@ -1,0 +1,217 @@
+"""Diffusion Transformer (Peebles & Xie, 2023) with a pluggable residual topology.
+
+Parameter names match the original DiT release (x_embedder, t_embedder, y_embedder, pos_embed,
+blocks.N.{norm1,attn,norm2,mlp,adaLN_modulation}, final_layer) so its checkpoints load; the
+only new module is `topology`, which owns the loop over blocks (see topologies.py).
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+from timm.models.vision_transformer import Attention, Mlp, PatchEmbed
+
+from .embeddings import LabelEmbedder, TimestepEmbedder, get_2d_sincos_pos_embed
+from .topologies import ResidualTopology, build_topology
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+class DiTBlock(nn.Module):
+    """Transformer block with adaLN-Zero conditioning.
+
+    `block(x, c)` applies both internal residual adds, as in DiT. The two branches are exposed
+    (`modulation`, `attention_branch`, `mlp_branch`) so sublayer-level topologies such as
+    Hyper-Connections can wire them themselves.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.attn = Attention(dim=hidden_size, num_heads=num_heads, qkv_bias=True)
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(
+            in_features=hidden_size,
+            hidden_features=int(hidden_size * mlp_ratio),
+            act_layer=partial(nn.GELU, approximate="tanh"),
+            drop=0.0,
+        )
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
+
+    def modulation(self, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(shift, scale, gate) of the attention branch, then of the MLP branch."""
+        return self.adaLN_modulation(c).chunk(6, dim=1)
+
+    def attention_branch(self, x, shift, scale, gate) -> torch.Tensor:
+        return gate.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift, scale))
+
+    def mlp_branch(self, x, shift, scale, gate) -> torch.Tensor:
+        return gate.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift, scale))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.modulation(c)
+        x = x + self.attention_branch(x, shift_msa, scale_msa, gate_msa)
+        x = x + self.mlp_branch(x, shift_mlp, scale_mlp, gate_mlp)
+        return x
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated LayerNorm and a linear map back to patch pixels."""
+
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+class DiT(nn.Module):
+    """Class-conditional diffusion backbone: patchify, K adaLN-Zero blocks wired by `topology`,
+    unpatchify. Returns C channels (epsilon) or 2C (epsilon and the variance interpolation)."""
+
+    def __init__(
+        self,
+        input_size: int = 32,
+        patch_size: int = 2,
+        in_channels: int = 4,
+        hidden_size: int = 1152,
+        depth: int = 28,
+        num_heads: int = 16,
+        mlp_ratio: float = 4.0,
+        class_dropout_prob: float = 0.1,
+        num_classes: int = 1000,
+        learn_sigma: bool = True,
+        topology: str | ResidualTopology = "cascaded",
+        tau: float = 0.01,
+        topology_path: str | None = None,
+    ):
+        super().__init__()
+        if input_size % patch_size:
+            raise ValueError(
+                f"input size {input_size} is not divisible by patch size {patch_size}; "
+                f"choose a model whose patch size divides it, or resize the data"
+            )
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden size {hidden_size} is not divisible by {num_heads} heads")
+        self.learn_sigma = learn_sigma
+        self.in_channels = in_channels
+        self.out_channels = in_channels * 2 if learn_sigma else in_channels
+        self.patch_size = patch_size
+        self.input_size = input_size
+        self.num_heads = num_heads
+        self.num_classes = num_classes
+
+        self.x_embedder = PatchEmbed(img_size=input_size, patch_size=patch_size, in_chans=in_channels,
+                                     embed_dim=hidden_size, bias=True)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        num_patches = self.x_embedder.num_patches
+        # Fixed (not learned) sin-cos embedding, kept as a frozen parameter like DiT so its
+        # checkpoints load unchanged.
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
+        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio) for _ in range(depth)])
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.topology = (topology if isinstance(topology, ResidualTopology)
+                         else build_topology(topology, depth, tau=tau, topology_path=topology_path))
+        self.initialize_weights()
+
+    def initialize_weights(self) -> None:
+        """DiT's initialisation: xavier linears, zeroed adaLN and output layers (adaLN-Zero)."""
+        def _basic_init(module):
+            if isinstance(module, nn.Linear):
+                torch.nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.constant_(module.bias, 0)
+        self.apply(_basic_init)
+
+        grid_size = int(self.x_embedder.num_patches ** 0.5)
+        pos_embed = get_2d_sincos_pos_embed(self.pos_embed.shape[-1], grid_size)
+        self.pos_embed.data.copy_(torch.from_numpy(pos_embed).float().unsqueeze(0))
+
+        # Patch embedding like nn.Linear (instead of nn.Conv2d's default).
+        w = self.x_embedder.proj.weight.data
+        nn.init.xavier_uniform_(w.view([w.shape[0], -1]))
+        nn.init.constant_(self.x_embedder.proj.bias, 0)
+
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+
+        for block in self.blocks:
+            nn.init.constant_(block.adaLN_modulation[-1].weight, 0)
+            nn.init.constant_(block.adaLN_modulation[-1].bias, 0)
+        nn.init.constant_(self.final_layer.adaLN_modulation[-1].weight, 0)
+        nn.init.constant_(self.final_layer.adaLN_modulation[-1].bias, 0)
+        nn.init.constant_(self.final_layer.linear.weight, 0)
+        nn.init.constant_(self.final_layer.linear.bias, 0)
+
+    def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, T, p*p*C) -> (N, C, H, W)."""
+        c, p = self.out_channels, self.patch_size
+        h = w = int(x.shape[1] ** 0.5)
+        x = x.reshape(x.shape[0], h, w, p, p, c)
+        x = torch.einsum("nhwpqc->nchpwq", x)
+        return x.reshape(x.shape[0], c, h * p, w * p)
+
+    def embed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens h_0 and the conditioning vector c = t-embedding + y-embedding."""
+        h0 = self.x_embedder(x) + self.pos_embed
+        c = self.t_embedder(t) + self.y_embedder(y, self.training)
+        return h0, c
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x (N, C, H, W) noisy input, t (N,) timesteps, y (N,) labels (num_classes = null)."""
+        h0, c = self.embed(x, t, y)
+        h = self.topology(h0, self.blocks, c)
+        return self.unpatchify(self.final_layer(h, c))
+
+    def forward_with_cfg(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, cfg_scale: float,
+                         guided_channels: int | None = None) -> torch.Tensor:
+        """Classifier-free guidance in one batched forward.
+
+        The first half of the batch carries the class labels, the second half the same inputs
+        with the null label; the guided epsilon is written to both halves. `guided_channels=3`
+        reproduces the original DiT, which guides only the first 3 channels.
+        """
+        half = x[: len(x) // 2]
+        out = self.forward(torch.cat([half, half], dim=0), t, y)
+        eps, rest = out[:, : self.in_channels], out[:, self.in_channels:]
+        g = self.in_channels if guided_channels is None else guided_channels
+        cond_eps, uncond_eps = torch.split(eps[:, :g], len(eps) // 2, dim=0)
+        guided = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
+        eps = torch.cat([torch.cat([guided, guided], dim=0), eps[:, g:]], dim=1)
+        return torch.cat([eps, rest], dim=1)
+
+
+# name -> (depth, hidden_size, num_heads) as in the DiT paper; "T" is ours, a tiny CPU model.
+DIT_SIZES = {
+    "S": (12, 384, 6),
+    "B": (12, 768, 12),
+    "L": (24, 1024, 16),
+    "XL": (28, 1152, 16),
+    "T": (12, 192, 3),
+}
+DIT_MODELS = {f"DiT-{size}/{patch}": (size, patch) for size in DIT_SIZES for patch in (1, 2, 4, 8)
+              if size == "T" or patch != 1}
+
+
+def create_model(name: str, **kwargs) -> DiT:
+    """Builds a registered DiT, e.g. create_model("DiT-S/2", topology="ancre", tau=0.01).
+
+    Any DiT constructor argument can be given (input_size, in_channels, num_classes, learn_sigma,
+    class_dropout_prob, topology, tau, topology_path; depth/hidden_size/num_heads to override the size).
+    """
+    if name not in DIT_MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(DIT_MODELS)}")
+    size, patch = DIT_MODELS[name]
+    depth, hidden_size, num_heads = DIT_SIZES[size]
+    config = dict(depth=depth, hidden_size=hidden_size, num_heads=num_heads, patch_size=patch)
+    config.update(kwargs)
+    return DiT(**config)
