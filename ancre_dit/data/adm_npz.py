@@ -1,0 +1,79 @@
+"""The ADM sample / reference-batch .npz layout, read and written by sampling and evaluation.
+
+`arr_0`: uint8 images (N, H, W, 3); `arr_1`: int64 labels (N,) when known. ADM reference
+batches may also hold Inception statistics: `mu`, `sigma` (pool features) and `mu_s`, `sigma_s`
+(spatial features). Written by hand: this is a file convention, not a library.
+"""
+from __future__ import annotations
+
+import os
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+STAT_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
+
+
+@dataclass
+class ADMBatch:
+    images: np.ndarray | None  # uint8 (N, H, W, 3), None for a statistics-only reference
+    labels: np.ndarray | None  # int64 (N,)
+    stats: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def to_rgb_uint8(images: np.ndarray) -> np.ndarray:
+    """(N, H, W), (N, H, W, 1) or (N, H, W, 3) uint8 -> (N, H, W, 3); grayscale gets 3 equal channels."""
+    images = np.asarray(images)
+    if images.dtype != np.uint8:
+        raise ValueError(f"ADM images must be uint8, got {images.dtype}; convert with to_uint8 first")
+    if images.ndim == 3:
+        images = images[..., None]
+    if images.ndim != 4 or images.shape[-1] not in (1, 3):
+        raise ValueError(f"ADM images must be (N, H, W[, 1|3]), got shape {images.shape}")
+    if images.shape[-1] == 1:
+        images = np.repeat(images, 3, axis=-1)
+    return images
+
+
+def save_adm_npz(path: str | os.PathLike, images: np.ndarray | None, labels: np.ndarray | None = None,
+                 **stats: np.ndarray) -> Path:
+    """Writes an ADM npz atomically (temporary file, then rename): a crash never leaves half a file."""
+    path = Path(path)
+    arrays: dict[str, np.ndarray] = {}
+    if images is not None:
+        arrays["arr_0"] = to_rgb_uint8(images)
+    if labels is not None:
+        labels = np.asarray(labels, dtype=np.int64)
+        if images is not None and len(labels) != len(arrays["arr_0"]):
+            raise ValueError(f"{len(labels)} labels for {len(arrays['arr_0'])} images")
+        arrays["arr_1"] = labels
+    for key, value in stats.items():
+        if key not in STAT_KEYS:
+            raise ValueError(f"unknown statistic {key!r}; ADM references hold {', '.join(STAT_KEYS)}")
+        arrays[key] = np.asarray(value)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(tmp, path)
+    return path
+
+
+def load_adm_npz(path: str | os.PathLike) -> ADMBatch:
+    """Reads a sample file or an ADM reference batch; a missing or corrupt file is one clear error."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; pass an .npz written by sample.py or an ADM reference batch")
+    try:
+        with np.load(path) as data:
+            keys = set(data.files)
+            images = to_rgb_uint8(data["arr_0"]) if "arr_0" in keys else None
+            labels = data["arr_1"].astype(np.int64) if "arr_1" in keys else None
+            stats = {k: data[k] for k in STAT_KEYS if k in keys}
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as err:
+        raise ValueError(f"{path} is not a readable ADM .npz ({err}); regenerate it") from None
+    if images is None and not stats:
+        raise ValueError(f"{path} holds neither images (arr_0) nor statistics (mu, sigma)")
+    return ADMBatch(images, labels, stats)
