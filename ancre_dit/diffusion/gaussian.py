@@ -1,0 +1,232 @@
+"""DiT's Gaussian diffusion: linear beta schedule, epsilon prediction, learned variance.
+
+The noise tables are computed in float64 like ADM / DiT (diffusers keeps them in float32,
+which shifts DDPM-250 samples slightly); `diffusers_scheduler` builds diffusers' DDIM and
+DPM-Solver schedulers from the same schedule for the fast samplers. The learned-variance
+parameterisation, the hybrid loss and timestep respacing are written by hand: diffusers has
+no training loss and its respaced DDPM does not interpolate the learned variance over the
+respaced betas as DiT's sampler does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from .vlb import discretized_gaussian_log_likelihood, mean_flat, normal_kl
+
+
+def linear_betas(num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02) -> np.ndarray:
+    """DiT's schedule, scaled like ADM's `get_named_beta_schedule("linear")` for 1000 steps."""
+    scale = 1000 / num_timesteps
+    return np.linspace(scale * beta_start, scale * beta_end, num_timesteps, dtype=np.float64)
+
+
+def space_timesteps(num_timesteps: int, section_counts: str | int | Iterable[int]) -> list[int]:
+    """ADM's respacing: split [0, T) into equal sections and take evenly strided steps in each.
+
+    "250" -> 250 steps over the whole range; "10,15,20" -> three sections; "ddim50" -> a
+    constant integer stride giving exactly 50 steps (ADM's DDIM convention).
+    """
+    if isinstance(section_counts, str):
+        if section_counts.startswith("ddim"):
+            desired = int(section_counts[len("ddim"):])
+            for stride in range(1, num_timesteps):
+                if len(range(0, num_timesteps, stride)) == desired:
+                    return list(range(0, num_timesteps, stride))
+            raise ValueError(f"cannot take exactly {desired} steps with an integer stride from {num_timesteps}")
+        section_counts = [int(x) for x in section_counts.split(",")]
+    elif isinstance(section_counts, int):
+        section_counts = [section_counts]
+    section_counts = list(section_counts)
+    size_per, extra = divmod(num_timesteps, len(section_counts))
+    start, taken = 0, []
+    for i, count in enumerate(section_counts):
+        size = size_per + (1 if i < extra else 0)
+        if size < count:
+            raise ValueError(f"cannot divide a section of {size} steps into {count}")
+        stride = 1 if count <= 1 else (size - 1) / (count - 1)
+        position = 0.0
+        for _ in range(count):
+            taken.append(start + round(position))
+            position += stride
+        start += size
+    return sorted(set(taken))
+
+
+@dataclass
+class MeanVariance:
+    mean: torch.Tensor
+    variance: torch.Tensor
+    log_variance: torch.Tensor
+    pred_xstart: torch.Tensor
+    eps: torch.Tensor
+
+
+class GaussianDiffusion:
+    """Forward process, posterior, model mean/variance and DiT's hybrid training loss.
+
+    `timestep_map[k]` is the original timestep that respaced step k stands for: the model is
+    always called with original timesteps, so one network serves every respacing.
+    """
+
+    def __init__(self, betas: np.ndarray, learn_sigma: bool = True, timestep_map: list[int] | None = None):
+        betas = np.asarray(betas, dtype=np.float64)
+        if betas.ndim != 1 or (betas <= 0).any() or (betas > 1).any():
+            raise ValueError("betas must be a 1-D array in (0, 1]")
+        self.betas = betas
+        self.learn_sigma = learn_sigma
+        self.num_timesteps = len(betas)
+        self.timestep_map = np.asarray(timestep_map if timestep_map is not None else range(len(betas)))
+
+        alphas = 1.0 - betas
+        self.alphas_cumprod = np.cumprod(alphas)
+        self.alphas_cumprod_prev = np.append(1.0, self.alphas_cumprod[:-1])
+        self.sqrt_alphas_cumprod = np.sqrt(self.alphas_cumprod)
+        self.sqrt_one_minus_alphas_cumprod = np.sqrt(1.0 - self.alphas_cumprod)
+        self.sqrt_recip_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod)
+        self.sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod - 1)
+        self.posterior_variance = betas * (1.0 - self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
+        # The posterior variance is 0 at t = 0; ADM clips its log to the value at t = 1.
+        self.posterior_log_variance_clipped = np.log(
+            np.append(self.posterior_variance[1], self.posterior_variance[1:]) if self.num_timesteps > 1
+            else np.array([betas[0]])
+        )
+        self.posterior_mean_coef1 = betas * np.sqrt(self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
+        self.posterior_mean_coef2 = (1.0 - self.alphas_cumprod_prev) * np.sqrt(alphas) / (1.0 - self.alphas_cumprod)
+        # Fixed ("large") variance of DiT when learn_sigma is off.
+        self.fixed_log_variance = np.log(np.append(self.posterior_variance[1], betas[1:]))
+        self._tables: dict[tuple, torch.Tensor] = {}
+
+    # -- helpers --------------------------------------------------------------------------
+    def _extract(self, name: str, t: torch.Tensor, ndim: int) -> torch.Tensor:
+        """Gathers table[t] (computed in float64, used in float32) shaped to broadcast over x."""
+        key = (name, t.device)
+        if key not in self._tables:
+            self._tables[key] = torch.from_numpy(np.asarray(getattr(self, name))).to(t.device)
+        out = self._tables[key][t].float()
+        return out.reshape(-1, *([1] * (ndim - 1)))
+
+    def model_timesteps(self, t: torch.Tensor) -> torch.Tensor:
+        """Respaced indices -> the original timesteps the network was trained on."""
+        key = ("timestep_map", t.device)
+        if key not in self._tables:
+            self._tables[key] = torch.from_numpy(self.timestep_map).to(t.device)
+        return self._tables[key][t]
+
+    def respaced(self, section_counts: str | int | Iterable[int]) -> "GaussianDiffusion":
+        """A diffusion over a subset of steps with betas chosen to keep alphas_cumprod (ADM's)."""
+        use = space_timesteps(self.num_timesteps, section_counts)
+        new_betas, last, kept = [], 1.0, []
+        for i, alpha_cumprod in enumerate(self.alphas_cumprod):
+            if i in use:
+                new_betas.append(1.0 - alpha_cumprod / last)
+                last = alpha_cumprod
+                kept.append(int(self.timestep_map[i]))
+        return GaussianDiffusion(np.array(new_betas), self.learn_sigma, kept)
+
+    # -- forward process and posterior ---------------------------------------------------
+    def q_sample(self, x_start: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps."""
+        return (self._extract("sqrt_alphas_cumprod", t, x_start.ndim) * x_start
+                + self._extract("sqrt_one_minus_alphas_cumprod", t, x_start.ndim) * noise)
+
+    def q_posterior(self, x_start: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor):
+        """Mean, variance and clipped log variance of q(x_{t-1} | x_t, x_0)."""
+        mean = (self._extract("posterior_mean_coef1", t, x_t.ndim) * x_start
+                + self._extract("posterior_mean_coef2", t, x_t.ndim) * x_t)
+        return (mean, self._extract("posterior_variance", t, x_t.ndim),
+                self._extract("posterior_log_variance_clipped", t, x_t.ndim))
+
+    # -- the model's reverse step --------------------------------------------------------
+    def p_mean_variance(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
+                        clip_denoised: bool = False) -> MeanVariance:
+        """p(x_{t-1} | x_t) from the network output (eps, and with learned sigma the variance
+        interpolation v in [-1, 1] between beta_t and the clipped posterior variance)."""
+        channels = x_t.shape[1]
+        if self.learn_sigma:
+            if model_output.shape[1] != 2 * channels:
+                raise ValueError(f"learned sigma needs {2 * channels} output channels, got {model_output.shape[1]}")
+            eps, var_values = model_output.float().split(channels, dim=1)
+            min_log = self._extract("posterior_log_variance_clipped", t, x_t.ndim)
+            max_log = torch.log(self._extract("betas", t, x_t.ndim))
+            frac = (var_values + 1) / 2
+            log_variance = frac * max_log + (1 - frac) * min_log
+        else:
+            eps = model_output[:, :channels].float()
+            log_variance = self._extract("fixed_log_variance", t, x_t.ndim).expand_as(x_t)
+        pred_xstart = (self._extract("sqrt_recip_alphas_cumprod", t, x_t.ndim) * x_t
+                       - self._extract("sqrt_recipm1_alphas_cumprod", t, x_t.ndim) * eps)
+        if clip_denoised:
+            pred_xstart = pred_xstart.clamp(-1, 1)
+        mean, _, _ = self.q_posterior(pred_xstart, x_t, t)
+        return MeanVariance(mean, torch.exp(log_variance), log_variance, pred_xstart, eps)
+
+    def p_sample(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
+                 clip_denoised: bool = False) -> torch.Tensor:
+        """One ancestral DDPM step x_t -> x_{t-1}; no noise is added at t = 0."""
+        out = self.p_mean_variance(model_output, x_t, t, clip_denoised)
+        nonzero = (t != 0).float().reshape(-1, *([1] * (x_t.ndim - 1)))
+        return out.mean + nonzero * torch.exp(0.5 * out.log_variance) * noise
+
+    # -- training ----------------------------------------------------------------------------
+    def vb_terms_bpd(self, model_output: torch.Tensor, x_start: torch.Tensor, x_t: torch.Tensor,
+                     t: torch.Tensor) -> torch.Tensor:
+        """Per-sample variational-bound term in bits per dim: KL(q || p) for t > 0, the
+        discretized decoder NLL at t = 0."""
+        true_mean, _, true_log_variance = self.q_posterior(x_start, x_t, t)
+        out = self.p_mean_variance(model_output, x_t, t)
+        kl = mean_flat(normal_kl(true_mean, true_log_variance, out.mean, out.log_variance)) / np.log(2.0)
+        nll = -discretized_gaussian_log_likelihood(x_start, out.mean, 0.5 * out.log_variance)
+        nll = mean_flat(nll) / np.log(2.0)
+        return torch.where(t == 0, nll, kl)
+
+    def training_losses(self, model: Callable[..., torch.Tensor], x_start: torch.Tensor, t: torch.Tensor,
+                        model_kwargs: dict | None = None, noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """DiT's loss per sample: MSE on epsilon, plus with learned sigma the VLB term computed
+        with the predicted mean detached, so the VLB trains only the variance (improved DDPM)."""
+        if noise is None:
+            noise = torch.randn_like(x_start)
+        x_t = self.q_sample(x_start, t, noise)
+        model_output = model(x_t, self.model_timesteps(t), **(model_kwargs or {}))
+        channels = x_start.shape[1]
+        eps = model_output[:, :channels].float()
+        terms = {"mse": mean_flat((noise - eps) ** 2)}
+        if self.learn_sigma:
+            frozen = torch.cat([eps.detach(), model_output[:, channels:].float()], dim=1)
+            terms["vb"] = self.vb_terms_bpd(frozen, x_start, x_t, t)
+            terms["loss"] = terms["mse"] + terms["vb"]
+        else:
+            terms["loss"] = terms["mse"]
+        return terms
+
+
+def create_diffusion(respacing: str | int | None = None, learn_sigma: bool = True, num_timesteps: int = 1000,
+                     beta_start: float = 1e-4, beta_end: float = 0.02) -> GaussianDiffusion:
+    """The 1000-step linear schedule of DiT, optionally respaced (e.g. "250" for sampling)."""
+    diffusion = GaussianDiffusion(linear_betas(num_timesteps, beta_start, beta_end), learn_sigma)
+    if respacing not in (None, "", num_timesteps, str(num_timesteps)):
+        diffusion = diffusion.respaced(respacing)
+    return diffusion
+
+
+def diffusers_scheduler(kind: str, num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02):
+    """diffusers' DDIM / DPM-Solver++ / DDPM scheduler on DiT's schedule, predicting epsilon.
+
+    clip_sample / thresholding are off: DiT's latents are not bounded to [-1, 1] (a known trap:
+    diffusers' DDPM/DDIM default to clip_sample=True).
+    """
+    from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
+
+    common = dict(num_train_timesteps=num_timesteps, beta_start=beta_start, beta_end=beta_end,
+                  beta_schedule="linear", prediction_type="epsilon")
+    if kind == "ddim":
+        return DDIMScheduler(**common, clip_sample=False, set_alpha_to_one=True, timestep_spacing="leading")
+    if kind == "dpm-solver":
+        return DPMSolverMultistepScheduler(**common, algorithm_type="dpmsolver++", solver_order=2,
+                                           thresholding=False, lower_order_final=True)
+    if kind == "ddpm":
+        return DDPMScheduler(**common, clip_sample=False, variance_type="fixed_large")
+    raise ValueError(f"unknown scheduler {kind!r}; choose ddpm, ddim or dpm-solver")

@@ -1,0 +1,71 @@
+"""What a checkpoint folder says about the model it holds, so that sample.py (and any user code)
+rebuilds the exact network without the training config or Accelerate.
+
+RUN/checkpoints/<step>/ holds, next to Accelerate's state:
+    model_spec.json     {"model": {"name", "kwargs"}, "diffusion": {...}, "data": {...}, "step"}
+    ema.safetensors     EMA weights (what sampling uses by default)
+    model.safetensors   raw training weights
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .models import DiT, create_model, load_state_dict_checked
+from .models.topologies import FROZEN, FixedTopology
+
+SPEC_FILE = "model_spec.json"
+WEIGHT_FILES = {"ema": "ema.safetensors", "model": "model.safetensors"}
+
+
+def make_model_spec(name: str, model_kwargs: dict[str, Any], diffusion: dict[str, Any], data: dict[str, Any],
+                    step: int) -> dict[str, Any]:
+    """model_kwargs: create_model's keyword arguments; diffusion: num_timesteps, beta_start,
+    beta_end, learn_sigma; data: kind, image_size, image_channels, num_classes, vae, scaling_factor."""
+    return {"model": {"name": name, "kwargs": dict(model_kwargs)}, "diffusion": dict(diffusion),
+            "data": dict(data), "step": int(step)}
+
+
+def write_model_files(folder: str | Path, spec: dict[str, Any], model_state: dict[str, torch.Tensor],
+                      ema_state: dict[str, torch.Tensor] | None = None) -> None:
+    """Writes the spec and the weights (safetensors; tensors made contiguous, on CPU)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SPEC_FILE).write_text(json.dumps(spec, indent=1))
+    for kind, state in (("model", model_state), ("ema", ema_state)):
+        if state is not None:
+            save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(folder / WEIGHT_FILES[kind]))
+
+
+def load_model_spec(folder: str | Path) -> dict[str, Any]:
+    folder = Path(folder)
+    path = folder / SPEC_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{folder} is not a checkpoint folder ({SPEC_FILE} missing); pass RUN/checkpoints/<step> of a training run"
+        )
+    return json.loads(path.read_text())
+
+
+def load_trained_model(folder: str | Path, weights: str = "ema", device: str | torch.device = "cpu") -> tuple[DiT, dict]:
+    """Rebuilds the network of a checkpoint and loads its EMA (default) or raw weights, in eval mode."""
+    if weights not in WEIGHT_FILES:
+        raise ValueError(f"unknown weights {weights!r}; choose ema or model")
+    folder = Path(folder)
+    spec = load_model_spec(folder)
+    path = folder / WEIGHT_FILES[weights]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; the checkpoint is incomplete, pick another step")
+    state = load_file(str(path))
+    kwargs = dict(spec["model"]["kwargs"])
+    if kwargs.get("topology") == FROZEN:
+        # The frozen weights travel in the state dict; the JSON they came from may be gone.
+        kwargs.pop("topology_path", None)
+        kwargs["topology"] = FixedTopology(state["topology.weights"])
+    model = create_model(spec["model"]["name"], **kwargs)
+    load_state_dict_checked(model, state, source=str(path))
+    return model.to(device).eval(), spec
