@@ -3,7 +3,9 @@
 Every topology implements one interface, `trunk(h0, blocks, c) -> hK` (its `forward`), and
 `probabilities()`, the (K, K) matrix whose row j holds the weights of block j+1's incoming
 edges over sources i = 0..j (source 0 is the embedding h_0, source i the output of block i),
-zeros above the diagonal. A plain residual DiT ("cascaded") is the identity matrix.
+zeros above the diagonal. These are the weights of the skip sum that ANCRe adds to each block's
+output *on top of* the block's own two residual adds (PAPER.md), so a plain DiT ("cascaded") is
+the zero matrix, and a one-hot "previous node" matrix gives h_j = B_j(h_{j-1}) + h_{j-1}.
 
 ANCRe (Zhang et al., arXiv 2602.09009) and its ablations are written by hand here: no
 library implements them. All history-based variants share one trunk that keeps the list of
@@ -55,7 +57,7 @@ class CascadedTopology(ResidualTopology):
         return h
 
     def probabilities(self) -> torch.Tensor:
-        return torch.eye(self.num_blocks)
+        return torch.zeros(self.num_blocks, self.num_blocks)
 
 
 class WeightedHistoryTopology(ResidualTopology):
