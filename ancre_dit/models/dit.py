@@ -91,6 +91,8 @@ class DiT(nn.Module):
         topology: str | ResidualTopology = "cascaded",
         tau: float = 0.01,
         topology_path: str | None = None,
+        hc_streams: int = 4,
+        sinkhorn_iters: int = 20,
     ):
         super().__init__()
         if input_size % patch_size:
@@ -119,7 +121,9 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
         self.topology = (topology if isinstance(topology, ResidualTopology)
-                         else build_topology(topology, depth, tau=tau, topology_path=topology_path))
+                         else build_topology(topology, depth, tau=tau, topology_path=topology_path,
+                                             hidden_size=hidden_size, hc_streams=hc_streams,
+                                             sinkhorn_iters=sinkhorn_iters))
         self.initialize_weights()
 
     def initialize_weights(self) -> None:

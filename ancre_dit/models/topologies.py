@@ -31,6 +31,12 @@ FIXED_DENSE = "fixed-dense"
 LEARNABLE_SCALARS = "learnable-scalars"
 FIRST_PREVIOUS = "first-previous"
 FROZEN = "frozen"
+# Peer schemes, implemented in peers.py (imported lazily: peers.py imports this module).
+DENSEFORMER = "denseformer"
+HC = "hc"
+HC_DYNAMIC = "hc-dynamic"
+MHC = "mhc"
+PEER_TOPOLOGIES = (DENSEFORMER, HC, HC_DYNAMIC, MHC)
 
 
 class ResidualTopology(nn.Module):
@@ -213,11 +219,16 @@ def load_topology_json(path: str | Path) -> torch.Tensor:
 
 
 TOPOLOGIES = (CASCADED, ANCRE, ANCRE_OUTGOING, ANCRE_UNNORMALIZED, FIXED_DENSE, LEARNABLE_SCALARS,
-              FIRST_PREVIOUS, FROZEN)
+              FIRST_PREVIOUS, FROZEN) + PEER_TOPOLOGIES
 
 
-def build_topology(name: str, num_blocks: int, tau: float = 0.01, topology_path: str | None = None) -> ResidualTopology:
-    """Name -> residual topology. `topology_path` is the JSON of P for `frozen`."""
+def build_topology(name: str, num_blocks: int, tau: float = 0.01, topology_path: str | None = None,
+                   hidden_size: int | None = None, hc_streams: int = 4, sinkhorn_iters: int = 20) -> ResidualTopology:
+    """Name -> residual topology. `topology_path` is the JSON of P for `frozen`; `hidden_size`,
+    `hc_streams` (n) and `sinkhorn_iters` are used by the peer schemes (peers.py)."""
+    if name in PEER_TOPOLOGIES:
+        from .peers import build_peer_topology
+        return build_peer_topology(name, num_blocks, hidden_size, hc_streams, sinkhorn_iters)
     if name == CASCADED:
         return CascadedTopology(num_blocks)
     if name == ANCRE:
