@@ -1,0 +1,256 @@
+"""Image folder -> VAE latent shards: the work of one process of a (possibly multi-process) run.
+
+Shard k holds the images at positions [k * shard_size, (k + 1) * shard_size) of the sorted file
+list, minus skipped files, and is written by process k % world. Images are batched within a shard
+only, so a shard's batches (and hence its values) do not depend on how many processes ran. Process 0
+writes the manifest and the report once every shard is on disk (after a barrier).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from ancre_dit.cli import UserError
+from ancre_dit.data.latents import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, REPORT_NAME,
+                                    shard_file_name)
+from ancre_dit.latents.images import CroppedImages, ImageList, LoadedImage, list_image_folder
+from ancre_dit.latents.shards import (read_checksum, read_shard_meta, shard_is_complete, write_atomic,
+                                      write_shard)
+from ancre_dit.latents.vae import DTYPES, LoadedVAE, encode_moments, load_vae
+
+
+_SHARD_NAME = re.compile(r"shard-(\d{5})\.safetensors")
+
+
+@dataclass
+class ExtractConfig:
+    data_path: str
+    vae: str
+    out: str
+    image_size: int = 256
+    shard_size: int = 5000
+    batch_size: int = 32
+    num_workers: int = 0
+    vae_dtype: str = "fp32"
+    scaling_factor: float | None = None  # None: the VAE config's scaling_factor
+    min_side: int = 8  # images with a shorter side are skipped as "too small"
+    max_shards: int | None = None  # stop after this many new shards per process (split a job; tests)
+
+
+@dataclass
+class DistContext:
+    """Who this process is; the script fills it from accelerate's PartialState."""
+    rank: int = 0
+    world: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    barrier: Callable[[], None] = lambda: None
+
+
+@dataclass
+class ExtractResult:
+    num_shards: int
+    written: list[int]  # shards this process wrote in this run
+    reused: list[int]  # shards of this process that were already complete
+    manifest: Path | None  # set on process 0 when the whole set is complete
+
+
+def _fingerprint(cfg: ExtractConfig, images: ImageList, vae: LoadedVAE) -> dict[str, Any]:
+    """What must match for a rerun to reuse existing shards (same data, VAE, crop and sharding)."""
+    listing = hashlib.sha256("\n".join(f"{p}\t{y}" for p, y in images.files).encode()).hexdigest()
+    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "image_size": cfg.image_size,
+            "vae": vae.name, "scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor,
+            "vae_dtype": cfg.vae_dtype, "shard_size": cfg.shard_size, "min_side": cfg.min_side,
+            "num_files": len(images.files), "num_classes": len(images.class_names),
+            "file_list_sha256": listing}
+
+
+def _check_compatible(out: Path, fingerprint: dict[str, Any], num_shards: int) -> None:
+    """Refuses to mix shards of another extraction into this one (every process runs the same check
+    on the same files, so all fail together instead of leaving some waiting at the barrier)."""
+    sources = []
+    if (out / MANIFEST_NAME).is_file():
+        try:
+            sources.append((MANIFEST_NAME, json.loads((out / MANIFEST_NAME).read_text()).get("extraction")))
+        except (OSError, json.JSONDecodeError):
+            pass  # rewritten at the end of this run
+    for path in sorted(out.glob("shard-*.safetensors")):
+        meta = read_shard_meta(path)
+        # An unreadable shard, or one whose bytes no longer match its checksum, is simply redone.
+        if meta is not None and (meta.get("extraction") == fingerprint or shard_is_complete(path)):
+            sources.append((path.name, meta.get("extraction")))
+    for name, theirs in sources:
+        if theirs != fingerprint:
+            diff = [k for k in fingerprint if not isinstance(theirs, dict) or theirs.get(k) != fingerprint[k]]
+            shown = ", ".join(f"{k}: {theirs.get(k) if isinstance(theirs, dict) else None!r} there vs "
+                              f"{fingerprint[k]!r} now" for k in diff[:3])
+            raise UserError(f"{out}/{name} comes from a different extraction ({shown}); use a new --out "
+                            "folder or delete the old shards, or rerun with the original flags to resume")
+    extra = [p.name for p in out.glob("shard-*.safetensors")
+             if not (m := _SHARD_NAME.fullmatch(p.name)) or int(m.group(1)) >= num_shards]
+    if extra:
+        raise UserError(f"{out} holds {extra[0]} beyond the {num_shards} shards of this data; use a new --out folder")
+
+
+def _batch_plan(shards: list[int], num_files: int, shard_size: int, batch_size: int) -> list[tuple[int, list[int], bool]]:
+    """(shard, positions, last batch of its shard) for every batch, batches never crossing shards."""
+    plan = []
+    for k in shards:
+        positions = list(range(k * shard_size, min((k + 1) * shard_size, num_files)))
+        chunks = [positions[i:i + batch_size] for i in range(0, len(positions), batch_size)]
+        plan += [(k, chunk, i == len(chunks) - 1) for i, chunk in enumerate(chunks)]
+    return plan
+
+
+class _ShardBuffer:
+    """Collects one shard's encoded rows and its report entries until its last batch."""
+
+    def __init__(self, latent_shape: tuple[int, int, int]):
+        self.latent_shape = latent_shape
+        self.mean: list[torch.Tensor] = []
+        self.std: list[torch.Tensor] = []
+        self.labels: list[int] = []
+        self.index: list[int] = []
+        self.report: list[list[Any]] = []
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        empty = torch.zeros((0, 2, *self.latent_shape), dtype=torch.float16)
+        return {"mean": torch.cat(self.mean) if self.mean else empty,
+                "std": torch.cat(self.std) if self.std else empty,
+                "label": torch.tensor(self.labels, dtype=torch.int64),
+                "index": torch.tensor(self.index, dtype=torch.int64)}
+
+
+def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageList, buf: _ShardBuffer) -> int:
+    for it in items:
+        if it.action != "ok":
+            buf.report.append([it.position, images.files[it.position][0], it.action, it.detail])
+    good = [it for it in items if it.array is not None]
+    if not good:
+        return 0
+    pixels = torch.from_numpy(np.stack([it.array for it in good]))
+    # The image and its horizontal flip (of the crop, as DiT flips after cropping) in one batch.
+    mean, std = encode_moments(vae, torch.cat([pixels, pixels.flip(2)]))
+    if not (torch.isfinite(mean).all() and torch.isfinite(std).all()):
+        raise UserError(f"the VAE gave non-finite latents near {images.files[good[0].position][0]} "
+                        "(half-precision overflow?); rerun with --vae-dtype bf16 or fp32 to resume")
+    n = len(good)
+    # (2n, C, h, w) -> (n, 2, C, h, w): row i holds [image i, flipped image i]
+    buf.mean.append(mean.view(2, n, *mean.shape[1:]).transpose(0, 1).half().cpu())
+    buf.std.append(std.view(2, n, *std.shape[1:]).transpose(0, 1).half().cpu())
+    buf.labels += [images.files[it.position][1] for it in good]
+    buf.index += [it.position for it in good]
+    return n
+
+
+def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> ExtractResult:
+    """Encodes this process's missing shards; process 0 then writes manifest + report if all exist."""
+    ctx = ctx or DistContext()
+    for name in ("image_size", "shard_size", "batch_size"):
+        if getattr(cfg, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    if cfg.vae_dtype not in DTYPES:
+        raise UserError(f"--vae-dtype must be one of {', '.join(DTYPES)}, got {cfg.vae_dtype}")
+    if cfg.vae_dtype != "fp32" and ctx.device.type != "cuda":
+        raise UserError(f"--vae-dtype {cfg.vae_dtype} is for GPUs; on {ctx.device.type} the VAE runs in fp32 (drop the flag)")
+    images = list_image_folder(cfg.data_path)
+    vae = load_vae(cfg.vae, ctx.device, DTYPES[cfg.vae_dtype], cfg.scaling_factor)
+    if cfg.image_size % vae.downsample:
+        raise UserError(f"--image-size {cfg.image_size} is not a multiple of the VAE's downsampling factor "
+                        f"{vae.downsample}; use e.g. {max(1, round(cfg.image_size / vae.downsample)) * vae.downsample}")
+    latent_shape = (vae.latent_channels, cfg.image_size // vae.downsample, cfg.image_size // vae.downsample)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    num_files = len(images.files)
+    num_shards = math.ceil(num_files / cfg.shard_size)
+    fingerprint = _fingerprint(cfg, images, vae)
+    _check_compatible(out, fingerprint, num_shards)
+
+    mine = list(range(ctx.rank, num_shards, ctx.world))
+    reused = [k for k in mine if shard_is_complete(out / shard_file_name(k))]
+    pending = [k for k in mine if k not in set(reused)][: cfg.max_shards]
+    plan = _batch_plan(pending, num_files, cfg.shard_size, cfg.batch_size)
+    if ctx.rank == 0:
+        print(f"{num_files} images in {len(images.class_names)} classes -> {num_shards} shards of <= "
+              f"{cfg.shard_size} in {out}; latents {list(latent_shape)} on {ctx.device} ({cfg.vae_dtype}), "
+              f"{ctx.world} process(es); process 0: {len(pending)} to write, {len(reused)} already done", flush=True)
+
+    loader = DataLoader(CroppedImages(images, cfg.image_size, cfg.min_side), batch_sampler=[p for _, p, _ in plan],
+                        num_workers=cfg.num_workers, collate_fn=list)
+    bar = tqdm(total=sum(len(p) for _, p, _ in plan), unit="img", disable=ctx.rank != 0, smoothing=0.1,
+               desc=f"encoding (process 0 of {ctx.world})")
+    written: list[int] = []
+    buf = _ShardBuffer(latent_shape)
+    for (shard, positions, last), items in zip(plan, loader):
+        _encode_batch(vae, items, images, buf)
+        bar.update(len(positions))
+        if last:
+            meta = {"shard": shard, "count": len(buf.labels), "extraction": fingerprint, "report": buf.report}
+            write_shard(out, shard, buf.tensors(), meta)
+            written.append(shard)
+            bar.set_postfix(shards=f"{len(written)}/{len(pending)}")
+            buf = _ShardBuffer(latent_shape)
+    bar.close()
+
+    ctx.barrier()
+    manifest = None
+    if ctx.rank == 0:
+        manifest = write_manifest(out, cfg, images, vae, latent_shape, fingerprint, num_shards)
+    return ExtractResult(num_shards, written, reused, manifest)
+
+
+def write_manifest(out: Path, cfg: ExtractConfig, images: ImageList, vae: LoadedVAE,
+                   latent_shape: tuple[int, int, int], fingerprint: dict[str, Any], num_shards: int) -> Path | None:
+    """Writes manifest.json + the report when every shard is present (else says what is missing).
+
+    Checksums come from the checksum files written next to each shard (hashed from the bytes
+    written, or verified when a rerun reused the shard), so this does not reread the whole set.
+    """
+    shards, report, missing = [], [], []
+    for k in range(num_shards):
+        path = out / shard_file_name(k)
+        digest, meta = read_checksum(path), read_shard_meta(path)
+        if digest is None or meta is None:
+            missing.append(path.name)
+            continue
+        shards.append({"file": path.name, "count": int(meta["count"]), "sha256": digest})
+        report += meta["report"]
+    if missing:
+        print(f"{len(missing)} of {num_shards} shards not written yet (first: {missing[0]}); "
+              "rerun the same command to finish (finished shards are kept)", flush=True)
+        return None
+    lines = ["index\tpath\taction\tdetail"] + ["\t".join(str(v) for v in row) for row in report]
+    write_atomic(out / REPORT_NAME, ("\n".join(lines) + "\n").encode())
+    num_images = sum(s["count"] for s in shards)
+    manifest = {
+        "format": FORMAT_NAME, "version": FORMAT_VERSION,
+        "num_images": num_images, "num_files": len(images.files),
+        "num_skipped": sum(1 for row in report if row[2] == "skipped"),
+        "num_converted": sum(1 for row in report if row[2] == "converted"),
+        "num_shards": num_shards, "shard_size": cfg.shard_size,
+        "latent_shape": list(latent_shape), "dtype": "float16",
+        "tensors": {"mean": "(n, 2, C, h, w) posterior mean * scaling_factor; [:, 1] = flipped image",
+                    "std": "(n, 2, C, h, w) posterior std * scaling_factor",
+                    "label": "(n,) class index", "index": "(n,) position in the sorted file list"},
+        "vae": vae.name, "vae_dtype": cfg.vae_dtype,
+        "scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor,
+        "image_size": cfg.image_size, "crop": "adm_center_crop", "flip": True,
+        "data_path": str(cfg.data_path), "num_classes": len(images.class_names),
+        "class_names": images.class_names, "report": REPORT_NAME,
+        "extraction": fingerprint, "shards": shards,
+    }
+    path = out / MANIFEST_NAME
+    write_atomic(path, (json.dumps(manifest, indent=1) + "\n").encode())
+    skipped = manifest["num_skipped"]
+    print(f"wrote {num_images} images ({skipped} skipped, {manifest['num_converted']} converted; see "
+          f"{out / REPORT_NAME}) in {num_shards} shards; manifest {path}", flush=True)
+    return path

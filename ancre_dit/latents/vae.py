@@ -1,0 +1,84 @@
+"""Loading the diffusers AutoencoderKL (offline by default) and encoding images to scaled moments."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ancre_dit.cli import UserError
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class LoadedVAE:
+    vae: torch.nn.Module
+    name: str  # what the user passed: a folder or a hub id
+    scaling_factor: float
+    shift_factor: float | None
+    downsample: int
+    latent_channels: int
+
+
+def resolve_vae_dir(name: str) -> tuple[str, str | None]:
+    """-> (what to give from_pretrained, subfolder). Accepts a VAE folder, a whole Stable Diffusion
+    pipeline folder (uses its vae/ subfolder) or, with network, a hub id."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return str(path), None
+        if (path / "vae" / "config.json").is_file():
+            return str(path), "vae"
+        raise UserError(f"--vae {name} holds no config.json (nor vae/config.json); pass the folder of a "
+                        "diffusers AutoencoderKL (e.g. a local copy of stabilityai/sd-vae-ft-ema)")
+    if path.exists() or not _HUB_ID.match(name):
+        raise UserError(f"--vae {name} is not a folder; pass a local diffusers AutoencoderKL folder "
+                        "(config.json + weights), or a hub id such as stabilityai/sd-vae-ft-ema if you have network")
+    return name, None
+
+
+def load_vae(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32,
+             scaling_factor: float | None = None) -> LoadedVAE:
+    """Loads the VAE in eval mode on `device` in `dtype`; any loading failure is one clear UserError."""
+    from diffusers import AutoencoderKL  # heavy import, only when a VAE is really needed
+
+    source, subfolder = resolve_vae_dir(name)
+    is_local = Path(source).expanduser().is_dir()
+    try:
+        vae = AutoencoderKL.from_pretrained(source, subfolder=subfolder, local_files_only=is_local, torch_dtype=dtype)
+    except Exception as err:  # noqa: BLE001 - diffusers raises many kinds; all mean "cannot load"
+        where = "the folder" if is_local else "the hub (needs network; or download it and pass the folder)"
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(f"could not load AutoencoderKL from {where} {name}: {first}") from None
+    config = vae.config
+    factor = float(scaling_factor if scaling_factor is not None else config.scaling_factor)
+    shift = getattr(config, "shift_factor", None)
+    vae = vae.to(device=device).eval().requires_grad_(False)
+    return LoadedVAE(vae=vae, name=name, scaling_factor=factor,
+                     shift_factor=None if shift is None else float(shift),
+                     downsample=2 ** (len(config.block_out_channels) - 1),
+                     latent_channels=int(config.latent_channels))
+
+
+def to_vae_input(images: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, H, W, 3) -> float32 (N, 3, H, W) in [-1, 1], computed as ToTensor + Normalize(0.5, 0.5)
+    (what DiT's data pipeline does) so the pixels the VAE sees match DiT's bit for bit."""
+    x = images.permute(0, 3, 1, 2).float().div(255)
+    return (x - 0.5) / 0.5
+
+
+@torch.inference_mode()
+def encode_moments(loaded: LoadedVAE, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 (N, H, W, 3) -> float32 (mean, std), each (N, C, h, w), already shifted and scaled
+    ((z - shift) * scale, so a sample is mean + std * eps in the space the DiT is trained on)."""
+    vae = loaded.vae
+    param = next(vae.parameters())
+    x = to_vae_input(images).to(device=param.device, dtype=param.dtype)
+    posterior = vae.encode(x).latent_dist
+    mean, std = posterior.mean.float(), posterior.std.float()
+    if loaded.shift_factor is not None:
+        mean = mean - loaded.shift_factor
+    return mean * loaded.scaling_factor, std * loaded.scaling_factor

@@ -1,0 +1,76 @@
+"""`--verify LATENT_DIR`: checks a finished shard set against its manifest, one line per bad shard."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from ancre_dit.data.latents import SHARD_KEYS, read_manifest, shard_file_name
+from ancre_dit.latents.shards import sha256_file
+
+_DTYPES = {"mean": torch.float16, "std": torch.float16, "label": torch.int64, "index": torch.int64}
+
+
+def _check_tensors(path: Path, k: int, entry: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
+    """Structure of one shard: keys, dtypes, shapes, labels in range, indices inside the shard's span."""
+    count, shape = int(entry["count"]), tuple(manifest["latent_shape"])
+    problems = []
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            if missing := [key for key in SHARD_KEYS if key not in keys]:
+                return [f"lacks tensors {', '.join(missing)}"]
+            t = {key: f.get_tensor(key) for key in SHARD_KEYS}
+    except Exception as err:  # noqa: BLE001 - any parse failure means a corrupt shard
+        return [f"unreadable ({str(err).splitlines()[0] if str(err) else type(err).__name__})"]
+    for key, want in (("mean", (count, 2, *shape)), ("std", (count, 2, *shape)), ("label", (count,)), ("index", (count,))):
+        if t[key].dtype != _DTYPES[key] or tuple(t[key].shape) != want:
+            problems.append(f"{key} is {str(t[key].dtype).removeprefix('torch.')} {tuple(t[key].shape)}, "
+                            f"expected {str(_DTYPES[key]).removeprefix('torch.')} {want}")
+    if problems:
+        return problems
+    labels, index = t["label"], t["index"]
+    if count and not (0 <= int(labels.min()) and int(labels.max()) < int(manifest["num_classes"])):
+        problems.append(f"labels outside [0, {manifest['num_classes']})")
+    lo, hi = k * int(manifest["shard_size"]), (k + 1) * int(manifest["shard_size"])
+    if count and (int(index.min()) < lo or int(index.max()) >= hi or bool((index[1:] <= index[:-1]).any())):
+        problems.append(f"image indices not increasing inside [{lo}, {hi})")
+    if not (torch.isfinite(t["mean"]).all() and torch.isfinite(t["std"]).all()):
+        problems.append("non-finite values")
+    elif count and bool((t["std"] < 0).any()):
+        problems.append("negative std")
+    return problems
+
+
+def verify_latent_dir(root: str | os.PathLike, progress: bool = True) -> tuple[dict[str, Any], list[str]]:
+    """Returns (manifest, problems): one line per missing or corrupt shard, plus set-level mismatches.
+    A missing or foreign manifest raises ValueError (one line) instead."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    shards = manifest.get("shards", [])
+    problems = []
+    if len(shards) != int(manifest["num_shards"]):
+        problems.append(f"manifest lists {len(shards)} shards but num_shards={manifest['num_shards']}")
+    for k, entry in enumerate(tqdm(shards, desc="verifying shards", unit="shard", disable=not progress)):
+        name = entry["file"]
+        if name != shard_file_name(k):
+            problems.append(f"{name}: listed at position {k}, expected {shard_file_name(k)}")
+            continue
+        path = root / name
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+            continue
+        reasons = []
+        if sha256_file(path) != entry["sha256"]:
+            reasons.append("checksum mismatch (file changed or corrupt)")
+        reasons += _check_tensors(path, k, entry, manifest)
+        if reasons:
+            problems.append(f"{name}: corrupt: {'; '.join(reasons)}")
+    total = sum(int(s["count"]) for s in shards)
+    if total != int(manifest["num_images"]):
+        problems.append(f"shards hold {total} images but the manifest says num_images={manifest['num_images']}")
+    return manifest, problems
