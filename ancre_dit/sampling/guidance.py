@@ -1,0 +1,99 @@
+"""Classifier-free guidance around a DiT: the network call every sampler makes.
+
+Conditional and unconditional passes share one batched forward (the model's `forward_with_cfg`);
+at scale 1, or outside the guidance interval, only the conditional half runs (half the compute).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ..cli import UserError
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """scale: 1 = plain conditional model. channels: guide only the first `channels` epsilon
+    channels (3 = the original DiT's behaviour); None = all. interval: guide only at original
+    timesteps LO <= t <= HI (None = every step)."""
+
+    scale: float = 1.0
+    channels: int | None = None
+    interval: tuple[float, float] | None = None
+
+    def __post_init__(self):
+        if not self.scale >= 0:  # also catches NaN
+            raise UserError(f"--cfg-scale {self.scale} is negative; use 1 for no guidance or a value > 1 (e.g. 1.5)")
+        if self.channels is not None and self.channels < 1:
+            raise UserError(f"--cfg-channels {self.channels} must be at least 1 (or omitted for all channels)")
+        if self.interval is not None and not self.interval[0] <= self.interval[1]:
+            raise UserError(f"--guidance-interval {self.interval[0]},{self.interval[1]} is empty; give LO,HI with LO <= HI")
+
+    def active_at(self, timestep: float) -> bool:
+        if self.scale == 1:
+            return False
+        return self.interval is None or self.interval[0] <= timestep <= self.interval[1]
+
+
+def parse_interval(text: str | None) -> tuple[float, float] | None:
+    """"LO,HI" -> (LO, HI) in original timesteps (0..T-1); None/"" -> None."""
+    if text is None or str(text).strip() == "":
+        return None
+    parts = str(text).split(",")
+    try:
+        lo, hi = (float(p) for p in parts)
+    except ValueError:
+        raise UserError(f"--guidance-interval {text!r} must be LO,HI in timesteps, e.g. --guidance-interval 0,700") from None
+    return lo, hi
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The DiT inside DDP (`.module`) or torch.compile (`._orig_mod`) wrappers."""
+    while True:
+        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+class GuidedDenoiser:
+    """`denoiser(x, t, y)` -> the model output (C or 2C channels) with guidance applied, float32.
+
+    t holds original timesteps, the same for the whole batch (every sampler here steps in lockstep).
+    """
+
+    def __init__(self, model: torch.nn.Module, guidance: Guidance, precision: str = "fp32"):
+        self.model = unwrap_model(model)
+        self.guidance = guidance
+        if precision not in PRECISIONS:
+            raise UserError(f"--precision {precision} is unknown; choose {', '.join(PRECISIONS)}")
+        self.dtype = PRECISIONS[precision]
+        self.num_classes = int(self.model.num_classes)
+        if guidance.scale != 1 and self.model.y_embedder.embedding_table.num_embeddings <= self.num_classes:
+            raise UserError("this model was trained without class dropout, so it has no unconditional mode for "
+                            "guidance; sample with --cfg-scale 1")
+        if guidance.channels is not None and guidance.channels > self.model.in_channels:
+            raise UserError(f"--cfg-channels {guidance.channels} exceeds the model's {self.model.in_channels} channels")
+        self.calls = 0  # network forwards, counted per sample (for tests and benchmarks)
+
+    def _autocast(self, device: torch.device):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.dtype)
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        g = self.guidance
+        with self._autocast(x.device):
+            if not g.active_at(float(t[0])):
+                self.calls += len(x)
+                return self.model(x, t, y).float()
+            null = torch.full_like(y, self.num_classes)
+            self.calls += 2 * len(x)
+            out = self.model.forward_with_cfg(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]),
+                                              g.scale, guided_channels=g.channels)
+        return out[: len(x)].float()

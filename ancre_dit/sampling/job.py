@@ -1,0 +1,220 @@
+"""A sampling job of any size: split over processes, saved in parts, resumable, merged at the end.
+
+The N samples are cut into parts of `batch_size` consecutive indices; part j goes to process
+j % world_size. Each finished part is written atomically to OUT.parts/part-<start>-<end>.npz,
+so a rerun of the same command skips what is done. Since a part's batch is the same whatever the
+number of processes, and each sample has its own random streams, the merged file is identical
+for 1 or many processes. Rank 0 merges the parts in index order into one ADM npz.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..cli import UserError
+from ..data.adm_npz import load_adm_npz, save_adm_npz
+from ..trained_model import load_trained_model
+from .api import sample_images
+from .decode import build_decoder
+from .guidance import Guidance
+from .labels import assign_labels, check_classes
+from .samplers import check_steps, schedule_kwargs
+
+JOB_FILE = "job.json"
+
+
+@dataclass
+class JobSettings:
+    ckpt: str
+    out: str
+    num_samples: int
+    weights: str = "ema"
+    batch_size: int = 32
+    sampler: str = "ddpm"
+    steps: int = 250
+    cfg_scale: float = 1.5
+    cfg_channels: int | None = None
+    guidance_interval: tuple[float, float] | None = None
+    seed: int = 0
+    label_mode: str = "balanced"
+    classes: list[int] | None = None
+    precision: str = "fp32"
+    vae: str | None = None
+    png_dir: str | None = None
+    grid: str | None = None
+    grid_max: int = 100
+    keep_parts: bool = False
+    cpu: bool = False
+
+
+def part_ranges(num_samples: int, batch_size: int) -> list[tuple[int, int]]:
+    return [(s, min(s + batch_size, num_samples)) for s in range(0, num_samples, batch_size)]
+
+
+def parts_dir_of(out: Path) -> Path:
+    return out.with_name(out.stem + ".parts")
+
+
+def part_path(folder: Path, start: int, end: int) -> Path:
+    return folder / f"part-{start:07d}-{end:07d}.npz"
+
+
+def job_identity(settings: JobSettings, spec: dict) -> dict:
+    """What decides the content of a part; a rerun may resume only if this is unchanged. The sample
+    count is left out on purpose: sample i does not depend on it, so a job can be extended."""
+    keep = ("weights", "batch_size", "sampler", "steps", "cfg_scale", "cfg_channels", "guidance_interval",
+            "seed", "label_mode", "classes", "precision", "vae")
+    identity = {k: v for k, v in asdict(settings).items() if k in keep}
+    identity["guidance_interval"] = list(settings.guidance_interval) if settings.guidance_interval else None
+    identity["ckpt"] = str(Path(settings.ckpt).resolve())
+    identity["step"] = spec.get("step")
+    return identity
+
+
+def check_settings(s: JobSettings) -> Guidance:
+    """Flag checks that need no model (cheap, before anything is loaded)."""
+    if s.num_samples < 1:
+        raise UserError(f"--num-samples {s.num_samples} must be at least 1")
+    if s.batch_size < 1:
+        raise UserError(f"--batch-size {s.batch_size} must be at least 1")
+    if not str(s.out).endswith(".npz"):
+        raise UserError(f"--out {s.out} must name an .npz file (ADM sample layout), e.g. --out samples.npz")
+    return Guidance(float(s.cfg_scale), s.cfg_channels, s.guidance_interval)
+
+
+def _check_or_write_identity(folder: Path, identity: dict, is_main: bool) -> None:
+    path = folder / JOB_FILE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        changed = [k for k in identity if old.get(k) != identity[k]]
+        if changed:
+            raise UserError(f"{folder} holds parts of a different job ({', '.join(changed)} changed); rerun with "
+                            f"the same settings to resume, or delete {folder} / choose another --out")
+    elif is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(JOB_FILE + ".tmp")
+        tmp.write_text(json.dumps(identity, indent=1))
+        os.replace(tmp, path)
+
+
+def write_grid(images: np.ndarray, path: Path) -> None:
+    """uint8 NHWC -> one PNG, about square."""
+    from PIL import Image
+    from torchvision.utils import make_grid
+
+    nrow = math.ceil(math.sqrt(len(images)))
+    grid = make_grid(torch.from_numpy(images).permute(0, 3, 1, 2), nrow=nrow, padding=1, pad_value=255)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(grid.permute(1, 2, 0).numpy()).save(path)
+
+
+def write_pngs(images: np.ndarray, folder: Path, start: int = 0) -> None:
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for k, image in enumerate(tqdm(images, desc="png", unit="img", leave=False)):
+        Image.fromarray(image).save(folder / f"{start + k:06d}.png")
+
+
+def merge_parts(folder: Path, ranges: list[tuple[int, int]], labels: np.ndarray, out: Path) -> np.ndarray:
+    images = []
+    for start, end in ranges:
+        batch = load_adm_npz(part_path(folder, start, end))
+        if batch.labels is None or not np.array_equal(batch.labels, labels[start:end]):
+            raise ValueError(f"{part_path(folder, start, end)} has other labels than this job; delete {folder} and rerun")
+        images.append(batch.images)
+    images = np.concatenate(images)
+    save_adm_npz(out, images, labels)
+    return images
+
+
+class SingleProcess:
+    """The slice of accelerate's PartialState a one-process job uses. Used when no launcher set
+    WORLD_SIZE, so in-process callers (tests, notebooks) leave no accelerate singleton behind."""
+
+    process_index, num_processes, is_main_process = 0, 1, True
+
+    def __init__(self, cpu: bool):
+        self.device = torch.device("cuda" if torch.cuda.is_available() and not cpu else "cpu")
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
+def run_job(s: JobSettings) -> Path:
+    """Samples s.num_samples images into s.out (+ PNG folder, grid); returns s.out."""
+    guidance = check_settings(s)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return _run(s, guidance, SingleProcess(s.cpu))
+    from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
+
+    # Without a GPU, accelerate only sets up a (gloo) process group when told it runs on the CPU.
+    state = PartialState(cpu=s.cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+    try:
+        return _run(s, guidance, state)
+    finally:
+        # A process group left open aborts the process at exit.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _run(s: JobSettings, guidance: Guidance, state) -> Path:
+    is_main, rank, world = state.is_main_process, state.process_index, state.num_processes
+    log = print if is_main else (lambda *a, **k: None)
+    model, spec = load_trained_model(s.ckpt, s.weights, state.device)
+    num_classes = int(model.num_classes)
+    check_steps(s.sampler, s.steps, schedule_kwargs(spec["diffusion"])["num_timesteps"])
+    if s.classes is not None:
+        check_classes(s.classes, num_classes)
+    decoder = build_decoder(spec["data"], model.in_channels, s.vae, state.device)
+    labels = assign_labels(np.arange(s.num_samples), num_classes, seed=s.seed, mode=s.label_mode, classes=s.classes)
+
+    out = Path(s.out)
+    folder = parts_dir_of(out)
+    _check_or_write_identity(folder, job_identity(s, spec), is_main)
+    state.wait_for_everyone()
+
+    ranges = part_ranges(s.num_samples, s.batch_size)
+    mine = ranges[rank::world]
+    todo = [r for r in mine if not part_path(folder, *r).is_file()]
+    log(f"sampling {s.num_samples} images from {s.ckpt} (step {spec.get('step')}, {s.weights} weights) with "
+        f"{s.sampler}-{s.steps}, cfg {s.cfg_scale}, {world} process(es); parts in {folder}")
+    finished = sum(part_path(folder, *r).is_file() for r in ranges)
+    if finished:
+        log(f"resuming: {finished} of {len(ranges)} parts already done")
+    done = sum(e - b for b, e in mine) - sum(e - b for b, e in todo)
+    bar = tqdm(total=sum(e - b for b, e in mine), initial=done, unit="img", desc=f"rank {rank}/{world}",
+               disable=not is_main, dynamic_ncols=True)
+    for start, end in todo:
+        images = sample_images(model, spec["diffusion"], labels[start:end], indices=np.arange(start, end),
+                               seed=s.seed, sampler=s.sampler, steps=s.steps, guidance=guidance,
+                               precision=s.precision, decoder=decoder)
+        save_adm_npz(part_path(folder, start, end), images, labels[start:end])
+        bar.update(end - start)
+    bar.close()
+    state.wait_for_everyone()
+
+    if is_main:
+        t0 = time.time()
+        images = merge_parts(folder, ranges, labels, out)
+        log(f"wrote {out}: arr_0 uint8 {tuple(images.shape)}, arr_1 labels ({time.time() - t0:.1f}s to merge)")
+        if s.png_dir:
+            write_pngs(images, Path(s.png_dir))
+            log(f"wrote {len(images)} PNGs to {s.png_dir}")
+        if s.grid:
+            write_grid(images[: s.grid_max], Path(s.grid))
+            log(f"wrote grid of {min(len(images), s.grid_max)} images to {s.grid}")
+        if not s.keep_parts:
+            shutil.rmtree(folder, ignore_errors=True)
+    state.wait_for_everyone()
+    return out

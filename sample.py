@@ -1,0 +1,66 @@
+"""Class-conditional samples from a trained DiT, in the ADM .npz layout.
+
+    python sample.py --ckpt RUN/checkpoints/<step> --num-samples 100 --cfg-scale 1.5 --out samples.npz --grid grid.png
+    accelerate launch sample.py --ckpt RUN/checkpoints/<step> --num-samples 50000 --out samples.npz
+
+Each process samples its own share; finished batches are kept in OUT.parts/ so rerunning the same
+command resumes an interrupted job; sample i depends only on (seed, i).
+"""
+from __future__ import annotations
+
+import argparse
+
+from ancre_dit.cli import run_cli
+from ancre_dit.sampling import SAMPLERS, JobSettings, run_job
+from ancre_dit.sampling.guidance import PRECISIONS, parse_interval
+
+
+def _classes(text: str) -> list[int]:
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of class ids, e.g. 1,2,3") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ckpt", required=True, help="checkpoint folder RUN/checkpoints/<step>")
+    p.add_argument("--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights")
+    p.add_argument("--num-samples", type=int, default=16)
+    p.add_argument("--out", default="samples.npz", help="merged ADM .npz (arr_0 uint8 NHWC images, arr_1 labels)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per forward (per process)")
+    p.add_argument("--sampler", choices=SAMPLERS, default="ddpm")
+    p.add_argument("--steps", type=int, default=250, help="sampling steps (DDPM respaced ADM-style)")
+    p.add_argument("--cfg-scale", type=float, default=1.5, help="classifier-free guidance scale; 1 = none")
+    p.add_argument("--cfg-channels", type=int, default=None,
+                   help="guide only the first N latent channels (3 = original DiT); default all")
+    p.add_argument("--guidance-interval", default=None, metavar="LO,HI",
+                   help="guide only at original timesteps LO <= t <= HI")
+    p.add_argument("--seed", type=int, default=0)
+    labels = p.add_mutually_exclusive_group()
+    labels.add_argument("--classes", type=_classes, default=None, help="class ids cycled over the samples, e.g. 1,2,3")
+    labels.add_argument("--random-classes", action="store_true",
+                        help="draw each sample's class at random (default: balanced, sample i gets class i %% K)")
+    p.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32", help="autocast dtype of the DiT")
+    p.add_argument("--vae", default=None, help="local AutoencoderKL folder (overrides the one the run names)")
+    p.add_argument("--png-dir", default=None, help="also write one PNG per sample here")
+    p.add_argument("--grid", default=None, help="also write a grid PNG of the first --grid-max samples")
+    p.add_argument("--grid-max", type=int, default=100)
+    p.add_argument("--keep-parts", action="store_true", help="keep OUT.parts/ after merging")
+    p.add_argument("--cpu", action="store_true", help="sample on the CPU even if a GPU is present")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    run_job(JobSettings(
+        ckpt=a.ckpt, out=a.out, num_samples=a.num_samples, weights=a.weights, batch_size=a.batch_size,
+        sampler=a.sampler, steps=a.steps, cfg_scale=a.cfg_scale, cfg_channels=a.cfg_channels,
+        guidance_interval=parse_interval(a.guidance_interval), seed=a.seed,
+        label_mode="random" if a.random_classes else "balanced", classes=a.classes, precision=a.precision,
+        vae=a.vae, png_dir=a.png_dir, grid=a.grid, grid_max=a.grid_max, keep_parts=a.keep_parts, cpu=a.cpu))
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,314 @@
+"""sample.py and ancre_dit.sampling: determinism, guidance, the DDPM step against ADM's formulas,
+ADM respacing, sharded/resumed jobs, VAE decoding and the one-line errors."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ancre_dit.cli import UserError
+from ancre_dit.models import create_model
+from ancre_dit.sampling import GuidedDenoiser, Guidance, SampleNoise, sample_images, sample_latents
+from ancre_dit.sampling import job as job_module
+from ancre_dit.sampling.samplers import ddpm_loop, respaced_diffusion
+from ancre_dit.trained_model import make_model_spec, write_model_files
+
+REPO = Path(__file__).resolve().parents[1]
+DIFFUSION = dict(num_timesteps=1000, beta_start=1e-4, beta_end=0.02, learn_sigma=True)
+TINY = dict(depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=1, num_classes=10, learn_sigma=True)
+DIGITS = dict(kind="digits", image_size=8, image_channels=1, num_classes=10, vae=None, scaling_factor=None)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (and two threads thrash on a shared 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def random_model(seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny DiT with every weight random (DiT's adaLN-Zero init would make it output zeros)."""
+    torch.manual_seed(seed)
+    model = create_model("DiT-T/2", **{**TINY, **overrides})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name != "pos_embed":
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+def write_ckpt(folder: Path, model: torch.nn.Module, model_kwargs: dict, data: dict = DIGITS) -> Path:
+    spec = make_model_spec("DiT-T/2", model_kwargs, DIFFUSION, data, step=7)
+    write_model_files(folder, spec, model.state_dict(), model.state_dict())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def digits_ckpt(tmp_path_factory) -> Path:
+    return write_ckpt(tmp_path_factory.mktemp("ckpt") / "checkpoints" / "7", random_model(), TINY)
+
+
+def run_sample(*args: str) -> None:
+    sys.path.insert(0, str(REPO))
+    try:
+        import sample
+    finally:
+        sys.path.pop(0)
+    sample.main(list(args))
+
+
+# -- determinism -------------------------------------------------------------------------------
+def test_same_seed_same_images_whatever_the_batch():
+    model = random_model()
+    labels = [3, 1, 4, 1, 5, 9]
+    a = sample_latents(model, DIFFUSION, labels, seed=5, steps=8, cfg_scale=2.0)
+    b = sample_latents(model, DIFFUSION, labels, seed=5, steps=8, cfg_scale=2.0)
+    assert torch.equal(a, b)
+    # Sample i depends only on (seed, i): the same indices in other batches give the same samples.
+    first = sample_latents(model, DIFFUSION, labels[:2], indices=[0, 1], seed=5, steps=8, cfg_scale=2.0)
+    rest = sample_latents(model, DIFFUSION, labels[2:], indices=[2, 3, 4, 5], seed=5, steps=8, cfg_scale=2.0)
+    torch.testing.assert_close(torch.cat([first, rest]), a, rtol=0, atol=1e-5)
+    other = sample_latents(model, DIFFUSION, labels, seed=6, steps=8, cfg_scale=2.0)
+    assert (other - a).abs().mean() > 0.1
+    for sampler in ("ddim", "dpm-solver"):
+        x = sample_images(model, DIFFUSION, labels, seed=5, steps=4, sampler=sampler, cfg_scale=2.0)
+        assert x.dtype == np.uint8 and x.shape == (6, 8, 8, 1)
+        assert np.array_equal(x, sample_images(model, DIFFUSION, labels, seed=5, steps=4, sampler=sampler, cfg_scale=2.0))
+
+
+def test_one_and_two_processes_give_identical_npz(digits_ckpt, tmp_path):
+    common = ["--ckpt", str(digits_ckpt), "--num-samples", "10", "--batch-size", "3", "--steps", "6",
+              "--cfg-scale", "2", "--seed", "3"]
+    run_sample(*common, "--out", str(tmp_path / "one.npz"))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "sample.py"), *common, "--out", str(tmp_path / "two.npz")]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr and "2 process(es)" in proc.stdout
+    with np.load(tmp_path / "one.npz") as one, np.load(tmp_path / "two.npz") as two:
+        assert sorted(one.files) == sorted(two.files) == ["arr_0", "arr_1"]
+        assert np.array_equal(one["arr_0"], two["arr_0"]) and np.array_equal(one["arr_1"], two["arr_1"])
+        assert one["arr_0"].std() > 0
+
+
+# -- the npz and the CLI -----------------------------------------------------------------------
+def test_npz_loads_back_in_adm_layout(digits_ckpt, tmp_path):
+    out = tmp_path / "s.npz"
+    run_sample("--ckpt", str(digits_ckpt), "--num-samples", "12", "--batch-size", "5", "--steps", "3",
+               "--sampler", "dpm-solver", "--out", str(out), "--grid", str(tmp_path / "grid.png"),
+               "--png-dir", str(tmp_path / "png"))
+    with np.load(out) as f:
+        images, labels = f["arr_0"], f["arr_1"]
+    assert images.dtype == np.uint8 and images.shape == (12, 8, 8, 3)
+    assert np.array_equal(images[..., 0], images[..., 2])  # grayscale written as 3 equal channels
+    assert labels.dtype == np.int64 and labels.tolist() == [i % 10 for i in range(12)]  # balanced
+    assert (tmp_path / "grid.png").is_file() and len(list((tmp_path / "png").glob("*.png"))) == 12
+    assert not (tmp_path / "s.parts").exists()  # parts are removed once merged
+    # --classes is cycled; the pixels follow the labels.
+    run_sample("--ckpt", str(digits_ckpt), "--num-samples", "5", "--steps", "3", "--sampler", "dpm-solver",
+               "--classes", "2,7", "--out", str(tmp_path / "c.npz"))
+    with np.load(tmp_path / "c.npz") as f:
+        assert f["arr_1"].tolist() == [2, 7, 2, 7, 2]
+
+
+def test_random_classes_depend_only_on_seed_and_index():
+    from ancre_dit.sampling import assign_labels
+
+    a = assign_labels(np.arange(200), 10, seed=1, mode="random")
+    assert np.array_equal(a[50:60], assign_labels(np.arange(50, 60), 10, seed=1, mode="random"))
+    assert len(set(a.tolist())) == 10 and not np.array_equal(a, assign_labels(np.arange(200), 10, seed=2, mode="random"))
+
+
+def test_interrupted_job_resumes_only_missing_parts(digits_ckpt, tmp_path, monkeypatch):
+    out = tmp_path / "r.npz"
+    args = ["--ckpt", str(digits_ckpt), "--num-samples", "7", "--batch-size", "3", "--steps", "3",
+            "--sampler", "ddim", "--out", str(out), "--keep-parts"]
+    run_sample(*args)
+    with np.load(out) as f:
+        full = f["arr_0"].copy()
+    parts = tmp_path / "r.parts"
+    assert sorted(p.name for p in parts.glob("part-*")) == [
+        "part-0000000-0000003.npz", "part-0000003-0000006.npz", "part-0000006-0000007.npz"]
+    # Simulate an interruption after the first part.
+    (parts / "part-0000003-0000006.npz").unlink()
+    (parts / "part-0000006-0000007.npz").unlink()
+    out.unlink()
+    calls = []
+    real = job_module.sample_images
+    monkeypatch.setattr(job_module, "sample_images", lambda *a, **k: calls.append(k["indices"].tolist()) or real(*a, **k))
+    run_sample(*args)
+    assert calls == [[3, 4, 5], [6]]
+    with np.load(out) as f:
+        assert np.array_equal(f["arr_0"], full)
+    # Resuming with other settings would mix two jobs: refused.
+    with pytest.raises(UserError, match="different job"):
+        run_sample(*args[:-1], "--cfg-scale", "3")
+
+
+# -- guidance ---------------------------------------------------------------------------------
+def test_cfg_scale_one_is_the_plain_conditional_model():
+    model = random_model()
+    batch_sizes = []
+    model.register_forward_hook(lambda m, inp, out: batch_sizes.append(len(inp[0])))
+    x, t, y = torch.randn(4, 1, 8, 8), torch.full((4,), 500), torch.tensor([0, 1, 2, 3])
+    out = GuidedDenoiser(model, Guidance(1.0))(x, t, y)
+    assert batch_sizes == [4]  # no unconditional half
+    assert torch.equal(out, model(x, t, y))
+    # A whole sampling run at scale 1 equals DDPM driven by the bare conditional model.
+    labels = [0, 5, 9]
+    got = sample_latents(model, DIFFUSION, labels, seed=2, steps=5, cfg_scale=1.0)
+    noise = SampleNoise(2, range(3), (1, 8, 8))
+    expected = ddpm_loop(lambda a, b, c: model(a, b, c), noise.next(), torch.tensor(labels), noise,
+                         respaced_diffusion(DIFFUSION, 5))
+    assert torch.equal(got, expected)
+    # Guidance really changes the samples (so the equality above is not vacuous).
+    assert not torch.allclose(got, sample_latents(model, DIFFUSION, labels, seed=2, steps=5, cfg_scale=3.0))
+
+
+def test_three_channel_mode_guides_only_three_channels():
+    model = random_model(in_channels=4)
+    x, t, y = torch.randn(3, 4, 8, 8), torch.full((3,), 300), torch.tensor([1, 2, 3])
+    cond = GuidedDenoiser(model, Guidance(1.0))(x, t, y)
+    full = GuidedDenoiser(model, Guidance(4.0))(x, t, y)
+    three = GuidedDenoiser(model, Guidance(4.0, channels=3))(x, t, y)
+    assert cond.shape == (3, 8, 8, 8)
+    torch.testing.assert_close(three[:, :3], full[:, :3])  # guided like the default on channels 0-2
+    torch.testing.assert_close(three[:, 3:], cond[:, 3:])  # channel 3 and the variance: conditional
+    assert (full[:, 3] - cond[:, 3]).abs().max() > 1e-3  # default guidance does change channel 3
+    assert (three[:, :3] - cond[:, :3]).abs().max() > 1e-3
+
+
+def test_guidance_interval_guides_only_inside():
+    model = random_model()
+    x, y = torch.randn(2, 1, 8, 8), torch.tensor([4, 5])
+    denoise = GuidedDenoiser(model, Guidance(4.0, interval=(100, 600)))
+    for step, guided in ((50, False), (100, True), (600, True), (900, False)):
+        t = torch.full((2,), step)
+        reference = GuidedDenoiser(model, Guidance(4.0 if guided else 1.0))(x, t, y)
+        assert torch.equal(denoise(x, t, y), reference)
+
+
+# -- DDPM against ADM's formulas ---------------------------------------------------------------
+class ToyLearnedSigma(torch.nn.Module):
+    """eps and the variance interpolation v in [-1, 1] as simple closed forms of (x, t, y)."""
+
+    num_classes, in_channels, input_size = 3, 1, 2
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(0.7))
+        self.seen_t = []
+
+    def forward(self, x, t, y):
+        self.seen_t.append(t.tolist())
+        tt = t.float().reshape(-1, 1, 1, 1) / 1000
+        eps = self.w * torch.tanh(x) + 0.3 * tt + 0.1 * y.float().reshape(-1, 1, 1, 1)
+        v = torch.tanh(0.5 * x - tt + 0.2 * y.float().reshape(-1, 1, 1, 1))
+        return torch.cat([eps, v], dim=1)
+
+
+def test_ddpm_steps_match_adm_posterior_formulas():
+    toy = ToyLearnedSigma()
+    labels, seed, steps = [0, 2], 11, 3
+    got = sample_latents(toy, DIFFUSION, labels, seed=seed, steps=steps, cfg_scale=1.0).double().numpy()
+
+    # ADM, written out: linear betas, respaced to 3 of 1000 steps with stride (1000-1)/(3-1).
+    betas = np.linspace(1e-4, 0.02, 1000, dtype=np.float64)
+    abar_full = np.cumprod(1 - betas)
+    use = [0, 500, 999]
+    abar = abar_full[use]
+    abar_prev = np.append(1.0, abar[:-1])
+    beta = 1 - abar / abar_prev
+    post_var = beta * (1 - abar_prev) / (1 - abar)
+    post_log_var_clipped = np.log(np.append(post_var[1], post_var[1:]))
+
+    noise = SampleNoise(seed, range(2), (1, 2, 2))
+    x = noise.next().double().numpy()
+    y = torch.tensor(labels)
+    for k in (2, 1, 0):
+        with torch.no_grad():
+            out = toy(torch.from_numpy(x).float(), torch.full((2,), use[k]), y).double().numpy()
+        eps, v = out[:, :1], out[:, 1:]
+        x0 = np.sqrt(1 / abar[k]) * x - np.sqrt(1 / abar[k] - 1) * eps
+        mean = (beta[k] * np.sqrt(abar_prev[k]) / (1 - abar[k])) * x0 \
+            + ((1 - abar_prev[k]) * np.sqrt(1 - beta[k]) / (1 - abar[k])) * x
+        frac = (v + 1) / 2
+        log_var = frac * np.log(beta[k]) + (1 - frac) * post_log_var_clipped[k]
+        x = mean + (np.exp(0.5 * log_var) * noise.next().double().numpy() if k > 0 else 0)
+    np.testing.assert_allclose(got, x, rtol=1e-4, atol=1e-5)
+    assert [ts[0] for ts in toy.seen_t[:3]] == [999, 500, 0]  # the model sees original timesteps
+
+
+def test_respaced_timesteps_match_adm_for_250_of_1000():
+    diffusion = respaced_diffusion(DIFFUSION, 250)
+    stride = 999 / 249  # ADM: (section size - 1) / (count - 1), positions rounded
+    expected = [round(k * stride) for k in range(250)]
+    assert diffusion.timestep_map.tolist() == expected
+    assert expected[:4] == [0, 4, 8, 12] and expected[-1] == 999
+    full = np.cumprod(1 - np.linspace(1e-4, 0.02, 1000, dtype=np.float64))
+    np.testing.assert_allclose(diffusion.alphas_cumprod, full[expected], rtol=1e-12)
+
+
+# -- latent models ----------------------------------------------------------------------------
+def test_latent_model_decodes_through_a_local_vae(tmp_path):
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8),
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=1, norm_num_groups=4, sample_size=8).eval()
+    vae.save_pretrained(tmp_path / "vae")
+    kwargs = {**TINY, "input_size": 4, "in_channels": 4}
+    model = random_model(**kwargs)
+    data = dict(kind="latents", image_size=8, image_channels=4, num_classes=10, vae=str(tmp_path / "vae"),
+                scaling_factor=0.5)
+    ckpt = write_ckpt(tmp_path / "ckpt", model, kwargs, data)
+    run_sample("--ckpt", str(ckpt), "--num-samples", "3", "--steps", "4", "--sampler", "ddim",
+               "--out", str(tmp_path / "lat.npz"))
+    with np.load(tmp_path / "lat.npz") as f:
+        images = f["arr_0"]
+    assert images.dtype == np.uint8 and images.shape == (3, 8, 8, 3)
+    # Same as decoding the latents by hand: z / scaling_factor through the VAE, [-1, 1] -> uint8.
+    z = sample_latents(model, DIFFUSION, [0, 1, 2], steps=4, sampler="ddim", cfg_scale=1.5)
+    with torch.no_grad():
+        pixels = vae.decode(z / 0.5).sample
+    expected = ((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    assert np.abs(images.astype(int) - expected.astype(int)).max() <= 1
+    # The VAE folder gone -> one clear line.
+    with pytest.raises(UserError, match="--vae"):
+        run_sample("--ckpt", str(ckpt), "--num-samples", "1", "--out", str(tmp_path / "x.npz"),
+                   "--vae", str(tmp_path / "missing"))
+    write_ckpt(tmp_path / "novae", model, kwargs, {**data, "vae": None})
+    with pytest.raises(UserError, match="names no VAE; pass --vae DIR"):
+        run_sample("--ckpt", str(tmp_path / "novae"), "--num-samples", "1", "--out", str(tmp_path / "x.npz"))
+
+
+# -- bad input ---------------------------------------------------------------------------------
+def test_bad_input_gives_one_clear_line(digits_ckpt, tmp_path):
+    out = str(tmp_path / "bad.npz")
+    with pytest.raises(UserError, match="out of range.*0..9"):
+        run_sample("--ckpt", str(digits_ckpt), "--classes", "3,10", "--out", out)
+    with pytest.raises(UserError, match="out of range"):
+        sample_images(random_model(), DIFFUSION, [12])
+    with pytest.raises(UserError, match="no unconditional mode"):
+        sample_images(random_model(class_dropout_prob=0.0), DIFFUSION, [1], cfg_scale=2.0)
+    # A checkpoint whose weights belong to another model.
+    other = write_ckpt(tmp_path / "other", random_model(hidden_size=64), {**TINY, "hidden_size": 64})
+    spec_path = other / "model_spec.json"
+    spec_path.write_text(spec_path.read_text().replace('"hidden_size": 64', '"hidden_size": 32'))
+    with pytest.raises(ValueError, match="does not fit this model"):
+        run_sample("--ckpt", str(other), "--out", out)
+    # Through the real command line: a negative scale is one line on stderr, exit 2.
+    proc = subprocess.run([sys.executable, str(REPO / "sample.py"), "--ckpt", str(digits_ckpt), "--cfg-scale", "-1",
+                           "--out", out], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("error: --cfg-scale -1.0 is negative")
