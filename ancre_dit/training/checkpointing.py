@@ -1,0 +1,120 @@
+"""Atomic, resumable checkpoints: RUN/checkpoints/<step>/.
+
+Layout of one checkpoint (folder name = the optimizer step, zero-padded to 7 digits):
+    accelerate/          Accelerate's save_state: model, optimizer, grad scaler, RNG state of every rank
+    rng/rank<R>.pt       the trainer's own per-rank generator (t, noise, flips, posterior draws)
+    model_spec.json      \
+    model.safetensors     > the trained-model files read by sample.py (ancre_dit.trained_model)
+    ema.safetensors      /
+    topology.json/.png   the learned topology of the EMA model
+    trainer_state.json   step, data position, layout; written last
+
+Everything is written to checkpoints/.tmp-<step>/ and renamed when complete, so a crash mid-save
+leaves earlier checkpoints untouched and `--resume auto` never sees a half-written folder.
+Accelerate's automatic checkpoint naming counts saves, not steps, so we always pass the folder.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..cli import UserError
+
+STATE_FILE = "trainer_state.json"
+ACCELERATE_DIR = "accelerate"
+TMP_PREFIX = ".tmp-"
+
+
+def step_name(step: int) -> str:
+    return f"{step:07d}"
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def is_complete(folder: Path) -> bool:
+    return folder.is_dir() and folder.name.isdigit() and (folder / STATE_FILE).is_file()
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run, oldest first (temporary folders are ignored)."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted((int(p.name), p) for p in root.iterdir() if is_complete(p))
+
+
+def resolve_resume(resume: str | None, run_dir: str | Path) -> Path | None:
+    """`auto` -> newest complete checkpoint of the run (None if there is none); a path -> that
+    checkpoint (a UserError if it is not a complete one)."""
+    if not resume:
+        return None
+    if resume == "auto":
+        found = list_checkpoints(run_dir)
+        return found[-1][1] if found else None
+    path = Path(resume)
+    if not (path.is_dir() and (path / STATE_FILE).is_file() and (path / ACCELERATE_DIR).is_dir()):
+        raise UserError(f"--resume {resume} is not a complete checkpoint folder (RUN/checkpoints/<step> "
+                        f"holding {STATE_FILE}); pass one, or --resume auto")
+    return path
+
+
+def read_trainer_state(folder: Path) -> dict[str, Any]:
+    return json.loads((folder / STATE_FILE).read_text())
+
+
+def rng_file(folder: Path, rank: int) -> Path:
+    return folder / "rng" / f"rank{rank}.pt"
+
+
+def save_checkpoint(accelerator, run_dir: str | Path, step: int, generator: torch.Generator,
+                    write_files: Callable[[Path], None], trainer_state: dict[str, Any], keep_last: int = 0) -> Path:
+    """Collective: every rank must call it. `write_files(folder)` (main process only) writes the
+    trained-model files and the topology; the trainer state goes last, then the rename."""
+    root = checkpoints_dir(run_dir)
+    final = root / step_name(step)
+    tmp = root / f"{TMP_PREFIX}{step_name(step)}"
+    if accelerator.is_main_process:
+        if tmp.exists():  # left over by a crash during an earlier save of this step
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(output_dir=str(tmp / ACCELERATE_DIR))
+    path = rng_file(tmp, accelerator.process_index)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"generator": generator.get_state()}, path)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_files(tmp)
+        (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
+        if final.exists():  # the same step saved before (e.g. a rerun with the same max_steps)
+            shutil.rmtree(final)
+        tmp.rename(final)
+        prune_checkpoints(run_dir, keep_last)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Deletes all but the newest `keep_last` complete checkpoints (0 keeps all)."""
+    if keep_last <= 0:
+        return []
+    doomed = [p for _, p in list_checkpoints(run_dir)[:-keep_last]]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def load_generator_state(folder: Path, rank: int, generator: torch.Generator) -> bool:
+    """Restores this rank's generator; False when the checkpoint has no file for this rank
+    (it was written with fewer processes)."""
+    path = rng_file(folder, rank)
+    if not path.is_file():
+        return False
+    generator.set_state(torch.load(path, map_location="cpu", weights_only=True)["generator"])
+    return True

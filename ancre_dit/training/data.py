@@ -1,0 +1,170 @@
+"""Data adapters for training (digits, latents, images) and the resumable data order.
+
+The order of samples is a pure function of (seed, epoch): a seeded permutation per epoch, cut into
+global batches, each global batch split across ranks and accumulation steps. The trainer saves
+(epoch, offset) in checkpoints, so a resumed run reads exactly the batches the straight run would.
+All per-sample randomness (flips, posterior draws) happens in the training step from the trainer's
+saved generator, not in DataLoader workers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from ..cli import UserError
+from ..data.transforms import center_crop_arr
+from .config import Config
+
+
+@dataclass
+class DataInfo:
+    """What the model and the checkpoint spec need to know about the data."""
+    dataset: Dataset
+    kind: str
+    input_size: int          # spatial size the model sees (latent side for latents)
+    in_channels: int
+    num_classes: int
+    image_size: int          # pixels of the decoded image
+    image_channels: int
+    vae: str | None = None
+    scaling_factor: float | None = None
+    random_flip: bool = False
+
+
+class _ImageFolderArrays(Dataset):
+    """ImageFolder -> (float32 (3, S, S) in [-1, 1], label), ADM's center crop, no random flip
+    (the trainer flips with its own generator so resumed runs repeat the draws)."""
+
+    def __init__(self, root: str, image_size: int):
+        from torchvision.datasets import ImageFolder
+        try:
+            self.folder = ImageFolder(root)
+        except (FileNotFoundError, RuntimeError) as err:
+            raise UserError(f"{root} is not an image folder with one subfolder per class ({err})") from None
+        self.image_size = image_size
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        path, label = self.folder.samples[i]
+        with Image.open(path) as img:
+            arr = np.asarray(center_crop_arr(img.convert("RGB"), self.image_size), dtype=np.float32)
+        return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0, label
+
+
+def build_data(config: Config, patch_size: int) -> DataInfo:
+    """Opens the dataset named by config.data and checks that the model's patch size fits it."""
+    d = config.data
+    if d.kind == "digits":
+        from ..data.digits import DIGITS_NUM_CLASSES, DigitsDataset
+        info = DataInfo(DigitsDataset("train"), "digits", 8, 1, DIGITS_NUM_CLASSES, 8, 1)
+        if d.image_size != 8:
+            raise UserError(f"the digits are 8x8 pixels; set data.image_size=8 (got {d.image_size})")
+    elif d.kind == "latents":
+        from ..data.latents import LatentShardDataset
+        ds = LatentShardDataset(d.path)
+        c, h, w = ds.latent_shape
+        m = ds.manifest
+        if int(m["image_size"]) != d.image_size:
+            raise UserError(f"the latents in {d.path} were extracted at {m['image_size']} px but data.image_size="
+                            f"{d.image_size}; set data.image_size={m['image_size']}")
+        info = DataInfo(ds, "latents", h, c, ds.num_classes, int(m["image_size"]), 3,
+                        vae=d.vae or m.get("vae"), scaling_factor=float(m["scaling_factor"]))
+    else:
+        ds = _ImageFolderArrays(d.path, d.image_size)
+        info = DataInfo(ds, "images", d.image_size, 3, len(ds.folder.classes), d.image_size, 3, random_flip=True)
+    if info.input_size % patch_size:
+        what = "latent side" if info.kind == "latents" else "data.image_size"
+        raise UserError(f"{what} {info.input_size} is not divisible by the patch size {patch_size} of "
+                        f"{config.model.name}; pick a model with a patch size that divides it")
+    return info
+
+
+def prepare_batch(info: DataInfo, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moves a batch to `device` and applies the per-step random augmentation from `generator`:
+    flip + posterior draw for latents, a horizontal flip for image folders."""
+    x, y = batch
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    if info.kind == "latents":
+        from ..data.latents import sample_latents
+        x = sample_latents(x, generator=generator)
+    elif info.random_flip:
+        flip = torch.rand(x.shape[0], generator=generator, device=generator.device).to(device) < 0.5
+        x = torch.where(flip[:, None, None, None], x.flip(-1), x)
+    return x.float(), y.long()
+
+
+class GlobalBatchSampler(torch.utils.data.Sampler):
+    """Infinite stream of this rank's micro-batches, starting at (epoch, offset).
+
+    Epoch e is `randperm(n)` seeded by (seed, e); global batch s covers positions
+    [s*B, (s+1)*B) of it (an incomplete last batch is dropped); rank r takes the r-th of
+    `world` equal slices and cuts it into `accum` micro-batches. The union over ranks and
+    accumulation steps is the same global batch whatever the process layout.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, world: int, rank: int, accum: int, seed: int,
+                 epoch: int = 0, offset: int = 0):
+        if num_samples < global_batch:
+            raise UserError(f"the dataset has {num_samples} samples, fewer than train.global_batch_size="
+                            f"{global_batch}; lower the batch size")
+        self.n, self.B, self.world, self.rank, self.accum, self.seed = num_samples, global_batch, world, rank, accum, seed
+        self.micro = global_batch // (world * accum)
+        self.epoch, self.offset = epoch, offset
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.n // self.B
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.n, generator=g)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        epoch, start = self.epoch, self.offset // self.B
+        while True:
+            perm = self.permutation(epoch)
+            for s in range(start, self.batches_per_epoch):
+                base = s * self.B + self.rank * self.micro * self.accum
+                for k in range(self.accum):
+                    yield perm[base + k * self.micro: base + (k + 1) * self.micro].tolist()
+            epoch, start = epoch + 1, 0
+
+
+def advance_position(epoch: int, offset: int, global_batch: int, num_samples: int) -> tuple[int, int]:
+    """(epoch, offset) after one optimizer step; mirrors GlobalBatchSampler's epoch boundary."""
+    offset += global_batch
+    if offset + global_batch > num_samples:
+        return epoch + 1, 0
+    return epoch, offset
+
+
+def collate(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    xs, ys = zip(*items)
+    return torch.stack([torch.as_tensor(x) for x in xs]), torch.tensor([int(y) for y in ys])
+
+
+def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool):
+    # A private generator: DataLoader would otherwise draw its worker base seed from the
+    # global RNG, which the model's label dropout uses, and break exact resume.
+    return torch.utils.data.DataLoader(
+        info.dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate,
+        pin_memory=pin_memory, persistent_workers=num_workers > 0, generator=torch.Generator(),
+        prefetch_factor=4 if num_workers > 0 else None,
+    )
+
+
+def describe(info: DataInfo) -> str:
+    return (f"{info.kind}: {len(info.dataset)} samples, {info.num_classes} classes, model input "
+            f"{info.in_channels}x{info.input_size}x{info.input_size}")
+
+
+__all__ = ["DataInfo", "build_data", "prepare_batch", "GlobalBatchSampler", "advance_position", "make_loader",
+           "describe"]

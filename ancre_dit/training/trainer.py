@@ -1,0 +1,382 @@
+"""The training loop: DiT's diffusion objective with Accelerate (CPU, one or many GPUs, many nodes).
+
+One optimizer step consumes one global batch = per-device batch x processes x accumulation. Every
+random draw is reproducible from saved state: the data order is a function of (seed, epoch), the
+timesteps / noise / flips / posterior draws come from a per-rank generator saved in checkpoints,
+and the model's label dropout uses the global RNG, which Accelerate saves and restores per rank.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration, set_seed
+from safetensors.torch import load_file
+from timm.utils import ModelEmaV3
+from tqdm.auto import tqdm
+
+from ..cli import UserError
+from ..diffusion.gaussian import create_diffusion
+from ..models import DIT_MODELS, create_model, save_topology_json
+from ..models.dit import DIT_SIZES
+from ..trained_model import WEIGHT_FILES, make_model_spec, write_model_files
+from . import checkpointing as ckpt
+from .config import Config, check_batch_layout, flat_config, save_config
+from .data import DataInfo, GlobalBatchSampler, advance_position, build_data, describe, make_loader, prepare_batch
+
+DIFFUSION = {"num_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02}
+LOG_FILE = "log.txt"
+METRICS_FILE = "metrics.jsonl"
+
+
+def _seed(*parts: int) -> int:
+    """A 32-bit seed mixed from several integers (distinct streams per rank and purpose)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
+
+
+def _make_logger(run_dir: Path, main: bool) -> logging.Logger:
+    logger = logging.getLogger(f"ancre_dit.train.{run_dir.resolve()}")
+    logger.handlers.clear()
+    logger.propagate = False
+    logger.setLevel(logging.INFO if main else logging.WARNING)
+    if main:
+        fmt = logging.Formatter("[%(asctime)s] %(message)s", "%Y-%m-%d %H:%M:%S")
+        for handler in (logging.FileHandler(run_dir / LOG_FILE), logging.StreamHandler()):
+            handler.setFormatter(fmt)
+            logger.addHandler(handler)
+    return logger
+
+
+class _StopFlag:
+    """SIGINT / SIGTERM ask for a clean stop: finish the step, checkpoint, exit. A second
+    Ctrl-C falls back to the default behaviour (immediate KeyboardInterrupt)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. some notebook runners): no handler
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    """Builds everything from a Config; `run()` trains to train.max_steps (or until a signal)."""
+
+    def __init__(self, config: Config, resume: str | None = None):
+        self.config = c = config
+        self.run_dir = Path(c.run_dir)
+        trackers = []
+        if c.log.tensorboard:
+            trackers.append("tensorboard")
+        if c.log.wandb:
+            try:
+                import wandb  # noqa: F401
+            except ImportError:
+                raise UserError("log.wandb=true but wandb is not installed; pip install wandb, or set log.wandb=false") from None
+            trackers.append("wandb")
+        self.accelerator = acc = Accelerator(
+            mixed_precision=c.train.mixed_precision,
+            gradient_accumulation_steps=c.train.grad_accum,
+            log_with=trackers or None,
+            project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
+        )
+        self.micro_batch = check_batch_layout(c, acc.num_processes)
+        if acc.is_main_process:
+            (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        acc.wait_for_everyone()
+        self.log = _make_logger(self.run_dir, acc.is_main_process)
+        if acc.device.type == "cuda" and c.train.tf32:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+        # Same seed on every rank for the model (DDP also broadcasts rank 0's weights), then a
+        # distinct seed per rank for everything random during training.
+        set_seed(c.train.seed)
+        patch = int(c.model.name.rsplit("/", 1)[1])
+        self.data: DataInfo = build_data(c, patch)
+        self.model_kwargs = self._model_kwargs()
+        self.raw_model = create_model(c.model.name, **self.model_kwargs).to(acc.device)
+        self.raw_model.train()
+        self.ema = ModelEmaV3(self.raw_model, decay=c.train.ema_decay)
+        self.ema.requires_grad_(False)
+        self.diffusion = create_diffusion(learn_sigma=c.model.learn_sigma, **DIFFUSION)
+        rank = acc.process_index
+        set_seed(_seed(c.train.seed, rank, 0))
+        self.generator = torch.Generator(device=acc.device).manual_seed(_seed(c.train.seed, rank, 1))
+
+        optimizer = torch.optim.AdamW(self._param_groups(), lr=c.train.lr, betas=(c.train.adam_beta1, c.train.adam_beta2),
+                                      weight_decay=c.train.weight_decay)
+        model = torch.compile(self.raw_model) if c.train.compile else self.raw_model
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+
+        self.step, self.epoch, self.offset = 0, 0, 0
+        self.resumed_from = ckpt.resolve_resume(resume, self.run_dir)
+        if self.resumed_from is not None:
+            self._load(self.resumed_from)
+        elif resume == "auto":
+            self.log.info("--resume auto: no complete checkpoint in %s, starting from scratch", ckpt.checkpoints_dir(self.run_dir))
+        if acc.is_main_process:
+            save_config(c, self.run_dir / "config.yaml")
+        acc.init_trackers(c.log.project, config=flat_config(c))
+        self.learnable_topology = any(True for _ in self.raw_model.topology.parameters())
+        self._decoder = None
+        self._grids_disabled = False
+
+    # -- setup helpers --------------------------------------------------------------------
+    def _model_kwargs(self) -> dict[str, Any]:
+        m, d = self.config.model, self.data
+        kwargs: dict[str, Any] = dict(topology=m.topology, tau=m.tau, input_size=d.input_size, in_channels=d.in_channels,
+                                      num_classes=d.num_classes, learn_sigma=m.learn_sigma, class_dropout_prob=m.class_dropout)
+        for key in ("depth", "hidden_size", "num_heads"):
+            if getattr(m, key) is not None:
+                kwargs[key] = getattr(m, key)
+        if m.topology == "frozen":
+            kwargs["topology_path"] = m.topology_path
+        size = DIT_MODELS[m.name][0]
+        depth, hidden, heads = DIT_SIZES[size]
+        if kwargs.get("hidden_size", hidden) % kwargs.get("num_heads", heads):
+            raise UserError(f"model.hidden_size={kwargs.get('hidden_size', hidden)} is not divisible by "
+                            f"model.num_heads={kwargs.get('num_heads', heads)}; change one of them")
+        return kwargs
+
+    def _param_groups(self) -> list[dict[str, Any]]:
+        """Trainable parameters only; the topology logits never get weight decay."""
+        topo = {id(p) for p in self.raw_model.topology.parameters()}
+        trainable = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for _, p in trainable if id(p) not in topo]},
+                  {"params": [p for _, p in trainable if id(p) in topo], "weight_decay": 0.0}]
+        return [g for g in groups if g["params"]]
+
+    def data_spec(self) -> dict[str, Any]:
+        d = self.data
+        return {"kind": d.kind, "image_size": d.image_size, "image_channels": d.image_channels,
+                "num_classes": d.num_classes, "vae": d.vae, "scaling_factor": d.scaling_factor}
+
+    def model_spec(self) -> dict[str, Any]:
+        diffusion = dict(DIFFUSION, learn_sigma=self.config.model.learn_sigma)
+        return make_model_spec(self.config.model.name, self.model_kwargs, diffusion, self.data_spec(), self.step)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def _write_files(self, folder: Path) -> None:
+        write_model_files(folder, self.model_spec(), self.raw_model.state_dict(), self.ema.module.state_dict())
+        P = self.ema.module.topology.probabilities()
+        extra = {"step": self.step, "topology": self.config.model.topology, "weights": "ema",
+                 "training_probabilities": self.raw_model.topology.probabilities().detach().cpu().tolist()}
+        for target in (folder, self.run_dir):
+            save_topology_json(target / "topology.json", P, **extra)
+        try:
+            from ..analysis import plot_topology_heatmap
+        except ImportError:  # pragma: no cover - the analysis module ships with the package
+            return
+        title = f"{self.config.model.topology} topology (EMA), step {self.step}"
+        for target in (folder, self.run_dir):
+            plot_topology_heatmap(P, target / "topology.png", title=title)
+
+    def save(self) -> Path:
+        state = {"step": self.step, "data": {"epoch": self.epoch, "offset": self.offset},
+                 "num_processes": self.accelerator.num_processes, "global_batch_size": self.config.train.global_batch_size,
+                 "seed": self.config.train.seed, "model": self.config.model.name}
+        path = ckpt.save_checkpoint(self.accelerator, self.run_dir, self.step, self.generator, self._write_files,
+                                    state, keep_last=self.config.train.keep_last)
+        self.log.info("step %d: checkpoint saved to %s", self.step, path)
+        self._last_saved = self.step
+        return path
+
+    def _load(self, folder: Path) -> None:
+        acc = self.accelerator
+        state = ckpt.read_trainer_state(folder)
+        acc.load_state(str(folder / ckpt.ACCELERATE_DIR))
+        ema_state = load_file(str(folder / WEIGHT_FILES["ema"]), device=str(acc.device))
+        self.ema.module.load_state_dict(ema_state)
+        self.step = int(state["step"])
+        self.epoch, self.offset = int(state["data"]["epoch"]), int(state["data"]["offset"])
+        if not ckpt.load_generator_state(folder, acc.process_index, self.generator):
+            self.generator.manual_seed(_seed(self.config.train.seed, acc.process_index, 1, self.step))
+            self.log.warning("%s was written by %d process(es); rank %d starts a fresh random stream, so this "
+                             "resume is not bitwise exact", folder, state["num_processes"], acc.process_index)
+        self.log.info("resumed from %s at step %d", folder, self.step)
+
+    # -- sample grid ------------------------------------------------------------------------
+    def sample_grid(self) -> Path | None:
+        """An EMA sample grid (main process only), without touching the training RNG streams."""
+        if self._grids_disabled:
+            return None
+        from ..analysis import save_image_grid
+        from ..sampling.api import sample_images
+        from ..sampling.decode import build_decoder, decode_pixels
+
+        c, d = self.config.train, self.data
+        if self._decoder is None:
+            try:
+                self._decoder = decode_pixels if d.kind != "latents" else build_decoder(
+                    self.data_spec(), d.in_channels, device=self.accelerator.device)
+            except UserError as err:
+                self.log.warning("no sample grids: %s", err)
+                self._grids_disabled = True
+                return None
+        n = c.num_sample_images
+        labels = (np.arange(n) % d.num_classes if d.num_classes <= 32
+                  else np.random.default_rng(c.seed).integers(0, d.num_classes, n))
+        cfg = c.cfg_scale_for_grids if self.config.model.class_dropout > 0 else 1.0
+        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            images = sample_images(self.ema.module, dict(DIFFUSION, learn_sigma=self.config.model.learn_sigma), labels,
+                                   decoder=self._decoder, seed=c.seed, sampler="ddpm", steps=c.sample_steps, cfg_scale=cfg)
+        nrow = d.num_classes if d.num_classes <= 32 and n % d.num_classes == 0 else int(math.ceil(math.sqrt(n)))
+        path = save_image_grid(images, self.run_dir / "samples" / f"{ckpt.step_name(self.step)}.png", nrow=nrow)
+        self.log.info("step %d: EMA sample grid (cfg %.1f) saved to %s", self.step, cfg, path)
+        return path
+
+    # -- training -----------------------------------------------------------------------------
+    def _loader(self):
+        acc, c = self.accelerator, self.config
+        sampler = GlobalBatchSampler(len(self.data.dataset), c.train.global_batch_size, acc.num_processes,
+                                     acc.process_index, c.train.grad_accum, c.train.seed, self.epoch, self.offset)
+        return make_loader(self.data, sampler, c.data.num_workers, pin_memory=acc.device.type == "cuda")
+
+    def draw_timesteps_and_noise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Diffusion timesteps and noise for a micro-batch, from this rank's generator."""
+        g = self.generator
+        t = torch.randint(0, self.diffusion.num_timesteps, (x.shape[0],), generator=g, device=g.device).to(x.device)
+        noise = torch.randn(x.shape, generator=g, device=g.device, dtype=x.dtype).to(x.device)
+        return t, noise
+
+    def train_step(self, batches) -> dict[str, torch.Tensor]:
+        """One optimizer step over grad_accum micro-batches; returns this rank's mean terms."""
+        acc, c = self.accelerator, self.config.train
+        lr = c.lr * min(1.0, (self.step + 1) / c.warmup_steps) if c.warmup_steps else c.lr
+        for group in self.optimizer.param_groups:  # lr by hand: Accelerate steps prepared schedulers once per process
+            group["lr"] = lr
+        sums: dict[str, torch.Tensor] = {}
+        grad_norm = torch.zeros((), device=acc.device)
+        for _ in range(c.grad_accum):
+            x, y = prepare_batch(self.data, next(batches), acc.device, self.generator)
+            t, noise = self.draw_timesteps_and_noise(x)
+            with acc.accumulate(self.model):
+                terms = self.diffusion.training_losses(self.model, x, t, model_kwargs={"y": y}, noise=noise)
+                loss = terms["loss"].mean()
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    # max_norm=inf only measures the norm (the clip coefficient is clamped to 1).
+                    grad_norm = acc.clip_grad_norm_(self.model.parameters(), c.grad_clip or float("inf"))
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            for key, value in terms.items():
+                sums[key] = sums.get(key, 0.0) + value.detach().mean() / c.grad_accum
+        self.ema.update(self.raw_model)
+        self.step += 1
+        self.epoch, self.offset = advance_position(self.epoch, self.offset, c.global_batch_size, len(self.data.dataset))
+        sums["grad_norm"] = torch.as_tensor(grad_norm, device=acc.device).float()
+        sums["lr"] = torch.tensor(lr, device=acc.device)
+        return sums
+
+    def _stop_agreed(self, flag: _StopFlag) -> bool:
+        """All ranks stop at the same step even if the signal reached them at different times."""
+        if self.accelerator.num_processes == 1:
+            return flag.requested
+        t = torch.tensor([1.0 if flag.requested else 0.0], device=self.accelerator.device)
+        return bool(self.accelerator.reduce(t, reduction="sum").item() > 0)
+
+    def _log_metrics(self, running: dict[str, torch.Tensor], count: int, elapsed: float, images: int) -> dict[str, float]:
+        acc = self.accelerator
+        keys = sorted(running)
+        local = torch.stack([running[k] / count for k in keys])
+        mean = acc.reduce(local, reduction="mean")  # the logged loss is averaged over all processes
+        metrics = {k: float(v) for k, v in zip(keys, mean.tolist())}
+        metrics["steps_per_sec"] = count / elapsed
+        metrics["images_per_sec"] = images / elapsed
+        if acc.is_main_process:
+            with open(self.run_dir / "logs" / METRICS_FILE, "a") as f:
+                f.write(json.dumps({"step": self.step, **metrics}) + "\n")
+            tracked = {f"train/{k}": v for k, v in metrics.items()}
+            if self.learnable_topology:
+                P = self.raw_model.topology.probabilities().detach().float().cpu()
+                for j in range(P.shape[0]):
+                    for i in range(j + 1):
+                        tracked[f"topology/p_{j + 1}_{i}"] = float(P[j, i])
+            acc.log(tracked, step=self.step)
+        return metrics
+
+    def run(self) -> dict[str, Any]:
+        acc, c = self.accelerator, self.config.train
+        self.log.info("run dir %s: config.yaml, %s (text), logs/ (TensorBoard: tensorboard --logdir %s; %s), "
+                      "checkpoints/<step>/, samples/<step>.png, topology.json/.png",
+                      self.run_dir, LOG_FILE, self.run_dir / "logs", METRICS_FILE)
+        n_params = sum(p.numel() for p in self.raw_model.parameters())
+        self.log.info("model %s (%s topology), %.2fM parameters; data %s; %d process(es) x %d per device x %d "
+                      "accumulation = global batch %d; mixed precision %s", self.config.model.name,
+                      self.config.model.topology, n_params / 1e6, describe(self.data), acc.num_processes,
+                      self.micro_batch, c.grad_accum, c.global_batch_size, c.mixed_precision)
+        self._last_saved = self.step if self.resumed_from is not None else -1
+        last: dict[str, float] = {}
+        batches = iter(self._loader())
+        progress = tqdm(total=c.max_steps, initial=self.step, disable=not acc.is_main_process, desc="train",
+                        dynamic_ncols=True)
+        running: dict[str, torch.Tensor] = {}
+        count, tick = 0, time.perf_counter()
+        stopped = False
+        with _StopFlag() as flag:
+            while self.step < c.max_steps:
+                terms = self.train_step(batches)
+                for k, v in terms.items():
+                    running[k] = running.get(k, 0.0) + v
+                count += 1
+                progress.update(1)
+                if self.step % c.log_every == 0 or self.step == c.max_steps:
+                    elapsed = time.perf_counter() - tick
+                    last = self._log_metrics(running, count, elapsed, count * c.global_batch_size)
+                    progress.set_postfix(loss=f"{last['loss']:.4f}", steps_s=f"{last['steps_per_sec']:.2f}")
+                    self.log.info("step %d: loss %.4f, %.2f steps/s, %.1f images/s", self.step, last["loss"],
+                                  last["steps_per_sec"], last["images_per_sec"])
+                    running, count, tick = {}, 0, time.perf_counter()
+                if c.sample_every and self.step % c.sample_every == 0 and acc.is_main_process:
+                    self.sample_grid()
+                if self.step % c.ckpt_every == 0:
+                    self.save()
+                if self._stop_agreed(flag):
+                    stopped = True
+                    self.log.info("stop requested: saving step %d and exiting", self.step)
+                    break
+        progress.close()
+        if self._last_saved != self.step:
+            self.save()
+        if not stopped and acc.is_main_process:
+            self._plot_loss()
+        self.log.info("done at step %d; outputs in %s", self.step, self.run_dir)
+        acc.end_training()  # also destroys the process group (else gloo aborts at exit)
+        return {"step": self.step, "stopped": stopped, "metrics": last, "run_dir": str(self.run_dir)}
+
+    def _plot_loss(self) -> None:
+        path = self.run_dir / "logs" / METRICS_FILE
+        if not path.is_file():
+            return
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        from ..analysis import plot_loss_curve
+        plot_loss_curve([r["step"] for r in rows], [r["loss"] for r in rows], self.run_dir / "loss.png")
+
+
+def train(config: Config, resume: str | None = None) -> dict[str, Any]:
+    """Trains as `accelerate launch train.py` does; returns {"step", "stopped", "metrics", "run_dir"}."""
+    return Trainer(config, resume).run()

@@ -1,0 +1,153 @@
+"""Training loop: the loss falls, resume is bitwise exact, checkpoints survive crashes and signals,
+and a checkpoint's trained-model files rebuild the EMA network."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _training_helpers import ROOT, TINY, reset_accelerate, subprocess_env, tiny_config  # noqa: E402
+
+import ancre_dit.training.trainer as trainer_module  # noqa: E402
+from ancre_dit.trained_model import load_trained_model  # noqa: E402
+from ancre_dit.training import Trainer, train  # noqa: E402
+from ancre_dit.training.checkpointing import list_checkpoints, resolve_resume  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate():
+    reset_accelerate()
+    yield
+    reset_accelerate()
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _ckpt(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"{step:07d}"
+
+
+def _assert_same_state(a: Path, b: Path) -> None:
+    for name in ("model.safetensors", "ema.safetensors"):
+        sa, sb = load_file(str(a / name)), load_file(str(b / name))
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), f"{name}:{k} differs"
+    oa = torch.load(a / "accelerate" / "optimizer.bin", weights_only=False)
+    ob = torch.load(b / "accelerate" / "optimizer.bin", weights_only=False)
+    assert oa["state"].keys() == ob["state"].keys() and len(oa["state"]) > 0
+    for pid in oa["state"]:
+        for key, value in oa["state"][pid].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(ob["state"][pid][key])), f"optimizer {pid}.{key}"
+
+
+def test_loss_falls_on_digits(tmp_path):
+    out = train(tiny_config(tmp_path / "run", "train.max_steps=240", "train.log_every=40", "train.global_batch_size=32",
+                            "model.learn_sigma=false"))
+    losses = [m["loss"] for m in _metrics(tmp_path / "run")]
+    assert out["step"] == 240 and len(losses) == 6
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert (tmp_path / "run" / "loss.png").is_file()
+
+
+def test_resume_is_bitwise_exact_and_survives_a_crash_mid_save(tmp_path, monkeypatch):
+    N = 3
+    # Learned sigma and label dropout on: every random stream (t, noise, dropout) must be restored.
+    common = ["train.ckpt_every=3", "model.learn_sigma=true", "model.class_dropout=0.1"]
+    train(tiny_config(tmp_path / "straight", f"train.max_steps={2 * N}", *common))
+    reset_accelerate()
+
+    # N steps, then a new process-like start with --resume auto for N more.
+    train(tiny_config(tmp_path / "split", f"train.max_steps={N}", *common))
+    reset_accelerate()
+    train(tiny_config(tmp_path / "split", f"train.max_steps={2 * N}", *common), resume="auto")
+    _assert_same_state(_ckpt(tmp_path / "straight", 2 * N), _ckpt(tmp_path / "split", 2 * N))
+    reset_accelerate()
+
+    # A crash inside the second save, after Accelerate's files are written.
+    real_write = trainer_module.write_model_files
+    calls = []
+
+    def crashing_write(folder, *args, **kwargs):
+        calls.append(folder)
+        real_write(folder, *args, **kwargs)
+        if len(calls) == 2:
+            raise RuntimeError("simulated crash mid-save")
+
+    monkeypatch.setattr(trainer_module, "write_model_files", crashing_write)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        train(tiny_config(tmp_path / "crash", f"train.max_steps={2 * N}", *common))
+    monkeypatch.setattr(trainer_module, "write_model_files", real_write)
+    reset_accelerate()
+    ck = tmp_path / "crash" / "checkpoints"
+    assert (ck / f".tmp-{2 * N:07d}").is_dir() and not _ckpt(tmp_path / "crash", 2 * N).exists()
+    assert [s for s, _ in list_checkpoints(tmp_path / "crash")] == [N]
+    assert resolve_resume("auto", tmp_path / "crash") == _ckpt(tmp_path / "crash", N)
+    out = train(tiny_config(tmp_path / "crash", f"train.max_steps={2 * N}", *common), resume="auto")
+    assert out["step"] == 2 * N
+    assert not (ck / f".tmp-{2 * N:07d}").exists()
+    _assert_same_state(_ckpt(tmp_path / "straight", 2 * N), _ckpt(tmp_path / "crash", 2 * N))
+
+
+def test_checkpoint_files_rebuild_the_ema_model_and_keep_last_prunes(tmp_path):
+    trainer = Trainer(tiny_config(tmp_path / "run", "train.max_steps=4", "train.ckpt_every=1", "train.keep_last=2",
+                                  "train.sample_every=4", "train.num_sample_images=10", "train.sample_steps=4",
+                                  "log.tensorboard=true"))
+    trainer.run()
+    run = tmp_path / "run"
+    assert [s for s, _ in list_checkpoints(run)] == [3, 4]  # keep_last=2
+    model, spec = load_trained_model(_ckpt(run, 4), "ema")
+    assert spec["step"] == 4 and spec["data"]["kind"] == "digits" and spec["data"]["image_size"] == 8
+    ema = trainer.ema.module.state_dict()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ema[k].cpu()), k
+    x, t, y = torch.randn(3, 1, 8, 8), torch.tensor([1, 500, 999]), torch.tensor([0, 5, 9])
+    trainer.ema.module.eval()
+    assert torch.equal(model(x, t, y), trainer.ema.module(x, t, y))
+    raw, _ = load_trained_model(_ckpt(run, 4), "model")
+    assert all(torch.equal(v, trainer.raw_model.state_dict()[k]) for k, v in raw.state_dict().items())
+    # the EMA moved away from the raw weights, and covers the topology logits too
+    assert not torch.equal(ema["topology.logits.1"], trainer.raw_model.state_dict()["topology.logits.1"])
+    topo = json.loads((_ckpt(run, 4) / "topology.json").read_text())
+    assert torch.allclose(torch.tensor(topo["probabilities"]), model.topology.probabilities(), atol=1e-6)
+    assert (_ckpt(run, 4) / "topology.png").is_file() and (run / "samples" / "0000004.png").is_file()
+    assert (run / "config.yaml").is_file() and "checkpoints" in (run / "log.txt").read_text()
+    assert list((run / "logs").rglob("events.out.tfevents*")), "no TensorBoard events"
+
+
+def test_sigterm_writes_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    overrides = [*TINY, f"run_dir={run}", "train.max_steps=100000", "train.ckpt_every=100000"]
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"), *overrides]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            log = run / "log.txt"
+            if log.is_file() and "step 2:" in log.read_text():
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    found = list_checkpoints(run)
+    assert len(found) == 1 and found[0][0] >= 2
+    step, folder = found[0]
+    assert json.loads((folder / "trainer_state.json").read_text())["step"] == step
+    model, spec = load_trained_model(folder)
+    assert spec["step"] == step
+    assert "stop requested" in (run / "log.txt").read_text()
