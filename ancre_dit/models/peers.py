@@ -1,0 +1,300 @@
+"""Peer residual schemes in the DiT backbone: DenseFormer, Hyper-Connections and mHC.
+
+Each is a `ResidualTopology` (it owns the loop over blocks, see topologies.py), written by hand
+from its paper's formulas (no library implements them for a DiT):
+
+- DenseFormer: Pagliardini, Mohtashami, Fleuret, Jaggi, "DenseFormer: Enhancing Information Flow
+  in Transformers via Depth Weighted Averaging", NeurIPS 2024 (arXiv 2402.02622).
+- Hyper-Connections (HC): Zhu, Huang, Huang, Zeng, Mao, Wu, Min, Zhou, "Hyper-Connections",
+  ICLR 2025 (arXiv 2409.19606); static (SHC) and dynamic (DHC) variants.
+- mHC: Xie et al. (DeepSeek-AI), "mHC: Manifold-Constrained Hyper-Connections", arXiv 2512.24880.
+
+HC and mHC wire the DiT block's two branches themselves (`DiTBlock.modulation`,
+`attention_branch`, `mlp_branch`); each branch keeps its adaLN shift/scale/gate, only the residual
+add around it is replaced. Their residual is n streams wide, so they have no (K, K) block-to-block
+matrix: `probabilities()` raises `TopologyNotDefined`, which callers that draw heatmaps catch.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .topologies import DENSEFORMER, HC, HC_DYNAMIC, MHC, PEER_TOPOLOGIES, ResidualTopology
+
+# mHC's paper does not fix an initialisation; ours puts this much weight off the HC-style choice
+# (stream l mod n as the branch input, identity stream mixing), see ManifoldHyperConnectionTopology.
+MHC_INIT_LEAK = 0.05
+# HC (dynamic): the paper initialises the tanh scales s_alpha, s_beta to 0.01 and W to 0.
+HC_DYNAMIC_SCALE_INIT = 0.01
+
+
+class TopologyNotDefined(ValueError):
+    """The scheme has no (K, K) block-to-block weight matrix (e.g. n-stream HC / mHC).
+
+    Raised by `probabilities()`; a trainer drawing topology heatmaps catches it and skips the plot.
+    """
+
+
+def _check_blocks(topology: ResidualTopology, blocks: Sequence[nn.Module]) -> None:
+    if len(blocks) != topology.num_blocks:
+        raise ValueError(f"topology was built for {topology.num_blocks} blocks, got {len(blocks)}")
+
+
+class DenseFormerTopology(ResidualTopology):
+    """DenseFormer: a depth-weighted average (DWA) after every block.
+
+        X_0 = h_0,   X_j = B_j(Y_{j-1}, c),   Y_j = sum_{i<=j} alpha_{j,i} X_i,   output Y_K
+
+    with unconstrained scalars alpha (K(K+3)/2 in all), initialised to the identity
+    (alpha_{j,j} = 1, the rest 0), so the initial network is exactly the cascaded DiT. X_j is the
+    block's raw output, its own two residual adds included. `alphas.{j-1}` holds block j's DWA
+    weights over X_0..X_j (j + 1 scalars, the newest last).
+
+    `probabilities()` in the package convention (skip weights added on top of each block's output,
+    cascaded = zero matrix): P[j, i] = alpha_{j+1, i} for i <= j, the weight with which source
+    X_i (0 = embedding, i = raw output of block i) enters the average after block j+1. The DWA's
+    weight on the block's own output, alpha_{j+1, j+1} (1 at init), has no place in that matrix:
+    `output_scales()` returns those K numbers. The last row is the DWA that feeds the final layer.
+    """
+
+    def __init__(self, num_blocks: int):
+        super().__init__(num_blocks)
+        self.alphas = nn.ParameterList(
+            [nn.Parameter(F.one_hot(torch.tensor(j + 1), j + 2).float()) for j in range(num_blocks)]
+        )
+
+    def forward(self, h0, blocks, c):
+        _check_blocks(self, blocks)
+        history = [h0]
+        y = h0
+        for j, block in enumerate(blocks):
+            history.append(block(y, c))
+            alpha = self.alphas[j]
+            y = history[-1] * alpha[-1]
+            for i in range(j + 1):  # running sum, as ANCRe: no stacked history tensor
+                y = torch.addcmul(y, history[i], alpha[i])
+        return y
+
+    def probabilities(self) -> torch.Tensor:
+        K = self.num_blocks
+        return torch.stack([F.pad(self.alphas[j][:-1], (0, K - 1 - j)) for j in range(K)])
+
+    def output_scales(self) -> torch.Tensor:
+        """(K,) weight of each block's own output in the average right after it (1 at init)."""
+        return torch.stack([a[-1] for a in self.alphas])
+
+
+def _run_blocks(blocks: Sequence[nn.Module], c: torch.Tensor, H: torch.Tensor,
+                sublayer: Callable[[int, torch.Tensor, Callable, tuple], torch.Tensor]) -> torch.Tensor:
+    """Calls `sublayer(l, H, branch, modulation)` for the attention (l = 2k) and MLP (l = 2k+1)
+    branch of every block k; returns the final streams."""
+    for k, block in enumerate(blocks):
+        mod = block.modulation(c)
+        H = sublayer(2 * k, H, block.attention_branch, mod[:3])
+        H = sublayer(2 * k + 1, H, block.mlp_branch, mod[3:])
+    return H
+
+
+class HyperConnectionTopology(ResidualTopology):
+    """Hyper-Connections around the attention and the MLP branch of every block.
+
+    The residual is n streams, H (N, T, n, d), started as n copies of h_0. Sublayer l (2K in all)
+    with branch T_l (adaLN shift/scale/gate inside) computes
+
+        x = A_m^T H                  width connection: the branch input, a mix of the streams
+        H <- A_r^T H + B^T T_l(x)    stream mixing, and the depth connection writing the output
+
+    with A_m (n,), A_r (n, n), B (n,) learned per sublayer (static HC). Dynamic HC adds
+    input-dependent terms, per token, with H' = LayerNorm(H) (no affine) row by row:
+
+        B = s_beta tanh(H' W_beta)^T + B,  A_m = s_alpha tanh(H' W_m) + A_m,  A_r = s_alpha tanh(H' W_r) + A_r
+
+    (`dynamic_weights[l]` = [W_beta | W_m | W_r], (d, n + 2); `dynamic_scales[l]` = [s_alpha, s_beta]).
+    The final hidden state is the sum of the streams.
+
+    Init (the paper's Pre-Norm-equivalent init): A_m = e_{l mod n}, A_r = I, B = 1; dynamic
+    W = 0 and s = 0.01. Every stream then stays equal to the cascaded DiT's hidden state, so every
+    branch sees exactly the cascaded input and the trunk returns n * h_K (cascaded). The DiT final
+    layer's LayerNorm removes that factor; what remains is its eps acting as eps / n^2, a relative
+    output change of order eps / var(h_K), about 1e-7 here.
+    """
+
+    def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, dynamic: bool = False):
+        super().__init__(num_blocks)
+        if streams < 1:
+            raise ValueError(f"hc_streams must be at least 1, got {streams}")
+        L, n = 2 * num_blocks, streams
+        self.streams, self.dynamic = n, dynamic
+        self.alpha_m = nn.Parameter(F.one_hot(torch.arange(L) % n, n).float())
+        self.alpha_r = nn.Parameter(torch.eye(n).repeat(L, 1, 1))
+        self.beta = nn.Parameter(torch.ones(L, n))
+        if dynamic:
+            self.norm = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+            self.dynamic_weights = nn.Parameter(torch.zeros(L, hidden_size, n + 2))
+            self.dynamic_scales = nn.Parameter(torch.full((L, 2), HC_DYNAMIC_SCALE_INIT))
+
+    def coefficients(self, l: int, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(A_m, A_r, B) of sublayer l: (n,), (n, n), (n,) static; (N, T, n), (N, T, n, n), (N, T, n) dynamic."""
+        a_m, a_r, b = self.alpha_m[l], self.alpha_r[l], self.beta[l]
+        if self.dynamic:
+            z = torch.tanh(self.norm(H) @ self.dynamic_weights[l])  # (N, T, n, n + 2)
+            s_alpha, s_beta = self.dynamic_scales[l]
+            b = s_beta * z[..., 0] + b
+            a_m = s_alpha * z[..., 1] + a_m
+            a_r = s_alpha * z[..., 2:] + a_r
+        return a_m, a_r, b
+
+    def _sublayer(self, l, H, branch, mod):
+        a_m, a_r, b = self.coefficients(l, H)
+        if self.dynamic:
+            x = torch.einsum("...sd,...s->...d", H, a_m)
+            mixed = torch.einsum("...sd,...sr->...rd", H, a_r)
+        else:
+            x = torch.einsum("...sd,s->...d", H, a_m)
+            mixed = torch.einsum("...sd,sr->...rd", H, a_r)
+        out = branch(x, *mod)
+        return mixed + b.unsqueeze(-1) * out.unsqueeze(-2)
+
+    def forward(self, h0, blocks, c):
+        _check_blocks(self, blocks)
+        H = h0.unsqueeze(-2).expand(*h0.shape[:-1], self.streams, h0.shape[-1])
+        return _run_blocks(blocks, c, H, self._sublayer).sum(dim=-2)
+
+    def probabilities(self) -> torch.Tensor:
+        raise TopologyNotDefined(
+            f"{'hc-dynamic' if self.dynamic else 'hc'} mixes {self.streams} residual streams around each "
+            f"sublayer, so it has no (K, K) block-to-block matrix"
+            + ("" if self.dynamic else "; use topology.sublayer_weights() for its effective sublayer weights")
+        )
+
+    def sublayer_weights(self) -> torch.Tensor:
+        """Static HC only: (2K, 2K+1), row l = weights of sublayer l's input over the sources
+        [h_0, out_1, ..., out_2K] (out_m = gated output of sublayer m, attention/MLP alternating).
+
+        Exact, since static HC is linear in its sources; the cascaded DiT is the lower-triangular
+        ones matrix (row l: 1 on h_0 and on out_1..out_l), which is also this at init."""
+        if self.dynamic:
+            raise TopologyNotDefined("hc-dynamic's weights depend on the input; no fixed sublayer matrix")
+        L, n = self.alpha_m.shape
+        S = F.pad(torch.ones(n, 1, device=self.beta.device), (0, L))  # stream s = sum_src S[s, src] source
+        rows = []
+        for l in range(L):
+            rows.append(self.alpha_m[l] @ S)
+            S = self.alpha_r[l].T @ S + torch.outer(self.beta[l], F.one_hot(torch.tensor(l + 1), L + 1).to(S))
+        return torch.stack(rows)
+
+    def extra_repr(self) -> str:
+        return f"num_blocks={self.num_blocks}, streams={self.streams}, dynamic={self.dynamic}"
+
+
+def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
+    """Doubly stochastic projection of exp(logits) over the last two dims: alternate row and
+    column normalisation `iters` times (columns last, so they sum to 1 exactly). With a finite
+    number of iterations the rows are only close to 1: within 1e-5 after 20 iterations for 4x4
+    logits of std 0.5, but off by up to ~1e-3 at std 1 (the gap mHC-lite, arXiv 2601.05732, notes)."""
+    m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))  # SK ignores a global scale
+    for _ in range(iters):
+        m = m / m.sum(dim=-1, keepdim=True)
+        m = m / m.sum(dim=-2, keepdim=True)
+    return m
+
+
+class ManifoldHyperConnectionTopology(ResidualTopology):
+    """mHC: hyper-connections whose stream-mixing matrix is doubly stochastic.
+
+    For sublayer l with streams x (N, T, n, d), all per token:
+
+        x~     = RMSNorm(vec(x))                               (1, n d), no weight
+        H_pre  = sigmoid(a_pre  * x~ phi_pre  + b_pre)          (n,)    branch input weights
+        H_post = 2 sigmoid(a_post * x~ phi_post + b_post)       (n,)    output write weights
+        H_res  = SinkhornKnopp(a_res * mat(x~ phi_res) + b_res) (n, n)  stream mixing
+        x     <- H_res x + H_post^T F(H_pre x)
+
+    (`phi[l]` = [phi_pre | phi_post | phi_res], (n d, 2n + n^2); `alpha[l]` = [a_pre, a_post, a_res]).
+    Coefficients and stream mixing run in fp32 with autocast off, whatever the autocast dtype;
+    the branch itself runs under the caller's autocast. Streams start as n copies of h_0 and are
+    summed at the end, as in HC.
+
+    Init (ours; the paper does not fix one): phi = 0, alpha = 0.01, b_post = 0 (H_post = 1),
+    H_pre = 1 - leak on stream l mod n and leak / (n - 1) on the others (sums to 1), H_res =
+    (1 - leak) I + leak / (n - 1) (1 1^T - I), already doubly stochastic; leak = MHC_INIT_LEAK. The
+    streams then stay equal to the cascaded hidden state (rows of H_res sum to 1, H_pre sums to 1),
+    so the init model equals the cascaded DiT up to fp32 rounding and the final-LayerNorm eps
+    effect of the stream sum (see HyperConnectionTopology). The HC-like asymmetry (stream l mod n
+    favoured) is what lets the streams become different during training.
+    """
+
+    def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, sinkhorn_iters: int = 20,
+                 leak: float = MHC_INIT_LEAK):
+        super().__init__(num_blocks)
+        if streams < 2:
+            raise ValueError(f"mhc needs hc_streams >= 2 (a 1-stream doubly stochastic mix is the identity), got {streams}")
+        if sinkhorn_iters < 1:
+            raise ValueError(f"sinkhorn_iters must be at least 1, got {sinkhorn_iters}")
+        L, n = 2 * num_blocks, streams
+        self.streams, self.sinkhorn_iters = n, sinkhorn_iters
+        self.phi = nn.Parameter(torch.zeros(L, n * hidden_size, 2 * n + n * n))
+        self.alpha = nn.Parameter(torch.full((L, 3), 0.01))
+        pre = torch.full((L, n), leak / (n - 1))
+        pre[torch.arange(L), torch.arange(L) % n] = 1.0 - leak
+        self.bias_pre = nn.Parameter(torch.logit(pre, eps=0.0))
+        self.bias_post = nn.Parameter(torch.zeros(L, n))
+        res = torch.full((n, n), leak / (n - 1)).fill_diagonal_(1.0 - leak)
+        self.bias_res = nn.Parameter(res.log().repeat(L, 1, 1))
+
+    def coefficients(self, l: int, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 (H_pre (..., n), H_post (..., n), H_res (..., n, n)) of sublayer l for streams H (..., n, d)."""
+        n = self.streams
+        with torch.autocast(device_type=H.device.type, enabled=False):
+            x = F.rms_norm(H.float().flatten(-2), (H.shape[-2] * H.shape[-1],), eps=1e-6)
+            z = x @ self.phi[l].float()
+            a_pre, a_post, a_res = self.alpha[l].float()
+            pre = torch.sigmoid(a_pre * z[..., :n] + self.bias_pre[l].float())
+            post = 2.0 * torch.sigmoid(a_post * z[..., n:2 * n] + self.bias_post[l].float())
+            res_logits = a_res * z[..., 2 * n:].unflatten(-1, (n, n)) + self.bias_res[l].float()
+            res = sinkhorn_knopp(res_logits, self.sinkhorn_iters)
+        return pre, post, res
+
+    def _sublayer(self, l, H, branch, mod):
+        pre, post, res = self.coefficients(l, H)
+        with torch.autocast(device_type=H.device.type, enabled=False):
+            x = torch.einsum("...s,...sd->...d", pre, H)
+        out = branch(x, *mod)
+        with torch.autocast(device_type=H.device.type, enabled=False):
+            return torch.einsum("...rs,...sd->...rd", res, H) + post.unsqueeze(-1) * out.float().unsqueeze(-2)
+
+    def forward(self, h0, blocks, c):
+        _check_blocks(self, blocks)
+        h0 = h0.float()
+        H = h0.unsqueeze(-2).expand(*h0.shape[:-1], self.streams, h0.shape[-1])
+        return _run_blocks(blocks, c, H, self._sublayer).sum(dim=-2)
+
+    def probabilities(self) -> torch.Tensor:
+        raise TopologyNotDefined(
+            f"mhc mixes {self.streams} residual streams with input-dependent doubly stochastic matrices "
+            f"around each sublayer, so it has no (K, K) block-to-block matrix"
+        )
+
+    def extra_repr(self) -> str:
+        return f"num_blocks={self.num_blocks}, streams={self.streams}, sinkhorn_iters={self.sinkhorn_iters}"
+
+
+def build_peer_topology(name: str, num_blocks: int, hidden_size: int | None, hc_streams: int = 4,
+                        sinkhorn_iters: int = 20) -> ResidualTopology:
+    """Name (one of PEER_TOPOLOGIES) -> topology; HC and mHC need the model width."""
+    if name == DENSEFORMER:
+        return DenseFormerTopology(num_blocks)
+    if name not in PEER_TOPOLOGIES:
+        raise ValueError(f"unknown peer topology {name!r}; choose one of {', '.join(PEER_TOPOLOGIES)}")
+    if hidden_size is None:
+        raise ValueError(f"topology {name!r} needs hidden_size=<model width>; build it through create_model")
+    if name == MHC:
+        return ManifoldHyperConnectionTopology(num_blocks, hidden_size, hc_streams, sinkhorn_iters)
+    return HyperConnectionTopology(num_blocks, hidden_size, hc_streams, dynamic=name == HC_DYNAMIC)
+
+
+__all__ = ["TopologyNotDefined", "DenseFormerTopology", "HyperConnectionTopology",
+           "ManifoldHyperConnectionTopology", "sinkhorn_knopp", "build_peer_topology", "HC", "MHC"]
