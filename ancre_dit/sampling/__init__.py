@@ -4,11 +4,11 @@ from .api import sample_images, sample_latents
 from .decode import build_decoder, decode_pixels, to_uint8
 from .guidance import Guidance, GuidedDenoiser
 from .job import JobSettings, run_job
-from .labels import assign_labels, parse_classes
+from .labels import assign_labels, check_classes
 from .noise import SampleNoise, sample_seed
 from .samplers import SAMPLERS, run_sampler
 
 __all__ = [
     "sample_images", "sample_latents", "build_decoder", "decode_pixels", "to_uint8", "Guidance", "GuidedDenoiser",
-    "JobSettings", "run_job", "assign_labels", "parse_classes", "SampleNoise", "sample_seed", "SAMPLERS", "run_sampler",
+    "JobSettings", "run_job", "assign_labels", "check_classes", "SampleNoise", "sample_seed", "SAMPLERS", "run_sampler",
 ]

@@ -14,17 +14,6 @@ from .noise import LABEL_STREAM, sample_seed
 LABEL_MODES = ("balanced", "random")
 
 
-def parse_classes(text: str | None, num_classes: int) -> list[int] | None:
-    """"1,2,3" -> [1, 2, 3], checked against the model's classes; None/"" -> None."""
-    if text is None or str(text).strip() == "":
-        return None
-    try:
-        classes = [int(part) for part in str(text).split(",") if part.strip() != ""]
-    except ValueError:
-        raise UserError(f"--classes {text!r} is not a comma-separated list of class ids, e.g. --classes 1,2,3") from None
-    return check_classes(classes, num_classes)
-
-
 def check_classes(classes: Sequence[int], num_classes: int) -> list[int]:
     if not classes:
         raise UserError("--classes is empty; give class ids such as --classes 1,2,3")
