@@ -16,7 +16,7 @@ def main() -> int:
                         help="'auto': newest complete checkpoint of run_dir (fresh start if none); or a checkpoint folder")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, e.g. train.max_steps=20 run_dir=results/try")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # overrides may come before and after --resume
     from ancre_dit.training import load_config, train  # after argparse: --help stays fast
 
     config = load_config(args.config, args.overrides)
