@@ -154,6 +154,7 @@ def test_resume_after_kill_equals_uninterrupted_run(reference, image_dir, vae_di
     assert first.written == [0, 1] and first.manifest is None and not (out / "manifest.json").exists()
     # What a kill leaves behind: a temporary file mid-write, and a shard written but not yet checksummed.
     (out / "shard-00003.safetensors.tmp4242").write_bytes(b"half a shard")
+    (out / "shard-00000.safetensors.sha256.tmp4242").write_bytes(b"half a checksum")
     shutil.copy(reference / "shard-00002.safetensors", out / "shard-00002.safetensors")
     with open(out / "shard-00002.safetensors", "r+b") as f:
         f.truncate(1000)

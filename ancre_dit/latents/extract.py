@@ -24,8 +24,8 @@ from ancre_dit.cli import UserError
 from ancre_dit.data.latents import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, REPORT_NAME,
                                     shard_file_name)
 from ancre_dit.latents.images import CroppedImages, ImageList, LoadedImage, list_image_folder
-from ancre_dit.latents.shards import (read_checksum, read_shard_meta, shard_is_complete, write_atomic,
-                                      write_shard)
+from ancre_dit.latents.shards import (checksum_path, read_checksum, read_shard_meta, remove_stale_tmp,
+                                      shard_is_complete, write_atomic, write_shard)
 from ancre_dit.latents.vae import DTYPES, LoadedVAE, encode_moments, load_vae
 
 
@@ -175,9 +175,16 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
     fingerprint = _fingerprint(cfg, images, vae)
     _check_compatible(out, fingerprint, num_shards)
 
-    mine = list(range(ctx.rank, num_shards, ctx.world))
-    reused = [k for k in mine if shard_is_complete(out / shard_file_name(k))]
-    pending = [k for k in mine if k not in set(reused)][: cfg.max_shards]
+    # Shards with a checksum file are claimed done; the rest are split round-robin, and so is the
+    # hashing of the claimed ones (a claim that fails its checksum is redone by its checker). Both
+    # lists come from one look at the folder, taken by every process before any of them writes, so
+    # they agree; splitting what is left (not all shards) keeps a resumed run balanced.
+    claimed = [k for k in range(num_shards) if checksum_path(out / shard_file_name(k)).is_file()]
+    ctx.barrier()
+    todo = sorted(set(range(num_shards)) - set(claimed))
+    to_check = claimed[ctx.rank::ctx.world]
+    reused = [k for k in to_check if shard_is_complete(out / shard_file_name(k))]
+    pending = sorted(todo[ctx.rank::ctx.world] + sorted(set(to_check) - set(reused)))[: cfg.max_shards]
     plan = _batch_plan(pending, num_files, cfg.shard_size, cfg.batch_size)
     if ctx.rank == 0:
         print(f"{num_files} images in {len(images.class_names)} classes -> {num_shards} shards of <= "
@@ -228,6 +235,7 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageList, vae: Loaded
         print(f"{len(missing)} of {num_shards} shards not written yet (first: {missing[0]}); "
               "rerun the same command to finish (finished shards are kept)", flush=True)
         return None
+    remove_stale_tmp(out)
     lines = ["index\tpath\taction\tdetail"] + ["\t".join(str(v) for v in row) for row in report]
     write_atomic(out / REPORT_NAME, ("\n".join(lines) + "\n").encode())
     num_images = sum(s["count"] for s in shards)

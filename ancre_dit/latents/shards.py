@@ -62,6 +62,12 @@ def write_shard(out: Path, shard: int, tensors: dict[str, torch.Tensor], meta: d
     return digest
 
 
+def remove_stale_tmp(out: Path) -> None:
+    """Deletes temporary files that killed writers left (call only once no process is writing)."""
+    for stale in glob.glob(str(out / "shard-*.tmp*")):
+        os.remove(stale)
+
+
 def read_checksum(shard_path: Path) -> str | None:
     try:
         text = checksum_path(shard_path).read_text().split()
