@@ -247,6 +247,36 @@ def test_ddpm_steps_match_adm_posterior_formulas():
     assert [ts[0] for ts in toy.seen_t[:3]] == [999, 500, 0]  # the model sees original timesteps
 
 
+class ExactGaussianDenoiser(torch.nn.Module):
+    """The exact epsilon-prediction for data N(+-MU, S^2) (class 1: +MU, class 0: -MU): every correct
+    sampler must return samples with about that mean and spread."""
+
+    num_classes, in_channels, input_size = 2, 1, 4
+    MU, S = 0.5, 0.5
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.zeros(()))
+        self.abar = torch.from_numpy(np.cumprod(1 - np.linspace(1e-4, 0.02, 1000)))
+
+    def forward(self, x, t, y):
+        a = self.abar[t].float().reshape(-1, 1, 1, 1)
+        mu = self.MU * (2 * y.float() - 1).reshape(-1, 1, 1, 1)
+        # x_t ~ N(sqrt(a) mu, a S^2 + 1 - a), so E[eps | x_t] = sqrt(1 - a) (x_t - sqrt(a) mu) / (a S^2 + 1 - a).
+        eps = (1 - a).sqrt() * (x - a.sqrt() * mu) / (a * self.S ** 2 + 1 - a)
+        return torch.cat([eps, -torch.ones_like(x)], dim=1)  # v = -1: the posterior variance
+
+
+@pytest.mark.parametrize("sampler,steps", [("ddpm", 100), ("ddim", 50), ("dpm-solver", 25)])
+def test_samplers_recover_gaussian_data_from_the_exact_denoiser(sampler, steps):
+    labels = np.arange(200) % 2
+    x = sample_latents(ExactGaussianDenoiser(), DIFFUSION, labels, sampler=sampler, steps=steps, seed=1)
+    for c, sign in ((0, -1), (1, 1)):
+        values = x[torch.from_numpy(labels) == c]
+        assert abs(values.mean().item() - sign * 0.5) < 0.03
+        assert 0.44 < values.std().item() < 0.53
+
+
 def test_respaced_timesteps_match_adm_for_250_of_1000():
     diffusion = respaced_diffusion(DIFFUSION, 250)
     stride = 999 / 249  # ADM: (section size - 1) / (count - 1), positions rounded
