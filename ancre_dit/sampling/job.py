@@ -126,13 +126,17 @@ def write_pngs(images: np.ndarray, folder: Path, start: int = 0) -> None:
 
 
 def merge_parts(folder: Path, ranges: list[tuple[int, int]], labels: np.ndarray, out: Path) -> np.ndarray:
-    images = []
+    """Parts in index order -> one ADM npz; filled into one preallocated array so the peak memory
+    is the merged array itself (about 9.8 GB for 50K 256x256 RGB images)."""
+    images = None
     for start, end in ranges:
-        batch = load_adm_npz(part_path(folder, start, end))
+        path = part_path(folder, start, end)
+        batch = load_adm_npz(path)
         if batch.labels is None or not np.array_equal(batch.labels, labels[start:end]):
-            raise ValueError(f"{part_path(folder, start, end)} has other labels than this job; delete {folder} and rerun")
-        images.append(batch.images)
-    images = np.concatenate(images)
+            raise ValueError(f"{path} has other labels than this job; delete {folder} and rerun")
+        if images is None:
+            images = np.empty((len(labels), *batch.images.shape[1:]), dtype=np.uint8)
+        images[start:end] = batch.images
     save_adm_npz(out, images, labels)
     return images
 
