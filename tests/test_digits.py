@@ -1,0 +1,87 @@
+"""The embedded digits data set, and a tiny DiT whose held-out diffusion loss falls on it."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from sklearn.datasets import load_digits
+
+from ancre_dit.data.digits import DIGITS_IMAGE_SIZE, DIGITS_NUM_CLASSES, DigitsDataset, to_uint8
+from ancre_dit.diffusion.gaussian import create_diffusion
+from ancre_dit.models import create_model
+
+
+def test_splits_shapes_ranges_and_disjointness():
+    train, heldout = DigitsDataset("train"), DigitsDataset("heldout")
+    assert len(train) + len(heldout) == 1797
+    assert 170 <= len(heldout) <= 190  # ~10%
+    assert set(train.indices.tolist()).isdisjoint(heldout.indices.tolist())
+    image, label = train[0]
+    assert image.shape == (1, DIGITS_IMAGE_SIZE, DIGITS_IMAGE_SIZE) and image.dtype == torch.float32
+    assert isinstance(label, int) and 0 <= label < DIGITS_NUM_CLASSES
+    for split in (train, heldout):
+        assert split.images.min().item() == -1.0 and split.images.max().item() == 1.0
+        # stratified: every class is in the held-out split in about its share
+        counts = torch.bincount(split.labels, minlength=DIGITS_NUM_CLASSES)
+        assert counts.min().item() > 0.08 * len(split)
+    # pixel values 0..16 map linearly to [-1, 1]
+    raw = load_digits()
+    i = int(heldout.indices[3])
+    np.testing.assert_allclose(heldout.images[3, 0].numpy(), raw.images[i] / 8.0 - 1.0, atol=1e-6)
+    assert heldout.labels[3].item() == raw.target[i]
+
+
+def test_split_is_fixed():
+    first, second = DigitsDataset("heldout"), DigitsDataset("heldout")
+    assert torch.equal(first.images, second.images)
+    # a change of the seeded split would change every held-out number ever reported
+    assert first.indices[:5].tolist() == [24, 28, 35, 37, 39]
+
+
+def test_unknown_split_is_one_clear_error():
+    with pytest.raises(ValueError, match="unknown digits split 'test'; choose one of train, heldout"):
+        DigitsDataset("test")
+
+
+def test_to_uint8():
+    out = to_uint8(torch.tensor([-1.5, -1.0, 0.0, 1.0, 2.0]))
+    assert out.dtype == np.uint8 and out.tolist() == [0, 0, 128, 255, 255]
+
+
+def test_tiny_dit_loss_falls_on_digits():
+    torch.manual_seed(0)
+    train, heldout = DigitsDataset("train"), DigitsDataset("heldout")
+    model = create_model("DiT-T/2", depth=2, hidden_size=64, num_heads=2, input_size=8, in_channels=1,
+                         num_classes=10, topology="ancre", learn_sigma=True)
+    # positional embeddings are what lets the model place strokes: they must be set and distinct
+    assert torch.unique(model.pos_embed[0], dim=0).shape[0] == model.x_embedder.num_patches
+    diffusion = create_diffusion(learn_sigma=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+
+    generator = torch.Generator().manual_seed(1)
+    x_eval = heldout.images.repeat(3, 1, 1, 1)
+    y_eval = heldout.labels.repeat(3)
+    t_eval = torch.tensor([100, 400, 700]).repeat_interleave(len(heldout))
+    noise_eval = torch.randn(x_eval.shape, generator=generator)
+
+    @torch.no_grad()
+    def heldout_loss() -> float:
+        model.eval()
+        loss = diffusion.training_losses(model, x_eval, t_eval, {"y": y_eval}, noise=noise_eval)["mse"].mean()
+        model.train()
+        return loss.item()
+
+    before = heldout_loss()
+    for _ in range(200):
+        idx = torch.randint(0, len(train), (64,), generator=generator)
+        t = torch.randint(0, 1000, (64,), generator=generator)
+        loss = diffusion.training_losses(model, train.images[idx], t, {"y": train.labels[idx]},
+                                         noise=torch.randn(64, 1, 8, 8, generator=generator))["loss"].mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    after = heldout_loss()
+    # adaLN-Zero starts at eps = 0 (MSE ~1); 200 steps already predict a large part of the noise
+    assert before > 0.9
+    assert after < 0.5 * before, (before, after)
+    assert model.topology.logits[1].grad is not None  # the topology is being trained too
