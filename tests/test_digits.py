@@ -85,3 +85,41 @@ def test_tiny_dit_loss_falls_on_digits():
     assert before > 0.9
     assert after < 0.5 * before, (before, after)
     assert model.topology.logits[1].grad is not None  # the topology is being trained too
+
+
+def test_sample_grid_png_holds_the_images(tmp_path):
+    from PIL import Image
+
+    from ancre_dit.analysis import save_image_grid
+
+    images = DigitsDataset("heldout").images[:10]
+    nhwc = np.repeat(to_uint8(images).transpose(0, 2, 3, 1), 3, axis=-1)  # the ADM sample layout
+    for name, batch in (("uint8.png", nhwc), ("float.png", images)):
+        path = save_image_grid(batch, tmp_path / name, nrow=5, scale=1)
+        grid = np.asarray(Image.open(path).convert("L"))
+        assert grid.shape == (2 * 9 + 1, 5 * 9 + 1)  # 2 rows x 5 columns of 8x8, 1-pixel padding
+        np.testing.assert_allclose(grid[1:9, 1:9], nhwc[0, :, :, 0], atol=1)
+        np.testing.assert_allclose(grid[10:18, 37:45], nhwc[9, :, :, 0], atol=1)
+    with pytest.raises(ValueError, match="4-D batch"):
+        save_image_grid(images[0], tmp_path / "bad.png")
+
+
+def test_topology_summary_and_heatmap(tmp_path):
+    from PIL import Image
+
+    from ancre_dit.analysis import plot_topology_heatmap, topology_summary
+
+    P = torch.tensor([[1.0, 0, 0, 0], [0.7, 0.3, 0, 0], [0.1, 0.6, 0.3, 0], [0.5, 0.1, 0.1, 0.3]])
+    summary = topology_summary(P)
+    blocks = summary["blocks"]
+    assert [b["strongest_source"] for b in blocks] == [0, 0, 1, 0]
+    assert [b["anchor_weight"] for b in blocks] == pytest.approx([1.0, 1.0, 0.7, 0.6])
+    assert [b["previous_weight"] for b in blocks] == pytest.approx([1.0, 0.3, 0.3, 0.3])
+    assert blocks[1]["entropy"] == pytest.approx(-(0.7 * np.log(0.7) + 0.3 * np.log(0.3)))
+    assert blocks[0]["normalized_entropy"] == 0.0
+    assert summary["mean_anchor_weight_deep"] == pytest.approx(0.65)
+    assert summary["anchor_strongest_fraction_deep"] == pytest.approx(1.0)
+    path = plot_topology_heatmap(P, tmp_path / "sub" / "heatmap.png", title="test")
+    assert Image.open(path).size[0] > 100
+    with pytest.raises(ValueError, match="square"):
+        topology_summary(torch.ones(2, 3))
