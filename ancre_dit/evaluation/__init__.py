@@ -1,1 +1,18 @@
-"""evaluation"""
+"""Sample quality: ADM-comparable Inception metrics (FID, sFID, IS, precision, recall, KID) and the
+offline digits check (which is not FID-50K)."""
+from .digits import digits_report, format_digits_report
+from .inception import WEIGHTS_NAME, InceptionExtractor, InceptionFeatures, check_weights, write_random_inception_weights
+from .metrics import (
+    feature_statistics, frechet_distance, frechet_distance_to_features, inception_score, kernel_inception_distance,
+)
+from .pipeline import DEFAULT_METRICS, METRICS, EvaluationResult, compute_metrics, evaluate, format_table
+from .precision_recall import precision_recall
+from .reference import save_reference_stats
+
+__all__ = [
+    "digits_report", "format_digits_report", "WEIGHTS_NAME", "InceptionExtractor", "InceptionFeatures",
+    "check_weights", "write_random_inception_weights", "feature_statistics", "frechet_distance",
+    "frechet_distance_to_features",
+    "inception_score", "kernel_inception_distance", "DEFAULT_METRICS", "METRICS", "EvaluationResult",
+    "compute_metrics", "evaluate", "format_table", "precision_recall", "save_reference_stats",
+]

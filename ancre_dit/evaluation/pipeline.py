@@ -1,0 +1,262 @@
+"""Samples + reference -> FID, sFID, IS, precision, recall (+ KID), as ADM's evaluator scores them.
+
+Each side (samples, reference) is an ADMBatch, an ADM .npz (images and/or mu, sigma, mu_s,
+sigma_s) or a folder of images. As in ADM, statistics stored in an npz are used as they are for
+FID / sFID; otherwise they come from the side's Inception features. IS uses the samples alone;
+precision / recall and KID need the reference's images.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data.adm_npz import ADMBatch
+from .inception import InceptionExtractor, InceptionFeatures, default_device, file_sha256, iterate_batches
+from .metrics import (
+    feature_statistics, frechet_distance, frechet_distance_to_features, inception_score, kernel_inception_distance,
+)
+from .precision_recall import precision_recall
+from .sources import ImageFolderBatches, list_images, open_adm_npz
+
+METRICS = ("fid", "sfid", "is", "precision", "recall", "kid")
+DEFAULT_METRICS = ("fid", "sfid", "is", "precision", "recall")  # ADM's set
+
+
+@dataclass
+class Side:
+    """One side of the comparison: its features (when it has images) and its FID statistics."""
+    name: str
+    features: InceptionFeatures | None = None
+    stats: dict[str, np.ndarray] = field(default_factory=dict)
+    num_images: int = 0
+    stats_source: str = "features"
+    image_size: int | None = None  # height of the images, when the side has images of one size
+
+    def pool_stats(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._stats("mu", "sigma", "pool")
+
+    def spatial_stats(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._stats("mu_s", "sigma_s", "spatial")
+
+    def _stats(self, mu_key: str, sigma_key: str, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        if mu_key not in self.stats:
+            if self.features is None:
+                raise ValueError(f"{self.name} has no images and no stored {mu_key}/{sigma_key}; "
+                                 f"add them (python evaluate.py --save-ref-stats) or pass images")
+            self.stats[mu_key], self.stats[sigma_key] = feature_statistics(getattr(self.features, kind))
+        return self.stats[mu_key], self.stats[sigma_key]
+
+    def raw_features(self, kind: str, mu_key: str) -> np.ndarray | None:
+        """The side's own features of `kind` when its statistics are not stored ones, else None."""
+        if self.features is None or (mu_key in self.stats and self.stats_source == "stored"):
+            return None
+        return getattr(self.features, kind)
+
+    def require_features(self, metric: str) -> InceptionFeatures:
+        if self.features is None:
+            raise ValueError(f"{metric} needs images on both sides but {self.name} holds statistics only "
+                             f"(no arr_0); pass a reference with images, or drop {metric} from --metrics")
+        return self.features
+
+
+_EXTRACTORS: dict[tuple, InceptionExtractor] = {}
+
+
+def get_extractor(weights: str | os.PathLike, device: str | torch.device | None = None) -> InceptionExtractor:
+    """A loaded extractor, cached per (weights file, its mtime, device) so repeated calls reuse it."""
+    device = torch.device(device) if device is not None else default_device()
+    path = Path(weights)
+    key = (str(path.resolve()), path.stat().st_mtime_ns if path.is_file() else None, str(device))
+    if key not in _EXTRACTORS:
+        _EXTRACTORS.clear()  # one network in memory at a time
+        _EXTRACTORS[key] = InceptionExtractor(path, device)
+    return _EXTRACTORS[key]
+
+
+def default_batch_size(device: torch.device) -> int:
+    return 250 if device.type == "cuda" else 32
+
+
+def load_side(source: ADMBatch | str | os.PathLike, name: str, extractor_fn, batch_size: int,
+              need_features: bool, image_size: int | None = None, workers: int = 0,
+              stored_stats: bool = True) -> Side:
+    """Reads a side and, when needed (`need_features`) and possible, extracts its Inception features.
+    `extractor_fn()` loads the network lazily, so a statistics-only run never needs it twice."""
+    if isinstance(source, ADMBatch):
+        batch, label = source, name
+    else:
+        path = Path(source)
+        label = f"{name} ({path})"
+        if path.is_dir():
+            files, _ = list_images(path)
+            side = Side(label, num_images=len(files), image_size=image_size)
+            if need_features:
+                batches = ImageFolderBatches(files, image_size, batch_size, workers)
+                side.features = extractor_fn().extract(batches, total=len(files), desc=f"inception: {name}")
+            return side
+        batch = open_adm_npz(path)
+    side = Side(label, stats=dict(batch.stats) if stored_stats else {},
+                num_images=0 if batch.images is None else len(batch.images),
+                image_size=None if batch.images is None else int(batch.images.shape[1]))
+    if batch.stats and stored_stats:
+        side.stats_source = "stored"
+    if batch.images is not None and need_features:
+        side.features = extractor_fn().extract(iterate_batches(batch.images, batch_size), total=len(batch.images),
+                                               desc=f"inception: {name}")
+    return side
+
+
+@dataclass
+class EvaluationResult:
+    metrics: dict[str, float]
+    info: dict[str, object]
+
+
+def score(samples: Side, ref: Side, metrics=DEFAULT_METRICS, is_split_size: int = 5000, pr_k: int = 3,
+          pr_batch_size: int = 10000, fid_method: str = "sqrtm", kid_subsets: int = 100,
+          kid_subset_size: int = 1000, device: str | torch.device | None = None) -> dict[str, float]:
+    """The requested metrics from two prepared sides (features and/or statistics)."""
+    out: dict[str, float] = {}
+    for metric in metrics:
+        if metric in ("fid", "sfid"):
+            out[metric] = _fd(samples, ref, "pool" if metric == "fid" else "spatial", fid_method)
+        elif metric == "is":
+            out["is"] = inception_score(samples.require_features("is").logits, split_size=is_split_size)
+        elif metric in ("precision", "recall"):
+            if "precision" not in out:
+                out["precision"], out["recall"] = precision_recall(
+                    ref.require_features(metric).pool, samples.require_features(metric).pool,
+                    k=pr_k, batch_size=pr_batch_size, device=device)
+        elif metric == "kid":
+            out["kid"], out["kid_std"] = kernel_inception_distance(
+                ref.require_features("kid").pool, samples.require_features("kid").pool,
+                subsets=kid_subsets, subset_size=kid_subset_size)
+        else:
+            raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(METRICS)}")
+    # Only what was asked for: precision also computes recall (one pass), keep both only if asked.
+    return {k: v for k, v in out.items() if k in metrics or (k == "kid_std" and "kid" in metrics)}
+
+
+def _fd(samples: Side, ref: Side, kind: str, method: str) -> float:
+    """Fréchet distance of one feature kind; "eigh" takes the N-dim route when a side has N < D images."""
+    stats = {"pool": lambda side: side.pool_stats(), "spatial": lambda side: side.spatial_stats()}[kind]
+    if method == "eigh":
+        mu_key = "mu" if kind == "pool" else "mu_s"
+        for side, other in ((samples, ref), (ref, samples)):
+            feats = side.raw_features(kind, mu_key)
+            if feats is not None and len(feats) <= feats.shape[1]:
+                return frechet_distance_to_features(feats, *stats(other))
+    return frechet_distance(*stats(samples), *stats(ref), method=method)
+
+
+def parse_metrics(metrics: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    names = [m.strip().lower() for m in (metrics.split(",") if isinstance(metrics, str) else metrics) if m.strip()]
+    unknown = [m for m in names if m not in METRICS]
+    if unknown or not names:
+        raise ValueError(f"unknown metric(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(METRICS)}")
+    return tuple(dict.fromkeys(names))
+
+
+def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.PathLike | None, weights: str | os.PathLike,
+             metrics=DEFAULT_METRICS, batch_size: int | None = None, device: str | torch.device | None = None,
+             is_split_size: int = 5000, pr_k: int = 3, fid_method: str = "sqrtm", kid_subsets: int = 100,
+             kid_subset_size: int = 1000, image_size: int | None = None, workers: int = 0) -> EvaluationResult:
+    """Scores `samples` against `ref` (None is allowed when only IS is asked for); returns the metrics
+    and what they were computed from (sample count, reference, weights file and its sha256, settings)."""
+    metrics = parse_metrics(metrics)
+    device = torch.device(device) if device is not None else default_device()
+    batch_size = batch_size or default_batch_size(device)
+    start = time.time()
+    extractor_fn = lambda: get_extractor(weights, device)  # noqa: E731
+    ref_metrics = [m for m in metrics if m != "is"]  # IS looks at the samples alone
+    if ref_metrics and ref is None:
+        raise ValueError(f"{', '.join(ref_metrics)} need a reference (--ref)")
+    image_metrics = [m for m in metrics if m in ("precision", "recall", "kid")]
+    if image_metrics and ref is not None and not _has_images(ref):
+        raise ValueError(f"{', '.join(image_metrics)} need reference images but {ref} holds statistics only "
+                         f"(no arr_0); pass a reference with images, or drop them from --metrics")
+    extractor_fn()  # fail on bad weights before reading 50K images
+    sample_side = load_side(samples, "samples", extractor_fn, batch_size, need_features=True, workers=workers)
+    if ref is None:
+        ref_side = Side("reference (none)", stats_source="none")
+    else:
+        ref_needs = bool({"precision", "recall", "kid"} & set(metrics)) or not _has_stored_stats(ref, ref_metrics)
+        ref_side = load_side(ref, "reference", extractor_fn, batch_size, need_features=ref_needs,
+                             image_size=image_size or sample_side.image_size, workers=workers)
+    values = score(sample_side, ref_side, metrics, is_split_size=is_split_size, pr_k=pr_k, fid_method=fid_method,
+                   kid_subsets=kid_subsets, kid_subset_size=kid_subset_size, device=device)
+    extractor = extractor_fn()
+    import torch_fidelity
+
+    info = {
+        "num_samples": sample_side.num_images,
+        "num_reference_images": ref_side.num_images,
+        "samples": _describe(samples),
+        "reference": _describe(ref),
+        "reference_statistics": ref_side.stats_source,
+        "inception_weights": str(Path(extractor.weights).resolve()),
+        "inception_weights_sha256": file_sha256(extractor.weights),
+        "feature_extractor": f"torch-fidelity {torch_fidelity.__version__} inception-v3-compat",
+        "settings": {"is_split_size": is_split_size, "pr_k": pr_k, "fid_method": fid_method,
+                     "batch_size": batch_size, "device": str(device),
+                     **({"kid_subsets": kid_subsets, "kid_subset_size": kid_subset_size} if "kid" in metrics else {})},
+        "seconds": round(time.time() - start, 1),
+    }
+    return EvaluationResult(values, info)
+
+
+def compute_metrics(samples: ADMBatch | str | os.PathLike, ref: str | os.PathLike | ADMBatch | None,
+                    weights: str | os.PathLike, metrics=DEFAULT_METRICS, batch_size: int | None = None,
+                    device: str | torch.device | None = None, **options) -> dict[str, float]:
+    """FID / sFID / IS / precision / recall / KID of `samples` against `ref` (see `evaluate` for options).
+    Keys: the requested metric names ('fid', 'sfid', 'is', 'precision', 'recall', 'kid' + 'kid_std')."""
+    return evaluate(samples, ref, weights, metrics, batch_size, device, **options).metrics
+
+
+def _has_stored_stats(ref, metrics) -> bool:
+    """Does `ref` (an npz or ADMBatch) carry every statistic the requested FID metrics need?"""
+    keys = {"fid": ("mu", "sigma"), "sfid": ("mu_s", "sigma_s")}
+    wanted = [k for m in metrics for k in keys.get(m, ())]
+    if isinstance(ref, ADMBatch):
+        stored = ref.stats
+    elif Path(ref).is_file():
+        with np.load(ref) as data:
+            stored = set(data.files)
+    else:
+        return False
+    return all(k in stored for k in wanted)
+
+
+def _has_images(ref) -> bool:
+    if isinstance(ref, ADMBatch):
+        return ref.images is not None
+    path = Path(ref)
+    if path.is_file():
+        with np.load(path) as data:
+            return "arr_0" in data.files
+    return True  # a folder (or a missing path: reading it gives the clear error)
+
+
+def _describe(source) -> str | None:
+    if source is None:
+        return None
+    if isinstance(source, ADMBatch):
+        return f"in-memory batch of {0 if source.images is None else len(source.images)} images"
+    return str(Path(source).resolve())
+
+
+def format_table(result: EvaluationResult) -> str:
+    """Results as an aligned two-column text table, with the sample count and reference."""
+    names = {"fid": "FID", "sfid": "sFID", "is": "Inception Score", "precision": "Precision", "recall": "Recall",
+             "kid": "KID", "kid_std": "KID std"}
+    rows = [(names.get(k, k), f"{v:.4f}") for k, v in result.metrics.items()]
+    info = result.info
+    rows += [("samples", str(info["num_samples"])), ("reference", str(info["reference"])),
+             ("reference stats", str(info["reference_statistics"]))]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)

@@ -1,0 +1,52 @@
+"""Builds an ADM-compatible reference batch from a folder of real images.
+
+The output npz holds `mu`, `sigma` (pool_3) and `mu_s`, `sigma_s` (mixed_6/conv[..., :7]) like
+ADM's VIRTUAL_*.npz, and, optionally, the center-cropped images as `arr_0` (+ `arr_1` labels
+when the folder has one subfolder per class) so precision / recall can be computed against it.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..data.adm_npz import save_adm_npz
+from .inception import default_device
+from .metrics import feature_statistics
+from .pipeline import default_batch_size, get_extractor
+from .sources import ImageFolderBatches, list_images
+
+
+def save_reference_stats(images_dir: str | os.PathLike, out: str | os.PathLike, weights: str | os.PathLike,
+                         image_size: int = 256, with_images: bool = False, max_images: int | None = None,
+                         seed: int = 0, batch_size: int | None = None, device: str | torch.device | None = None,
+                         workers: int = 0) -> Path:
+    """Center-crops every image of `images_dir` to `image_size` (ADM's crop, as in training),
+    computes Inception statistics and writes them (and optionally the images) to `out`.
+    `max_images` keeps a seeded random subset (a sorted prefix of ImageNet would be a few classes)."""
+    device = torch.device(device) if device is not None else default_device()
+    extractor = get_extractor(weights, device)  # fail on bad weights before reading any image
+    files, labels = list_images(images_dir)
+    if max_images is not None and max_images < len(files):
+        keep = np.sort(np.random.default_rng(seed).choice(len(files), max_images, replace=False))
+        files = [files[i] for i in keep]
+        labels = None if labels is None else [labels[i] for i in keep]
+    if len(files) < 2:
+        raise ValueError(f"{images_dir} has {len(files)} image(s); statistics need at least 2")
+    batches = ImageFolderBatches(files, image_size, batch_size or default_batch_size(device), workers)
+    kept: list[np.ndarray] = []
+
+    def keep_images():  # one pass over the files: the cropped images are kept as they stream by
+        for batch in batches:
+            if with_images:
+                kept.append(batch)
+            yield batch
+
+    features = extractor.extract(keep_images(), total=len(files), desc="inception: reference images")
+    mu, sigma = feature_statistics(features.pool)
+    mu_s, sigma_s = feature_statistics(features.spatial)
+    images = np.concatenate(kept) if with_images else None
+    return save_adm_npz(out, images, labels if with_images else None,
+                        mu=mu, sigma=sigma, mu_s=mu_s, sigma_s=sigma_s)

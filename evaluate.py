@@ -1,0 +1,131 @@
+"""Scores samples with FID, sFID, IS, precision and recall as ADM's (TensorFlow) evaluator does.
+
+    python evaluate.py --samples samples.npz --ref VIRTUAL_imagenet256_labeled.npz \\
+        --inception-weights weights/weights-inception-2015-12-05-6726825d.pth [--metrics fid,sfid,is,precision,recall,kid] \\
+        [--json results.json] [--batch-size 250]
+    python evaluate.py --save-ref-stats ref.npz --images IMAGES_DIR --inception-weights FILE [--image-size 256] [--with-images]
+    python evaluate.py --samples samples.npz --digits      # offline check for the 8x8 digits default (not FID-50K)
+
+REF is an ADM reference npz (arr_0 images and/or mu, sigma, mu_s, sigma_s), a folder of images
+(center-cropped to the samples' size, as in training) or another sample npz.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from ancre_dit.cli import UserError, run_cli
+from ancre_dit.evaluation.metrics import FID_METHODS
+from ancre_dit.evaluation.pipeline import DEFAULT_METRICS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--samples", help="sample .npz (ADM layout) or a folder of images")
+    p.add_argument("--ref", help="reference: ADM .npz (images and/or statistics), folder of images, or sample .npz")
+    p.add_argument("--inception-weights", default=os.environ.get("ANCRE_INCEPTION_WEIGHTS"),
+                   help="local weights-inception-2015-12-05-6726825d.pth (default: $ANCRE_INCEPTION_WEIGHTS); "
+                        "never downloaded")
+    p.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
+                   help="comma-separated subset of fid,sfid,is,precision,recall,kid (default: ADM's five)")
+    p.add_argument("--json", help="also write the results (+ sample count, reference, weights file) here")
+    p.add_argument("--batch-size", type=int, help="images per Inception batch (default 250 on GPU, 32 on CPU)")
+    p.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda when available)")
+    p.add_argument("--workers", type=int, default=0, help="image-decoding processes for folders of images")
+    p.add_argument("--image-size", type=int,
+                   help="center-crop size for folders of images (default: the samples' size; 256 for --save-ref-stats)")
+    g = p.add_argument_group("metric settings (defaults are ADM's)")
+    g.add_argument("--is-split-size", type=int, default=5000, help="images per Inception Score split")
+    g.add_argument("--pr-k", type=int, default=3, help="nearest neighbour that sets precision/recall radii")
+    g.add_argument("--fid-method", choices=FID_METHODS, default="sqrtm",
+                   help="sqrtm: ADM's scipy sqrtm handling; eigh: same value, faster, stable for few samples")
+    g.add_argument("--kid-subsets", type=int, default=100)
+    g.add_argument("--kid-subset-size", type=int, default=1000)
+    r = p.add_argument_group("building a reference")
+    r.add_argument("--save-ref-stats", metavar="OUT.npz", help="write an ADM reference from --images DIR and exit")
+    r.add_argument("--images", metavar="DIR", help="folder of real images (class subfolders give labels)")
+    r.add_argument("--with-images", action="store_true", help="also store the cropped images (arr_0) in OUT.npz")
+    r.add_argument("--max-images", type=int, help="use a seeded random subset of this many images")
+    r.add_argument("--seed", type=int, default=0, help="seed of that subset")
+    p.add_argument("--digits", action="store_true",
+                   help="offline digits check of --samples (class accuracy + pixel Fréchet distance; NOT FID-50K)")
+    return p
+
+
+def _check_positive(**values: int | None) -> None:
+    for name, value in values.items():
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def _digits(args) -> int:
+    from ancre_dit.data.adm_npz import load_adm_npz
+    from ancre_dit.evaluation.digits import digits_report, format_digits_report
+
+    batch = load_adm_npz(args.samples)
+    if batch.images is None or batch.labels is None:
+        raise UserError(f"{args.samples} needs images (arr_0) and labels (arr_1) for --digits; write it with sample.py")
+    report = digits_report(batch.images, batch.labels)
+    print(format_digits_report(report))
+    if args.json:
+        _write_json(args.json, {"metrics": report, "samples": str(Path(args.samples).resolve()),
+                                "note": "digits offline check, NOT FID-50K"})
+    return 0
+
+
+def _save_ref(args) -> int:
+    from ancre_dit.evaluation.reference import save_reference_stats
+
+    if not args.images:
+        raise UserError("--save-ref-stats needs --images DIR (a folder of real images)")
+    out = save_reference_stats(args.images, args.save_ref_stats, args.inception_weights,
+                               image_size=args.image_size or 256, with_images=args.with_images,
+                               max_images=args.max_images, seed=args.seed, batch_size=args.batch_size,
+                               device=args.device, workers=args.workers)
+    print(f"reference statistics written to {out}")
+    return 0
+
+
+def _write_json(path: str, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"results written to {path}")
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    _check_positive(batch_size=args.batch_size, is_split_size=args.is_split_size, pr_k=args.pr_k,
+                    kid_subsets=args.kid_subsets, kid_subset_size=args.kid_subset_size, image_size=args.image_size,
+                    max_images=args.max_images)
+    if args.save_ref_stats:
+        return _save_ref(args)
+    if args.digits:
+        if not args.samples:
+            raise UserError("--digits needs --samples samples.npz")
+        return _digits(args)
+    if not args.samples:
+        raise UserError("pass --samples and --ref (or --save-ref-stats OUT.npz --images DIR, or --digits)")
+    from ancre_dit.evaluation.inception import check_weights
+    from ancre_dit.evaluation.pipeline import evaluate, format_table
+
+    try:
+        check_weights(args.inception_weights)
+    except UserError as err:
+        raise UserError(f"{err}; for the 8x8 digits default, --digits gives an offline check instead") from None
+    result = evaluate(args.samples, args.ref, args.inception_weights, metrics=args.metrics,
+                      batch_size=args.batch_size, device=args.device, is_split_size=args.is_split_size,
+                      pr_k=args.pr_k, fid_method=args.fid_method, kid_subsets=args.kid_subsets,
+                      kid_subset_size=args.kid_subset_size, image_size=args.image_size, workers=args.workers)
+    print(format_table(result))
+    if args.json:
+        _write_json(args.json, {"metrics": result.metrics, **result.info})
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
