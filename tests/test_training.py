@@ -63,7 +63,7 @@ def test_loss_falls_on_digits(tmp_path):
 def test_resume_is_bitwise_exact_and_survives_a_crash_mid_save(tmp_path, monkeypatch):
     N = 3
     # Learned sigma and label dropout on: every random stream (t, noise, dropout) must be restored.
-    common = ["train.ckpt_every=3", "model.learn_sigma=true", "model.class_dropout=0.1"]
+    common = ["train.ckpt_every=3", "model.learn_sigma=true", "model.class_dropout=0.1", "train.ema_warmup=true"]
     train(tiny_config(tmp_path / "straight", f"train.max_steps={2 * N}", *common))
     reset_accelerate()
 

@@ -55,6 +55,7 @@ class TrainConfig:
     warmup_steps: int = 0
     grad_clip: float = 0.0            # max global grad norm; 0 = off
     ema_decay: float = 0.9999
+    ema_warmup: bool = False          # ramp the decay up from 0 (timm's warmup), for short runs
     mixed_precision: str = "bf16"
     grad_accum: int = 1
     ckpt_every: int = 50_000
