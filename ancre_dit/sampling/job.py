@@ -106,15 +106,13 @@ def _check_or_write_identity(folder: Path, identity: dict, is_main: bool) -> Non
         os.replace(tmp, path)
 
 
-def write_grid(images: np.ndarray, path: Path) -> None:
-    """uint8 NHWC -> one PNG, about square."""
-    from PIL import Image
-    from torchvision.utils import make_grid
+def write_grid(images: np.ndarray, labels: np.ndarray, num_classes: int, path: Path) -> None:
+    """uint8 NHWC -> one PNG (small images enlarged); one column per class when labels are balanced."""
+    from ..analysis import save_image_grid
 
-    nrow = math.ceil(math.sqrt(len(images)))
-    grid = make_grid(torch.from_numpy(images).permute(0, 3, 1, 2), nrow=nrow, padding=1, pad_value=255)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(grid.permute(1, 2, 0).numpy()).save(path)
+    balanced = num_classes <= 32 and len(images) % num_classes == 0 and np.array_equal(
+        labels, np.arange(len(labels)) % num_classes)
+    save_image_grid(images, path, nrow=num_classes if balanced else math.ceil(math.sqrt(len(images))))
 
 
 def write_pngs(images: np.ndarray, folder: Path, start: int = 0) -> None:
@@ -216,7 +214,7 @@ def _run(s: JobSettings, guidance: Guidance, state) -> Path:
             write_pngs(images, Path(s.png_dir))
             log(f"wrote {len(images)} PNGs to {s.png_dir}")
         if s.grid:
-            write_grid(images[: s.grid_max], Path(s.grid))
+            write_grid(images[: s.grid_max], labels[: s.grid_max], num_classes, Path(s.grid))
             log(f"wrote grid of {min(len(images), s.grid_max)} images to {s.grid}")
         if not s.keep_parts:
             shutil.rmtree(folder, ignore_errors=True)
