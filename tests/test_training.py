@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -182,3 +183,25 @@ def test_trains_on_latent_shards(tmp_path):
     assert spec["data"] == {"kind": "latents", "image_size": 32, "image_channels": 3, "num_classes": 3, "vae": None,
                             "scaling_factor": 0.18215}
     assert "no sample grids" in (run / "log.txt").read_text()  # no VAE named: grids are skipped, training goes on
+
+
+@pytest.mark.parametrize("topology", ["denseformer", "hc", "mhc"])
+def test_peer_topologies_train_checkpoint_and_sample(tmp_path, topology):
+    """Issue 7: the peer schemes go through training, EMA, checkpoints and sampling; HC / mHC have
+    no (K, K) matrix, so no topology heatmap is drawn for them."""
+    from ancre_dit.sampling.api import sample_images
+
+    run = tmp_path / topology
+    out = train(tiny_config(run, f"model.topology={topology}", "model.hc_streams=3", "train.max_steps=3",
+                            "train.ckpt_every=3"))
+    assert out["step"] == 3
+    folder = _ckpt(run, 3)
+    model, spec = load_trained_model(folder)
+    assert spec["model"]["kwargs"]["topology"] == topology
+    ema = load_file(str(folder / "ema.safetensors"))
+    assert all(torch.equal(v, ema[k]) for k, v in model.state_dict().items())
+    assert (folder / "topology.png").is_file() == (topology == "denseformer")
+    if topology != "denseformer":
+        assert model.topology.streams == 3
+    images = sample_images(model, spec["diffusion"], [1, 2], sampler="ddim", steps=3, seed=0)
+    assert images.shape == (2, 8, 8, 1) and images.dtype == np.uint8

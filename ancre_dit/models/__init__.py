@@ -1,10 +1,10 @@
 """DiT backbones and residual topologies (no diffusion, data or Accelerate in here)."""
 from .convert import architecture_of, convert_official_state_dict, load_state_dict_checked
 from .dit import DIT_MODELS, DiT, DiTBlock, create_model
-from .topologies import TOPOLOGIES, ResidualTopology, build_topology, load_topology_json, save_topology_json
+from .topologies import TOPOLOGIES, ResidualTopology, TopologyNotDefined, build_topology, load_topology_json, save_topology_json
 
 __all__ = [
-    "DIT_MODELS", "DiT", "DiTBlock", "create_model", "TOPOLOGIES", "ResidualTopology", "build_topology",
+    "DIT_MODELS", "DiT", "DiTBlock", "create_model", "TOPOLOGIES", "ResidualTopology", "TopologyNotDefined", "build_topology",
     "load_topology_json", "save_topology_json", "architecture_of", "convert_official_state_dict",
     "load_state_dict_checked",
 ]

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .topologies import DENSEFORMER, HC, HC_DYNAMIC, MHC, PEER_TOPOLOGIES, ResidualTopology
+from .topologies import DENSEFORMER, HC, HC_DYNAMIC, MHC, PEER_TOPOLOGIES, ResidualTopology, TopologyNotDefined
 
 # mHC's paper does not fix an initialisation; ours puts this much weight off the HC-style choice
 # (stream l mod n as the branch input, identity stream mixing), see ManifoldHyperConnectionTopology.
@@ -32,13 +32,6 @@ MHC_PRE_LEAK = 0.05
 MHC_RES_LEAK = 0.25
 # HC (dynamic): the paper initialises the tanh scales s_alpha, s_beta to 0.01 and W to 0.
 HC_DYNAMIC_SCALE_INIT = 0.01
-
-
-class TopologyNotDefined(ValueError):
-    """The scheme has no (K, K) block-to-block weight matrix (e.g. n-stream HC / mHC).
-
-    Raised by `probabilities()`; a trainer drawing topology heatmaps catches it and skips the plot.
-    """
 
 
 def _check_blocks(topology: ResidualTopology, blocks: Sequence[nn.Module]) -> None:

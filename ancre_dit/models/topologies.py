@@ -39,6 +39,13 @@ MHC = "mhc"
 PEER_TOPOLOGIES = (DENSEFORMER, HC, HC_DYNAMIC, MHC)
 
 
+class TopologyNotDefined(ValueError):
+    """The scheme has no (K, K) block-to-block weight matrix (e.g. n-stream HC / mHC).
+
+    Raised by `probabilities()`; code that draws or logs topologies catches it and skips them.
+    """
+
+
 class ResidualTopology(nn.Module):
     """Base class: owns the loop over blocks. Subclasses override `forward` and `probabilities`."""
 

@@ -33,6 +33,8 @@ class ModelConfig:
     hidden_size: int | None = None
     num_heads: int | None = None
     topology_path: str | None = None  # topology.json for topology "frozen"
+    hc_streams: int = 4               # residual streams of hc / hc-dynamic / mhc
+    sinkhorn_iters: int = 20          # Sinkhorn-Knopp iterations of mhc
 
 
 @dataclass

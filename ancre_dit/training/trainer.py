@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from ..cli import UserError
 from ..diffusion.gaussian import create_diffusion
-from ..models import DIT_MODELS, create_model, save_topology_json
+from ..models import DIT_MODELS, TopologyNotDefined, create_model, save_topology_json
 from ..models.dit import DIT_SIZES
 from ..trained_model import WEIGHT_FILES, make_model_spec, write_model_files
 from . import checkpointing as ckpt
@@ -154,6 +154,8 @@ class Trainer:
                 kwargs[key] = getattr(m, key)
         if m.topology == "frozen":
             kwargs["topology_path"] = m.topology_path
+        if m.topology in ("hc", "hc-dynamic", "mhc"):
+            kwargs.update(hc_streams=m.hc_streams, sinkhorn_iters=m.sinkhorn_iters)
         size = DIT_MODELS[m.name][0]
         depth, hidden, heads = DIT_SIZES[size]
         if kwargs.get("hidden_size", hidden) % kwargs.get("num_heads", heads):
@@ -181,9 +183,11 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------
     def _write_files(self, folder: Path) -> None:
         write_model_files(folder, self.model_spec(), self.raw_model.state_dict(), self.ema.module.state_dict())
-        P = self.ema.module.topology.probabilities()
+        P, P_raw = _topology_matrix(self.ema.module), _topology_matrix(self.raw_model)
+        if P is None:  # n-stream schemes (HC, mHC) have no block-to-block matrix to draw
+            return
         extra = {"step": self.step, "topology": self.config.model.topology, "weights": "ema",
-                 "training_probabilities": self.raw_model.topology.probabilities().detach().cpu().tolist()}
+                 "training_probabilities": P_raw.tolist()}
         for target in (folder, self.run_dir):
             save_topology_json(target / "topology.json", P, **extra)
         try:
@@ -313,8 +317,8 @@ class Trainer:
             with open(self.run_dir / "logs" / METRICS_FILE, "a") as f:
                 f.write(json.dumps({"step": self.step, **metrics}) + "\n")
             tracked = {f"train/{k}": v for k, v in metrics.items()}
-            if self.learnable_topology:
-                P = self.raw_model.topology.probabilities().detach().float().cpu()
+            P = _topology_matrix(self.raw_model) if self.learnable_topology else None
+            if P is not None:
                 for j in range(P.shape[0]):
                     for i in range(j + 1):
                         tracked[f"topology/p_{j + 1}_{i}"] = float(P[j, i])
@@ -377,6 +381,14 @@ class Trainer:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         from ..analysis import plot_loss_curve
         plot_loss_curve([r["step"] for r in rows], [r["loss"] for r in rows], self.run_dir / "loss.png")
+
+
+def _topology_matrix(model: torch.nn.Module) -> torch.Tensor | None:
+    """The model's (K, K) topology on the CPU, or None for schemes that have none (HC, mHC)."""
+    try:
+        return model.topology.probabilities().detach().float().cpu()
+    except TopologyNotDefined:
+        return None
 
 
 def train(config: Config, resume: str | None = None) -> dict[str, Any]:
