@@ -3,7 +3,7 @@ reference writer, the weights errors, the CLI and the offline digits check."""
 from __future__ import annotations
 
 import json
-import subprocess
+import runpy
 import sys
 from pathlib import Path
 
@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from scipy import linalg
 
-from ancre_dit.cli import UserError
+from ancre_dit.cli import UserError, run_cli
 from ancre_dit.data.adm_npz import ADMBatch, load_adm_npz, save_adm_npz
 from ancre_dit.evaluation import (
     WEIGHTS_NAME, InceptionExtractor, check_weights, compute_metrics, digits_report, evaluate,
@@ -24,7 +24,7 @@ from ancre_dit.evaluation.inception import iterate_batches
 from ancre_dit.evaluation.sources import open_adm_npz
 
 ROOT = Path(__file__).resolve().parents[1]
-N, SIZE = 16, 32  # few, small images: the network resizes to 299 and costs ~0.1 s per image on a CPU
+N, SIZE = 12, 32  # few, small images: the network resizes to 299 and costs ~0.1 s per image on a CPU
 
 
 def _blobs(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -213,7 +213,7 @@ def test_reference_stats_from_folder_and_mu_sigma_path(weights, image_sets, feat
     result = evaluate(samples, stats_only, weights, metrics="fid,sfid", device="cpu", fid_method="eigh")
     assert abs(result.metrics["fid"]) < 1e-4 and abs(result.metrics["sfid"]) < 1e-4
     assert result.info["reference_statistics"] == "stored" and result.info["num_reference_images"] == 0
-    shifted = compute_metrics(ADMBatch(image_sets["shifted"], None), stats_only, weights, metrics=("fid",),
+    shifted = compute_metrics(ADMBatch(image_sets["shifted"][:6], None), stats_only, weights, metrics=("fid",),
                               device="cpu", fid_method="eigh")
     assert shifted["fid"] > 1.0
     with pytest.raises(ValueError, match="statistics only"):
@@ -269,31 +269,38 @@ def test_missing_or_corrupt_weights_give_one_line(weights, tmp_path):
         assert WEIGHTS_NAME in message and "--inception-weights" in message and "\n" not in message
 
 
-def test_cli_writes_table_and_json_and_fails_in_one_line(weights, image_sets, tmp_path):
+def _run_cli(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
+    """Runs evaluate.py's main in this process (the network stays loaded) as the shell would."""
+    main = runpy.run_path(str(ROOT / "evaluate.py"))["main"]
+    monkeypatch.setattr(sys, "argv", ["evaluate.py", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main)
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_cli_writes_table_and_json_and_fails_in_one_line(weights, image_sets, tmp_path, monkeypatch, capsys):
     samples = save_adm_npz(tmp_path / "samples.npz", image_sets["real"][:6], np.arange(6))
     ref = save_adm_npz(tmp_path / "ref.npz", image_sets["shifted"][:6])
     out = tmp_path / "out.json"
-    run = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--samples", str(samples), "--ref", str(ref),
-                          "--inception-weights", str(weights), "--metrics", "fid,is,precision,recall",
-                          "--fid-method", "eigh", "--device", "cpu", "--batch-size", "4", "--json", str(out)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    assert "FID" in run.stdout and "Precision" in run.stdout
+    code, stdout, stderr = _run_cli(monkeypatch, capsys, "--samples", str(samples), "--ref", str(ref),
+                                    "--inception-weights", str(weights), "--metrics", "fid,is,precision,recall",
+                                    "--fid-method", "eigh", "--device", "cpu", "--json", str(out))
+    assert code == 0, stderr
+    assert "FID" in stdout and "Precision" in stdout
     data = json.loads(out.read_text())
     assert set(data["metrics"]) == {"fid", "is", "precision", "recall"} and data["metrics"]["fid"] > 0
     assert data["num_samples"] == 6 and data["reference"] == str(ref.resolve())
     assert data["inception_weights"] == str(Path(weights).resolve()) and len(data["inception_weights_sha256"]) == 64
-    bad = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--samples", str(samples), "--ref", str(ref),
-                          "--inception-weights", str(tmp_path / "nope.pth")], capture_output=True, text=True,
-                         timeout=600)
-    assert bad.returncode == 2
-    lines = bad.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and WEIGHTS_NAME in lines[0]
+    code, stdout, stderr = _run_cli(monkeypatch, capsys, "--samples", str(samples), "--ref", str(ref),
+                                    "--inception-weights", str(tmp_path / "nope.pth"))
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and WEIGHTS_NAME in lines[0]
 
 
 # --- the digits offline check ------------------------------------------------------------------
 
-def test_digits_report_real_high_noise_chance(tmp_path):
+def test_digits_report_real_high_noise_chance(tmp_path, monkeypatch, capsys):
     from ancre_dit.data.digits import DigitsDataset, to_uint8
 
     heldout = DigitsDataset("heldout")
@@ -311,7 +318,6 @@ def test_digits_report_real_high_noise_chance(tmp_path):
         digits_report(images.astype(np.float32), labels)
     # The CLI face of it, for the quickstart.
     path = save_adm_npz(tmp_path / "digits.npz", images, labels)
-    run = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--samples", str(path), "--digits"],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr
-    assert "NOT FID-50K" in run.stdout
+    code, stdout, stderr = _run_cli(monkeypatch, capsys, "--samples", str(path), "--digits")
+    assert code == 0, stderr
+    assert "NOT FID-50K" in stdout

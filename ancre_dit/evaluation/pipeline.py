@@ -4,6 +4,16 @@ Each side (samples, reference) is an ADMBatch, an ADM .npz (images and/or mu, si
 sigma_s) or a folder of images. As in ADM, statistics stored in an npz are used as they are for
 FID / sFID; otherwise they come from the side's Inception features. IS uses the samples alone;
 precision / recall and KID need the reference's images.
+
+Differences from ADM's evaluator (guided-diffusion evaluations/evaluator.py), all checked there:
+- network: torch-fidelity's PyTorch port of the same TF 2015-12-05 Inception (TF1 bilinear resize
+  to 299 emulated, float32), not the TF graph itself; TF32 is switched off on GPUs while extracting;
+- FID / sFID: same layers (pool_3; mixed_6/conv[..., :7] in (H, W, C) order), same formula and
+  sqrtm handling by default (--fid-method sqrtm); statistics are float64 (ADM's mean is float32);
+- IS: same (softmax of unbiased logits, consecutive splits of 5000, no shuffle); float64 log-softmax;
+- precision / recall: same definition (k = 3 on pool_3, 10000-row blocks), but squared distances
+  in float32 where ADM first tries float16 (see precision_recall.py);
+- KID is not in ADM (torch-fidelity's estimator).
 """
 from __future__ import annotations
 
@@ -59,8 +69,8 @@ class Side:
 
     def require_features(self, metric: str) -> InceptionFeatures:
         if self.features is None:
-            raise ValueError(f"{metric} needs images on both sides but {self.name} holds statistics only "
-                             f"(no arr_0); pass a reference with images, or drop {metric} from --metrics")
+            raise ValueError(f"{metric} needs images but {self.name} holds statistics only "
+                             f"(no arr_0); pass a file with images, or drop {metric} from --metrics")
         return self.features
 
 
@@ -256,7 +266,7 @@ def format_table(result: EvaluationResult) -> str:
              "kid": "KID", "kid_std": "KID std"}
     rows = [(names.get(k, k), f"{v:.4f}") for k, v in result.metrics.items()]
     info = result.info
-    rows += [("samples", str(info["num_samples"])), ("reference", str(info["reference"])),
+    rows += [("samples", str(info["num_samples"])), ("reference", str(info["reference"] or "none (IS only)")),
              ("reference stats", str(info["reference_statistics"]))]
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)
