@@ -48,7 +48,16 @@ def test_to_uint8():
     assert out.dtype == np.uint8 and out.tolist() == [0, 0, 128, 255, 255]
 
 
-def test_tiny_dit_loss_falls_on_digits():
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread; on a busy 2-core machine two threads spin-wait."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tiny_dit_loss_falls_on_digits(one_thread):
     torch.manual_seed(0)
     train, heldout = DigitsDataset("train"), DigitsDataset("heldout")
     model = create_model("DiT-T/2", depth=2, hidden_size=64, num_heads=2, input_size=8, in_channels=1,
