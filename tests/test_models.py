@@ -1,9 +1,14 @@
 """DiT backbones and the ANCRe topology: shapes, parameter counts, the reference formula,
 ablation variants, gradients, checkpoint import and torch.compile."""
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _model_helpers import inputs, randomize  # noqa: E402
 
 from ancre_dit import DIT_MODELS, convert_official_state_dict, create_model
 from ancre_dit.models import load_state_dict_checked, load_topology_json, save_topology_json
@@ -16,21 +21,6 @@ TINY = dict(depth=4, hidden_size=32, num_heads=2, input_size=8, in_channels=1, n
 def tiny(topology="ancre", seed=0, **kwargs):
     torch.manual_seed(seed)
     return create_model("DiT-T/2", **{**TINY, "topology": topology, **kwargs})
-
-
-def randomize(model, seed=1):
-    """adaLN-Zero makes every block the identity at init; random weights make the test meaningful."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "adaLN_modulation" in name or "final_layer" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model.eval()
-
-
-def inputs(n=3, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 1, 8, 8, generator=g), torch.tensor([0, 10, 999][:n]), torch.tensor([1, 5, 10][:n])
 
 
 def set_logits(model, seed=3, scale=1.0):

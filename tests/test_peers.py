@@ -2,10 +2,15 @@
 cascaded DiT at init, the formulas with non-trivial weights, mHC's doubly stochastic mixing,
 gradients, save/load, EMA copies, bf16 autocast and torch.compile tracing."""
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _model_helpers import inputs, randomize  # noqa: E402
 
 from ancre_dit import create_model
 from ancre_dit.models import load_state_dict_checked
@@ -21,16 +26,6 @@ def tiny(topology, seed=0, **kwargs):
     return create_model("DiT-T/2", **{**TINY, "topology": topology, **kwargs})
 
 
-def randomize(model, seed=1):
-    """adaLN-Zero makes every block the identity at init; random weights make the tests meaningful."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "adaLN_modulation" in name or "final_layer" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model.eval()
-
-
 def perturb_topology(model, seed=3, scale=0.3):
     """Moves every topology parameter away from its init, as training would."""
     g = torch.Generator().manual_seed(seed)
@@ -38,11 +33,6 @@ def perturb_topology(model, seed=3, scale=0.3):
         for p in model.topology.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
     return model
-
-
-def inputs(n=3, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 1, 8, 8, generator=g), torch.tensor([0, 10, 999][:n]), torch.tensor([1, 5, 10][:n])
 
 
 def pair(topology, **kwargs):
