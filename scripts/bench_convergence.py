@@ -32,7 +32,7 @@ from tqdm import tqdm
 from ancre_dit.cli import UserError, run_cli
 from ancre_dit.data.digits import DIGITS_IMAGE_SIZE, DIGITS_NUM_CLASSES, DigitsDataset
 from ancre_dit.diffusion.gaussian import GaussianDiffusion, create_diffusion
-from ancre_dit.models import TOPOLOGIES, create_model
+from ancre_dit.models import TOPOLOGIES, TopologyNotDefined, create_model
 
 # Fixed timesteps of the held-out score: spread over the whole chain, like the training loss.
 EVAL_TIMESTEPS = (50, 150, 250, 350, 450, 550, 650, 750, 850, 950)
@@ -149,7 +149,10 @@ def train_run(cfg: RunConfig, train: DigitsDataset, heldout: DigitsDataset | Non
     result.seconds = time.perf_counter() - start
     if batch is not None:  # the EMA only at the end: scoring it every time would double the cost
         result.heldout_mse_ema.append(heldout_mse(ema, diffusion, batch))
-    result.topology = model.topology.probabilities().detach().tolist()
+    try:
+        result.topology = model.topology.probabilities().detach().tolist()
+    except TopologyNotDefined:  # n-stream schemes (HC, mHC) have no block-to-block matrix
+        result.topology = None
     return result, model, ema
 
 
