@@ -23,6 +23,15 @@ class ADMBatch:
     stats: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+def to_uint8(images) -> np.ndarray:
+    """Images in [-1, 1] (a tensor or array of any shape) -> uint8 0..255, clipped, rounded to nearest.
+    The one place that fixes how model outputs become pixels (samples, grids, digits checks)."""
+    if hasattr(images, "detach"):
+        images = images.detach().float().cpu().numpy()
+    x = np.asarray(images, dtype=np.float32)
+    return np.clip(np.rint((x + 1.0) * 127.5), 0, 255).astype(np.uint8)
+
+
 def to_rgb_uint8(images: np.ndarray) -> np.ndarray:
     """(N, H, W), (N, H, W, 1) or (N, H, W, 3) uint8 -> (N, H, W, 3); grayscale gets 3 equal channels."""
     images = np.asarray(images)

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from .adm_npz import to_uint8  # noqa: F401  (re-exported: samples of the digits default)
+
 DIGITS_NUM_CLASSES = 10
 DIGITS_IMAGE_SIZE = 8
 DIGITS_SPLITS = ("train", "heldout")
@@ -63,9 +65,3 @@ class DigitsDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return self.images[i], int(self.labels[i])
-
-
-def to_uint8(images: torch.Tensor | np.ndarray) -> np.ndarray:
-    """Images in [-1, 1] (any shape) -> uint8 in 0..255, clipped, rounded to nearest."""
-    x = images.detach().float().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images, np.float32)
-    return np.clip(np.rint((x + 1.0) * 127.5), 0, 255).astype(np.uint8)

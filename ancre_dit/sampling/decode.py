@@ -8,19 +8,19 @@ import numpy as np
 import torch
 
 from ..cli import UserError
+from ..data.adm_npz import to_uint8
 
 Decoder = Callable[[torch.Tensor], np.ndarray]
 
 
-def to_uint8(x: torch.Tensor) -> np.ndarray:
+def to_uint8_nhwc(x: torch.Tensor) -> np.ndarray:
     """(N, C, H, W) in [-1, 1] -> uint8 (N, H, W, C), clipped and rounded to nearest."""
-    x = ((x.float() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
-    return x.permute(0, 2, 3, 1).cpu().numpy()
+    return to_uint8(x).transpose(0, 2, 3, 1)
 
 
 def decode_pixels(x: torch.Tensor) -> np.ndarray:
     """Pixel-space models sample images directly."""
-    return to_uint8(x)
+    return to_uint8_nhwc(x)
 
 
 class VAEDecoder:
@@ -39,7 +39,7 @@ class VAEDecoder:
             latents = part.to(param.device, param.dtype) / self.loaded.scaling_factor
             if self.loaded.shift_factor is not None:
                 latents = latents + self.loaded.shift_factor
-            out.append(to_uint8(vae.decode(latents).sample))
+            out.append(to_uint8_nhwc(vae.decode(latents).sample))
         return np.concatenate(out)
 
 
