@@ -12,8 +12,7 @@ from _model_helpers import inputs, randomize  # noqa: E402
 
 from ancre_dit import DIT_MODELS, convert_official_state_dict, create_model
 from ancre_dit.models import load_state_dict_checked, load_topology_json, save_topology_json
-from ancre_dit.models.dit import DiT
-from ancre_dit.models.topologies import TOPOLOGIES, build_topology, first_previous_weights
+from ancre_dit.models.topologies import TOPOLOGIES, first_previous_weights
 
 TINY = dict(depth=4, hidden_size=32, num_heads=2, input_size=8, in_channels=1, num_classes=10)
 

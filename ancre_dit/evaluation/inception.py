@@ -16,7 +16,6 @@ ones stored in ADM reference batches.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,15 +40,6 @@ def weights_hint(problem: str) -> str:
     return (f"{problem}; the Inception metrics need {WEIGHTS_NAME} (torch-fidelity's port of TF's Inception, "
             f"~91 MB; nothing is downloaded for you: fetch it from {WEIGHTS_URL}), put it in ./weights/ "
             f"and pass --inception-weights weights/{WEIGHTS_NAME}")
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file, recorded next to results so a number can be traced to its weights."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def default_device() -> torch.device:

@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from ..data.adm_npz import ADMBatch
-from .inception import InceptionExtractor, InceptionFeatures, default_device, file_sha256, iterate_batches
+from ..files import sha256_file
+from .inception import InceptionExtractor, InceptionFeatures, default_device, iterate_batches
 from .metrics import (
     feature_statistics, frechet_distance, frechet_distance_to_features, inception_score, kernel_inception_distance,
 )
@@ -210,7 +211,7 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
         "reference": _describe(ref),
         "reference_statistics": ref_side.stats_source,
         "inception_weights": str(Path(extractor.weights).resolve()),
-        "inception_weights_sha256": file_sha256(extractor.weights),
+        "inception_weights_sha256": sha256_file(extractor.weights),
         "feature_extractor": f"torch-fidelity {torch_fidelity.__version__} inception-v3-compat",
         "settings": {"is_split_size": is_split_size, "pr_k": pr_k, "fid_method": fid_method,
                      "batch_size": batch_size, "device": str(device),

@@ -21,32 +21,13 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from ancre_dit.data.latents import shard_file_name
+from ancre_dit.files import sha256_file, write_atomic  # noqa: F401  (re-exported for extract.py)
 
 META_KEY = "ancre_dit"
-_CHUNK = 1 << 22
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def checksum_path(shard_path: Path) -> Path:
     return shard_path.with_name(shard_path.name + ".sha256")
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    # A unique temporary name per process, fsync, then rename: a kill at any moment leaves either
-    # the old state or the complete file, never half a shard that a rerun would trust.
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_shard(out: Path, shard: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:

@@ -125,30 +125,29 @@ class ANCReTopology(_PerBlockLogits):
     whatever it holds. tau is stored as a buffer so a checkpoint carries the value it was trained with.
     """
 
+    softmax_dim = 1  # over sources i: the incoming edges of each block
+    frozen_block: int | None = 0
+
     def __init__(self, num_blocks: int, tau: float = 0.01):
-        super().__init__(num_blocks, init=0.0, frozen_block=0)
+        super().__init__(num_blocks, init=0.0, frozen_block=self.frozen_block)
         self.register_buffer("tau", torch.tensor(float(tau)))
 
     def probabilities(self) -> torch.Tensor:
-        return torch.softmax(self.logit_matrix(float("-inf")) / self.tau, dim=1)
+        return torch.softmax(self.logit_matrix(float("-inf")) / self.tau, dim=self.softmax_dim)
 
     def extra_repr(self) -> str:
         return f"num_blocks={self.num_blocks}, tau={self.tau.item():g}"
 
 
-class OutgoingANCReTopology(_PerBlockLogits):
+class OutgoingANCReTopology(ANCReTopology):
     """Ablation: softmax over the *outgoing* edges of each source i (columns sum to 1).
 
     All K(K+1)/2 logits are trainable; the edge h_{K-1} -> block K is its source's only outgoing
     edge, so its weight is 1 and its logit never receives a gradient.
     """
 
-    def __init__(self, num_blocks: int, tau: float = 0.01):
-        super().__init__(num_blocks, init=0.0)
-        self.register_buffer("tau", torch.tensor(float(tau)))
-
-    def probabilities(self) -> torch.Tensor:
-        return torch.softmax(self.logit_matrix(float("-inf")) / self.tau, dim=0)
+    softmax_dim = 0  # over targets j: the outgoing edges of each source
+    frozen_block = None
 
 
 class UnnormalizedTopology(_PerBlockLogits):

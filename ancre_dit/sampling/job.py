@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from ..cli import UserError
 from ..data.adm_npz import load_adm_npz, save_adm_npz
+from ..files import write_atomic
 from ..trained_model import load_trained_model
 from .api import sample_images
 from .decode import build_decoder
@@ -101,9 +102,7 @@ def _check_or_write_identity(folder: Path, identity: dict, is_main: bool) -> Non
                             f"the same settings to resume, or delete {folder} / choose another --out")
     elif is_main:
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(JOB_FILE + ".tmp")
-        tmp.write_text(json.dumps(identity, indent=1))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(identity, indent=1).encode())
 
 
 def write_grid(images: np.ndarray, labels: np.ndarray, num_classes: int, path: Path) -> None:
