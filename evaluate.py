@@ -17,7 +17,8 @@ import os
 import sys
 from pathlib import Path
 
-from ancre_dit.cli import UserError, run_cli
+from ancre_dit.cli import run_cli
+from ancre_dit.errors import UserError
 from ancre_dit.evaluation.metrics import FID_METHODS
 from ancre_dit.evaluation.pipeline import DEFAULT_METRICS
 

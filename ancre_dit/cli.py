@@ -1,31 +1,33 @@
-"""Shared behaviour of the command-line faces: one clear line for a user's mistake, not a traceback."""
+"""Shared behaviour of the command-line faces: one clear line for a user's mistake, a traceback for a bug."""
 from __future__ import annotations
 
 import os
 import sys
+import traceback
 from typing import Callable
 
+from .errors import UserError
 
-class UserError(Exception):
-    """A problem the user can fix (bad flag, missing file, wrong checkpoint); printed as one line."""
-
-
-# Errors that, raised from our own input checks, describe a user mistake in their message.
-USER_ERRORS = (UserError, ValueError, FileNotFoundError, KeyError)
+BUG_REPORT = ("this is a bug in ancre-dit, not a problem with your input; please report it to the ancre-dit "
+              "issue tracker with the traceback above and the command you ran")
 
 
 def run_cli(main: Callable[[], int | None]) -> None:
-    """Runs `main`; a user error prints `error: <message>` and exits 2 (set ANCRE_DEBUG=1 for
-    the traceback). Ctrl-C exits 130 after `main` has had its chance to save."""
+    """Runs `main`. A `UserError` prints `error: <message>` and exits 2 (ANCRE_DEBUG=1 shows its
+    traceback); any other exception is a bug: its traceback, then one line saying so, exit 1.
+    Ctrl-C exits 130 after `main` has had its chance to save."""
     try:
         code = main()
-    except USER_ERRORS as err:
+    except UserError as err:
         if os.environ.get("ANCRE_DEBUG"):
             raise
-        message = err.args[0] if isinstance(err, KeyError) and err.args else err
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+    except Exception:  # noqa: BLE001 - a bug: show where it happened
+        traceback.print_exc()
+        print(f"internal error: {BUG_REPORT}", file=sys.stderr)
+        sys.exit(1)
     sys.exit(code or 0)

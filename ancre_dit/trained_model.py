@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from .models import DiT, create_model, load_state_dict_checked
 from .models.topologies import FROZEN, FixedTopology
+from .errors import MissingFileError, UserError
 
 SPEC_FILE = "model_spec.json"
 WEIGHT_FILES = {"ema": "ema.safetensors", "model": "model.safetensors"}
@@ -45,7 +46,7 @@ def load_model_spec(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     path = folder / SPEC_FILE
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"{folder} is not a checkpoint folder ({SPEC_FILE} missing); pass RUN/checkpoints/<step> of a training run"
         )
     return json.loads(path.read_text())
@@ -54,12 +55,12 @@ def load_model_spec(folder: str | Path) -> dict[str, Any]:
 def load_trained_model(folder: str | Path, weights: str = "ema", device: str | torch.device = "cpu") -> tuple[DiT, dict]:
     """Rebuilds the network of a checkpoint and loads its EMA (default) or raw weights, in eval mode."""
     if weights not in WEIGHT_FILES:
-        raise ValueError(f"unknown weights {weights!r}; choose ema or model")
+        raise UserError(f"unknown weights {weights!r}; choose ema or model")
     folder = Path(folder)
     spec = load_model_spec(folder)
     path = folder / WEIGHT_FILES[weights]
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; the checkpoint is incomplete, pick another step")
+        raise MissingFileError(f"{path} is missing; the checkpoint is incomplete, pick another step")
     state = load_file(str(path))
     kwargs = dict(spec["model"]["kwargs"])
     if kwargs.get("topology") == FROZEN:

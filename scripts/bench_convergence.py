@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ancre_dit.cli import UserError, run_cli
+from ancre_dit.cli import run_cli
+from ancre_dit.errors import UserError
 from ancre_dit.data.digits import DIGITS_IMAGE_SIZE, DIGITS_NUM_CLASSES, DigitsDataset
 from ancre_dit.diffusion.gaussian import GaussianDiffusion, create_diffusion
 from ancre_dit.models import TOPOLOGIES, TopologyNotDefined, create_model

@@ -26,7 +26,8 @@ from datetime import datetime, timezone
 import torch
 from tqdm import tqdm
 
-from ancre_dit.cli import UserError, run_cli
+from ancre_dit.cli import run_cli
+from ancre_dit.errors import UserError
 from ancre_dit.models import TOPOLOGIES, create_model
 
 DEFAULT_TOPOLOGIES = ("cascaded", "ancre", "denseformer", "hc", "hc-dynamic", "mhc")

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ancre_dit.cli import UserError, run_cli
+from ancre_dit.cli import run_cli
+from ancre_dit.errors import UserError
 from ancre_dit.models import create_model
 from ancre_dit.sampling import sample_images, sample_latents
 

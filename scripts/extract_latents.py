@@ -12,7 +12,8 @@ import argparse
 import os
 import sys
 
-from ancre_dit.cli import UserError, run_cli
+from ancre_dit.cli import run_cli
+from ancre_dit.errors import UserError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -11,7 +11,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _training_helpers import ROOT, subprocess_env  # noqa: E402
 
-from ancre_dit.cli import UserError  # noqa: E402
+from ancre_dit.errors import UserError  # noqa: E402
 from ancre_dit.training.config import check_batch_layout, load_config, save_config  # noqa: E402
 from ancre_dit.training.data import GlobalBatchSampler, advance_position, build_data  # noqa: E402
 

@@ -13,7 +13,8 @@ import torch
 from PIL import Image
 from scipy import linalg
 
-from ancre_dit.cli import UserError, run_cli
+from ancre_dit.cli import run_cli
+from ancre_dit.errors import UserError
 from ancre_dit.data.adm_npz import ADMBatch, load_adm_npz, save_adm_npz
 from ancre_dit.evaluation import (
     WEIGHTS_NAME, InceptionExtractor, check_weights, compute_metrics, digits_report, evaluate,

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from ancre_dit.cli import UserError
+from ancre_dit.errors import UserError
 from ancre_dit.data.latents import LatentShardDataset, sample_latents
 from ancre_dit.data.transforms import center_crop_arr
 from ancre_dit.latents.extract import ExtractConfig, run_extraction

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ancre_dit.cli import UserError
+from ancre_dit.errors import UserError
 from ancre_dit.models import create_model
 from ancre_dit.sampling import GuidedDenoiser, Guidance, SampleNoise, sample_images, sample_latents
 from ancre_dit.sampling import job as job_module

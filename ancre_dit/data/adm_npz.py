@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from ..errors import MissingFileError, UserError
 
 STAT_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
 
@@ -74,7 +75,7 @@ def load_adm_npz(path: str | os.PathLike) -> ADMBatch:
     """Reads a sample file or an ADM reference batch; a missing or corrupt file is one clear error."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; pass an .npz written by sample.py or an ADM reference batch")
+        raise MissingFileError(f"{path} does not exist; pass an .npz written by sample.py or an ADM reference batch")
     try:
         with np.load(path) as data:
             keys = set(data.files)
@@ -82,7 +83,7 @@ def load_adm_npz(path: str | os.PathLike) -> ADMBatch:
             labels = data["arr_1"].astype(np.int64) if "arr_1" in keys else None
             stats = {k: data[k] for k in STAT_KEYS if k in keys}
     except (zipfile.BadZipFile, ValueError, OSError, EOFError) as err:
-        raise ValueError(f"{path} is not a readable ADM .npz ({err}); regenerate it") from None
+        raise UserError(f"{path} is not a readable ADM .npz ({err}); regenerate it") from None
     if images is None and not stats:
-        raise ValueError(f"{path} holds neither images (arr_0) nor statistics (mu, sigma)")
+        raise UserError(f"{path} holds neither images (arr_0) nor statistics (mu, sigma)")
     return ADMBatch(images, labels, stats)

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .adm_npz import to_uint8  # noqa: F401  (re-exported: samples of the digits default)
+from ..errors import UserError
 
 DIGITS_NUM_CLASSES = 10
 DIGITS_IMAGE_SIZE = 8
@@ -52,7 +53,7 @@ class DigitsDataset(Dataset):
 
     def __init__(self, split: str = "train"):
         if split not in DIGITS_SPLITS:
-            raise ValueError(f"unknown digits split {split!r}; choose one of {', '.join(DIGITS_SPLITS)}")
+            raise UserError(f"unknown digits split {split!r}; choose one of {', '.join(DIGITS_SPLITS)}")
         images, labels = _all_digits()
         index = _split_indices()[split]
         self.split = split

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset
+from ..errors import UserError
 
 FORMAT_NAME = "ancre-dit-latents"
 FORMAT_VERSION = 1
@@ -37,17 +38,17 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
             f"{root} (rerun the same command to finish an interrupted extraction), then check it with "
             f"scripts/extract_latents.py --verify {root}")
     if not root.is_dir():
-        raise ValueError(f"latent directory {root} does not exist; {hint}")
+        raise UserError(f"latent directory {root} does not exist; {hint}")
     if not path.is_file():
-        raise ValueError(f"{root} has no {MANIFEST_NAME} (not a latent directory, or its extraction did not finish); {hint}")
+        raise UserError(f"{root} has no {MANIFEST_NAME} (not a latent directory, or its extraction did not finish); {hint}")
     try:
         manifest = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{path} is not readable JSON ({err}); {hint}") from None
+        raise UserError(f"{path} is not readable JSON ({err}); {hint}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        raise ValueError(f"{path} is not a {FORMAT_NAME} manifest; {hint}")
+        raise UserError(f"{path} is not a {FORMAT_NAME} manifest; {hint}")
     if manifest.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{path} has format version {manifest.get('version')}, this code reads "
+        raise UserError(f"{path} has format version {manifest.get('version')}, this code reads "
                          f"version {FORMAT_VERSION}; re-extract the latents with this version")
     return manifest
 
@@ -68,7 +69,7 @@ class LatentShardDataset(Dataset):
         shards = self.manifest["shards"]
         missing = [s["file"] for s in shards if not (self.root / s["file"]).is_file()]
         if missing:
-            raise ValueError(f"{self.root} lacks {len(missing)} shard(s) listed in its manifest "
+            raise UserError(f"{self.root} lacks {len(missing)} shard(s) listed in its manifest "
                              f"(first: {missing[0]}); run scripts/extract_latents.py --verify {self.root}, "
                              "then rerun the extraction to rewrite them")
         nonempty = [s for s in shards if int(s["count"]) > 0]
@@ -80,7 +81,7 @@ class LatentShardDataset(Dataset):
             total += int(s["count"])
         self._len = total
         if total != int(self.manifest["num_images"]):
-            raise ValueError(f"{self.root}/{MANIFEST_NAME} lists {total} images in its shards but "
+            raise UserError(f"{self.root}/{MANIFEST_NAME} lists {total} images in its shards but "
                              f"num_images={self.manifest['num_images']}; run --verify and re-extract")
         self._max_open = max(1, max_open_shards)
         self._open: OrderedDict[int, Any] = OrderedDict()

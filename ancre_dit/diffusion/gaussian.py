@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .vlb import discretized_gaussian_log_likelihood, mean_flat, normal_kl
+from ..errors import UserError
 
 
 def linear_betas(num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02) -> np.ndarray:
@@ -36,7 +37,7 @@ def space_timesteps(num_timesteps: int, section_counts: str | int | Iterable[int
             for stride in range(1, num_timesteps):
                 if len(range(0, num_timesteps, stride)) == desired:
                     return list(range(0, num_timesteps, stride))
-            raise ValueError(f"cannot take exactly {desired} steps with an integer stride from {num_timesteps}")
+            raise UserError(f"cannot take exactly {desired} steps with an integer stride from {num_timesteps}")
         section_counts = [int(x) for x in section_counts.split(",")]
     elif isinstance(section_counts, int):
         section_counts = [section_counts]
@@ -46,7 +47,7 @@ def space_timesteps(num_timesteps: int, section_counts: str | int | Iterable[int
     for i, count in enumerate(section_counts):
         size = size_per + (1 if i < extra else 0)
         if size < count:
-            raise ValueError(f"cannot divide a section of {size} steps into {count}")
+            raise UserError(f"cannot divide a section of {size} steps into {count}")
         stride = 1 if count <= 1 else (size - 1) / (count - 1)
         position = 0.0
         for _ in range(count):
@@ -229,4 +230,4 @@ def diffusers_scheduler(kind: str, num_timesteps: int = 1000, beta_start: float 
                                            thresholding=False, lower_order_final=True)
     if kind == "ddpm":
         return DDPMScheduler(**common, clip_sample=False, variance_type="fixed_large")
-    raise ValueError(f"unknown scheduler {kind!r}; choose ddpm, ddim or dpm-solver")
+    raise UserError(f"unknown scheduler {kind!r}; choose ddpm, ddim or dpm-solver")

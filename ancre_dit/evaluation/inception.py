@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..cli import UserError
+from ..errors import UserError
 from ..data.adm_npz import to_rgb_uint8
 
 WEIGHTS_NAME = "weights-inception-2015-12-05-6726825d.pth"
@@ -175,7 +175,7 @@ class InceptionExtractor:
                 logits.append(l)
                 bar.update(len(images))
         if not pools:
-            raise ValueError("no images to evaluate")
+            raise UserError("no images to evaluate")
         return InceptionFeatures(torch.cat(pools).numpy(), torch.cat(spatials).numpy(), torch.cat(logits).numpy())
 
 

@@ -28,6 +28,7 @@ import warnings
 import numpy as np
 import torch
 from scipy import linalg
+from ..errors import UserError
 
 FID_METHODS = ("sqrtm", "eigh")
 
@@ -50,7 +51,7 @@ def _trace_sqrt_product_sqrtm(sigma1: np.ndarray, sigma2: np.ndarray, eps: float
         covmean = linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
     if np.iscomplexobj(covmean):
         if not np.allclose(np.diagonal(covmean).imag, 0, atol=1e-3):
-            raise ValueError(f"Fréchet distance: matrix square root has an imaginary component of "
+            raise UserError(f"Fréchet distance: matrix square root has an imaginary component of "
                              f"{np.max(np.abs(covmean.imag)):.3g}; use more samples or --fid-method eigh")
         covmean = covmean.real
     return float(np.trace(covmean))
@@ -83,7 +84,7 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
     elif method == "eigh":
         tr_covmean = _trace_sqrt_product_eigh(sigma1, sigma2)
     else:
-        raise ValueError(f"unknown Fréchet distance method {method!r}; choose one of {', '.join(FID_METHODS)}")
+        raise UserError(f"unknown Fréchet distance method {method!r}; choose one of {', '.join(FID_METHODS)}")
     diff = mu1 - mu2
     return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2.0 * tr_covmean)
 
@@ -113,7 +114,7 @@ def inception_score(logits: np.ndarray, split_size: int = 5000) -> float:
     if logits.ndim != 2 or len(logits) == 0:
         raise ValueError(f"inception_score needs (N, classes) logits, got shape {tuple(logits.shape)}")
     if split_size < 1:
-        raise ValueError(f"IS split size must be positive, got {split_size}")
+        raise UserError(f"IS split size must be positive, got {split_size}")
     scores = [isc_features_to_metric(logits[i:i + split_size], splits=1, shuffle=False)["inception_score_mean"]
               for i in range(0, len(logits), split_size)]
     return float(np.mean(scores))
@@ -126,7 +127,7 @@ def kernel_inception_distance(real: np.ndarray, fake: np.ndarray, subsets: int =
 
     size = min(subset_size, len(real), len(fake))
     if size < 2:
-        raise ValueError("KID needs at least 2 images on each side")
+        raise UserError("KID needs at least 2 images on each side")
     out = kid_features_to_metric(torch.as_tensor(np.asarray(fake, np.float64)),
                                  torch.as_tensor(np.asarray(real, np.float64)),
                                  kid_subsets=subsets, kid_subset_size=size, rng_seed=seed, verbose=False)

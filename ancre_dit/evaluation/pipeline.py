@@ -33,6 +33,7 @@ from .metrics import (
 )
 from .precision_recall import precision_recall
 from .sources import ImageFolderBatches, list_images, open_adm_npz
+from ..errors import UserError
 
 METRICS = ("fid", "sfid", "is", "precision", "recall", "kid")
 DEFAULT_METRICS = ("fid", "sfid", "is", "precision", "recall")  # ADM's set
@@ -57,7 +58,7 @@ class Side:
     def _stats(self, mu_key: str, sigma_key: str, kind: str) -> tuple[np.ndarray, np.ndarray]:
         if mu_key not in self.stats:
             if self.features is None:
-                raise ValueError(f"{self.name} has no images and no stored {mu_key}/{sigma_key}; "
+                raise UserError(f"{self.name} has no images and no stored {mu_key}/{sigma_key}; "
                                  f"add them (python evaluate.py --save-ref-stats) or pass images")
             self.stats[mu_key], self.stats[sigma_key] = feature_statistics(getattr(self.features, kind))
         return self.stats[mu_key], self.stats[sigma_key]
@@ -70,7 +71,7 @@ class Side:
 
     def require_features(self, metric: str) -> InceptionFeatures:
         if self.features is None:
-            raise ValueError(f"{metric} needs images but {self.name} holds statistics only "
+            raise UserError(f"{metric} needs images but {self.name} holds statistics only "
                              f"(no arr_0); pass a file with images, or drop {metric} from --metrics")
         return self.features
 
@@ -148,7 +149,7 @@ def score(samples: Side, ref: Side, metrics=DEFAULT_METRICS, is_split_size: int 
                 ref.require_features("kid").pool, samples.require_features("kid").pool,
                 subsets=kid_subsets, subset_size=kid_subset_size)
         else:
-            raise ValueError(f"unknown metric {metric!r}; choose from {', '.join(METRICS)}")
+            raise UserError(f"unknown metric {metric!r}; choose from {', '.join(METRICS)}")
     # Only what was asked for: precision also computes recall (one pass), keep both only if asked.
     return {k: v for k, v in out.items() if k in metrics or (k == "kid_std" and "kid" in metrics)}
 
@@ -169,7 +170,7 @@ def parse_metrics(metrics: str | tuple[str, ...] | list[str]) -> tuple[str, ...]
     names = [m.strip().lower() for m in (metrics.split(",") if isinstance(metrics, str) else metrics) if m.strip()]
     unknown = [m for m in names if m not in METRICS]
     if unknown or not names:
-        raise ValueError(f"unknown metric(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(METRICS)}")
+        raise UserError(f"unknown metric(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(METRICS)}")
     return tuple(dict.fromkeys(names))
 
 
@@ -186,10 +187,10 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
     extractor_fn = lambda: get_extractor(weights, device)  # noqa: E731
     ref_metrics = [m for m in metrics if m != "is"]  # IS looks at the samples alone
     if ref_metrics and ref is None:
-        raise ValueError(f"{', '.join(ref_metrics)} need a reference (--ref)")
+        raise UserError(f"{', '.join(ref_metrics)} need a reference (--ref)")
     image_metrics = [m for m in metrics if m in ("precision", "recall", "kid")]
     if image_metrics and ref is not None and not _has_images(ref):
-        raise ValueError(f"{', '.join(image_metrics)} need reference images but {ref} holds statistics only "
+        raise UserError(f"{', '.join(image_metrics)} need reference images but {ref} holds statistics only "
                          f"(no arr_0); pass a reference with images, or drop them from --metrics")
     extractor_fn()  # fail on bad weights before reading 50K images
     sample_side = load_side(samples, "samples", extractor_fn, batch_size, need_features=True, workers=workers)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from ..errors import UserError
 
 
 def _squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -30,7 +31,7 @@ def manifold_radii(features: torch.Tensor, k: int = 3, batch_size: int = 10000) 
     """Squared distance of each vector to its k-th nearest neighbour (itself being the 0th)."""
     n = len(features)
     if n <= k:
-        raise ValueError(f"precision/recall with k={k} needs more than {k} images per set, got {n}")
+        raise UserError(f"precision/recall with k={k} needs more than {k} images per set, got {n}")
     radii = []
     for start in range(0, n, batch_size):
         rows = features[start:start + batch_size]

@@ -17,6 +17,7 @@ from .inception import default_device
 from .metrics import feature_statistics
 from .pipeline import default_batch_size, get_extractor
 from .sources import ImageFolderBatches, list_images
+from ..errors import UserError
 
 
 def save_reference_stats(images_dir: str | os.PathLike, out: str | os.PathLike, weights: str | os.PathLike,
@@ -34,7 +35,7 @@ def save_reference_stats(images_dir: str | os.PathLike, out: str | os.PathLike, 
         files = [files[i] for i in keep]
         labels = None if labels is None else [labels[i] for i in keep]
     if len(files) < 2:
-        raise ValueError(f"{images_dir} has {len(files)} image(s); statistics need at least 2")
+        raise UserError(f"{images_dir} has {len(files)} image(s); statistics need at least 2")
     batches = ImageFolderBatches(files, image_size, batch_size or default_batch_size(device), workers)
     kept: list[np.ndarray] = []
 

@@ -17,6 +17,7 @@ from PIL import Image
 
 from ..data.adm_npz import STAT_KEYS, ADMBatch, load_adm_npz
 from ..data.transforms import center_crop_arr
+from ..errors import MissingFileError, UserError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".ppm")
 
@@ -72,10 +73,10 @@ def list_images(folder: str | os.PathLike) -> tuple[list[Path], list[int] | None
     convention (index of the sorted top-level subfolder) when every image sits in one."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a folder; pass a folder of images (png, jpg, ...)")
+        raise MissingFileError(f"{folder} is not a folder; pass a folder of images (png, jpg, ...)")
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
     if not files:
-        raise FileNotFoundError(f"no image files (png, jpg, ...) under {folder}")
+        raise MissingFileError(f"no image files (png, jpg, ...) under {folder}")
     top = [p.relative_to(folder).parts for p in files]
     if all(len(parts) > 1 for parts in top):
         classes = sorted({parts[0] for parts in top})
@@ -105,7 +106,7 @@ class ImageFolderBatches:
     def __getitem__(self, i: int) -> np.ndarray:
         image = load_image(self.files[i], self.image_size)
         if self.image_size is None and i > 0 and image.shape != self.first_shape:
-            raise ValueError(f"{self.files[i]} is {image.shape[:2]}, not {self.first_shape[:2]} like the first "
+            raise UserError(f"{self.files[i]} is {image.shape[:2]}, not {self.first_shape[:2]} like the first "
                              f"image; pass an image size so every image is center-cropped to one size")
         return image
 

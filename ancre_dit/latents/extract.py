@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from ancre_dit.cli import UserError
+from ancre_dit.errors import UserError
 from ancre_dit.data.latents import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, REPORT_NAME,
                                     shard_file_name)
 from ancre_dit.latents.images import CroppedImages, ImageList, LoadedImage, list_image_folder

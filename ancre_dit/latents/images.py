@@ -11,7 +11,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
-from ancre_dit.cli import UserError
+from ancre_dit.errors import UserError
 from ancre_dit.data.transforms import center_crop_arr
 
 

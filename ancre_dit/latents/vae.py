@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ancre_dit.cli import UserError
+from ancre_dit.errors import UserError
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -6,6 +6,7 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
+from ..errors import UserError
 
 _PREFIXES = ("module.", "_orig_mod.")
 
@@ -88,7 +89,7 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Ten
         diffs = [f"{field} {theirs[field]} vs {ours[field]}" for field in ours if ours[field] != theirs[field]]
         if not diffs:
             diffs = [f"parameter {mismatch[0]} differs"]
-        raise ValueError(
+        raise UserError(
             f"{source} does not fit this model ({'; '.join(diffs)}; checkpoint vs model): "
             f"build the model with the settings the checkpoint was trained with"
         )

@@ -14,6 +14,7 @@ from timm.models.vision_transformer import Attention, Mlp, PatchEmbed
 
 from .embeddings import LabelEmbedder, TimestepEmbedder, get_2d_sincos_pos_embed
 from .topologies import ResidualTopology, build_topology
+from ..errors import UserError
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -96,12 +97,12 @@ class DiT(nn.Module):
     ):
         super().__init__()
         if input_size % patch_size:
-            raise ValueError(
+            raise UserError(
                 f"input size {input_size} is not divisible by patch size {patch_size}; "
                 f"choose a model whose patch size divides it, or resize the data"
             )
         if hidden_size % num_heads:
-            raise ValueError(f"hidden size {hidden_size} is not divisible by {num_heads} heads")
+            raise UserError(f"hidden size {hidden_size} is not divisible by {num_heads} heads")
         self.learn_sigma = learn_sigma
         self.in_channels = in_channels
         self.out_channels = in_channels * 2 if learn_sigma else in_channels
@@ -213,7 +214,7 @@ def create_model(name: str, **kwargs) -> DiT:
     class_dropout_prob, topology, tau, topology_path; depth/hidden_size/num_heads to override the size).
     """
     if name not in DIT_MODELS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(DIT_MODELS)}")
+        raise UserError(f"unknown model {name!r}; choose one of {', '.join(DIT_MODELS)}")
     size, patch = DIT_MODELS[name]
     depth, hidden_size, num_heads = DIT_SIZES[size]
     config = dict(depth=depth, hidden_size=hidden_size, num_heads=num_heads, patch_size=patch)

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .topologies import DENSEFORMER, HC, HC_DYNAMIC, MHC, PEER_TOPOLOGIES, ResidualTopology, TopologyNotDefined
+from ..errors import UserError
 
 # mHC's paper does not fix an initialisation; ours puts this much weight off the HC-style choice
 # (stream l mod n as the branch input, identity stream mixing), see ManifoldHyperConnectionTopology.
@@ -121,7 +122,7 @@ class HyperConnectionTopology(ResidualTopology):
     def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, dynamic: bool = False):
         super().__init__(num_blocks)
         if streams < 1:
-            raise ValueError(f"hc_streams must be at least 1, got {streams}")
+            raise UserError(f"hc_streams must be at least 1, got {streams}")
         L, n = 2 * num_blocks, streams
         self.streams, self.dynamic = n, dynamic
         self.alpha_m = nn.Parameter(F.one_hot(torch.arange(L) % n, n).float())
@@ -228,9 +229,9 @@ class ManifoldHyperConnectionTopology(ResidualTopology):
                  pre_leak: float = MHC_PRE_LEAK, res_leak: float = MHC_RES_LEAK):
         super().__init__(num_blocks)
         if streams < 2:
-            raise ValueError(f"mhc needs hc_streams >= 2 (a 1-stream doubly stochastic mix is the identity), got {streams}")
+            raise UserError(f"mhc needs hc_streams >= 2 (a 1-stream doubly stochastic mix is the identity), got {streams}")
         if sinkhorn_iters < 1:
-            raise ValueError(f"sinkhorn_iters must be at least 1, got {sinkhorn_iters}")
+            raise UserError(f"sinkhorn_iters must be at least 1, got {sinkhorn_iters}")
         L, n = 2 * num_blocks, streams
         self.streams, self.sinkhorn_iters = n, sinkhorn_iters
         self.phi = nn.Parameter(torch.zeros(L, n * hidden_size, 2 * n + n * n))
@@ -285,9 +286,9 @@ def build_peer_topology(name: str, num_blocks: int, hidden_size: int | None, hc_
     if name == DENSEFORMER:
         return DenseFormerTopology(num_blocks)
     if name not in PEER_TOPOLOGIES:
-        raise ValueError(f"unknown peer topology {name!r}; choose one of {', '.join(PEER_TOPOLOGIES)}")
+        raise UserError(f"unknown peer topology {name!r}; choose one of {', '.join(PEER_TOPOLOGIES)}")
     if hidden_size is None:
-        raise ValueError(f"topology {name!r} needs hidden_size=<model width>; build it through create_model")
+        raise UserError(f"topology {name!r} needs hidden_size=<model width>; build it through create_model")
     if name == MHC:
         return ManifoldHyperConnectionTopology(num_blocks, hidden_size, hc_streams, sinkhorn_iters)
     return HyperConnectionTopology(num_blocks, hidden_size, hc_streams, dynamic=name == HC_DYNAMIC)

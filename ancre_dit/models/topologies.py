@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from ..errors import MissingFileError, UserError
 
 CASCADED = "cascaded"
 ANCRE = "ancre"
@@ -171,7 +172,7 @@ class FixedTopology(WeightedHistoryTopology):
         weights = torch.as_tensor(weights, dtype=torch.float32)
         K = weights.shape[0]
         if weights.shape != (K, K) or torch.triu(weights, diagonal=1).abs().sum() > 0:
-            raise ValueError(f"a fixed topology needs a lower-triangular (K, K) matrix, got shape {tuple(weights.shape)}")
+            raise UserError(f"a fixed topology needs a lower-triangular (K, K) matrix, got shape {tuple(weights.shape)}")
         edges = [[i for i in range(j + 1) if weights[j, i] != 0] for j in range(K)]
         super().__init__(K, edges)
         self.register_buffer("weights", weights.clone())
@@ -216,12 +217,12 @@ def save_topology_json(path: str | Path, probabilities: torch.Tensor, **extra) -
 def load_topology_json(path: str | Path) -> torch.Tensor:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"topology file {path} not found; pass the topology.json written at a checkpoint")
+        raise MissingFileError(f"topology file {path} not found; pass the topology.json written at a checkpoint")
     try:
         payload = json.loads(path.read_text())
         return torch.tensor(payload["probabilities"], dtype=torch.float32)
     except (json.JSONDecodeError, KeyError, TypeError) as err:
-        raise ValueError(f"{path} is not a topology JSON with a 'probabilities' matrix ({err})") from None
+        raise UserError(f"{path} is not a topology JSON with a 'probabilities' matrix ({err})") from None
 
 
 TOPOLOGIES = (CASCADED, ANCRE, ANCRE_OUTGOING, ANCRE_UNNORMALIZED, FIXED_DENSE, LEARNABLE_SCALARS,
@@ -251,9 +252,9 @@ def build_topology(name: str, num_blocks: int, tau: float = 0.01, topology_path:
         return FixedTopology(first_previous_weights(num_blocks))
     if name == FROZEN:
         if topology_path is None:
-            raise ValueError("topology 'frozen' needs topology_path=<topology.json of a trained run>")
+            raise UserError("topology 'frozen' needs topology_path=<topology.json of a trained run>")
         weights = load_topology_json(topology_path)
         if weights.shape[0] != num_blocks:
-            raise ValueError(f"{topology_path} holds a {weights.shape[0]}-block topology, the model has {num_blocks} blocks")
+            raise UserError(f"{topology_path} holds a {weights.shape[0]}-block topology, the model has {num_blocks} blocks")
         return FixedTopology(weights)
-    raise ValueError(f"unknown topology {name!r}; choose one of {', '.join(TOPOLOGIES)}")
+    raise UserError(f"unknown topology {name!r}; choose one of {', '.join(TOPOLOGIES)}")

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..cli import UserError
+from ..errors import UserError
 from .decode import Decoder, decode_pixels
 from .guidance import Guidance, GuidedDenoiser, unwrap_model
 from .labels import check_classes

@@ -7,7 +7,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..cli import UserError
+from ..errors import UserError
 from ..data.adm_npz import to_uint8
 
 Decoder = Callable[[torch.Tensor], np.ndarray]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cli import UserError
+from ..errors import UserError
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

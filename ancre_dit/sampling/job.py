@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..cli import UserError
+from ..errors import UserError
 from ..data.adm_npz import load_adm_npz, save_adm_npz
 from ..files import write_atomic
 from ..trained_model import load_trained_model
@@ -130,7 +130,7 @@ def merge_parts(folder: Path, ranges: list[tuple[int, int]], labels: np.ndarray,
         path = part_path(folder, start, end)
         batch = load_adm_npz(path)
         if batch.labels is None or not np.array_equal(batch.labels, labels[start:end]):
-            raise ValueError(f"{path} has other labels than this job; delete {folder} and rerun")
+            raise UserError(f"{path} has other labels than this job; delete {folder} and rerun")
         if images is None:
             images = np.empty((len(labels), *batch.images.shape[1:]), dtype=np.uint8)
         images[start:end] = batch.images

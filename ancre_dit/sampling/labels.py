@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..cli import UserError
+from ..errors import UserError
 from .noise import LABEL_STREAM, sample_seed
 
 LABEL_MODES = ("balanced", "random")
@@ -41,4 +41,4 @@ def assign_labels(indices: Sequence[int] | np.ndarray, num_classes: int, *, seed
     if mode == "random":
         return np.array([np.random.default_rng(sample_seed(seed, i, LABEL_STREAM)).integers(num_classes)
                          for i in indices], dtype=np.int64)
-    raise ValueError(f"unknown label mode {mode!r}; choose {' or '.join(LABEL_MODES)}")
+    raise UserError(f"unknown label mode {mode!r}; choose {' or '.join(LABEL_MODES)}")

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..cli import UserError
+from ..errors import UserError
 from ..diffusion.gaussian import GaussianDiffusion, create_diffusion, diffusers_scheduler
 from .noise import SampleNoise
 

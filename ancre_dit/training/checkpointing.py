@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..cli import UserError
+from ..errors import UserError
 
 STATE_FILE = "trainer_state.json"
 ACCELERATE_DIR = "accelerate"

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from ..cli import UserError
+from ..errors import UserError
 from ..models import DIT_MODELS, TOPOLOGIES
 
 DATA_KINDS = ("digits", "latents", "images")

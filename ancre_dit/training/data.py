@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from ..cli import UserError
+from ..errors import UserError
 from ..data.transforms import center_crop_arr
 from .config import Config
 

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
-from ..cli import UserError
+from ..errors import UserError
 from ..diffusion.gaussian import create_diffusion
 from ..models import DIT_MODELS, TopologyNotDefined, create_model, save_topology_json
 from ..models.dit import DIT_SIZES
