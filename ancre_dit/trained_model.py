@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .models import DiT, create_model, load_state_dict_checked
-from .models.topologies import FROZEN, FixedTopology
+from .models.topologies import restore_topology
 from .errors import MissingFileError, UserError
 
 SPEC_FILE = "model_spec.json"
@@ -63,10 +63,11 @@ def load_trained_model(folder: str | Path, weights: str = "ema", device: str | t
         raise MissingFileError(f"{path} is missing; the checkpoint is incomplete, pick another step")
     state = load_file(str(path))
     kwargs = dict(spec["model"]["kwargs"])
-    if kwargs.get("topology") == FROZEN:
-        # The frozen weights travel in the state dict; the JSON they came from may be gone.
-        kwargs.pop("topology_path", None)
-        kwargs["topology"] = FixedTopology(state["topology.weights"])
+    # Topologies that carry their own weights (e.g. frozen: the JSON they came from may be gone)
+    # rebuild from the state dict; the others from their options.
+    topology = restore_topology(kwargs.get("topology", "cascaded"), state)
+    if topology is not None:
+        kwargs["topology"] = topology
     model = create_model(spec["model"]["name"], **kwargs)
     load_state_dict_checked(model, state, source=str(path))
     return model.to(device).eval(), spec

@@ -219,7 +219,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-TAU_TOPOLOGIES = {"ancre", "ancre-outgoing"}
+TAU_TOPOLOGIES = {name for name, entry in TOPOLOGIES.items() if "tau" in entry.options}
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from _model_helpers import inputs, randomize  # noqa: E402
 
 from ancre_dit import create_model
 from ancre_dit.models import load_state_dict_checked
-from ancre_dit.models.peers import TopologyNotDefined, sinkhorn_knopp
+from ancre_dit.models.topologies import TopologyNotDefined, sinkhorn_knopp
 from ancre_dit.models.topologies import TOPOLOGIES
 
 TINY = dict(depth=3, hidden_size=32, num_heads=2, input_size=8, in_channels=1, num_classes=10)

@@ -2,7 +2,7 @@
 
 Parameter names match the original DiT release (x_embedder, t_embedder, y_embedder, pos_embed,
 blocks.N.{norm1,attn,norm2,mlp,adaLN_modulation}, final_layer) so its checkpoints load; the
-only new module is `topology`, which owns the loop over blocks (see topologies.py).
+only new module is `topology`, which owns the loop over blocks (see topologies/).
 """
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from functools import partial
 
 import torch
 import torch.nn as nn
+from einops import rearrange
 from timm.models.vision_transformer import Attention, Mlp, PatchEmbed
 
+from ..errors import UserError
 from .embeddings import LabelEmbedder, TimestepEmbedder, get_2d_sincos_pos_embed
 from .topologies import ResidualTopology, build_topology
-from ..errors import UserError
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -90,11 +91,10 @@ class DiT(nn.Module):
         num_classes: int = 1000,
         learn_sigma: bool = True,
         topology: str | ResidualTopology = "cascaded",
-        tau: float = 0.01,
-        topology_path: str | None = None,
-        hc_streams: int = 4,
-        sinkhorn_iters: int = 20,
+        **topology_options,
     ):
+        """`topology` is a registered name (see topologies/registry.py) or a built module;
+        `topology_options` are the options it takes, e.g. tau=0.01 for ANCRe, hc_streams=4 for HC."""
         super().__init__()
         if input_size % patch_size:
             raise UserError(
@@ -122,9 +122,7 @@ class DiT(nn.Module):
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
         self.topology = (topology if isinstance(topology, ResidualTopology)
-                         else build_topology(topology, depth, tau=tau, topology_path=topology_path,
-                                             hidden_size=hidden_size, hc_streams=hc_streams,
-                                             sinkhorn_iters=sinkhorn_iters))
+                         else build_topology(topology, depth, hidden_size, **topology_options))
         self.initialize_weights()
 
     def initialize_weights(self) -> None:
@@ -159,11 +157,9 @@ class DiT(nn.Module):
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         """(N, T, p*p*C) -> (N, C, H, W)."""
-        c, p = self.out_channels, self.patch_size
-        h = w = int(x.shape[1] ** 0.5)
-        x = x.reshape(x.shape[0], h, w, p, p, c)
-        x = torch.einsum("nhwpqc->nchpwq", x)
-        return x.reshape(x.shape[0], c, h * p, w * p)
+        p = self.patch_size
+        h = int(x.shape[1] ** 0.5)
+        return rearrange(x, "n (h w) (p q c) -> n c (h p) (w q)", h=h, p=p, q=p)
 
     def embed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens h_0 and the conditioning vector c = t-embedding + y-embedding."""
@@ -211,7 +207,8 @@ def create_model(name: str, **kwargs) -> DiT:
     """Builds a registered DiT, e.g. create_model("DiT-S/2", topology="ancre", tau=0.01).
 
     Any DiT constructor argument can be given (input_size, in_channels, num_classes, learn_sigma,
-    class_dropout_prob, topology, tau, topology_path; depth/hidden_size/num_heads to override the size).
+    class_dropout_prob, topology and the topology's options such as tau; depth/hidden_size/num_heads to
+    override the size).
     """
     if name not in DIT_MODELS:
         raise UserError(f"unknown model {name!r}; choose one of {', '.join(DIT_MODELS)}")

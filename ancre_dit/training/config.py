@@ -17,6 +17,7 @@ import yaml
 
 from ..errors import UserError
 from ..models import DIT_MODELS, TOPOLOGIES
+from ..models.topologies import all_topology_options, resolve_options
 
 DATA_KINDS = ("digits", "latents", "images")
 PRECISIONS = ("no", "bf16", "fp16")
@@ -35,6 +36,18 @@ class ModelConfig:
     topology_path: str | None = None  # topology.json for topology "frozen"
     hc_streams: int = 4               # residual streams of hc / hc-dynamic / mhc
     sinkhorn_iters: int = 20          # Sinkhorn-Knopp iterations of mhc
+    # Options of other registered topologies (`model.<option>=value`): the registry
+    # (models/topologies/registry.py) declares which keys exist and their types.
+    topology_options: dict = field(default_factory=dict)
+
+
+def topology_options_of(m: ModelConfig) -> dict[str, Any]:
+    """The options the chosen topology is built with (checked by the topology's registry entry)."""
+    given = dict(m.topology_options)
+    for key in all_topology_options():
+        if key in {f.name for f in dataclasses.fields(ModelConfig)}:
+            given[key] = getattr(m, key)
+    return resolve_options(m.topology, given)
 
 
 @dataclass
@@ -120,6 +133,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise UserError(f"config key {key} must be {_type_name(tp)}, got {value!r}")
 
 
+def _topology_option(key: str, value: Any, full: str) -> Any:
+    option = all_topology_options()[key]
+    return _coerce(value, option.type | None if option.optional else option.type, full)
+
+
 def _build(cls: type, values: Any, prefix: str) -> Any:
     if not isinstance(values, dict):
         raise UserError(f"config section {prefix or 'top level'} must be a mapping, got {values!r}")
@@ -128,6 +146,18 @@ def _build(cls: type, values: Any, prefix: str) -> Any:
     kwargs = {}
     for key, value in values.items():
         full = f"{prefix}{key}"
+        if cls is ModelConfig and key == "topology_options":  # as written back into config.yaml
+            if not isinstance(value, dict):
+                raise UserError(f"config key {full} must be a mapping of topology options, got {value!r}")
+            for sub, item in value.items():
+                if sub not in all_topology_options():
+                    raise UserError(f"unknown topology option {full}.{sub}; registered options: "
+                                    f"{', '.join(sorted(all_topology_options()))}")
+                kwargs.setdefault("topology_options", {})[sub] = _topology_option(sub, item, f"{full}.{sub}")
+            continue
+        if cls is ModelConfig and key not in hints and key in all_topology_options():
+            kwargs.setdefault("topology_options", {})[key] = _topology_option(key, value, full)
+            continue
         if key not in hints:
             raise UserError(f"unknown config key {full}; valid keys{' of ' + prefix[:-1] if prefix else ''}: "
                             f"{', '.join(names)}")
@@ -184,8 +214,7 @@ def validate_config(config: Config) -> None:
         raise UserError(f"unknown model {m.name!r} in model.name; choose one of {', '.join(DIT_MODELS)}")
     if m.topology not in TOPOLOGIES:
         raise UserError(f"unknown topology {m.topology!r} in model.topology; choose one of {', '.join(TOPOLOGIES)}")
-    if m.topology == "frozen" and not (m.topology_path and Path(m.topology_path).is_file()):
-        raise UserError("model.topology=frozen needs model.topology_path=<topology.json of a trained run> that exists")
+    topology_options_of(m)  # the topology's own checks (e.g. tau > 0, frozen's topology_path)
     if not 0 <= m.class_dropout < 1:
         raise UserError(f"model.class_dropout must be in [0, 1), got {m.class_dropout}")
     if d.kind not in DATA_KINDS:
@@ -235,7 +264,8 @@ def flat_config(config: Config) -> dict[str, Any]:
     for section, values in config_to_dict(config).items():
         if isinstance(values, dict):
             for key, value in values.items():
-                out[f"{section}.{key}"] = "null" if value is None else value
+                for name, item in (value.items() if isinstance(value, dict) else [(None, value)]):
+                    out[f"{section}.{key}" + (f".{name}" if name else "")] = "null" if item is None else item
         else:
             out[section] = values
     return out

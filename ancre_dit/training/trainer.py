@@ -29,7 +29,7 @@ from ..models import DIT_MODELS, TopologyNotDefined, create_model, save_topology
 from ..models.dit import DIT_SIZES
 from ..trained_model import WEIGHT_FILES, make_model_spec, write_model_files
 from . import checkpointing as ckpt
-from .config import Config, check_batch_layout, flat_config, save_config
+from .config import Config, check_batch_layout, flat_config, save_config, topology_options_of
 from .data import DataInfo, GlobalBatchSampler, advance_position, build_data, describe, make_loader, prepare_batch
 
 DIFFUSION = {"num_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02}
@@ -147,15 +147,12 @@ class Trainer:
     # -- setup helpers --------------------------------------------------------------------
     def _model_kwargs(self) -> dict[str, Any]:
         m, d = self.config.model, self.data
-        kwargs: dict[str, Any] = dict(topology=m.topology, tau=m.tau, input_size=d.input_size, in_channels=d.in_channels,
+        kwargs: dict[str, Any] = dict(topology=m.topology, input_size=d.input_size, in_channels=d.in_channels,
                                       num_classes=d.num_classes, learn_sigma=m.learn_sigma, class_dropout_prob=m.class_dropout)
+        kwargs.update(topology_options_of(m))
         for key in ("depth", "hidden_size", "num_heads"):
             if getattr(m, key) is not None:
                 kwargs[key] = getattr(m, key)
-        if m.topology == "frozen":
-            kwargs["topology_path"] = m.topology_path
-        if m.topology in ("hc", "hc-dynamic", "mhc"):
-            kwargs.update(hc_streams=m.hc_streams, sinkhorn_iters=m.sinkhorn_iters)
         size = DIT_MODELS[m.name][0]
         depth, hidden, heads = DIT_SIZES[size]
         if kwargs.get("hidden_size", hidden) % kwargs.get("num_heads", heads):

@@ -1,6 +1,6 @@
 """Peer residual schemes in the DiT backbone: DenseFormer, Hyper-Connections and mHC.
 
-Each is a `ResidualTopology` (it owns the loop over blocks, see topologies.py), written by hand
+Each is a `ResidualTopology` (it owns the loop over blocks, see base.py), written by hand
 from its paper's formulas (no library implements them for a DiT):
 
 - DenseFormer: Pagliardini, Mohtashami, Fleuret, Jaggi, "DenseFormer: Enhancing Information Flow
@@ -16,14 +16,17 @@ matrix: `probabilities()` raises `TopologyNotDefined`, which callers that draw h
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .topologies import DENSEFORMER, HC, HC_DYNAMIC, MHC, PEER_TOPOLOGIES, ResidualTopology, TopologyNotDefined
-from ..errors import UserError
+from einops import reduce, repeat
+
+from ...errors import UserError
+from .base import ResidualTopology, TopologyNotDefined
+from .registry import TopologyOption, register_topology
 
 # mHC's paper does not fix an initialisation; ours puts this much weight off the HC-style choice
 # (stream l mod n as the branch input, identity stream mixing), see ManifoldHyperConnectionTopology.
@@ -33,11 +36,6 @@ MHC_PRE_LEAK = 0.05
 MHC_RES_LEAK = 0.25
 # HC (dynamic): the paper initialises the tanh scales s_alpha, s_beta to 0.01 and W to 0.
 HC_DYNAMIC_SCALE_INIT = 0.01
-
-
-def _check_blocks(topology: ResidualTopology, blocks: Sequence[nn.Module]) -> None:
-    if len(blocks) != topology.num_blocks:
-        raise ValueError(f"topology was built for {topology.num_blocks} blocks, got {len(blocks)}")
 
 
 class DenseFormerTopology(ResidualTopology):
@@ -64,7 +62,7 @@ class DenseFormerTopology(ResidualTopology):
         )
 
     def forward(self, h0, blocks, c):
-        _check_blocks(self, blocks)
+        self.check_blocks(blocks)
         history = [h0]
         y = h0
         for j, block in enumerate(blocks):
@@ -95,7 +93,27 @@ def _run_blocks(blocks: Sequence[nn.Module], c: torch.Tensor, H: torch.Tensor,
     return H
 
 
-class HyperConnectionTopology(ResidualTopology):
+class _StreamTopology(ResidualTopology):
+    """Shared trunk of HC and mHC: n residual streams, started as n copies of h_0, wired around
+    every sublayer by `_sublayer`, summed at the end."""
+
+    streams: int
+    fp32_streams = False  # mHC keeps its streams in fp32 under autocast
+
+    def forward(self, h0, blocks, c):
+        self.check_blocks(blocks)
+        h0 = h0.float() if self.fp32_streams else h0
+        H = repeat(h0, "... d -> ... n d", n=self.streams)  # n copies of h_0 (a view, no memory)
+        return reduce(_run_blocks(blocks, c, H, self._sublayer), "... n d -> ... d", "sum")
+
+    def probabilities(self) -> torch.Tensor:
+        raise TopologyNotDefined(f"{self.no_matrix_reason()}, so it has no (K, K) block-to-block matrix")
+
+    def no_matrix_reason(self) -> str:
+        raise NotImplementedError
+
+
+class HyperConnectionTopology(_StreamTopology):
     """Hyper-Connections around the attention and the MLP branch of every block.
 
     The residual is n streams, H (N, T, n, d), started as n copies of h_0. Sublayer l (2K in all)
@@ -155,17 +173,9 @@ class HyperConnectionTopology(ResidualTopology):
         out = branch(x, *mod)
         return mixed + b.unsqueeze(-1) * out.unsqueeze(-2)
 
-    def forward(self, h0, blocks, c):
-        _check_blocks(self, blocks)
-        H = h0.unsqueeze(-2).expand(*h0.shape[:-1], self.streams, h0.shape[-1])
-        return _run_blocks(blocks, c, H, self._sublayer).sum(dim=-2)
-
-    def probabilities(self) -> torch.Tensor:
-        raise TopologyNotDefined(
-            f"{'hc-dynamic' if self.dynamic else 'hc'} mixes {self.streams} residual streams around each "
-            f"sublayer, so it has no (K, K) block-to-block matrix"
-            + ("" if self.dynamic else "; use topology.sublayer_weights() for its effective sublayer weights")
-        )
+    def no_matrix_reason(self) -> str:
+        return (f"{'hc-dynamic' if self.dynamic else 'hc'} mixes {self.streams} residual streams around each sublayer"
+                + ("" if self.dynamic else " (topology.sublayer_weights() gives its effective sublayer weights)"))
 
     def sublayer_weights(self) -> torch.Tensor:
         """Static HC only: (2K, 2K+1), row l = weights of sublayer l's input over the sources
@@ -199,7 +209,7 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
     return m
 
 
-class ManifoldHyperConnectionTopology(ResidualTopology):
+class ManifoldHyperConnectionTopology(_StreamTopology):
     """mHC: hyper-connections whose stream-mixing matrix is doubly stochastic.
 
     For sublayer l with streams x (N, T, n, d), all per token:
@@ -264,35 +274,42 @@ class ManifoldHyperConnectionTopology(ResidualTopology):
         with torch.autocast(device_type=H.device.type, enabled=False):
             return torch.einsum("...rs,...sd->...rd", res, H) + post.unsqueeze(-1) * out.float().unsqueeze(-2)
 
-    def forward(self, h0, blocks, c):
-        _check_blocks(self, blocks)
-        h0 = h0.float()
-        H = h0.unsqueeze(-2).expand(*h0.shape[:-1], self.streams, h0.shape[-1])
-        return _run_blocks(blocks, c, H, self._sublayer).sum(dim=-2)
+    fp32_streams = True
 
-    def probabilities(self) -> torch.Tensor:
-        raise TopologyNotDefined(
-            f"mhc mixes {self.streams} residual streams with input-dependent doubly stochastic matrices "
-            f"around each sublayer, so it has no (K, K) block-to-block matrix"
-        )
+    def no_matrix_reason(self) -> str:
+        return (f"mhc mixes {self.streams} residual streams with input-dependent doubly stochastic matrices "
+                f"around each sublayer")
 
     def extra_repr(self) -> str:
         return f"num_blocks={self.num_blocks}, streams={self.streams}, sinkhorn_iters={self.sinkhorn_iters}"
 
 
-def build_peer_topology(name: str, num_blocks: int, hidden_size: int | None, hc_streams: int = 4,
-                        sinkhorn_iters: int = 20) -> ResidualTopology:
-    """Name (one of PEER_TOPOLOGIES) -> topology; HC and mHC need the model width."""
-    if name == DENSEFORMER:
-        return DenseFormerTopology(num_blocks)
-    if name not in PEER_TOPOLOGIES:
-        raise UserError(f"unknown peer topology {name!r}; choose one of {', '.join(PEER_TOPOLOGIES)}")
+# -- registry entries ---------------------------------------------------------------------------
+STREAMS = {"hc_streams": TopologyOption(int, 4, "residual streams n of hc / hc-dynamic / mhc")}
+
+
+def _width(name: str, hidden_size: int | None) -> int:
     if hidden_size is None:
         raise UserError(f"topology {name!r} needs hidden_size=<model width>; build it through create_model")
-    if name == MHC:
-        return ManifoldHyperConnectionTopology(num_blocks, hidden_size, hc_streams, sinkhorn_iters)
-    return HyperConnectionTopology(num_blocks, hidden_size, hc_streams, dynamic=name == HC_DYNAMIC)
+    return hidden_size
 
 
-__all__ = ["TopologyNotDefined", "DenseFormerTopology", "HyperConnectionTopology",
-           "ManifoldHyperConnectionTopology", "sinkhorn_knopp", "build_peer_topology", "HC", "MHC"]
+@register_topology("denseformer", summary="DenseFormer: weighted average of the embedding and all block outputs")
+def build_denseformer(num_blocks: int, hidden_size: int | None) -> ResidualTopology:
+    return DenseFormerTopology(num_blocks)
+
+
+@register_topology("hc", options=STREAMS, summary="Hyper-Connections, static")
+def build_hc(num_blocks: int, hidden_size: int | None, hc_streams: int) -> ResidualTopology:
+    return HyperConnectionTopology(num_blocks, _width("hc", hidden_size), hc_streams)
+
+
+@register_topology("hc-dynamic", options=STREAMS, summary="Hyper-Connections, input-dependent")
+def build_hc_dynamic(num_blocks: int, hidden_size: int | None, hc_streams: int) -> ResidualTopology:
+    return HyperConnectionTopology(num_blocks, _width("hc-dynamic", hidden_size), hc_streams, dynamic=True)
+
+
+@register_topology("mhc", summary="mHC: HC with a doubly stochastic (Sinkhorn-Knopp) stream mixing",
+                   options={**STREAMS, "sinkhorn_iters": TopologyOption(int, 20, "Sinkhorn-Knopp iterations of mhc")})
+def build_mhc(num_blocks: int, hidden_size: int | None, hc_streams: int, sinkhorn_iters: int) -> ResidualTopology:
+    return ManifoldHyperConnectionTopology(num_blocks, _width("mhc", hidden_size), hc_streams, sinkhorn_iters)

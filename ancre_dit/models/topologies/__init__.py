@@ -1,0 +1,20 @@
+"""Residual topologies: the interface (base.py), the registry that maps a name to a builder and
+the options it takes (registry.py), ANCRe and its ablations (ancre.py), and the peer schemes
+DenseFormer, Hyper-Connections and mHC (peers.py). Importing the package registers them all."""
+from . import ancre, peers  # noqa: F401  (registers the built-in topologies, in this order)
+from .ancre import (ANCReTopology, LearnableScalarsTopology, OutgoingANCReTopology, UnnormalizedTopology,
+                    first_previous_weights, fixed_dense_weights)
+from .base import (CascadedTopology, FixedTopology, ResidualTopology, TopologyNotDefined, WeightedHistoryTopology,
+                   load_topology_json, save_topology_json)
+from .peers import DenseFormerTopology, HyperConnectionTopology, ManifoldHyperConnectionTopology, sinkhorn_knopp
+from .registry import (TOPOLOGIES, TopologyEntry, TopologyOption, all_topology_options, build_topology,
+                       register_topology, resolve_options, restore_topology, topology_entry, unregister_topology)
+
+__all__ = [
+    "TOPOLOGIES", "TopologyEntry", "TopologyOption", "register_topology", "unregister_topology", "topology_entry",
+    "all_topology_options", "resolve_options", "build_topology", "restore_topology",
+    "ResidualTopology", "TopologyNotDefined", "CascadedTopology", "WeightedHistoryTopology", "FixedTopology",
+    "ANCReTopology", "OutgoingANCReTopology", "UnnormalizedTopology", "LearnableScalarsTopology",
+    "DenseFormerTopology", "HyperConnectionTopology", "ManifoldHyperConnectionTopology", "sinkhorn_knopp",
+    "fixed_dense_weights", "first_previous_weights", "load_topology_json", "save_topology_json",
+]

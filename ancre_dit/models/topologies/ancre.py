@@ -1,0 +1,161 @@
+"""ANCRe (Zhang et al., arXiv 2602.09009) and the ablations of its paper, as residual topologies.
+
+Written by hand: no library implements them. All variants share `WeightedHistoryTopology`'s
+running-sum trunk (base.py), so activation memory matches the cascaded model. This module also
+registers the plain DiT ("cascaded") and the paper's frozen-topology ablation ("frozen").
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...errors import MissingFileError, UserError
+from .base import CascadedTopology, FixedTopology, ResidualTopology, WeightedHistoryTopology, load_topology_json
+from .registry import TopologyOption, register_topology
+
+
+class _PerBlockLogits(WeightedHistoryTopology):
+    """Stores block j+1's j+1 incoming coefficients as `logits.j`: K(K+1)/2 scalars in all,
+    the layout of the official ANCRe code (`ancre.shortcut_params.j`)."""
+
+    def __init__(self, num_blocks: int, init: float = 0.0, frozen_block: int | None = None):
+        super().__init__(num_blocks)
+        self.logits = nn.ParameterList(
+            [nn.Parameter(torch.full((j + 1,), float(init))) for j in range(num_blocks)]
+        )
+        if frozen_block is not None:
+            self.logits[frozen_block].requires_grad_(False)
+
+    def logit_matrix(self, fill: float) -> torch.Tensor:
+        """(K, K) matrix of the stored coefficients, `fill` above the diagonal."""
+        K = self.num_blocks
+        rows = [F.pad(self.logits[j], (0, K - 1 - j), value=fill) for j in range(K)]
+        return torch.stack(rows)
+
+
+class ANCReTopology(_PerBlockLogits):
+    """ANCRe: p_{.j} = softmax_i(c_ij / tau) over the incoming edges of each block (rows sum to 1).
+
+    Logits start at zero (uniform 1/j); block 1's single logit is frozen since its softmax is 1
+    whatever it holds. tau is stored as a buffer so a checkpoint carries the value it was trained with.
+    """
+
+    softmax_dim = 1  # over sources i: the incoming edges of each block
+    frozen_block: int | None = 0
+
+    def __init__(self, num_blocks: int, tau: float = 0.01):
+        super().__init__(num_blocks, init=0.0, frozen_block=self.frozen_block)
+        self.register_buffer("tau", torch.tensor(float(tau)))
+
+    def probabilities(self) -> torch.Tensor:
+        return torch.softmax(self.logit_matrix(float("-inf")) / self.tau, dim=self.softmax_dim)
+
+    def extra_repr(self) -> str:
+        return f"num_blocks={self.num_blocks}, tau={self.tau.item():g}"
+
+
+class OutgoingANCReTopology(ANCReTopology):
+    """Ablation: softmax over the *outgoing* edges of each source i (columns sum to 1).
+
+    All K(K+1)/2 logits are trainable; the edge h_{K-1} -> block K is its source's only outgoing
+    edge, so its weight is 1 and its logit never receives a gradient.
+    """
+
+    softmax_dim = 0  # over targets j: the outgoing edges of each source
+    frozen_block = None
+
+
+class UnnormalizedTopology(_PerBlockLogits):
+    """Ablation: free learnable coefficients, no softmax, initialised to the uniform 1/j.
+    The paper reports this diverges; it is here so that table can be rerun."""
+
+    def __init__(self, num_blocks: int):
+        super().__init__(num_blocks)
+        with torch.no_grad():
+            for j, p in enumerate(self.logits):
+                p.fill_(1.0 / (j + 1))
+
+    def probabilities(self) -> torch.Tensor:
+        return self.logit_matrix(0.0)
+
+
+class LearnableScalarsTopology(WeightedHistoryTopology):
+    """Ablation: h_j = B_j(h_{j-1}) + a_j h_{j-1}, one learnable scalar per block, a_j = 1 at init."""
+
+    def __init__(self, num_blocks: int):
+        super().__init__(num_blocks, edges=[[j] for j in range(num_blocks)])
+        self.scales = nn.Parameter(torch.ones(num_blocks))
+
+    def probabilities(self) -> torch.Tensor:
+        return torch.diag(self.scales)
+
+
+def fixed_dense_weights(num_blocks: int) -> torch.Tensor:
+    """Uniform 1/j over all incoming edges: ANCRe's initial topology, frozen."""
+    rows = torch.arange(1, num_blocks + 1, dtype=torch.float32)
+    return torch.tril(torch.ones(num_blocks, num_blocks)) / rows[:, None]
+
+
+def first_previous_weights(num_blocks: int) -> torch.Tensor:
+    """Only h_0 -> j and h_{j-1} -> j, each weighted 1/2 (block 1 takes h_0 with weight 1)."""
+    weights = torch.zeros(num_blocks, num_blocks)
+    weights[0, 0] = 1.0
+    for j in range(1, num_blocks):
+        weights[j, 0] = weights[j, j] = 0.5
+    return weights
+
+
+# -- registry entries (in the order users see them listed) ---------------------------------------
+register_topology("cascaded", summary="plain DiT")(lambda num_blocks, hidden_size: CascadedTopology(num_blocks))
+TAU = {"tau": TopologyOption(float, 0.01, "softmax temperature of the logits (0.01 in the paper)")}
+
+
+def check_tau(options: dict[str, Any]) -> None:
+    tau = options["tau"]
+    if not (tau > 0 and tau < float("inf")):
+        raise UserError(f"tau must be a positive finite number (the paper uses 0.01), got {tau}")
+
+
+@register_topology("ancre", options=TAU, check=check_tau,
+                   summary="ANCRe: ingoing softmax over all earlier outputs, block 1's logit frozen")
+def build_ancre(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology:
+    return ANCReTopology(num_blocks, tau)
+
+
+@register_topology("ancre-outgoing", options=TAU, check=check_tau,
+                   summary="ablation: softmax over each source's outgoing edges")
+def build_ancre_outgoing(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology:
+    return OutgoingANCReTopology(num_blocks, tau)
+
+
+# Topologies with no options: name -> (constructor from the number of blocks, summary).
+_PLAIN = {
+    "ancre-unnormalized": (UnnormalizedTopology, "ablation: free coefficients, initialised to 1/j"),
+    "fixed-dense": (lambda K: FixedTopology(fixed_dense_weights(K)), "ablation: frozen uniform 1/j"),
+    "learnable-scalars": (LearnableScalarsTopology, "ablation: h_j = B_j(h_{j-1}) + a_j h_{j-1}, a_j = 1 at init"),
+    "first-previous": (lambda K: FixedTopology(first_previous_weights(K)), "ablation: fixed 1/2 on h_0 -> j and h_{j-1} -> j"),
+}
+for _name, (_make, _summary) in _PLAIN.items():
+    register_topology(_name, summary=_summary)(lambda num_blocks, hidden_size, make=_make: make(num_blocks))
+
+
+def check_frozen(options: dict[str, Any]) -> None:
+    path = options["topology_path"]
+    if path is None:
+        raise UserError("topology 'frozen' needs topology_path=<topology.json of a trained run>")
+    if not Path(path).is_file():
+        raise MissingFileError(f"topology file {path} not found; pass the topology.json written at a checkpoint")
+
+
+@register_topology("frozen", check=check_frozen, restore=FixedTopology.from_state_dict,
+                   options={"topology_path": TopologyOption(str, None, "topology.json of a trained run", optional=True)},
+                   summary="a topology loaded from a topology.json, never trained")
+def build_frozen(num_blocks: int, hidden_size: int | None, topology_path: str) -> ResidualTopology:
+    weights = load_topology_json(topology_path)
+    if weights.shape[0] != num_blocks:
+        raise UserError(f"{topology_path} holds a {weights.shape[0]}-block topology, the model has {num_blocks} blocks")
+    return FixedTopology(weights)

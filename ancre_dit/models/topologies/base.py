@@ -1,0 +1,125 @@
+"""The residual-topology interface: who owns the loop over the transformer blocks.
+
+Every topology implements `trunk(h0, blocks, c) -> hK` (its `forward`) and `probabilities()`,
+the (K, K) matrix whose row j holds the weights of block j+1's incoming edges over sources
+i = 0..j (source 0 is the embedding h_0, source i the output of block i), zeros above the
+diagonal. These are the weights of the skip sum added to each block's output *on top of* the
+block's own two residual adds (PAPER.md), so a plain DiT ("cascaded") is the zero matrix, and a
+one-hot "previous node" matrix gives h_j = B_j(h_{j-1}) + h_{j-1}.
+
+This module holds the interface and the topologies with no learned weights (cascaded, a fixed
+matrix); ANCRe and its ablations live in `ancre.py`, the peer schemes in `peers.py`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from ...errors import MissingFileError, UserError
+
+
+class TopologyNotDefined(ValueError):
+    """The scheme has no (K, K) block-to-block weight matrix (e.g. n-stream HC / mHC).
+
+    Raised by `probabilities()`; code that draws or logs topologies catches it and skips them.
+    """
+
+
+class ResidualTopology(nn.Module):
+    """Base class: owns the loop over blocks. Subclasses override `forward` and `probabilities`."""
+
+    def __init__(self, num_blocks: int):
+        super().__init__()
+        self.num_blocks = num_blocks
+
+    def check_blocks(self, blocks: Sequence[nn.Module]) -> None:
+        if len(blocks) != self.num_blocks:
+            raise ValueError(f"topology was built for {self.num_blocks} blocks, got {len(blocks)}")
+
+    def forward(self, h0: torch.Tensor, blocks: Sequence[nn.Module], c: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def probabilities(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class CascadedTopology(ResidualTopology):
+    """Plain DiT: h_j = B_j(h_{j-1}); each block keeps its own two residual adds."""
+
+    def forward(self, h0, blocks, c):
+        h = h0
+        for block in blocks:
+            h = block(h, c)
+        return h
+
+    def probabilities(self) -> torch.Tensor:
+        return torch.zeros(self.num_blocks, self.num_blocks)
+
+
+class WeightedHistoryTopology(ResidualTopology):
+    """h_j = B_j(h_{j-1}) + sum_{i<j} P[j-1, i] h_i, with P given by `probabilities()`.
+
+    The weighted sum is a running sum over the kept history list (no stacked (K, ...) tensor), so
+    activation memory matches the cascaded model. `edges[j]` lists the sources that can carry a
+    non-zero weight into block j+1, so fixed sparse layouts skip their zero edges entirely.
+    """
+
+    def __init__(self, num_blocks: int, edges: list[list[int]] | None = None):
+        super().__init__(num_blocks)
+        self.edges = edges if edges is not None else [list(range(j + 1)) for j in range(num_blocks)]
+
+    def forward(self, h0, blocks, c):
+        self.check_blocks(blocks)
+        weights = self.probabilities()
+        history = [h0]
+        h = h0
+        for j, block in enumerate(blocks):
+            out = block(h, c)
+            for i in self.edges[j]:
+                out = torch.addcmul(out, history[i], weights[j, i])
+            h = out
+            history.append(h)
+        return h
+
+
+class FixedTopology(WeightedHistoryTopology):
+    """A frozen matrix of edge weights (a buffer, never trained); zero edges are skipped."""
+
+    def __init__(self, weights: torch.Tensor):
+        weights = torch.as_tensor(weights, dtype=torch.float32)
+        K = weights.shape[0]
+        if weights.shape != (K, K) or torch.triu(weights, diagonal=1).abs().sum() > 0:
+            raise UserError(f"a fixed topology needs a lower-triangular (K, K) matrix, got shape {tuple(weights.shape)}")
+        edges = [[i for i in range(j + 1) if weights[j, i] != 0] for j in range(K)]
+        super().__init__(K, edges)
+        self.register_buffer("weights", weights.clone())
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, torch.Tensor]) -> "FixedTopology":
+        """Rebuilds the topology from its own state dict (the matrix travels in `weights`)."""
+        return cls(state["weights"])
+
+    def probabilities(self) -> torch.Tensor:
+        return self.weights
+
+
+def save_topology_json(path: str | Path, probabilities: torch.Tensor, **extra) -> None:
+    """Writes P (K, K) as JSON; `frozen` topologies and the analysis tools read it back."""
+    P = probabilities.detach().float().cpu()
+    payload = {"num_blocks": P.shape[0], "probabilities": P.tolist(), **extra}
+    Path(path).write_text(json.dumps(payload, indent=1))
+
+
+def load_topology_json(path: str | Path) -> torch.Tensor:
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"topology file {path} not found; pass the topology.json written at a checkpoint")
+    try:
+        payload = json.loads(path.read_text())
+        return torch.tensor(payload["probabilities"], dtype=torch.float32)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise UserError(f"{path} is not a topology JSON with a 'probabilities' matrix ({err})") from None

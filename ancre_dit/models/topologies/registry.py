@@ -1,0 +1,116 @@
+"""Name -> residual topology: the one place a topology name is interpreted.
+
+A topology module registers a builder with the options (config keys) it takes:
+
+    @register_topology("ancre", options={"tau": TopologyOption(float, 0.01, "softmax temperature")},
+                       check=check_tau)
+    def build_ancre(num_blocks: int, hidden_size: int, tau: float) -> ResidualTopology: ...
+
+The model (`create_model(..., topology="ancre", tau=0.1)`), the training config (`model.tau=0.1`),
+the trainer and the checkpoint loader all ask this registry; none of them tests names. (timm's
+`register_model` idea, reduced to a dict: no metaclasses.)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from ...errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .base import ResidualTopology
+
+
+@dataclass(frozen=True)
+class TopologyOption:
+    """A hyperparameter a topology takes: its type (bool, int, float or str), default and help."""
+    type: type
+    default: Any
+    help: str = ""
+    optional: bool = False  # None is allowed (e.g. a path that only some uses need)
+
+
+@dataclass(frozen=True)
+class TopologyEntry:
+    name: str
+    build: Callable[..., "ResidualTopology"]  # build(num_blocks, hidden_size, **options)
+    options: Mapping[str, TopologyOption] = field(default_factory=dict)
+    check: Callable[[dict[str, Any]], None] | None = None  # raises UserError on bad option values
+    # Rebuilds the module from its own state dict (keys without the "topology." prefix) when the
+    # options it was built from are not enough, e.g. a frozen topology whose JSON is gone.
+    restore: Callable[[Mapping[str, "torch.Tensor"]], "ResidualTopology"] | None = None
+    summary: str = ""
+
+
+TOPOLOGIES: dict[str, TopologyEntry] = {}
+
+
+def register_topology(name: str, *, options: Mapping[str, TopologyOption] | None = None,
+                      check: Callable[[dict[str, Any]], None] | None = None,
+                      restore: Callable[[Mapping[str, "torch.Tensor"]], "ResidualTopology"] | None = None,
+                      summary: str = "") -> Callable:
+    """Decorator: registers `build(num_blocks, hidden_size, **options)` under `name`."""
+    def decorator(build: Callable[..., "ResidualTopology"]) -> Callable[..., "ResidualTopology"]:
+        if name in TOPOLOGIES:
+            raise ValueError(f"topology {name!r} is already registered")
+        for key, option in (options or {}).items():
+            known = all_topology_options().get(key)
+            if known is not None and known.type is not option.type:
+                raise ValueError(f"topology option {key!r} is already registered with type {known.type.__name__}")
+        TOPOLOGIES[name] = TopologyEntry(name, build, dict(options or {}), check, restore, summary)
+        return build
+    return decorator
+
+
+def unregister_topology(name: str) -> None:
+    """Removes a registered topology (for tests that register their own)."""
+    TOPOLOGIES.pop(name, None)
+
+
+def topology_entry(name: str) -> TopologyEntry:
+    if name not in TOPOLOGIES:
+        raise UserError(f"unknown topology {name!r}; choose one of {', '.join(TOPOLOGIES)}")
+    return TOPOLOGIES[name]
+
+
+def all_topology_options() -> dict[str, TopologyOption]:
+    """Every option any registered topology takes (the config keys they add to `model:`)."""
+    options: dict[str, TopologyOption] = {}
+    for entry in TOPOLOGIES.values():
+        for key, option in entry.options.items():
+            options.setdefault(key, option)
+    return options
+
+
+def resolve_options(name: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The options topology `name` is built with: its defaults updated by `given`.
+
+    Options that belong to other topologies are ignored (a config or an older checkpoint spec
+    always carries `tau`, for example), options no topology knows are refused, and the
+    topology's own check runs on the result."""
+    entry = topology_entry(name)
+    unknown = sorted(set(given) - set(all_topology_options()))
+    if unknown:
+        raise UserError(f"unknown topology option(s) {', '.join(unknown)}; registered options: "
+                        f"{', '.join(sorted(all_topology_options())) or '(none)'}")
+    options = {key: given.get(key, option.default) for key, option in entry.options.items()}
+    if entry.check is not None:
+        entry.check(options)
+    return options
+
+
+def build_topology(name: str, num_blocks: int, hidden_size: int | None = None, **options: Any) -> "ResidualTopology":
+    """Name -> residual topology for `num_blocks` blocks of width `hidden_size`."""
+    return topology_entry(name).build(num_blocks, hidden_size, **resolve_options(name, options))
+
+
+def restore_topology(name: str, state: Mapping[str, "torch.Tensor"]) -> "ResidualTopology | None":
+    """The topology rebuilt from a model state dict (keys `topology.*`) if `name` needs its
+    weights to rebuild itself, else None (build it from its options as usual)."""
+    entry = topology_entry(name)
+    if entry.restore is None:
+        return None
+    own = {key[len("topology."):]: value for key, value in state.items() if key.startswith("topology.")}
+    return entry.restore(own)

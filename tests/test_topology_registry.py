@@ -1,0 +1,139 @@
+"""The topology registry is the one place a topology name is interpreted: a topology defined in
+this file, with a hyperparameter of its own, trains, checkpoints and reloads without any change to
+the config, trainer or checkpoint code. Also: the command-line error contract (user error vs bug)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ancre_dit.cli import run_cli
+from ancre_dit.errors import UserError
+from ancre_dit.models import create_model
+from ancre_dit.models.topologies import (TOPOLOGIES, CascadedTopology, TopologyOption, register_topology,
+                                         resolve_options, unregister_topology)
+from ancre_dit.trained_model import load_trained_model
+from ancre_dit.training import load_config, train
+
+TINY = ["model.name=DiT-T/2", "model.depth=2", "model.hidden_size=32", "model.num_heads=2",
+        "data.kind=digits", "data.image_size=8", "data.num_workers=0", "train.global_batch_size=8",
+        "train.lr=1e-3", "train.mixed_precision=no", "train.log_every=1", "train.sample_every=0",
+        "log.tensorboard=false"]
+
+
+class GainTopology(CascadedTopology):
+    """h_j = B_j(h_{j-1}) + gain * h_{j-1}: a cascaded trunk with one hyperparameter."""
+
+    def __init__(self, num_blocks: int, gain: float):
+        super().__init__(num_blocks)
+        self.gain = gain
+
+    def forward(self, h0, blocks, c):
+        h = h0
+        for block in blocks:
+            h = block(h, c) + self.gain * h
+        return h
+
+    def probabilities(self) -> torch.Tensor:
+        return self.gain * torch.eye(self.num_blocks)
+
+
+def _check_gain(options):
+    if options["gain"] < 0:
+        raise UserError(f"gain must be >= 0, got {options['gain']}")
+
+
+@pytest.fixture
+def gain_topology():
+    """Registers 'test-gain' for one test, the way a new topology module would."""
+    register_topology("test-gain", options={"gain": TopologyOption(float, 1.0, "skip gain")}, check=_check_gain)(
+        lambda num_blocks, hidden_size, gain: GainTopology(num_blocks, gain))
+    yield
+    unregister_topology("test-gain")
+
+
+def test_a_topology_registered_in_a_test_trains_checkpoints_and_reloads(tmp_path, gain_topology):
+    config = load_config(None, [*TINY, f"run_dir={tmp_path / 'run'}", "model.topology=test-gain", "model.gain=0.5",
+                                "train.max_steps=2", "train.ckpt_every=2"])
+    assert config.model.topology_options == {"gain": 0.5}
+    train(config)
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    AcceleratorState._reset_state(True), GradientState._reset_state(), PartialState._reset_state()
+
+    model, spec = load_trained_model(tmp_path / "run" / "checkpoints" / "0000002")
+    assert spec["model"]["kwargs"]["gain"] == 0.5 and isinstance(model.topology, GainTopology)
+    assert model.topology.gain == 0.5
+    # The reloaded model is the trained one: same output as a fresh 0.5-gain model given its weights.
+    fresh = create_model("DiT-T/2", depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=1,
+                         num_classes=10, topology="test-gain", gain=0.5).eval()
+    fresh.load_state_dict(model.state_dict())
+    x, t, y = torch.randn(3, 1, 8, 8), torch.tensor([1, 500, 999]), torch.tensor([0, 3, 9])
+    with torch.no_grad():
+        assert torch.equal(fresh(x, t, y), model(x, t, y))
+        other = create_model("DiT-T/2", depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=1,
+                             num_classes=10, topology="test-gain", gain=2.0).eval()
+        other.load_state_dict(model.state_dict())
+        h0, c = model.embed(x, t, y)  # the final LayerNorm hides a pure rescaling: compare the trunks
+        assert not torch.equal(other.topology(h0, other.blocks, c), model.topology(h0, model.blocks, c))
+
+
+def test_topology_options_are_typed_and_checked_by_their_entry(tmp_path, gain_topology):
+    with pytest.raises(UserError, match="config key model.gain must be float"):
+        load_config(None, [*TINY, "model.topology=test-gain", "model.gain=abc"])
+    with pytest.raises(UserError, match="gain must be >= 0"):
+        load_config(None, [*TINY, "model.topology=test-gain", "model.gain=-1"])
+    with pytest.raises(UserError, match="unknown config key model.gian"):
+        load_config(None, [*TINY, "model.topology=test-gain", "model.gian=1"])
+    with pytest.raises(UserError, match="unknown topology option"):
+        create_model("DiT-T/2", depth=2, topology="test-gain", gian=1.0)
+    # A config written back to YAML (topology_options as a mapping) loads to the same options.
+    config = load_config(None, [*TINY, "model.topology=test-gain", "model.topology_options={gain: 0.25}"])
+    assert config.model.topology_options == {"gain": 0.25}
+
+
+def test_registry_holds_every_builtin_with_its_options():
+    assert list(TOPOLOGIES)[:2] == ["cascaded", "ancre"]
+    assert {"ancre-outgoing", "frozen", "denseformer", "hc", "hc-dynamic", "mhc"} <= set(TOPOLOGIES)
+    assert resolve_options("ancre", {"tau": 0.1, "hc_streams": 3}) == {"tau": 0.1}  # others' options ignored
+    assert resolve_options("mhc", {}) == {"hc_streams": 4, "sinkhorn_iters": 20}
+    with pytest.raises(UserError, match="tau must be a positive finite number"):
+        resolve_options("ancre", {"tau": 0.0})
+
+
+def test_frozen_topology_rebuilds_from_its_own_state_dict(tmp_path):
+    P = torch.tensor([[1.0, 0.0], [0.25, 0.75]])
+    from ancre_dit.models import save_topology_json
+    from ancre_dit.trained_model import make_model_spec, write_model_files
+    save_topology_json(tmp_path / "p.json", P)
+    kwargs = dict(depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=1, num_classes=10,
+                  topology="frozen", topology_path=str(tmp_path / "p.json"))
+    model = create_model("DiT-T/2", **kwargs)
+    write_model_files(tmp_path / "ckpt", make_model_spec("DiT-T/2", kwargs, {}, {}, 0), model.state_dict(),
+                      model.state_dict())
+    (tmp_path / "p.json").unlink()  # the JSON it came from is gone: the weights travel in the state dict
+    loaded, _ = load_trained_model(tmp_path / "ckpt")
+    assert torch.equal(loaded.topology.probabilities(), P)
+
+
+def _exit_of(main, capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as stop:
+        run_cli(main)
+    return stop.value.code, capsys.readouterr().err
+
+
+def test_cli_prints_one_line_for_a_user_error_and_a_traceback_for_a_bug(capsys, monkeypatch):
+    monkeypatch.delenv("ANCRE_DEBUG", raising=False)
+
+    def user_mistake():
+        raise UserError("data path /nope does not exist; set data.path")
+
+    code, err = _exit_of(user_mistake, capsys)
+    assert code == 2 and err == "error: data path /nope does not exist; set data.path\n"
+
+    def bug():
+        return {}["mean"]  # a KeyError deep in the code is a bug, not the user's fault
+
+    code, err = _exit_of(bug, capsys)
+    assert code == 1
+    assert "Traceback (most recent call last)" in err and "KeyError: 'mean'" in err
+    assert err.strip().splitlines()[-1].startswith("internal error: this is a bug in ancre-dit")
+    assert "error: mean" not in err
