@@ -25,8 +25,8 @@ from PIL import Image
 
 from ancre_dit.cli import run_cli
 from ancre_dit.latents.extract import DistContext, ExtractConfig, run_extraction
-from ancre_dit.latents.images import CroppedImages, list_image_folder
-from ancre_dit.latents.vae import DTYPES, encode_moments, load_vae
+from ancre_dit.data.image_folder import CroppedImages, list_image_folder
+from ancre_dit.vae import DTYPES, encode_moments, load_vae
 
 ARCHS = {
     "tiny": dict(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,

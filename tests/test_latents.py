@@ -22,11 +22,10 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from ancre_dit.errors import UserError
-from ancre_dit.data.latents import LatentShardDataset, sample_latents
-from ancre_dit.data.transforms import center_crop_arr
+from ancre_dit.data.image_folder import center_crop_arr, load_and_crop
+from ancre_dit.data.latents import LatentShardDataset, draw_latents_from_moments
 from ancre_dit.latents.extract import ExtractConfig, run_extraction
-from ancre_dit.latents.images import load_and_crop
-from ancre_dit.latents.vae import load_vae
+from ancre_dit.vae import load_vae
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "extract_latents.py"
@@ -233,7 +232,7 @@ def test_verify_names_each_corrupt_or_missing_shard(reference, tmp_path, capsys)
         main(["--verify", str(bad)])
 
 
-def test_dataset_reads_shards_and_sample_latents_uses_the_generator(reference):
+def test_dataset_reads_shards_and_draw_latents_from_moments_uses_the_generator(reference):
     ds = LatentShardDataset(reference)
     assert len(ds) == 12 and ds.num_classes == 3 and ds.latent_shape == (4, 16, 16)
     shards = [load_file(reference / s["file"]) for s in ds.manifest["shards"]]
@@ -247,8 +246,8 @@ def test_dataset_reads_shards_and_sample_latents_uses_the_generator(reference):
     loader = torch.utils.data.DataLoader(ds, batch_size=5, shuffle=False)
     moments, y = next(iter(loader))
     assert moments.shape == (5, 2, 2, 4, 16, 16) and y.tolist() == labels[:5]
-    z1 = sample_latents(moments, torch.Generator().manual_seed(7))
-    z2 = sample_latents(moments, torch.Generator().manual_seed(7))
+    z1 = draw_latents_from_moments(moments, torch.Generator().manual_seed(7))
+    z2 = draw_latents_from_moments(moments, torch.Generator().manual_seed(7))
     assert z1.dtype == torch.float32 and z1.shape == (5, 4, 16, 16) and torch.equal(z1, z2)
     # The contract the trainer's exact resume relies on: flips first, then the noise, from that generator.
     g = torch.Generator().manual_seed(7)
@@ -256,7 +255,7 @@ def test_dataset_reads_shards_and_sample_latents_uses_the_generator(reference):
     eps = torch.randn(5, 4, 16, 16, generator=g)
     chosen = moments[torch.arange(5), flip].float()
     torch.testing.assert_close(z1, chosen[:, 0] + chosen[:, 1] * eps)
-    assert not torch.equal(z1, sample_latents(moments, torch.Generator().manual_seed(8)))
+    assert not torch.equal(z1, draw_latents_from_moments(moments, torch.Generator().manual_seed(8)))
     with pytest.raises(ValueError, match="extract_latents.py"):
         LatentShardDataset(reference / "nowhere")
 

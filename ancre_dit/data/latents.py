@@ -3,7 +3,7 @@
 Layout of LATENT_DIR: `manifest.json` plus `shard-XXXXX.safetensors`, each shard holding
 `mean`, `std` float16 (n, 2, C, h, w) (index 1 along dim 1 = horizontally flipped image; both already
 multiplied by the VAE scaling factor), `label` int64 (n,) and `index` int64 (n,) (position of the
-image in the sorted file list). Training draws a fresh posterior sample per step (`sample_latents`).
+image in the sorted file list). Training draws a fresh posterior sample per step (`draw_latents_from_moments`).
 """
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ class LatentShardDataset(Dataset):
         return state
 
 
-def sample_latents(moments: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def draw_latents_from_moments(moments: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """DiT's on-the-fly augmentation from stored moments (N, 2, 2, C, h, w): per sample a random flip,
     then a fresh posterior draw mean + std * eps. Returns float32 (N, C, h, w).
 

@@ -26,13 +26,14 @@ import numpy as np
 import torch
 
 from ..data.adm_npz import ADMBatch
+from ..data.image_folder import list_image_folder
 from ..files import sha256_file
 from .inception import InceptionExtractor, InceptionFeatures, default_device, iterate_batches
 from .metrics import (
     feature_statistics, frechet_distance, frechet_distance_to_features, inception_score, kernel_inception_distance,
 )
 from .precision_recall import precision_recall
-from .sources import ImageFolderBatches, list_images, open_adm_npz
+from .sources import ImageFolderBatches, open_adm_npz
 from ..errors import UserError
 
 METRICS = ("fid", "sfid", "is", "precision", "recall", "kid")
@@ -105,7 +106,7 @@ def load_side(source: ADMBatch | str | os.PathLike, name: str, extractor_fn, bat
         path = Path(source)
         label = f"{name} ({path})"
         if path.is_dir():
-            files, _ = list_images(path)
+            files = list_image_folder(path).paths()
             side = Side(label, num_images=len(files), image_size=image_size)
             if need_features:
                 batches = ImageFolderBatches(files, image_size, batch_size, workers)

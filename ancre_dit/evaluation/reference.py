@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from ..data.adm_npz import save_adm_npz
+from ..data.image_folder import list_image_folder
 from .inception import default_device
 from .metrics import feature_statistics
 from .pipeline import default_batch_size, get_extractor
-from .sources import ImageFolderBatches, list_images
+from .sources import ImageFolderBatches
 from ..errors import UserError
 
 
@@ -29,7 +30,8 @@ def save_reference_stats(images_dir: str | os.PathLike, out: str | os.PathLike, 
     `max_images` keeps a seeded random subset (a sorted prefix of ImageNet would be a few classes)."""
     device = torch.device(device) if device is not None else default_device()
     extractor = get_extractor(weights, device)  # fail on bad weights before reading any image
-    files, labels = list_images(images_dir)
+    listing = list_image_folder(images_dir)
+    files, labels = listing.paths(), listing.labels
     if max_images is not None and max_images < len(files):
         keep = np.sort(np.random.default_rng(seed).choice(len(files), max_images, replace=False))
         files = [files[i] for i in keep]

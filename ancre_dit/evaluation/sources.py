@@ -1,4 +1,5 @@
-"""Where images and statistics come from: an ADM npz (read lazily) or a folder of image files.
+"""Where images and statistics come from: an ADM npz (read lazily) or a folder of image files
+(listed and read by ancre_dit.data.image_folder).
 
 50K samples at 256x256 are 9.8 GB of uint8: `open_adm_npz` memory-maps `arr_0` when the npz
 stores it uncompressed (np.savez, what sample.py and ADM write), so features are computed batch
@@ -13,13 +14,10 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-from PIL import Image
 
 from ..data.adm_npz import STAT_KEYS, ADMBatch, load_adm_npz
-from ..data.transforms import center_crop_arr
-from ..errors import MissingFileError, UserError
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff", ".ppm")
+from ..data.image_folder import load_rgb
+from ..errors import UserError
 
 
 def _memmap_member(path: Path, member: str) -> np.ndarray | None:
@@ -68,32 +66,6 @@ def open_adm_npz(path: str | os.PathLike) -> ADMBatch:
     return ADMBatch(images, labels, stats)
 
 
-def list_images(folder: str | os.PathLike) -> tuple[list[Path], list[int] | None]:
-    """Image files under `folder` (recursive, sorted). Labels follow torchvision's ImageFolder
-    convention (index of the sorted top-level subfolder) when every image sits in one."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise MissingFileError(f"{folder} is not a folder; pass a folder of images (png, jpg, ...)")
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
-    if not files:
-        raise MissingFileError(f"no image files (png, jpg, ...) under {folder}")
-    top = [p.relative_to(folder).parts for p in files]
-    if all(len(parts) > 1 for parts in top):
-        classes = sorted({parts[0] for parts in top})
-        index = {c: i for i, c in enumerate(classes)}
-        return files, [index[parts[0]] for parts in top]
-    return files, None
-
-
-def load_image(path: Path, image_size: int | None) -> np.ndarray:
-    """An image file as uint8 (H, W, 3); with `image_size`, ADM's center crop (as in training)."""
-    with Image.open(path) as img:
-        img = img.convert("RGB")
-        if image_size is not None:
-            img = center_crop_arr(img, image_size)
-        return np.asarray(img, dtype=np.uint8)
-
-
 class ImageFolderBatches:
     """Batches of center-cropped uint8 images read from files, decoded by DataLoader workers."""
 
@@ -104,7 +76,7 @@ class ImageFolderBatches:
         return len(self.files)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        image = load_image(self.files[i], self.image_size)
+        image = load_rgb(self.files[i], self.image_size)
         if self.image_size is None and i > 0 and image.shape != self.first_shape:
             raise UserError(f"{self.files[i]} is {image.shape[:2]}, not {self.first_shape[:2]} like the first "
                              f"image; pass an image size so every image is center-cropped to one size")
@@ -113,7 +85,7 @@ class ImageFolderBatches:
     @property
     def first_shape(self) -> tuple[int, ...]:
         if not hasattr(self, "_first_shape"):
-            self._first_shape = load_image(self.files[0], self.image_size).shape
+            self._first_shape = load_rgb(self.files[0], self.image_size).shape
         return self._first_shape
 
     def __iter__(self) -> Iterator[np.ndarray]:

@@ -1,7 +1,7 @@
 """Image folder -> VAE latent shards (scripts/extract_latents.py); the reader is ancre_dit.data.latents.
 
-images.py lists and crops, vae.py loads and encodes, shards.py writes and checksums, extract.py runs
-one process's share of the work, verify.py checks a finished set.
+ancre_dit.data.image_folder lists and crops, ancre_dit.vae loads and encodes; here shards.py writes
+and checksums, extract.py runs one process's share of the work, verify.py checks a finished set.
 """
 from .extract import DistContext, ExtractConfig, ExtractResult, run_extraction
 from .verify import verify_latent_dir

@@ -23,10 +23,10 @@ from tqdm.auto import tqdm
 from ancre_dit.errors import UserError
 from ancre_dit.data.latents import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, REPORT_NAME,
                                     shard_file_name)
-from ancre_dit.latents.images import CroppedImages, ImageList, LoadedImage, list_image_folder
+from ancre_dit.data.image_folder import CroppedImages, ImageList, LoadedImage, list_image_folder
 from ancre_dit.latents.shards import (checksum_path, read_checksum, read_shard_meta, remove_stale_tmp,
                                       shard_is_complete, write_atomic, write_shard)
-from ancre_dit.latents.vae import DTYPES, LoadedVAE, encode_moments, load_vae
+from ancre_dit.vae import DTYPES, LoadedVAE, encode_moments, load_vae
 
 
 _SHARD_NAME = re.compile(r"shard-(\d{5})\.safetensors")
@@ -66,7 +66,8 @@ class ExtractResult:
 
 def _fingerprint(cfg: ExtractConfig, images: ImageList, vae: LoadedVAE) -> dict[str, Any]:
     """What must match for a rerun to reuse existing shards (same data, VAE, crop and sharding)."""
-    listing = hashlib.sha256("\n".join(f"{p}\t{y}" for p, y in images.files).encode()).hexdigest()
+    rows = "\n".join(f"{p}\t{y}" for p, y in zip(images.files, images.labels))
+    listing = hashlib.sha256(rows.encode()).hexdigest()
     return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "image_size": cfg.image_size,
             "vae": vae.name, "scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor,
             "vae_dtype": cfg.vae_dtype, "shard_size": cfg.shard_size, "min_side": cfg.min_side,
@@ -133,7 +134,7 @@ class _ShardBuffer:
 def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageList, buf: _ShardBuffer) -> int:
     for it in items:
         if it.action != "ok":
-            buf.report.append([it.position, images.files[it.position][0], it.action, it.detail])
+            buf.report.append([it.position, images.files[it.position], it.action, it.detail])
     good = [it for it in items if it.array is not None]
     if not good:
         return 0
@@ -141,13 +142,13 @@ def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageList, b
     # The image and its horizontal flip (of the crop, as DiT flips after cropping) in one batch.
     mean, std = encode_moments(vae, torch.cat([pixels, pixels.flip(2)]))
     if not (torch.isfinite(mean).all() and torch.isfinite(std).all()):
-        raise UserError(f"the VAE gave non-finite latents near {images.files[good[0].position][0]} "
+        raise UserError(f"the VAE gave non-finite latents near {images.files[good[0].position]} "
                         "(half-precision overflow?); rerun with --vae-dtype bf16 or fp32 to resume")
     n = len(good)
     # (2n, C, h, w) -> (n, 2, C, h, w): row i holds [image i, flipped image i]
     buf.mean.append(mean.view(2, n, *mean.shape[1:]).transpose(0, 1).half().cpu())
     buf.std.append(std.view(2, n, *std.shape[1:]).transpose(0, 1).half().cpu())
-    buf.labels += [images.files[it.position][1] for it in good]
+    buf.labels += [images.labels[it.position] for it in good]
     buf.index += [it.position for it in good]
     return n
 
@@ -162,7 +163,7 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
         raise UserError(f"--vae-dtype must be one of {', '.join(DTYPES)}, got {cfg.vae_dtype}")
     if cfg.vae_dtype != "fp32" and ctx.device.type != "cuda":
         raise UserError(f"--vae-dtype {cfg.vae_dtype} is for GPUs; on {ctx.device.type} the VAE runs in fp32 (drop the flag)")
-    images = list_image_folder(cfg.data_path)
+    images = list_image_folder(cfg.data_path, require_classes=True)
     vae = load_vae(cfg.vae, ctx.device, DTYPES[cfg.vae_dtype], cfg.scaling_factor)
     if cfg.image_size % vae.downsample:
         raise UserError(f"--image-size {cfg.image_size} is not a multiple of the VAE's downsampling factor "

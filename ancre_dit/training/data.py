@@ -13,11 +13,10 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
 
 from ..errors import UserError
-from ..data.transforms import center_crop_arr
+from ..data.image_folder import list_image_folder, load_rgb
 from .config import Config
 
 
@@ -37,25 +36,20 @@ class DataInfo:
 
 
 class _ImageFolderArrays(Dataset):
-    """ImageFolder -> (float32 (3, S, S) in [-1, 1], label), ADM's center crop, no random flip
-    (the trainer flips with its own generator so resumed runs repeat the draws)."""
+    """A class-folder tree (ancre_dit.data.image_folder's listing) -> (float32 (3, S, S) in [-1, 1],
+    label), ADM's center crop, no random flip (the trainer flips with its own generator so resumed
+    runs repeat the draws)."""
 
     def __init__(self, root: str, image_size: int):
-        from torchvision.datasets import ImageFolder
-        try:
-            self.folder = ImageFolder(root)
-        except (FileNotFoundError, RuntimeError) as err:
-            raise UserError(f"{root} is not an image folder with one subfolder per class ({err})") from None
+        self.images = list_image_folder(root, require_classes=True)
         self.image_size = image_size
 
     def __len__(self) -> int:
-        return len(self.folder)
+        return len(self.images.files)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        path, label = self.folder.samples[i]
-        with Image.open(path) as img:
-            arr = np.asarray(center_crop_arr(img.convert("RGB"), self.image_size), dtype=np.float32)
-        return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0, label
+        arr = load_rgb(self.images.root / self.images.files[i], self.image_size).astype(np.float32)
+        return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0, self.images.labels[i]
 
 
 def build_data(config: Config, patch_size: int) -> DataInfo:
@@ -78,7 +72,7 @@ def build_data(config: Config, patch_size: int) -> DataInfo:
                         vae=d.vae or m.get("vae"), scaling_factor=float(m["scaling_factor"]))
     else:
         ds = _ImageFolderArrays(d.path, d.image_size)
-        info = DataInfo(ds, "images", d.image_size, 3, len(ds.folder.classes), d.image_size, 3, random_flip=True)
+        info = DataInfo(ds, "images", d.image_size, 3, len(ds.images.class_names), d.image_size, 3, random_flip=True)
     if info.input_size % patch_size:
         what = "latent side" if info.kind == "latents" else "data.image_size"
         raise UserError(f"{what} {info.input_size} is not divisible by the patch size {patch_size} of "
@@ -93,8 +87,8 @@ def prepare_batch(info: DataInfo, batch: tuple[torch.Tensor, torch.Tensor], devi
     x, y = batch
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     if info.kind == "latents":
-        from ..data.latents import sample_latents
-        x = sample_latents(x, generator=generator)
+        from ..data.latents import draw_latents_from_moments
+        x = draw_latents_from_moments(x, generator=generator)
     elif info.random_flip:
         flip = torch.rand(x.shape[0], generator=generator, device=generator.device).to(device) < 0.5
         x = torch.where(flip[:, None, None, None], x.flip(-1), x)

@@ -1,13 +1,18 @@
-"""Loading the diffusers AutoencoderKL (offline by default) and encoding images to scaled moments."""
+"""The VAE of latent models: loading a diffusers AutoencoderKL (a local folder; a hub id only when
+the user passes one), encoding images to scaled moments (latent extraction) and decoding latents to
+uint8 images in chunks (sampling and the trainer's sample grids)."""
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 
-from ancre_dit.errors import UserError
+from .data.adm_npz import to_uint8
+from .errors import UserError
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -82,3 +87,33 @@ def encode_moments(loaded: LoadedVAE, images: torch.Tensor) -> tuple[torch.Tenso
     if loaded.shift_factor is not None:
         mean = mean - loaded.shift_factor
     return mean * loaded.scaling_factor, std * loaded.scaling_factor
+
+
+def load_run_vae(data_spec: dict[str, Any], latent_channels: int, vae: str | None = None,
+                 device: torch.device | str = "cpu") -> LoadedVAE:
+    """The VAE a trained latent model decodes with: the one its run names in `data_spec` (or `vae`,
+    which overrides it), with the run's scaling factor; checked against the model's latent channels."""
+    named = vae or data_spec.get("vae")
+    if not named:
+        raise UserError("this checkpoint samples VAE latents but its run names no VAE; pass --vae DIR "
+                        "(the local diffusers AutoencoderKL folder the latents were extracted with)")
+    loaded = load_vae(str(named), device, scaling_factor=data_spec.get("scaling_factor"))
+    if loaded.latent_channels != latent_channels:
+        raise UserError(f"VAE {named} has {loaded.latent_channels} latent channels but the model samples "
+                        f"{latent_channels}; pass the VAE the latents were extracted with (--vae DIR)")
+    return loaded
+
+
+@torch.no_grad()
+def decode_to_uint8(loaded: LoadedVAE, z: torch.Tensor, chunk: int = 32) -> np.ndarray:
+    """Latents (N, C, h, w), scaled as trained -> uint8 RGB (N, H, W, 3), decoded `chunk` at a time
+    so a large batch of samples fits in memory."""
+    vae = loaded.vae
+    param = next(vae.parameters())
+    out = []
+    for part in z.split(chunk):
+        latents = part.to(param.device, param.dtype) / loaded.scaling_factor
+        if loaded.shift_factor is not None:
+            latents = latents + loaded.shift_factor
+        out.append(to_uint8(vae.decode(latents).sample).transpose(0, 2, 3, 1))
+    return np.concatenate(out)

@@ -1,0 +1,156 @@
+"""The one image-folder reader: how a folder is listed, how an image is opened, ADM's center crop.
+
+Latent extraction, image-folder training and Inception reference statistics all read folders here,
+so a folder gives the same files, order and labels to each of them. The listing rule:
+
+- **Class tree** (subfolders hold the images): exactly torchvision's ImageFolder. Classes are the
+  subfolder names sorted as strings, label = position in that list (an empty class folder still
+  takes its label, so the others keep theirs); files are found recursively inside each class
+  folder and ordered as ImageFolder orders them. This is DiT's order, so labels match ImageNet's.
+- **Flat folder** (images sit directly in it): its image files sorted by name, no labels;
+  subfolders without images are ignored.
+- A folder holding images both directly and in subfolders is refused: it is not clear which rule
+  the user meant, and silently dropping either half would be worse.
+
+Image files are those with torchvision's extensions (IMG_EXTENSIONS, case-insensitive: jpg,
+jpeg, png, ppm, bmp, pgm, tif, tiff, webp); anything else (notes, json) is ignored.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from torch.utils.data import Dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension, make_dataset
+
+from ..errors import MissingFileError, UserError
+
+IMAGE_EXTENSIONS: tuple[str, ...] = IMG_EXTENSIONS
+
+
+@dataclass
+class ImageList:
+    """A listed folder: `files` relative to `root` in listing order, one label per file for a class
+    tree (`labels` None and `class_names` empty for a flat folder)."""
+    root: Path
+    files: list[str]
+    labels: list[int] | None
+    class_names: list[str]
+
+    def paths(self) -> list[Path]:
+        return [self.root / f for f in self.files]
+
+
+def list_image_folder(root: str | os.PathLike, require_classes: bool = False) -> ImageList:
+    """Lists `root` by the rule in this module's docstring; `require_classes` refuses a flat folder
+    (training and extraction need labels)."""
+    root = Path(root)
+    if not root.is_dir():
+        raise MissingFileError(f"{root} is not a folder; pass a folder of images (one subfolder per class for labels)")
+    try:
+        class_names, class_to_idx = find_classes(root)
+    except FileNotFoundError:
+        class_names, class_to_idx = [], {}
+    samples = make_dataset(root, class_to_idx, extensions=IMAGE_EXTENSIONS, allow_empty=True) if class_names else []
+    top = sorted(entry.name for entry in os.scandir(root)
+                 if entry.is_file() and has_file_allowed_extension(entry.name, IMAGE_EXTENSIONS))
+    if samples and top:
+        raise UserError(f"{root} holds images both directly ({top[0]}, ...) and in subfolders; put every image in a "
+                        "class subfolder (labelled) or all of them directly in the folder (unlabelled)")
+    if require_classes and not samples:
+        if top or not class_names:
+            raise UserError(f"{root} has no class subfolders of images; pass a folder holding one subfolder "
+                            "of images per class")
+        raise MissingFileError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in the class folders of {root}")
+    if samples:
+        files = [os.path.relpath(path, root) for path, _ in samples]
+        return ImageList(root, files, [label for _, label in samples], class_names)
+    if not top:
+        raise MissingFileError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) in {root} or its subfolders")
+    return ImageList(root, top, None, [])
+
+
+def center_crop_arr(pil_image: Image.Image, image_size: int) -> Image.Image:
+    """ADM's center crop (used by DiT): halve with a box filter while the short side is at least
+    twice the target, resize the short side to `image_size` with bicubic, then crop the center.
+
+    Written by hand because torchvision's Resize+CenterCrop does not box-downsample first and
+    so gives different pixels than the reference statistics expect.
+    """
+    while min(*pil_image.size) >= 2 * image_size:
+        pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
+    scale = image_size / min(*pil_image.size)
+    pil_image = pil_image.resize(tuple(round(x * scale) for x in pil_image.size), resample=Image.BICUBIC)
+    arr = np.array(pil_image)
+    top = (arr.shape[0] - image_size) // 2
+    left = (arr.shape[1] - image_size) // 2
+    return Image.fromarray(arr[top: top + image_size, left: left + image_size])
+
+
+def open_rgb(path: str | os.PathLike) -> tuple[Image.Image, str]:
+    """Decodes an image now (a truncated or corrupt file raises here) and converts any mode (CMYK,
+    grayscale, palette, RGBA) to RGB. Returns (RGB image, the file's own mode)."""
+    with warnings.catch_warnings():
+        # PIL warns (not raises) on EXIF oddities or large images; real decoding errors still raise.
+        warnings.simplefilter("ignore")
+        with Image.open(path) as img:
+            img.load()
+            mode = img.mode
+            if mode == "P" and "transparency" in img.info:
+                img = img.convert("RGBA")  # PIL asks for this route for transparent palettes
+            return img.convert("RGB"), mode
+
+
+def load_rgb(path: str | os.PathLike, image_size: int | None = None) -> np.ndarray:
+    """An image file as uint8 (H, W, 3); with `image_size`, after ADM's center crop."""
+    img, _ = open_rgb(path)
+    if image_size is not None:
+        img = center_crop_arr(img, image_size)
+    return np.asarray(img, dtype=np.uint8)
+
+
+def load_and_crop(path: str | os.PathLike, image_size: int, min_side: int) -> tuple[np.ndarray | None, str, str]:
+    """Like `load_rgb` with a crop, but a bad file is reported, never raised, so one broken JPEG
+    cannot abort a long extraction. Returns (uint8 (S, S, 3) or None, action, detail) with action
+    "ok", "converted" (detail: the conversion) or "skipped" (detail: why)."""
+    try:
+        img, mode = open_rgb(path)
+        if min(img.size) < min_side:
+            return None, "skipped", f"too small ({img.size[0]}x{img.size[1]} < --min-side {min_side})"
+        array = np.asarray(center_crop_arr(img, image_size), dtype=np.uint8)
+    except Exception as err:  # noqa: BLE001 - any decoder failure means "skip this file"
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return None, "skipped", f"unreadable ({type(err).__name__}: {reason})"
+    if array.shape != (image_size, image_size, 3):
+        return None, "skipped", f"crop gave shape {array.shape}"
+    if mode != "RGB":
+        return array, "converted", f"{mode} -> RGB"
+    return array, "ok", ""
+
+
+@dataclass
+class LoadedImage:
+    position: int
+    array: np.ndarray | None  # uint8 (S, S, 3) after the ADM crop, None when skipped
+    action: str  # "ok", "converted" or "skipped"
+    detail: str = ""
+
+
+class CroppedImages(Dataset):
+    """Positions of a listing -> LoadedImage (tolerant `load_and_crop`), for a DataLoader whose
+    workers decode the images."""
+
+    def __init__(self, images: ImageList, image_size: int, min_side: int):
+        self.images, self.image_size, self.min_side = images, image_size, min_side
+
+    def __len__(self) -> int:
+        return len(self.images.files)
+
+    def __getitem__(self, position: int) -> LoadedImage:
+        array, action, detail = load_and_crop(self.images.root / self.images.files[position], self.image_size,
+                                              self.min_side)
+        return LoadedImage(position, array, action, detail)
