@@ -3,17 +3,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from helpers import ROOT, subprocess_env
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _training_helpers import ROOT, subprocess_env  # noqa: E402
-
-from ancre_dit.errors import UserError  # noqa: E402
-from ancre_dit.training.config import check_batch_layout, load_config, save_config  # noqa: E402
-from ancre_dit.training.data import GlobalBatchSampler, advance_position, build_data  # noqa: E402
+from ancre_dit.errors import UserError
+from ancre_dit.training.config import check_batch_layout, load_config, save_config
+from ancre_dit.training.data import GlobalBatchSampler, advance_position, build_data
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 

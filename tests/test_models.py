@@ -1,25 +1,20 @@
 """DiT backbones and the ANCRe topology: shapes, parameter counts, the reference formula,
 ablation variants, gradients, checkpoint import and torch.compile."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _model_helpers import inputs, randomize  # noqa: E402
+from helpers import TINY_DIT, inputs, randomize, tiny_model
 
 from ancre_dit import DIT_MODELS, convert_official_state_dict, create_model
 from ancre_dit.models import load_state_dict_checked, load_topology_json, save_topology_json
 from ancre_dit.models.topologies import TOPOLOGIES, first_previous_weights
 
-TINY = dict(depth=4, hidden_size=32, num_heads=2, input_size=8, in_channels=1, num_classes=10)
+TINY = {**TINY_DIT, "depth": 4}  # 4 blocks: a topology matrix with room for non-trivial rows
 
 
 def tiny(topology="ancre", seed=0, **kwargs):
-    torch.manual_seed(seed)
-    return create_model("DiT-T/2", **{**TINY, "topology": topology, **kwargs})
+    return tiny_model(topology, seed, **{**TINY, **kwargs})
 
 
 def set_logits(model, seed=3, scale=1.0):
