@@ -95,6 +95,7 @@ def test_data_order_is_the_same_global_batch_for_any_layout():
     assert global_batches(2, 1, 3, epoch, offset) == one[6:9]
 
 
+@pytest.mark.slow
 def test_bad_configs_from_the_command_line(tmp_path):
     """train.py prints one line starting with 'error:' for each mistake named in the issue."""
     cases = {

@@ -48,6 +48,7 @@ def test_to_uint8():
     assert out.dtype == np.uint8 and out.tolist() == [0, 0, 128, 255, 255]
 
 
+@pytest.mark.slow
 def test_tiny_dit_loss_falls_on_digits(one_thread):
     train, heldout = DigitsDataset("train"), DigitsDataset("heldout")
     model = tiny_model("ancre", seed=0, hidden_size=64, learn_sigma=True)

@@ -32,6 +32,7 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(tmp_path, monkeypatch):
     two = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),

@@ -128,6 +128,7 @@ def test_manifest_report_and_labels(reference, image_dir):
     assert labels == [files[i][1] for i in index]
 
 
+@pytest.mark.slow
 def test_two_processes_give_identical_shards(reference, image_dir, vae_dir, tmp_path):
     out = tmp_path / "two"
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")

@@ -10,6 +10,7 @@ from ancre_dit import DIT_MODELS, convert_official_state_dict, create_model
 from ancre_dit.models import load_state_dict_checked, load_topology_json, save_topology_json
 from ancre_dit.models.topologies import TOPOLOGIES, first_previous_weights
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest, and shares the box
 TINY = {**TINY_DIT, "depth": 4}  # 4 blocks: a topology matrix with room for non-trivial rows
 
 
@@ -244,6 +245,7 @@ def test_checkpoint_of_another_architecture_fails_with_one_line(other, expected)
     assert "\n" not in message and expected in message and message.startswith("ckpt.pt does not fit this model")
 
 
+@pytest.mark.slow
 def test_torch_compile_matches_eager():
     model = randomize(tiny())
     set_logits(model)

@@ -12,6 +12,7 @@ from ancre_dit.models import load_state_dict_checked
 from ancre_dit.models.peers import TopologyNotDefined, sinkhorn_knopp
 from ancre_dit.models.topologies import TOPOLOGIES
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest, and shares the box
 TINY = {**TINY_DIT, "depth": 3}
 PEERS = ["denseformer", "hc", "hc-dynamic", "mhc"]
 
@@ -203,6 +204,7 @@ def test_mhc_keeps_its_streams_in_fp32_under_bf16_autocast():
         assert model.topology(h0.bfloat16(), model.blocks, c).dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_torch_compile_traces_mhc_forward_and_backward():
     """Dynamo + AOT autograd (the inductor codegen is too slow for CI on 2 cores; the overhead
     benchmark runs the full compile)."""

@@ -33,6 +33,7 @@ def vae_and_images(tmp_path):
     return tmp_path / "vae", tmp_path / "images"
 
 
+@pytest.mark.slow
 def test_images_to_latents_to_training_to_samples(tmp_path, vae_and_images):
     vae, images = vae_and_images
     latents = tmp_path / "latents"

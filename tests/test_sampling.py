@@ -24,6 +24,7 @@ TINY = {**TINY_DIT, "learn_sigma": True, "topology": "cascaded"}  # the model kw
 DIGITS = dict(kind="digits", image_size=8, image_channels=1, num_classes=10, vae=None, scaling_factor=None)
 
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_model(seed: int = 0, **overrides) -> torch.nn.Module:
@@ -70,6 +71,7 @@ def test_same_seed_same_images_whatever_the_batch():
         assert np.array_equal(x, sample_images(model, DIFFUSION, labels, seed=5, steps=4, sampler=sampler, cfg_scale=2.0))
 
 
+@pytest.mark.slow
 def test_one_and_two_processes_give_identical_npz(digits_ckpt, tmp_path):
     common = ["--ckpt", str(digits_ckpt), "--num-samples", "10", "--batch-size", "3", "--steps", "6",
               "--cfg-scale", "2", "--seed", "3"]
@@ -309,6 +311,7 @@ def test_latent_model_decodes_through_a_local_vae(tmp_path):
 
 
 # -- bad input ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bad_input_gives_one_clear_line(digits_ckpt, tmp_path):
     out = str(tmp_path / "bad.npz")
     with pytest.raises(UserError, match="out of range.*0..9"):

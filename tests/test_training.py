@@ -20,7 +20,8 @@ from ancre_dit.trained_model import load_trained_model
 from ancre_dit.training import Trainer, train
 from ancre_dit.training.checkpointing import list_checkpoints, resolve_resume
 
-pytestmark = pytest.mark.usefixtures("fresh_accelerate")
+# Every test here trains (in process or through train.py): seconds to minutes each.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_accelerate")]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
