@@ -3,17 +3,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
+from helpers import ROOT, subprocess_env
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _training_helpers import ROOT, subprocess_env  # noqa: E402
-
-from ancre_dit.errors import UserError  # noqa: E402
-from ancre_dit.training.config import check_batch_layout, load_config, save_config  # noqa: E402
-from ancre_dit.training.data import GlobalBatchSampler, advance_position, build_data  # noqa: E402
+from ancre_dit.errors import UserError
+from ancre_dit.training.config import check_batch_layout, load_config, save_config
+from ancre_dit.training.data import GlobalBatchSampler, advance_position, build_data
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
@@ -98,6 +95,7 @@ def test_data_order_is_the_same_global_batch_for_any_layout():
     assert global_batches(2, 1, 3, epoch, offset) == one[6:9]
 
 
+@pytest.mark.slow
 def test_bad_configs_from_the_command_line(tmp_path):
     """train.py prints one line starting with 'error:' for each mistake named in the issue."""
     cases = {

@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_model
 from sklearn.datasets import load_digits
 
 from ancre_dit.data.digits import DIGITS_IMAGE_SIZE, DIGITS_NUM_CLASSES, DigitsDataset, to_uint8
 from ancre_dit.diffusion.gaussian import create_diffusion
-from ancre_dit.models import create_model
 
 
 def test_splits_shapes_ranges_and_disjointness():
@@ -48,20 +48,10 @@ def test_to_uint8():
     assert out.dtype == np.uint8 and out.tolist() == [0, 0, 128, 255, 255]
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models run fastest on one thread; on a busy 2-core machine two threads spin-wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
+@pytest.mark.slow
 def test_tiny_dit_loss_falls_on_digits(one_thread):
-    torch.manual_seed(0)
     train, heldout = DigitsDataset("train"), DigitsDataset("heldout")
-    model = create_model("DiT-T/2", depth=2, hidden_size=64, num_heads=2, input_size=8, in_channels=1,
-                         num_classes=10, topology="ancre", learn_sigma=True)
+    model = tiny_model("ancre", seed=0, hidden_size=64, learn_sigma=True)
     # positional embeddings are what lets the model place strokes: they must be set and distinct
     assert torch.unique(model.pos_embed[0], dim=0).shape[0] == model.x_embedder.num_patches
     diffusion = create_diffusion(learn_sigma=True)

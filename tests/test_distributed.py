@@ -8,13 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+from helpers import ROOT, deterministic_draws, reset_accelerate, subprocess_env, tiny_config
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _training_helpers import ROOT, deterministic_draws, reset_accelerate, subprocess_env, tiny_config  # noqa: E402
+from ancre_dit.training import Trainer
 
-from ancre_dit.training import Trainer  # noqa: E402
+WORKER = Path(__file__).with_name("_dist_train.py")
 
 # learn_sigma and label dropout off so that the loss is a pure function of each sample's draws.
 SETTINGS = ["train.max_steps=2", "train.ckpt_every=2", "train.global_batch_size=16", "train.lr=1e-4",
@@ -31,10 +32,11 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_two_processes_match_one(tmp_path, monkeypatch):
     two = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(ROOT / "tests" / "_dist_train.py"), f"run_dir={two}", *SETTINGS]
+           str(WORKER), f"run_dir={two}", *SETTINGS]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = json.loads((two / "checkpoints" / "0000002" / "trainer_state.json").read_text())

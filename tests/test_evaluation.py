@@ -148,6 +148,7 @@ def test_inception_score_adm_splits():
 
 # --- Inception features ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_features_are_adm_layers(extractor, image_sets, features):
     f = features["real"]
     assert f.pool.shape == (N, 2048) and f.spatial.shape == (N, 7 * 17 * 17) and f.logits.shape == (N, 1008)
@@ -166,6 +167,7 @@ def test_features_are_adm_layers(extractor, image_sets, features):
     np.testing.assert_allclose(spatial.numpy(), f.spatial[:2], rtol=1e-5, atol=1e-6)  # batching-independent
 
 
+@pytest.mark.slow
 def test_noise_and_shift_move_fid_up_and_precision_recall_down(features):
     real = features["real"]
 
@@ -184,6 +186,7 @@ def test_noise_and_shift_move_fid_up_and_precision_recall_down(features):
 
 # --- the pipeline: npz / folder / statistics-only references -------------------------------------
 
+@pytest.mark.slow
 def test_fid_of_a_set_against_itself_image_path(weights, image_sets, tmp_path):
     path = save_adm_npz(tmp_path / "real.npz", image_sets["real"], np.arange(N) % 10)
     out = compute_metrics(path, path, weights, metrics=("fid", "sfid", "precision", "recall", "kid"),
@@ -193,6 +196,7 @@ def test_fid_of_a_set_against_itself_image_path(weights, image_sets, tmp_path):
     assert abs(out["kid"]) < 1e-3 and "kid_std" in out
 
 
+@pytest.mark.slow
 def test_reference_stats_from_folder_and_mu_sigma_path(weights, image_sets, features, tmp_path):
     folder = tmp_path / "images"
     for i, image in enumerate(image_sets["real"]):  # two class subfolders -> labels 0 / 1
@@ -221,6 +225,7 @@ def test_reference_stats_from_folder_and_mu_sigma_path(weights, image_sets, feat
         compute_metrics(samples, stats_only, weights, metrics=("precision",), device="cpu")
 
 
+@pytest.mark.slow
 def test_is_of_one_repeated_image_is_one(weights, image_sets, features):
     repeated = ADMBatch(np.repeat(image_sets["real"][:1], 6, axis=0), None)
     out = compute_metrics(repeated, None, weights, metrics=("is",), device="cpu")
@@ -252,6 +257,7 @@ def test_adm_npz_round_trip_and_lazy_reader(tmp_path):
         open_adm_npz(tmp_path / "broken.npz")
 
 
+@pytest.mark.slow
 def test_missing_or_corrupt_weights_give_one_line(weights, tmp_path):
     corrupt = tmp_path / "corrupt.pth"
     corrupt.write_bytes(b"\x00garbage" * 10)
@@ -280,6 +286,7 @@ def _run_cli(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
     return exit_info.value.code, out, err
 
 
+@pytest.mark.slow
 def test_cli_writes_table_and_json_and_fails_in_one_line(weights, image_sets, tmp_path, monkeypatch, capsys):
     samples = save_adm_npz(tmp_path / "samples.npz", image_sets["real"][:6], np.arange(6))
     ref = save_adm_npz(tmp_path / "ref.npz", image_sets["shifted"][:6])
@@ -301,6 +308,7 @@ def test_cli_writes_table_and_json_and_fails_in_one_line(weights, image_sets, tm
 
 # --- the digits offline check ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_digits_report_real_high_noise_chance(tmp_path, monkeypatch, capsys):
     from ancre_dit.data.digits import DigitsDataset, to_uint8
 

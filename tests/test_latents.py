@@ -7,7 +7,6 @@ equal thread counts are what makes the 1- vs 2-process comparison byte for byte.
 from __future__ import annotations
 
 import filecmp
-import importlib.util
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import ROOT, load_script, one_torch_thread
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -27,16 +27,12 @@ from ancre_dit.data.latents import LatentShardDataset, draw_latents_from_moments
 from ancre_dit.latents.extract import ExtractConfig, run_extraction
 from ancre_dit.vae import load_vae
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "extract_latents.py"
 SIZE, SHARD, BATCH = 32, 4, 3  # 3 per batch: a shard of 4 gives batches of 3 + 1
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("extract_latents_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +76,8 @@ def _config(image_dir: Path, vae_dir: Path, out: Path, **kw) -> ExtractConfig:
 
 
 def _extract_one_thread(cfg: ExtractConfig):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         return run_extraction(cfg)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +127,7 @@ def test_manifest_report_and_labels(reference, image_dir):
     assert labels == [files[i][1] for i in index]
 
 
+@pytest.mark.slow
 def test_two_processes_give_identical_shards(reference, image_dir, vae_dir, tmp_path):
     out = tmp_path / "two"
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")

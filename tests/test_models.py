@@ -1,25 +1,21 @@
 """DiT backbones and the ANCRe topology: shapes, parameter counts, the reference formula,
 ablation variants, gradients, checkpoint import and torch.compile."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _model_helpers import inputs, randomize  # noqa: E402
+from helpers import TINY_DIT, inputs, randomize, tiny_model
 
 from ancre_dit import DIT_MODELS, convert_official_state_dict, create_model
 from ancre_dit.models import load_state_dict_checked, load_topology_json, save_topology_json
 from ancre_dit.models.topologies import TOPOLOGIES, first_previous_weights
 
-TINY = dict(depth=4, hidden_size=32, num_heads=2, input_size=8, in_channels=1, num_classes=10)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest, and shares the box
+TINY = {**TINY_DIT, "depth": 4}  # 4 blocks: a topology matrix with room for non-trivial rows
 
 
 def tiny(topology="ancre", seed=0, **kwargs):
-    torch.manual_seed(seed)
-    return create_model("DiT-T/2", **{**TINY, "topology": topology, **kwargs})
+    return tiny_model(topology, seed, **{**TINY, **kwargs})
 
 
 def set_logits(model, seed=3, scale=1.0):
@@ -29,7 +25,9 @@ def set_logits(model, seed=3, scale=1.0):
             p.copy_(torch.randn(p.shape, generator=g) * scale)
 
 
-@pytest.mark.parametrize("name", list(DIT_MODELS))
+# L and XL take seconds even on the meta device (24-28 blocks): kept for the full run
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name.startswith(("DiT-L", "DiT-XL"))
+                                  else name for name in DIT_MODELS])
 def test_every_registered_model_maps_latents_to_eps_and_sigma(name):
     with torch.device("meta"):  # shapes only: no memory or time spent on XL weights
         model = create_model(name, topology="ancre")
@@ -249,6 +247,7 @@ def test_checkpoint_of_another_architecture_fails_with_one_line(other, expected)
     assert "\n" not in message and expected in message and message.startswith("ckpt.pt does not fit this model")
 
 
+@pytest.mark.slow
 def test_torch_compile_matches_eager():
     model = randomize(tiny())
     set_logits(model)

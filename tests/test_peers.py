@@ -2,28 +2,23 @@
 cascaded DiT at init, the formulas with non-trivial weights, mHC's doubly stochastic mixing,
 gradients, save/load, EMA copies, bf16 autocast and torch.compile tracing."""
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_DIT, inputs, randomize, tiny_model
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _model_helpers import inputs, randomize  # noqa: E402
-
-from ancre_dit import create_model
 from ancre_dit.models import load_state_dict_checked
 from ancre_dit.models.topologies import TopologyNotDefined, sinkhorn_knopp
 from ancre_dit.models.topologies import TOPOLOGIES
 
-TINY = dict(depth=3, hidden_size=32, num_heads=2, input_size=8, in_channels=1, num_classes=10)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one thread is fastest, and shares the box
+TINY = {**TINY_DIT, "depth": 3}
 PEERS = ["denseformer", "hc", "hc-dynamic", "mhc"]
 
 
 def tiny(topology, seed=0, **kwargs):
-    torch.manual_seed(seed)
-    return create_model("DiT-T/2", **{**TINY, "topology": topology, **kwargs})
+    return tiny_model(topology, seed, **{**TINY, **kwargs})
 
 
 def perturb_topology(model, seed=3, scale=0.3):
@@ -209,6 +204,7 @@ def test_mhc_keeps_its_streams_in_fp32_under_bf16_autocast():
         assert model.topology(h0.bfloat16(), model.blocks, c).dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_torch_compile_traces_mhc_forward_and_backward():
     """Dynamo + AOT autograd (the inductor codegen is too slow for CI on 2 cores; the overhead
     benchmark runs the full compile)."""

@@ -2,24 +2,17 @@
 training on them -> a checkpoint -> sample.py decoding through the same VAE into an ADM npz."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from helpers import ROOT, load_script, reset_accelerate, tiny_config
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _training_helpers import reset_accelerate, tiny_config  # noqa: E402
-
-from ancre_dit.data.adm_npz import load_adm_npz  # noqa: E402
-from ancre_dit.data.latents import LatentShardDataset  # noqa: E402
-from ancre_dit.latents.extract import ExtractConfig, run_extraction  # noqa: E402
-from ancre_dit.trained_model import load_trained_model  # noqa: E402
-from ancre_dit.training import train  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
+from ancre_dit.data.adm_npz import load_adm_npz
+from ancre_dit.data.latents import LatentShardDataset
+from ancre_dit.latents.extract import ExtractConfig, run_extraction
+from ancre_dit.trained_model import load_trained_model
+from ancre_dit.training import train
 
 
 @pytest.fixture
@@ -40,6 +33,7 @@ def vae_and_images(tmp_path):
     return tmp_path / "vae", tmp_path / "images"
 
 
+@pytest.mark.slow
 def test_images_to_latents_to_training_to_samples(tmp_path, vae_and_images):
     vae, images = vae_and_images
     latents = tmp_path / "latents"
@@ -63,10 +57,7 @@ def test_images_to_latents_to_training_to_samples(tmp_path, vae_and_images):
     assert (model.in_channels, model.input_size, model.num_classes) == (4, 8, 2)
     assert spec["data"]["vae"] == str(vae) and spec["data"]["scaling_factor"] == pytest.approx(0.18215)
 
-    import importlib.util
-    script = importlib.util.spec_from_file_location("sample_script", ROOT / "sample.py")
-    sample_script = importlib.util.module_from_spec(script)
-    script.loader.exec_module(sample_script)
+    sample_script = load_script(ROOT / "sample.py")
     npz = tmp_path / "samples.npz"
     assert sample_script.main(["--ckpt", str(ckpt), "--num-samples", "3", "--steps", "4", "--cfg-scale", "2",
                                "--out", str(npz), "--cpu"]) in (0, None)

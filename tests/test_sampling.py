@@ -10,33 +10,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import ROOT, TINY_DIT, load_script, tiny_model
 
 from ancre_dit.errors import UserError
-from ancre_dit.models import create_model
 from ancre_dit.sampling import GuidedDenoiser, Guidance, SampleNoise, sample_images, sample_latents
 from ancre_dit.sampling import job as job_module
 from ancre_dit.sampling.samplers import ddpm_loop, respaced_diffusion
 from ancre_dit.trained_model import make_model_spec, write_model_files
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = ROOT
 DIFFUSION = dict(num_timesteps=1000, beta_start=1e-4, beta_end=0.02, learn_sigma=True)
-TINY = dict(depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=1, num_classes=10, learn_sigma=True)
+TINY = {**TINY_DIT, "learn_sigma": True, "topology": "cascaded"}  # the model kwargs written to checkpoints
 DIGITS = dict(kind="digits", image_size=8, image_channels=1, num_classes=10, vae=None, scaling_factor=None)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and two threads thrash on a shared 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_model(seed: int = 0, **overrides) -> torch.nn.Module:
     """A tiny DiT with every weight random (DiT's adaLN-Zero init would make it output zeros)."""
-    torch.manual_seed(seed)
-    model = create_model("DiT-T/2", **{**TINY, **overrides})
+    model = tiny_model(seed=seed, **{**TINY, **overrides})
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name != "pos_embed":
@@ -56,12 +49,7 @@ def digits_ckpt(tmp_path_factory) -> Path:
 
 
 def run_sample(*args: str) -> None:
-    sys.path.insert(0, str(REPO))
-    try:
-        import sample
-    finally:
-        sys.path.pop(0)
-    sample.main(list(args))
+    load_script(REPO / "sample.py").main(list(args))
 
 
 # -- determinism -------------------------------------------------------------------------------
@@ -83,6 +71,7 @@ def test_same_seed_same_images_whatever_the_batch():
         assert np.array_equal(x, sample_images(model, DIFFUSION, labels, seed=5, steps=4, sampler=sampler, cfg_scale=2.0))
 
 
+@pytest.mark.slow
 def test_one_and_two_processes_give_identical_npz(digits_ckpt, tmp_path):
     common = ["--ckpt", str(digits_ckpt), "--num-samples", "10", "--batch-size", "3", "--steps", "6",
               "--cfg-scale", "2", "--seed", "3"]
@@ -322,6 +311,7 @@ def test_latent_model_decodes_through_a_local_vae(tmp_path):
 
 
 # -- bad input ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_bad_input_gives_one_clear_line(digits_ckpt, tmp_path):
     out = str(tmp_path / "bad.npz")
     with pytest.raises(UserError, match="out of range.*0..9"):

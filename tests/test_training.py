@@ -12,22 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import ROOT, TINY_TRAIN, reset_accelerate, subprocess_env, tiny_config
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _training_helpers import ROOT, TINY, reset_accelerate, subprocess_env, tiny_config  # noqa: E402
+import ancre_dit.training.trainer as trainer_module
+from ancre_dit.trained_model import load_trained_model
+from ancre_dit.training import Trainer, train
+from ancre_dit.training.checkpointing import list_checkpoints, resolve_resume
 
-import ancre_dit.training.trainer as trainer_module  # noqa: E402
-from ancre_dit.trained_model import load_trained_model  # noqa: E402
-from ancre_dit.training import Trainer, train  # noqa: E402
-from ancre_dit.training.checkpointing import list_checkpoints, resolve_resume  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate():
-    reset_accelerate()
-    yield
-    reset_accelerate()
+# Every test here trains (in process or through train.py): seconds to minutes each.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_accelerate")]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -128,7 +122,7 @@ def test_checkpoint_files_rebuild_the_ema_model_and_keep_last_prunes(tmp_path):
 
 def test_sigterm_writes_a_checkpoint(tmp_path):
     run = tmp_path / "run"
-    overrides = [*TINY, f"run_dir={run}", "train.max_steps=100000", "train.ckpt_every=100000"]
+    overrides = [*TINY_TRAIN, f"run_dir={run}", "train.max_steps=100000", "train.ckpt_every=100000"]
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"), *overrides]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT)
     try:

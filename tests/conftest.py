@@ -1,0 +1,84 @@
+"""Fixtures shared by the whole suite; the plain functions behind them live in tests/helpers.py
+(``from helpers import ...`` works in any test file and in the scripts the tests launch).
+
+Models and inputs
+  tiny_model      factory ``tiny_model(topology="ancre", seed=0, **overrides)``: THE tiny DiT of the
+                  suite (helpers.TINY_DIT: DiT-T/2, 2 blocks, width 32, 8x8x1 digits, 10 classes),
+                  built after ``torch.manual_seed(seed)``; e.g. ``tiny_model("hc", depth=3, hc_streams=2)``.
+  randomize       ``randomize(model, seed=1)``: random adaLN / final-layer weights (adaLN-Zero makes
+                  every block the identity at init), returns the model in eval mode.
+  model_inputs    factory ``model_inputs(n=3, seed=2) -> (x, t, y)`` for the tiny model, with
+                  timesteps 0, 10, 999 and labels including the null class 10.
+
+Training
+  tiny_run_config factory ``tiny_run_config(*overrides, run_dir=None) -> Config``: the tiny model
+                  trained on digits (helpers.TINY_TRAIN: 16 per batch, no sampling, a metrics line per
+                  step), writing to ``tmp_path / "run"`` unless run_dir is given; helpers.tiny_config
+                  is the same with run_dir first.
+  fresh_accelerate  resets Accelerate's process-wide state before and after the test; use it (or
+                  ``pytestmark = pytest.mark.usefixtures("fresh_accelerate")``) for in-process training.
+
+Processes and threads
+  one_thread      runs the test with one torch thread (faster for tiny models on a shared box, and
+                  the thread count of a torchrun worker, so results match bit for bit).
+  repo_root       the repository root (train.py, sample.py, configs/).
+  subprocess_env  environment for a child python: this checkout on PYTHONPATH, one thread, CPU only.
+
+Markers: ``@pytest.mark.slow`` for a test over ~2 s (training runs, subprocesses, torch.compile);
+``python -m pytest -m "not slow"`` is the quick loop, ``bash scripts/run_tests.sh`` runs everything.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import helpers
+from ancre_dit.training.config import Config
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Callable[..., torch.nn.Module]:
+    return helpers.tiny_model
+
+
+@pytest.fixture(scope="session")
+def randomize() -> Callable:
+    return helpers.randomize
+
+
+@pytest.fixture(scope="session")
+def model_inputs() -> Callable:
+    return helpers.inputs
+
+
+@pytest.fixture
+def tiny_run_config(tmp_path: Path) -> Callable[..., Config]:
+    def make(*overrides: str, run_dir: Path | None = None) -> Config:
+        return helpers.tiny_config(run_dir or tmp_path / "run", *overrides)
+    return make
+
+
+@pytest.fixture
+def fresh_accelerate() -> Iterator[None]:
+    helpers.reset_accelerate()
+    yield
+    helpers.reset_accelerate()
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    with helpers.one_torch_thread():
+        yield
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return helpers.ROOT
+
+
+@pytest.fixture
+def subprocess_env() -> dict[str, str]:
+    return helpers.subprocess_env()

@@ -1,0 +1,106 @@
+"""Plain helpers shared by the tests and by the scripts they launch (not collected).
+
+Importable as ``helpers``: pyproject's ``[tool.pytest.ini_options] pythonpath = ["tests"]`` puts this
+folder on sys.path, and a script run from this folder (``_dist_train.py``) has it there by default.
+It is not a ``tests`` package on purpose: torch-fidelity installs a top-level ``tests`` package of
+its own, which ``import tests.helpers`` could pick up instead. conftest.py wraps these as fixtures.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from ancre_dit.models import create_model
+from ancre_dit.training.config import Config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The one tiny DiT of the suite, shaped for the 8x8 one-channel digits: 2 blocks of width 32.
+TINY_NAME = "DiT-T/2"
+TINY_DIT = dict(depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=1, num_classes=10)
+
+# The same model as training-config overrides (input size, channels and classes come from the
+# digits data), with settings that run many CPU steps per second and log every step.
+TINY_TRAIN = [f"model.name={TINY_NAME}", f"model.depth={TINY_DIT['depth']}",
+              f"model.hidden_size={TINY_DIT['hidden_size']}", f"model.num_heads={TINY_DIT['num_heads']}",
+              "model.topology=ancre", "data.kind=digits", "data.image_size=8", "data.num_workers=0",
+              "train.global_batch_size=16", "train.lr=1e-3", "train.ema_decay=0.9", "train.mixed_precision=no",
+              "train.log_every=1", "train.sample_every=0", "train.ckpt_every=1000", "log.tensorboard=false"]
+
+
+def tiny_model(topology: str = "ancre", seed: int = 0, **overrides) -> torch.nn.Module:
+    """The tiny DiT with the given topology, built after seeding torch with ``seed``; any DiT
+    argument (depth=4, learn_sigma=False, hc_streams=3, ...) overrides TINY_DIT."""
+    torch.manual_seed(seed)
+    return create_model(TINY_NAME, **{**TINY_DIT, "topology": topology, **overrides})
+
+
+def randomize(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
+    """adaLN-Zero makes every block the identity at init; random weights make the tests meaningful."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "adaLN_modulation" in name or "final_layer" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model.eval()
+
+
+def inputs(n: int = 3, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """n (<= 3) digits-shaped inputs, timesteps spanning the schedule, labels including the null class."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 8, 8, generator=g), torch.tensor([0, 10, 999][:n]), torch.tensor([1, 5, 10][:n])
+
+
+def tiny_config(run_dir: Path, *overrides: str) -> Config:
+    """A training config for the tiny model on digits writing to run_dir; overrides win."""
+    return load_config(None, [*TINY_TRAIN, f"run_dir={run_dir}", *overrides])
+
+
+def reset_accelerate() -> None:
+    """AcceleratorState is a process-wide singleton: reset it between in-process runs."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def deterministic_draws(self, x: torch.Tensor):
+    """Replaces the trainer's random t / noise by a function of each sample alone, so runs with
+    different process layouts see the same draws for the same sample."""
+    flat = x.flatten(1)
+    t = ((flat + 1.0) * 0.5 * torch.arange(1, flat.shape[1] + 1)).sum(1).round().long() % self.diffusion.num_timesteps
+    noise = torch.sin(x * 12.9898 + torch.arange(x[0].numel()).view(x.shape[1:]) * 78.233) * 1.5
+    return t, noise
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for a child python (train.py, torchrun): this checkout's code, one thread, CPU."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1")
+    env.pop("ANCRE_DEBUG", None)
+    return env
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread, and two threads spin-wait on a shared 2-core box;
+    one thread also makes CPU results equal to those of a torchrun worker (OMP_NUM_THREADS=1)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def load_script(path: Path) -> ModuleType:
+    """Imports a command script (sample.py, scripts/extract_latents.py) by its path, to call its main()."""
+    spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
