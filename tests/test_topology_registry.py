@@ -13,12 +13,7 @@ from ancre_dit.models.topologies import (TOPOLOGIES, CascadedTopology, TopologyO
                                          resolve_options, unregister_topology)
 from ancre_dit.trained_model import load_trained_model
 from ancre_dit.training import load_config, train
-
-TINY = ["model.name=DiT-T/2", "model.depth=2", "model.hidden_size=32", "model.num_heads=2",
-        "data.kind=digits", "data.image_size=8", "data.num_workers=0", "train.global_batch_size=8",
-        "train.lr=1e-3", "train.mixed_precision=no", "train.log_every=1", "train.sample_every=0",
-        "log.tensorboard=false"]
-
+from helpers import TINY_DIT, TINY_NAME, TINY_TRAIN, reset_accelerate, tiny_model
 
 class GainTopology(CascadedTopology):
     """h_j = B_j(h_{j-1}) + gain * h_{j-1}: a cascaded trunk with one hyperparameter."""
@@ -51,26 +46,24 @@ def gain_topology():
     unregister_topology("test-gain")
 
 
+@pytest.mark.slow
 def test_a_topology_registered_in_a_test_trains_checkpoints_and_reloads(tmp_path, gain_topology):
-    config = load_config(None, [*TINY, f"run_dir={tmp_path / 'run'}", "model.topology=test-gain", "model.gain=0.5",
+    config = load_config(None, [*TINY_TRAIN, f"run_dir={tmp_path / 'run'}", "model.topology=test-gain", "model.gain=0.5",
                                 "train.max_steps=2", "train.ckpt_every=2"])
     assert config.model.topology_options == {"gain": 0.5}
     train(config)
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-    AcceleratorState._reset_state(True), GradientState._reset_state(), PartialState._reset_state()
+    reset_accelerate()
 
     model, spec = load_trained_model(tmp_path / "run" / "checkpoints" / "0000002")
     assert spec["model"]["kwargs"]["gain"] == 0.5 and isinstance(model.topology, GainTopology)
     assert model.topology.gain == 0.5
     # The reloaded model is the trained one: same output as a fresh 0.5-gain model given its weights.
-    fresh = create_model("DiT-T/2", depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=1,
-                         num_classes=10, topology="test-gain", gain=0.5).eval()
+    fresh = tiny_model("test-gain", gain=0.5).eval()
     fresh.load_state_dict(model.state_dict())
     x, t, y = torch.randn(3, 1, 8, 8), torch.tensor([1, 500, 999]), torch.tensor([0, 3, 9])
     with torch.no_grad():
         assert torch.equal(fresh(x, t, y), model(x, t, y))
-        other = create_model("DiT-T/2", depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=1,
-                             num_classes=10, topology="test-gain", gain=2.0).eval()
+        other = tiny_model("test-gain", gain=2.0).eval()
         other.load_state_dict(model.state_dict())
         h0, c = model.embed(x, t, y)  # the final LayerNorm hides a pure rescaling: compare the trunks
         assert not torch.equal(other.topology(h0, other.blocks, c), model.topology(h0, model.blocks, c))
@@ -78,15 +71,15 @@ def test_a_topology_registered_in_a_test_trains_checkpoints_and_reloads(tmp_path
 
 def test_topology_options_are_typed_and_checked_by_their_entry(tmp_path, gain_topology):
     with pytest.raises(UserError, match="config key model.gain must be float"):
-        load_config(None, [*TINY, "model.topology=test-gain", "model.gain=abc"])
+        load_config(None, [*TINY_TRAIN, "model.topology=test-gain", "model.gain=abc"])
     with pytest.raises(UserError, match="gain must be >= 0"):
-        load_config(None, [*TINY, "model.topology=test-gain", "model.gain=-1"])
+        load_config(None, [*TINY_TRAIN, "model.topology=test-gain", "model.gain=-1"])
     with pytest.raises(UserError, match="unknown config key model.gian"):
-        load_config(None, [*TINY, "model.topology=test-gain", "model.gian=1"])
+        load_config(None, [*TINY_TRAIN, "model.topology=test-gain", "model.gian=1"])
     with pytest.raises(UserError, match="unknown topology option"):
-        create_model("DiT-T/2", depth=2, topology="test-gain", gian=1.0)
+        tiny_model("test-gain", gian=1.0)
     # A config written back to YAML (topology_options as a mapping) loads to the same options.
-    config = load_config(None, [*TINY, "model.topology=test-gain", "model.topology_options={gain: 0.25}"])
+    config = load_config(None, [*TINY_TRAIN, "model.topology=test-gain", "model.topology_options={gain: 0.25}"])
     assert config.model.topology_options == {"gain": 0.25}
 
 
@@ -104,10 +97,9 @@ def test_frozen_topology_rebuilds_from_its_own_state_dict(tmp_path):
     from ancre_dit.models import save_topology_json
     from ancre_dit.trained_model import make_model_spec, write_model_files
     save_topology_json(tmp_path / "p.json", P)
-    kwargs = dict(depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=1, num_classes=10,
-                  topology="frozen", topology_path=str(tmp_path / "p.json"))
-    model = create_model("DiT-T/2", **kwargs)
-    write_model_files(tmp_path / "ckpt", make_model_spec("DiT-T/2", kwargs, {}, {}, 0), model.state_dict(),
+    kwargs = dict(TINY_DIT, topology="frozen", topology_path=str(tmp_path / "p.json"))
+    model = create_model(TINY_NAME, **kwargs)
+    write_model_files(tmp_path / "ckpt", make_model_spec(TINY_NAME, kwargs, {}, {}, 0), model.state_dict(),
                       model.state_dict())
     (tmp_path / "p.json").unlink()  # the JSON it came from is gone: the weights travel in the state dict
     loaded, _ = load_trained_model(tmp_path / "ckpt")
