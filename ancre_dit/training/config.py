@@ -7,6 +7,7 @@ wrong type are rejected with one line naming the key. Checked by hand on datacla
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from ..models import DIT_MODELS, TOPOLOGIES
 
 DATA_KINDS = ("digits", "latents", "images")
 PRECISIONS = ("no", "bf16", "fp16")
+NONFINITE_POLICIES = ("skip", "stop")  # train.nonfinite (training/guards.py)
 
 
 @dataclass
@@ -68,6 +70,8 @@ class TrainConfig:
     cfg_scale_for_grids: float = 4.0
     sample_steps: int = 50            # DDPM steps of the grid sampler
     seed: int = 0
+    nonfinite: str = "skip"           # non-finite loss / grad norm: skip the update, or stop the run
+    nonfinite_max_skips: int = 10     # with skip: stop after more than this many in a row
     compile: bool = False
     tf32: bool = True
 
@@ -209,6 +213,37 @@ def validate_config(config: Config) -> None:
         raise UserError(f"train.ema_decay must be in [0, 1], got {t.ema_decay}")
     if t.lr <= 0:
         raise UserError(f"train.lr must be positive, got {t.lr}")
+    _check_ranges(config)
+
+
+def _check_ranges(config: Config) -> None:
+    """Every other number with a valid range: one that is out of it would train NaN (tau = 0 divides
+    the topology logits by zero) or fail deep inside torch with a traceback."""
+    m, d, t = config.model, config.data, config.train
+    for section in ("model", "data", "train"):
+        values = getattr(config, section)
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{section}.{f.name} must be a finite number, got {value}")
+    if not m.tau > 0:
+        raise UserError(f"model.tau must be positive (the topology logits are divided by it), got {m.tau}; "
+                        "the paper uses 0.01")
+    for key in ("depth", "hidden_size", "num_heads"):
+        if getattr(m, key) is not None and getattr(m, key) < 1:
+            raise UserError(f"model.{key} must be at least 1 (or null for the named size), got {getattr(m, key)}")
+    for owner, section, key in ((m, "model", "hc_streams"), (m, "model", "sinkhorn_iters"), (d, "data", "image_size"),
+                                (t, "train", "sample_steps")):
+        if getattr(owner, key) < 1:
+            raise UserError(f"{section}.{key} must be at least 1, got {getattr(owner, key)}")
+    for key in ("weight_decay", "grad_clip", "cfg_scale_for_grids", "seed", "nonfinite_max_skips"):
+        if getattr(t, key) < 0:
+            raise UserError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(t, key) < 1:
+            raise UserError(f"train.{key} must be in [0, 1), got {getattr(t, key)}")
+    if t.nonfinite not in NONFINITE_POLICIES:
+        raise UserError(f"train.nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {t.nonfinite!r}")
 
 
 def check_batch_layout(config: Config, num_processes: int) -> int:
