@@ -53,17 +53,17 @@ def file_problem(path: Path) -> str | None:
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt"):
                 pass
-        elif path.suffix in (".bin", ".pt", ".pth") and zipfile.is_zipfile(path):
+        elif path.suffix in (".bin", ".pt", ".pth", ".pkl") and zipfile.is_zipfile(path):  # torch.save's format
             with zipfile.ZipFile(path) as zf:
                 bad = zf.testzip()
             if bad is not None:
                 return f"{path}: member {bad} fails its CRC check"
-        elif path.suffix in (".bin", ".pt", ".pth"):
-            return f"{path}: not a torch archive (no zip directory; truncated?)"
-        elif path.suffix == ".pkl":  # walk the opcodes without executing any: a cut pickle has no STOP
+        elif path.suffix == ".pkl":  # a plain pickle: walk its opcodes without executing any; a cut one has no STOP
             with open(path, "rb") as f:
                 for _ in pickletools.genops(f):
                     pass
+        elif path.suffix in (".bin", ".pt", ".pth"):
+            return f"{path}: not a torch archive (no zip directory; truncated?)"
         elif path.suffix == ".json":
             json.loads(path.read_text())
     except (SafetensorError, OSError, UnicodeDecodeError, ValueError, zipfile.BadZipFile) as err:

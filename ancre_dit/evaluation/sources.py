@@ -87,11 +87,14 @@ def list_images(folder: str | os.PathLike) -> tuple[list[Path], list[int] | None
 
 def load_image(path: Path, image_size: int | None) -> np.ndarray:
     """An image file as uint8 (H, W, 3); with `image_size`, ADM's center crop (as in training)."""
-    with Image.open(path) as img:
-        img = img.convert("RGB")
-        if image_size is not None:
-            img = center_crop_arr(img, image_size)
-        return np.asarray(img, dtype=np.uint8)
+    try:
+        with Image.open(path) as img:
+            img = img.convert("RGB")
+            if image_size is not None:
+                img = center_crop_arr(img, image_size)
+            return np.asarray(img, dtype=np.uint8)
+    except (OSError, SyntaxError, ValueError) as err:  # PIL's UnidentifiedImageError is an OSError
+        raise UserError(f"{path} is not a readable image ({' '.join(str(err).split())}); remove or replace it") from None
 
 
 class ImageFolderBatches:

@@ -18,6 +18,7 @@ import yaml
 
 from ..errors import UserError
 from ..models import DIT_MODELS, TOPOLOGIES
+from ..models.dit import DIT_SIZES
 
 DATA_KINDS = ("digits", "latents", "images")
 PRECISIONS = ("no", "bf16", "fp16")
@@ -242,6 +243,10 @@ def _check_ranges(config: Config) -> None:
     for key in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(t, key) < 1:
             raise UserError(f"train.{key} must be in [0, 1), got {getattr(t, key)}")
+    size = DIT_SIZES[DIT_MODELS[m.name][0]]  # (depth, width, heads) of the named size
+    width, heads = m.hidden_size or size[1], m.num_heads or size[2]
+    if width % heads:  # checked here too, so that a run dir is never created for it
+        raise UserError(f"model.hidden_size={width} is not divisible by model.num_heads={heads}; change one of them")
     if t.nonfinite not in NONFINITE_POLICIES:
         raise UserError(f"train.nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {t.nonfinite!r}")
 

@@ -53,8 +53,11 @@ class _ImageFolderArrays(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         path, label = self.folder.samples[i]
-        with Image.open(path) as img:
-            arr = np.asarray(center_crop_arr(img.convert("RGB"), self.image_size), dtype=np.float32)
+        try:
+            with Image.open(path) as img:
+                arr = np.asarray(center_crop_arr(img.convert("RGB"), self.image_size), dtype=np.float32)
+        except (OSError, SyntaxError, ValueError) as err:  # PIL's UnidentifiedImageError is an OSError
+            raise UserError(f"{path} is not a readable image ({' '.join(str(err).split())}); remove or replace it") from None
         return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0, label
 
 

@@ -30,7 +30,7 @@ from ..trained_model import WEIGHT_FILES, make_model_spec, write_model_files
 from ..weights import load_safetensors_checked
 from . import checkpointing as ckpt
 from .config import Config, check_batch_layout, flat_config, save_config
-from .guards import NonFiniteGuard, NonFiniteStop
+from .guards import NonFiniteGuard
 from .data import DataInfo, GlobalBatchSampler, advance_position, build_data, describe, make_loader, prepare_batch
 
 DIFFUSION = {"num_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02}
@@ -362,8 +362,8 @@ class Trainer:
             while self.step < c.max_steps:
                 try:
                     terms = self.train_step(batches)
-                except NonFiniteStop as err:
-                    self.log.error("%s", err)  # in log.txt too; nothing is saved over the good checkpoints
+                except UserError as err:  # non-finite stop, unreadable data: nothing saved over the good checkpoints
+                    self.log.error("%s", err)  # in log.txt too
                     progress.close()
                     acc.end_training()
                     raise
