@@ -155,7 +155,7 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, generator: torc
         write_files(tmp)
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
         if final.exists():  # the same step saved before (e.g. a rerun with the same max_steps)
-            shutil.rmtree(final)
+            remove_checkpoint(final)
         tmp.rename(final)
         prune_checkpoints(run_dir, keep_last)
     accelerator.wait_for_everyone()
@@ -164,12 +164,25 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, generator: torc
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
     """Deletes all but the newest `keep_last` complete checkpoints (0 keeps all)."""
+    root = checkpoints_dir(run_dir)
+    for stale in root.glob(f"{TMP_PREFIX}deleting-*"):  # left by a kill during an earlier removal
+        shutil.rmtree(stale, ignore_errors=True)
     if keep_last <= 0:
         return []
     doomed = [p for _, p in list_checkpoints(run_dir)[:-keep_last]]
     for p in doomed:
-        shutil.rmtree(p, ignore_errors=True)
+        remove_checkpoint(p)
     return doomed
+
+
+def remove_checkpoint(folder: Path) -> None:
+    """Renamed out of the checkpoint namespace first, then deleted: a kill mid-deletion never
+    leaves a half-deleted folder that still looks complete to --resume auto."""
+    doomed = folder.with_name(f"{TMP_PREFIX}deleting-{folder.name}")
+    if doomed.exists():
+        shutil.rmtree(doomed)
+    folder.rename(doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def load_generator_state(folder: Path, rank: int, generator: torch.Generator) -> bool:
