@@ -386,3 +386,24 @@ def test_bad_input_is_one_line_and_touches_nothing(name, command, argv, expected
     assert expected in errors[0], errors[0]
     assert lines[-1] == errors[0], err  # the last word (a run may have logged progress before it)
     _assert_unmodified(before, _snapshot(world))
+
+
+def test_resume_auto_skips_a_damaged_newest_checkpoint(world, tmp_path):
+    """Not an error: --resume auto warns about the damaged newest checkpoint, takes the previous
+    complete one, and the run goes on from there (rewriting the damaged step)."""
+    from ancre_dit.training.checkpointing import resolve_resume
+    from ancre_dit.trained_model import load_trained_model
+
+    run = _copy(world / "run", tmp_path / "run", _truncate, "checkpoints/0000004/ema.safetensors")
+    warnings: list[str] = []
+    assert resolve_resume("auto", run, warn=warnings.append) == run / "checkpoints" / "0000002"
+    assert len(warnings) == 1 and "0000004/ema.safetensors" in warnings[0] and "skipping damaged" in warnings[0]
+    reset_accelerate()
+    try:
+        out = train(tiny_config(run, "train.max_steps=4", "train.ckpt_every=2"), resume="auto")
+    finally:
+        reset_accelerate()
+    assert out["step"] == 4
+    assert "skipping damaged checkpoint" in (run / "log.txt").read_text()
+    model, spec = load_trained_model(run / "checkpoints" / "0000004")  # rewritten whole
+    assert spec["step"] == 4
