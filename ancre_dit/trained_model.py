@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .models import DiT, create_model, load_state_dict_checked
 from .models.topologies import restore_topology
 from .errors import MissingFileError, UserError
+from .weights import load_safetensors_checked, read_json_checked
 
 SPEC_FILE = "model_spec.json"
 WEIGHT_FILES = {"ema": "ema.safetensors", "model": "model.safetensors"}
@@ -49,7 +50,10 @@ def load_model_spec(folder: str | Path) -> dict[str, Any]:
         raise MissingFileError(
             f"{folder} is not a checkpoint folder ({SPEC_FILE} missing); pass RUN/checkpoints/<step> of a training run"
         )
-    return json.loads(path.read_text())
+    spec = read_json_checked(path)
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict) or "kwargs" not in spec["model"]:
+        raise UserError(f"{path} is damaged (no model name and kwargs); pick another checkpoint")
+    return spec
 
 
 def load_trained_model(folder: str | Path, weights: str = "ema", device: str | torch.device = "cpu") -> tuple[DiT, dict]:
@@ -59,9 +63,7 @@ def load_trained_model(folder: str | Path, weights: str = "ema", device: str | t
     folder = Path(folder)
     spec = load_model_spec(folder)
     path = folder / WEIGHT_FILES[weights]
-    if not path.is_file():
-        raise MissingFileError(f"{path} is missing; the checkpoint is incomplete, pick another step")
-    state = load_file(str(path))
+    state = load_safetensors_checked(path)
     kwargs = dict(spec["model"]["kwargs"])
     # Topologies that carry their own weights (e.g. frozen: the JSON they came from may be gone)
     # rebuild from the state dict; the others from their options.

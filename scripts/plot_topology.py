@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ancre_dit.analysis import format_topology_summary, plot_topology_heatmap, topology_summary
 from ancre_dit.cli import run_cli
+from ancre_dit.errors import UserError
 from ancre_dit.models import load_topology_json
 
 
@@ -22,7 +23,15 @@ def main() -> None:
     parser.add_argument("--summary-json", type=Path, default=None,
                         help="also write the topology analysis (strongest sources, anchors, entropy) here")
     args = parser.parse_args()
-    P = load_topology_json(args.topology)
+    try:
+        P = load_topology_json(args.topology)
+    except (ValueError, TypeError) as err:  # a ragged or non-numeric matrix (UserErrors pass through)
+        if isinstance(err, UserError):
+            raise
+        raise UserError(f"{args.topology} is not a topology JSON with a square 'probabilities' matrix ({err})") from None
+    if P.ndim != 2 or P.shape[0] != P.shape[1]:
+        raise UserError(f"{args.topology} holds a {tuple(P.shape)} 'probabilities' array; a topology is a square "
+                        "(K, K) matrix, as written at each checkpoint")
     out = args.out or args.topology.with_suffix(".png")
     plot_topology_heatmap(P, out, title=args.title)
     summary = topology_summary(P)

@@ -106,8 +106,12 @@ def open_rgb(path: str | os.PathLike) -> tuple[Image.Image, str]:
 
 
 def load_rgb(path: str | os.PathLike, image_size: int | None = None) -> np.ndarray:
-    """An image file as uint8 (H, W, 3); with `image_size`, after ADM's center crop."""
-    img, _ = open_rgb(path)
+    """An image file as uint8 (H, W, 3); with `image_size`, after ADM's center crop. An unreadable
+    file is a UserError naming it (training and evaluation stop; extraction uses `load_and_crop`)."""
+    try:
+        img, _ = open_rgb(path)
+    except (OSError, SyntaxError, ValueError) as err:  # PIL's UnidentifiedImageError is an OSError
+        raise UserError(f"{path} is not a readable image ({' '.join(str(err).split())}); remove or replace it") from None
     if image_size is not None:
         img = center_crop_arr(img, image_size)
     return np.asarray(img, dtype=np.uint8)

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset
 from ..errors import UserError
+from ..weights import file_problem
 
 FORMAT_NAME = "ancre-dit-latents"
 FORMAT_VERSION = 1
@@ -72,6 +73,11 @@ class LatentShardDataset(Dataset):
             raise UserError(f"{self.root} lacks {len(missing)} shard(s) listed in its manifest "
                              f"(first: {missing[0]}); run scripts/extract_latents.py --verify {self.root}, "
                              "then rerun the extraction to rewrite them")
+        for s in shards:  # headers only (cheap): a damaged shard is one line here, not a traceback in a worker
+            problem = file_problem(self.root / s["file"])
+            if problem:
+                raise UserError(f"latent shard {problem}; run scripts/extract_latents.py --verify {self.root}, "
+                                "then rerun the extraction to rewrite it")
         nonempty = [s for s in shards if int(s["count"]) > 0]
         self._files = [self.root / s["file"] for s in nonempty]
         self._starts: list[int] = []

@@ -6,6 +6,7 @@ at scale 1, or outside the guidance interval, only the conditional half runs (ha
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +27,10 @@ class Guidance:
     interval: tuple[float, float] | None = None
 
     def __post_init__(self):
-        if not self.scale >= 0:  # also catches NaN
+        if not math.isfinite(self.scale):
+            raise UserError(f"--cfg-scale {self.scale} is not a finite number; use 1 for no guidance or a value > 1 "
+                            "(e.g. 1.5)")
+        if self.scale < 0:
             raise UserError(f"--cfg-scale {self.scale} is negative; use 1 for no guidance or a value > 1 (e.g. 1.5)")
         if self.channels is not None and self.channels < 1:
             raise UserError(f"--cfg-channels {self.channels} must be at least 1 (or omitted for all channels)")
@@ -48,6 +52,9 @@ def parse_interval(text: str | None) -> tuple[float, float] | None:
         lo, hi = (float(p) for p in parts)
     except ValueError:
         raise UserError(f"--guidance-interval {text!r} must be LO,HI in timesteps, e.g. --guidance-interval 0,700") from None
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise UserError(f"--guidance-interval {text!r} holds a number that is not finite; give LO,HI in timesteps, "
+                        "e.g. 0,700")
     return lo, hi
 
 

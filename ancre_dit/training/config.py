@@ -7,6 +7,7 @@ wrong type are rejected with one line naming the key. Checked by hand on datacla
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,9 +19,11 @@ import yaml
 from ..errors import UserError
 from ..models import DIT_MODELS, TOPOLOGIES
 from ..models.topologies import all_topology_options, resolve_options
+from ..models.dit import DIT_SIZES
 
 DATA_KINDS = ("digits", "latents", "images")
 PRECISIONS = ("no", "bf16", "fp16")
+NONFINITE_POLICIES = ("skip", "stop")  # train.nonfinite (training/guards.py)
 
 
 @dataclass
@@ -81,6 +84,8 @@ class TrainConfig:
     cfg_scale_for_grids: float = 4.0
     sample_steps: int = 50            # DDPM steps of the grid sampler
     seed: int = 0
+    nonfinite: str = "skip"           # non-finite loss / grad norm: skip the update, or stop the run
+    nonfinite_max_skips: int = 10     # with skip: stop after more than this many in a row
     compile: bool = False
     tf32: bool = True
 
@@ -214,7 +219,6 @@ def validate_config(config: Config) -> None:
         raise UserError(f"unknown model {m.name!r} in model.name; choose one of {', '.join(DIT_MODELS)}")
     if m.topology not in TOPOLOGIES:
         raise UserError(f"unknown topology {m.topology!r} in model.topology; choose one of {', '.join(TOPOLOGIES)}")
-    topology_options_of(m)  # the topology's own checks (e.g. tau > 0, frozen's topology_path)
     if not 0 <= m.class_dropout < 1:
         raise UserError(f"model.class_dropout must be in [0, 1), got {m.class_dropout}")
     if d.kind not in DATA_KINDS:
@@ -238,6 +242,40 @@ def validate_config(config: Config) -> None:
         raise UserError(f"train.ema_decay must be in [0, 1], got {t.ema_decay}")
     if t.lr <= 0:
         raise UserError(f"train.lr must be positive, got {t.lr}")
+    _check_ranges(config)
+    topology_options_of(m)  # the chosen topology's own checks (e.g. frozen's topology_path)
+
+
+def _check_ranges(config: Config) -> None:
+    """Every other number with a valid range: one that is out of it would train NaN (tau = 0 divides
+    the topology logits by zero) or fail deep inside torch with a traceback."""
+    m, d, t = config.model, config.data, config.train
+    for section in ("model", "data", "train"):
+        values = getattr(config, section)
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UserError(f"{section}.{f.name} must be a finite number, got {value}")
+    for key, option in all_topology_options().items():  # ranges the registry declares (tau > 0, ...)
+        option.check(f"model.{key}", getattr(m, key) if hasattr(m, key) else m.topology_options.get(key))
+    for key in ("depth", "hidden_size", "num_heads"):
+        if getattr(m, key) is not None and getattr(m, key) < 1:
+            raise UserError(f"model.{key} must be at least 1 (or null for the named size), got {getattr(m, key)}")
+    for owner, section, key in ((d, "data", "image_size"), (t, "train", "sample_steps")):
+        if getattr(owner, key) < 1:
+            raise UserError(f"{section}.{key} must be at least 1, got {getattr(owner, key)}")
+    for key in ("weight_decay", "grad_clip", "cfg_scale_for_grids", "seed", "nonfinite_max_skips"):
+        if getattr(t, key) < 0:
+            raise UserError(f"train.{key} must be >= 0, got {getattr(t, key)}")
+    for key in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(t, key) < 1:
+            raise UserError(f"train.{key} must be in [0, 1), got {getattr(t, key)}")
+    size = DIT_SIZES[DIT_MODELS[m.name][0]]  # (depth, width, heads) of the named size
+    width, heads = m.hidden_size or size[1], m.num_heads or size[2]
+    if width % heads:  # checked here too, so that a run dir is never created for it
+        raise UserError(f"model.hidden_size={width} is not divisible by model.num_heads={heads}; change one of them")
+    if t.nonfinite not in NONFINITE_POLICIES:
+        raise UserError(f"train.nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {t.nonfinite!r}")
 
 
 def check_batch_layout(config: Config, num_processes: int) -> int:

@@ -19,17 +19,17 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration, set_seed
-from safetensors.torch import load_file
 from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
 from ..errors import UserError
 from ..diffusion.gaussian import create_diffusion
-from ..models import DIT_MODELS, TopologyNotDefined, create_model, save_topology_json
-from ..models.dit import DIT_SIZES
+from ..models import TopologyNotDefined, create_model, save_topology_json
 from ..trained_model import WEIGHT_FILES, make_model_spec, write_model_files
+from ..weights import load_safetensors_checked
 from . import checkpointing as ckpt
 from .config import Config, check_batch_layout, flat_config, save_config, topology_options_of
+from .guards import NonFiniteGuard
 from .data import DataInfo, GlobalBatchSampler, advance_position, build_data, describe, make_loader, prepare_batch
 
 DIFFUSION = {"num_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02}
@@ -132,7 +132,7 @@ class Trainer:
         self.model, self.optimizer = acc.prepare(model, optimizer)
 
         self.step, self.epoch, self.offset = 0, 0, 0
-        self.resumed_from = ckpt.resolve_resume(resume, self.run_dir)
+        self.resumed_from = ckpt.resolve_resume(resume, self.run_dir, warn=self.log.warning)
         if self.resumed_from is not None:
             self._load(self.resumed_from)
         elif resume == "auto":
@@ -141,6 +141,8 @@ class Trainer:
             save_config(c, self.run_dir / "config.yaml")
         acc.init_trackers(c.log.project, config=flat_config(c))
         self.learnable_topology = any(True for _ in self.raw_model.topology.parameters())
+        self.guard = NonFiniteGuard(acc, c.train.nonfinite, c.train.nonfinite_max_skips, self._last_good_checkpoint,
+                                    self.log.warning, scaler_handles_grads=c.train.mixed_precision == "fp16")
         self._decoder = None
         self._grids_disabled = False
 
@@ -153,12 +155,7 @@ class Trainer:
         for key in ("depth", "hidden_size", "num_heads"):
             if getattr(m, key) is not None:
                 kwargs[key] = getattr(m, key)
-        size = DIT_MODELS[m.name][0]
-        depth, hidden, heads = DIT_SIZES[size]
-        if kwargs.get("hidden_size", hidden) % kwargs.get("num_heads", heads):
-            raise UserError(f"model.hidden_size={kwargs.get('hidden_size', hidden)} is not divisible by "
-                            f"model.num_heads={kwargs.get('num_heads', heads)}; change one of them")
-        return kwargs
+        return kwargs  # width / heads were checked with the config
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """Trainable parameters only; the topology logits never get weight decay."""
@@ -178,6 +175,10 @@ class Trainer:
         return make_model_spec(self.config.model.name, self.model_kwargs, diffusion, self.data_spec(), self.step)
 
     # -- checkpoints ----------------------------------------------------------------------
+    def _last_good_checkpoint(self) -> str:
+        found = ckpt.list_checkpoints(self.run_dir)
+        return str(found[-1][1]) if found else "none (no checkpoint saved yet)"
+
     def _write_files(self, folder: Path) -> None:
         write_model_files(folder, self.model_spec(), self.raw_model.state_dict(), self.ema.module.state_dict())
         P, P_raw = _topology_matrix(self.ema.module), _topology_matrix(self.raw_model)
@@ -207,9 +208,10 @@ class Trainer:
 
     def _load(self, folder: Path) -> None:
         acc = self.accelerator
+        ckpt.check_same_model(folder, self.model_spec())  # one line on a mismatch, before Accelerate reads anything
         state = ckpt.read_trainer_state(folder)
         acc.load_state(str(folder / ckpt.ACCELERATE_DIR))
-        ema_state = load_file(str(folder / WEIGHT_FILES["ema"]), device=str(acc.device))
+        ema_state = load_safetensors_checked(folder / WEIGHT_FILES["ema"], device=acc.device)
         self.ema.module.load_state_dict(ema_state)
         self.step = int(state["step"])
         self.epoch, self.offset = int(state["data"]["epoch"]), int(state["data"]["offset"])
@@ -279,20 +281,27 @@ class Trainer:
                 terms = self.diffusion.training_losses(self.model, x, t, model_kwargs={"y": y}, noise=noise)
                 loss = terms["loss"].mean()
                 acc.backward(loss)
+                for key, value in terms.items():
+                    sums[key] = sums.get(key, 0.0) + value.detach().mean() / c.grad_accum
+                skip = False
                 if acc.sync_gradients:
                     # max_norm=inf only measures the norm (the clip coefficient is clamped to 1).
                     grad_norm = acc.clip_grad_norm_(self.model.parameters(), c.grad_clip or float("inf"))
-                self.optimizer.step()
+                    skip = self.guard.check(self.step + 1, sums, grad_norm)  # same answer on every rank
+                if not skip:
+                    self.optimizer.step()
+                elif acc.scaler is not None:  # fp16: the scaler saw the overflow when unscaling; lower its scale
+                    acc.scaler.update()
                 self.optimizer.zero_grad(set_to_none=True)
-            for key, value in terms.items():
-                sums[key] = sums.get(key, 0.0) + value.detach().mean() / c.grad_accum
         # Constant decay as in DiT; with ema_warmup, timm's 1 - (1 + n)^(-2/3) ramp capped at ema_decay
         # (short runs: a 0.999 EMA would still hold ~13% of the initial weights after 2000 steps).
-        self.ema.update(self.raw_model, step=self.step + 1 if c.ema_warmup else None)
+        if not skip:
+            self.ema.update(self.raw_model, step=self.step + 1 if c.ema_warmup else None)
         self.step += 1
         self.epoch, self.offset = advance_position(self.epoch, self.offset, c.global_batch_size, len(self.data.dataset))
         sums["grad_norm"] = torch.as_tensor(grad_norm, device=acc.device).float()
         sums["lr"] = torch.tensor(lr, device=acc.device)
+        sums["skipped"] = torch.tensor(float(skip), device=acc.device)  # logged: the fraction of skipped steps
         return sums
 
     def _stop_agreed(self, flag: _StopFlag) -> bool:
@@ -342,7 +351,13 @@ class Trainer:
         stopped = False
         with _StopFlag() as flag:
             while self.step < c.max_steps:
-                terms = self.train_step(batches)
+                try:
+                    terms = self.train_step(batches)
+                except UserError as err:  # non-finite stop, unreadable data: nothing saved over the good checkpoints
+                    self.log.error("%s", err)  # in log.txt too
+                    progress.close()
+                    acc.end_training()
+                    raise
                 for k, v in terms.items():
                     running[k] = running.get(k, 0.0) + v
                 count += 1

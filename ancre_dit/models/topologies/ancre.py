@@ -111,22 +111,17 @@ def first_previous_weights(num_blocks: int) -> torch.Tensor:
 
 # -- registry entries (in the order users see them listed) ---------------------------------------
 register_topology("cascaded", summary="plain DiT")(lambda num_blocks, hidden_size: CascadedTopology(num_blocks))
-TAU = {"tau": TopologyOption(float, 0.01, "softmax temperature of the logits (0.01 in the paper)")}
+# tau divides the logits: 0 would train NaN.
+TAU = {"tau": TopologyOption(float, 0.01, "softmax temperature of the logits (0.01 in the paper)", positive=True)}
 
 
-def check_tau(options: dict[str, Any]) -> None:
-    tau = options["tau"]
-    if not (tau > 0 and tau < float("inf")):
-        raise UserError(f"tau must be a positive finite number (the paper uses 0.01), got {tau}")
-
-
-@register_topology("ancre", options=TAU, check=check_tau,
+@register_topology("ancre", options=TAU,
                    summary="ANCRe: ingoing softmax over all earlier outputs, block 1's logit frozen")
 def build_ancre(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology:
     return ANCReTopology(num_blocks, tau)
 
 
-@register_topology("ancre-outgoing", options=TAU, check=check_tau,
+@register_topology("ancre-outgoing", options=TAU,
                    summary="ablation: softmax over each source's outgoing edges")
 def build_ancre_outgoing(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology:
     return OutgoingANCReTopology(num_blocks, tau)

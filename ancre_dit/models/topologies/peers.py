@@ -16,7 +16,7 @@ matrix: `probabilities()` raises `TopologyNotDefined`, which callers that draw h
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -285,7 +285,7 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
 
 
 # -- registry entries ---------------------------------------------------------------------------
-STREAMS = {"hc_streams": TopologyOption(int, 4, "residual streams n of hc / hc-dynamic / mhc")}
+STREAMS = {"hc_streams": TopologyOption(int, 4, "residual streams n of hc / hc-dynamic / mhc", minimum=1)}
 
 
 def _width(name: str, hidden_size: int | None) -> int:
@@ -310,6 +310,6 @@ def build_hc_dynamic(num_blocks: int, hidden_size: int | None, hc_streams: int) 
 
 
 @register_topology("mhc", summary="mHC: HC with a doubly stochastic (Sinkhorn-Knopp) stream mixing",
-                   options={**STREAMS, "sinkhorn_iters": TopologyOption(int, 20, "Sinkhorn-Knopp iterations of mhc")})
+                   options={**STREAMS, "sinkhorn_iters": TopologyOption(int, 20, "Sinkhorn-Knopp iterations of mhc", minimum=1)})
 def build_mhc(num_blocks: int, hidden_size: int | None, hc_streams: int, sinkhorn_iters: int) -> ResidualTopology:
     return ManifoldHyperConnectionTopology(num_blocks, _width("mhc", hidden_size), hc_streams, sinkhorn_iters)

@@ -12,6 +12,7 @@ the trainer and the checkpoint loader all ask this registry; none of them tests 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -30,6 +31,19 @@ class TopologyOption:
     default: Any
     help: str = ""
     optional: bool = False  # None is allowed (e.g. a path that only some uses need)
+    minimum: float | None = None  # smallest valid value (numbers)
+    positive: bool = False        # must be > 0 (numbers)
+
+    def check(self, name: str, value: Any) -> None:
+        """A UserError naming `name` if `value` is out of this option's range."""
+        if value is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+            return
+        if not math.isfinite(value):
+            raise UserError(f"{name} must be a finite number, got {value}")
+        if self.positive and not value > 0:
+            raise UserError(f"{name} must be positive, got {value}")
+        if self.minimum is not None and value < self.minimum:
+            raise UserError(f"{name} must be at least {self.minimum:g}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,8 @@ def resolve_options(name: str, given: Mapping[str, Any]) -> dict[str, Any]:
         raise UserError(f"unknown topology option(s) {', '.join(unknown)}; registered options: "
                         f"{', '.join(sorted(all_topology_options())) or '(none)'}")
     options = {key: given.get(key, option.default) for key, option in entry.options.items()}
+    for key, option in entry.options.items():
+        option.check(key, options[key])
     if entry.check is not None:
         entry.check(options)
     return options

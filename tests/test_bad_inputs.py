@@ -1,0 +1,408 @@
+"""Malformed inputs across every command (issue 14): each one ends with exit code 2 and exactly one
+`error:` line on stderr (no traceback), and no existing output is modified: the whole folder of
+inputs and outputs is hashed before and after each command.
+
+The commands run in this process (their `main` through `ancre_dit.cli.run_cli`, as the shell runs
+them) so that the table of cases stays fast; tests/test_faults.py runs real processes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import runpy
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from helpers import ROOT, reset_accelerate, tiny_config
+
+from ancre_dit.cli import run_cli  # noqa: E402
+from ancre_dit.data.adm_npz import save_adm_npz  # noqa: E402
+from ancre_dit.training import train  # noqa: E402
+
+SCRIPTS = {"train": ROOT / "train.py", "sample": ROOT / "sample.py", "evaluate": ROOT / "evaluate.py",
+           "extract": ROOT / "scripts" / "extract_latents.py", "plot": ROOT / "scripts" / "plot_topology.py"}
+LOG_FILES = {"log.txt"}  # a run's text log may grow (e.g. a warning), never change
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _garble_header(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(b"\xff" * 16 + data[16:])
+
+
+def _tiny_vae(path: Path) -> Path:
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+                  latent_channels=4, norm_num_groups=8, sample_size=16).save_pretrained(path)
+    return path
+
+
+def _image_folder(root: Path, corrupt: bool = False) -> Path:
+    rng = np.random.default_rng(0)
+    for c in ("a", "b"):
+        (root / c).mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(rng.integers(0, 256, (20, 24, 3), dtype=np.uint8)).save(root / c / f"{i}.png")
+    if corrupt:
+        (root / "a" / "0.png").write_bytes(b"\x89PNG\r\n\x1a\n definitely not a png")
+    return root
+
+
+def _latent_dir(root: Path) -> Path:
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True)
+    shards = []
+    for k in range(2):
+        save_file({"mean": torch.zeros(4, 2, 4, 2, 2).half(), "std": torch.ones(4, 2, 4, 2, 2).half(),
+                   "label": torch.arange(4) % 2, "index": torch.arange(4) + 4 * k}, str(root / f"shard-{k:05d}.safetensors"))
+        shards.append({"file": f"shard-{k:05d}.safetensors", "count": 4})
+    (root / "manifest.json").write_text(json.dumps({
+        "format": "ancre-dit-latents", "version": 1, "num_images": 8, "num_classes": 2, "latent_shape": [4, 2, 2],
+        "image_size": 16, "scaling_factor": 0.18215, "vae": None, "shards": shards}))
+    return root
+
+
+def _copy(src: Path, dst: Path, damage: Callable[[Path], None] | None = None, *relative: str) -> Path:
+    shutil.copytree(src, dst)
+    for rel in relative:
+        damage(dst / rel)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """Every input the cases need, good and broken, under one folder."""
+    w = tmp_path_factory.mktemp("world")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        reset_accelerate()
+        train(tiny_config(w / "run", "train.max_steps=4", "train.ckpt_every=2"))
+        reset_accelerate()
+        ck = w / "run" / "checkpoints" / "0000004"
+        _copy(ck, w / "ck_bad_spec", lambda p: p.write_text("{\n"), "model_spec.json")
+        _copy(ck, w / "ck_trunc_ema", _truncate, "ema.safetensors")
+        _copy(ck, w / "ck_garbled_model", _garble_header, "model.safetensors")
+        _copy(ck, w / "ck_trunc_accel", _truncate, "accelerate/model.safetensors")
+        _copy(ck, w / "ck_trunc_optim", _truncate, "accelerate/optimizer.bin")
+        _copy(ck, w / "ck_bad_state", lambda p: p.write_text("step: 4"), "trainer_state.json")
+        (_copy(ck, w / "ck_no_ema") / "ema.safetensors").unlink()
+        _copy(w / "run", w / "run_all_damaged", _truncate, "checkpoints/0000002/ema.safetensors",
+              "checkpoints/0000004/model.safetensors")
+        # A finished-but-kept sampling job (its parts and job.json), to resume with other settings.
+        sample = runpy.run_path(str(SCRIPTS["sample"]))["main"]
+        sample(["--ckpt", str(ck), "--num-samples", "2", "--batch-size", "2", "--sampler", "ddim", "--steps", "2",
+                "--out", str(w / "job" / "samples.npz"), "--keep-parts", "--cpu"])
+        _latent_dir(w / "latents")
+        _copy(w / "latents", w / "latents_missing_shard")
+        (w / "latents_missing_shard" / "shard-00001.safetensors").unlink()
+        _copy(w / "latents", w / "latents_trunc_shard", _truncate, "shard-00000.safetensors")
+        _copy(w / "latents", w / "latents_bad_manifest", lambda p: p.write_text("{not json"), "manifest.json")
+        _image_folder(w / "images")
+        _image_folder(w / "images_corrupt", corrupt=True)
+        (w / "flat").mkdir()
+        Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(w / "flat" / "x.png")
+        (w / "empty_images").mkdir()
+        _tiny_vae(w / "vae")
+        from ancre_dit.latents.extract import ExtractConfig, run_extraction
+        run_extraction(ExtractConfig(str(w / "images"), str(w / "vae"), str(w / "extracted"), image_size=16,
+                                     shard_size=4, batch_size=4))
+        rng = np.random.default_rng(0)
+        save_adm_npz(w / "digits.npz", rng.integers(0, 256, (10, 8, 8), dtype=np.uint8), np.arange(10))
+        save_adm_npz(w / "nolabels.npz", rng.integers(0, 256, (10, 8, 8), dtype=np.uint8))
+        save_adm_npz(w / "big.npz", rng.integers(0, 256, (4, 16, 16, 3), dtype=np.uint8), np.arange(4))
+        (w / "garbage.npz").write_bytes(b"PK\x03\x04 not really a zip")
+        _truncate(shutil.copy(w / "digits.npz", w / "truncated.npz"))
+        from ancre_dit.evaluation import WEIGHTS_NAME, write_random_inception_weights
+        write_random_inception_weights(w / WEIGHTS_NAME, seed=0)
+        (w / "corrupt.pth").write_bytes(b"\x00garbage" * 10)
+        (w / "bad_config.yaml").write_text("model: {name: DiT-T/2\ntrain: [")
+        (w / "list_config.yaml").write_text("- a\n- b\n")
+        (w / "topology_broken.json").write_text('{"probabilities": [[1.0, ')
+        (w / "topology_nokey.json").write_text('{"matrix": [[1.0]]}')
+        (w / "topology_ragged.json").write_text('{"probabilities": [[1.0], [0.5, 0.5, 0.1, 0.2]]}')
+    finally:
+        torch.set_num_threads(threads)
+    return w
+
+
+def _cfg(w: Path) -> list[str]:
+    return ["--config", str(w / "run" / "config.yaml")]
+
+
+FRESH = "fresh_run"
+
+
+def _fresh(w: Path) -> str:
+    return f"run_dir={w / FRESH}"
+
+
+def _ck(w: Path) -> str:
+    return str(w / "run" / "checkpoints" / "0000004")
+
+
+def _w8(w: Path) -> str:
+    return str(w / "weights-inception-2015-12-05-6726825d.pth")
+
+
+# (case id, command, argv from the world folder, a piece of the expected message)
+CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
+    # -- train.py: the config ------------------------------------------------------------------
+    ("config missing", "train", lambda w: ["--config", str(w / "nope.yaml")], "not found"),
+    ("config not YAML", "train", lambda w: ["--config", str(w / "bad_config.yaml")], "is not valid YAML"),
+    ("config not a mapping", "train", lambda w: ["--config", str(w / "list_config.yaml")], "must hold a mapping"),
+    ("unknown key", "train", lambda w: [*_cfg(w), _fresh(w), "model.depht=4"], "unknown config key model.depht"),
+    ("override not key=value", "train", lambda w: [*_cfg(w), _fresh(w), "train.max_steps"], "is not key=value"),
+    ("wrong type", "train", lambda w: [*_cfg(w), _fresh(w), "train.max_steps=many"], "must be int"),
+    ("unknown model", "train", lambda w: [*_cfg(w), _fresh(w), "model.name=DiT-Q/2"], "unknown model"),
+    ("unknown topology", "train", lambda w: [*_cfg(w), _fresh(w), "model.topology=spaghetti"], "unknown topology"),
+    ("tau zero", "train", lambda w: [*_cfg(w), _fresh(w), "model.tau=0"], "model.tau must be positive"),
+    ("tau nan", "train", lambda w: [*_cfg(w), _fresh(w), "model.tau=.nan"], "model.tau must be a finite number"),
+    ("lr zero", "train", lambda w: [*_cfg(w), _fresh(w), "train.lr=0"], "train.lr must be positive"),
+    ("lr inf", "train", lambda w: [*_cfg(w), _fresh(w), "train.lr=inf"], "train.lr must be a finite number"),
+    ("ema decay > 1", "train", lambda w: [*_cfg(w), _fresh(w), "train.ema_decay=1.5"], "train.ema_decay"),
+    ("adam beta2 = 1", "train", lambda w: [*_cfg(w), _fresh(w), "train.adam_beta2=1.0"], "train.adam_beta2"),
+    ("batch zero", "train", lambda w: [*_cfg(w), _fresh(w), "train.global_batch_size=0"], "at least 1"),
+    ("negative grad clip", "train", lambda w: [*_cfg(w), _fresh(w), "train.grad_clip=-1"], "train.grad_clip"),
+    ("class dropout 1", "train", lambda w: [*_cfg(w), _fresh(w), "model.class_dropout=1"], "model.class_dropout"),
+    ("hc streams 0", "train", lambda w: [*_cfg(w), _fresh(w), "model.hc_streams=0"], "model.hc_streams"),
+    ("depth 0", "train", lambda w: [*_cfg(w), _fresh(w), "model.depth=0"], "model.depth must be at least 1"),
+    ("unknown nonfinite policy", "train", lambda w: [*_cfg(w), _fresh(w), "train.nonfinite=ignore"], "train.nonfinite"),
+    ("heads do not divide width", "train", lambda w: [*_cfg(w), _fresh(w), "model.num_heads=3"], "not divisible"),
+    ("batch not divisible by accumulation", "train", lambda w: [*_cfg(w), _fresh(w), "train.grad_accum=3"],
+     "not divisible"),
+    # -- train.py: the data ----------------------------------------------------------------------
+    ("latent dir missing", "train", lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", f"data.path={w / 'none'}"],
+     "does not exist"),
+    ("latent shard deleted", "train", lambda w: [*_cfg(w), _fresh(w), "data.kind=latents",
+                                                 f"data.path={w / 'latents_missing_shard'}"], "lacks 1 shard"),
+    ("latent shard truncated", "train", lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", "data.image_size=16",
+                                                   "train.global_batch_size=4",
+                                                   f"data.path={w / 'latents_trunc_shard'}"], "shard-00000.safetensors"),
+    ("latent manifest corrupt", "train", lambda w: [*_cfg(w), _fresh(w), "data.kind=latents",
+                                                    f"data.path={w / 'latents_bad_manifest'}"], "not readable JSON"),
+    ("image folder with an unreadable image", "train",
+     lambda w: [*_cfg(w), _fresh(w), "data.kind=images", f"data.path={w / 'images_corrupt'}", "data.image_size=16",
+                "train.global_batch_size=4"], "0.png is not a readable image"),
+    ("image folder without class folders", "train",
+     lambda w: [*_cfg(w), _fresh(w), "data.kind=images", f"data.path={w / 'empty_images'}", "data.image_size=16"],
+     "has no class subfolders"),
+    # -- train.py: --resume ----------------------------------------------------------------------
+    ("resume path missing", "train", lambda w: [*_cfg(w), "--resume", str(w / "nope")], "not a complete checkpoint"),
+    ("resume another architecture", "train", lambda w: [*_cfg(w), "model.depth=4", "--resume", _ck(w)],
+     "depth 2 in the checkpoint, 4 in the config"),
+    ("resume another topology", "train", lambda w: [*_cfg(w), "model.topology=cascaded", "--resume", _ck(w)],
+     "topology ancre in the checkpoint, cascaded in the config"),
+    ("resume broken model_spec.json", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_bad_spec")],
+     "model_spec.json"),
+    ("resume truncated ema.safetensors", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_trunc_ema")],
+     "ema.safetensors"),
+    ("resume truncated accelerate weights", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_trunc_accel")],
+     "accelerate/model.safetensors"),
+    ("resume truncated optimizer state", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_trunc_optim")],
+     "optimizer.bin"),
+    ("resume broken trainer_state.json", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_bad_state")],
+     "trainer_state.json"),
+    ("resume auto, every checkpoint damaged", "train",
+     lambda w: [*_cfg(w), f"run_dir={w / 'run_all_damaged'}", "--resume", "auto"], "every checkpoint"),
+    # -- sample.py --------------------------------------------------------------------------------
+    ("ckpt missing", "sample", lambda w: ["--ckpt", str(w / "nope"), "--out", str(w / "o.npz")], "not a checkpoint folder"),
+    ("ckpt broken model_spec.json", "sample", lambda w: ["--ckpt", str(w / "ck_bad_spec"), "--out", str(w / "o.npz")],
+     "ck_bad_spec/model_spec.json is damaged"),
+    ("ckpt truncated ema.safetensors", "sample",
+     lambda w: ["--ckpt", str(w / "ck_trunc_ema"), "--out", str(w / "o.npz")], "ck_trunc_ema/ema.safetensors is damaged"),
+    ("ckpt garbled model.safetensors", "sample",
+     lambda w: ["--ckpt", str(w / "ck_garbled_model"), "--weights", "model", "--out", str(w / "o.npz")],
+     "ck_garbled_model/model.safetensors is damaged"),
+    ("ckpt without ema.safetensors", "sample", lambda w: ["--ckpt", str(w / "ck_no_ema"), "--out", str(w / "o.npz")],
+     "is missing"),
+    ("cfg scale nan", "sample", lambda w: ["--ckpt", _ck(w), "--cfg-scale", "nan", "--out", str(w / "o.npz")],
+     "--cfg-scale nan is not a finite number"),
+    ("cfg scale negative", "sample", lambda w: ["--ckpt", _ck(w), "--cfg-scale", "-2", "--out", str(w / "o.npz")],
+     "is negative"),
+    ("class out of range", "sample", lambda w: ["--ckpt", _ck(w), "--classes", "3,10", "--out", str(w / "o.npz")],
+     "out of range"),
+    ("zero samples", "sample", lambda w: ["--ckpt", _ck(w), "--num-samples", "0", "--out", str(w / "o.npz")],
+     "at least 1"),
+    ("out not .npz", "sample", lambda w: ["--ckpt", _ck(w), "--out", str(w / "o.png")], "must name an .npz"),
+    ("guidance interval malformed", "sample",
+     lambda w: ["--ckpt", _ck(w), "--guidance-interval", "5", "--out", str(w / "o.npz")], "must be LO,HI"),
+    ("guidance interval nan", "sample",
+     lambda w: ["--ckpt", _ck(w), "--guidance-interval", "nan,700", "--out", str(w / "o.npz")], "not finite"),
+    ("too many steps", "sample", lambda w: ["--ckpt", _ck(w), "--steps", "5000", "--out", str(w / "o.npz")],
+     "--steps 5000"),
+    ("sampling job resumed with other settings", "sample",
+     lambda w: ["--ckpt", _ck(w), "--num-samples", "2", "--batch-size", "2", "--sampler", "ddim", "--steps", "2",
+                "--seed", "1", "--out", str(w / "job" / "samples.npz"), "--cpu"], "holds parts of a different job (seed"),
+    # -- evaluate.py ------------------------------------------------------------------------------
+    ("samples missing", "evaluate", lambda w: ["--samples", str(w / "nope.npz"), "--digits"], "does not exist"),
+    ("samples not a zip", "evaluate", lambda w: ["--samples", str(w / "garbage.npz"), "--digits"], "not a readable ADM"),
+    ("samples truncated", "evaluate", lambda w: ["--samples", str(w / "truncated.npz"), "--digits"], "not a readable ADM"),
+    ("samples without labels", "evaluate", lambda w: ["--samples", str(w / "nolabels.npz"), "--digits"], "needs images"),
+    ("no samples given", "evaluate", lambda w: ["--ref", str(w / "digits.npz")], "pass --samples and --ref"),
+    ("inception weights missing", "evaluate",
+     lambda w: ["--samples", str(w / "big.npz"), "--ref", str(w / "big.npz"), "--inception-weights", str(w / "no.pth")],
+     "does not exist"),
+    ("inception weights corrupt", "evaluate",
+     lambda w: ["--samples", str(w / "big.npz"), "--ref", str(w / "big.npz"), "--inception-weights", str(w / "corrupt.pth")],
+     "is not a readable PyTorch weights file"),
+    ("inception weights are a DiT checkpoint", "evaluate",
+     lambda w: ["--samples", str(w / "big.npz"), "--ref", str(w / "big.npz"), "--inception-weights",
+                str(w / "run" / "checkpoints" / "0000004" / "ema.safetensors")], "inception"),
+    ("unknown metric", "evaluate",
+     lambda w: ["--samples", str(w / "big.npz"), "--ref", str(w / "big.npz"), "--inception-weights", _w8(w),
+                "--metrics", "fid,beauty", "--device", "cpu"], "beauty"),
+    ("batch size zero", "evaluate", lambda w: ["--samples", str(w / "big.npz"), "--batch-size", "0"], "at least 1"),
+    ("reference stats without --images", "evaluate",
+     lambda w: ["--save-ref-stats", str(w / "ref.npz"), "--inception-weights", _w8(w)], "needs --images"),
+    ("reference folder with no images", "evaluate",
+     lambda w: ["--save-ref-stats", str(w / "ref.npz"), "--images", str(w / "empty_images"), "--inception-weights",
+                _w8(w), "--device", "cpu"], "no image files"),
+    ("reference folder with an unreadable image", "evaluate",
+     lambda w: ["--save-ref-stats", str(w / "ref.npz"), "--images", str(w / "images_corrupt"), "--inception-weights",
+                _w8(w), "--image-size", "16", "--device", "cpu"], "0.png is not a readable image"),
+    ("folder of images of different sizes", "evaluate",
+     lambda w: ["--samples", str(w / "images_mixed"), "--ref", str(w / "big.npz"), "--inception-weights", _w8(w),
+                "--metrics", "is", "--device", "cpu"], "not (20, 24) like the first image"),
+    # -- scripts/extract_latents.py ---------------------------------------------------------------
+    ("extract without --vae / --out", "extract", lambda w: ["--data-path", str(w / "images")], "missing --vae, --out"),
+    ("extract data path missing", "extract",
+     lambda w: ["--data-path", str(w / "nope"), "--vae", str(w / "vae"), "--out", str(w / "lat")], "is not a folder"),
+    ("extract vae folder missing", "extract",
+     lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "novae"), "--out", str(w / "lat")], "--vae"),
+    ("extract vae folder without config", "extract",
+     lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "images"), "--out", str(w / "lat")], "config.json"),
+    ("extract without class folders", "extract",
+     lambda w: ["--data-path", str(w / "flat"), "--vae", str(w / "vae"), "--out", str(w / "lat")], "no class subfolders"),
+    ("extract image size not a multiple", "extract",
+     lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "lat"), "--image-size", "15"],
+     "downsampling factor"),
+    ("extract fp16 on a CPU", "extract",
+     lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "lat"), "--vae-dtype", "fp16",
+                "--image-size", "16", "--cpu"], "is for GPUs"),
+    ("extract zero shard size", "extract",
+     lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "lat"), "--shard-size", "0",
+                "--image-size", "16"], "--shard-size must be positive"),
+    ("extract into a different extraction", "extract",
+     lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "extracted"),
+                "--image-size", "16", "--shard-size", "4", "--batch-size", "4", "--min-side", "4"], "different extraction"),
+    # -- scripts/plot_topology.py -----------------------------------------------------------------
+    ("topology missing", "plot", lambda w: [str(w / "nope.json")], "not found"),
+    ("topology not JSON", "plot", lambda w: [str(w / "topology_broken.json")], "is not a topology JSON"),
+    ("topology without probabilities", "plot", lambda w: [str(w / "topology_nokey.json")], "is not a topology JSON"),
+    ("topology not a square matrix", "plot", lambda w: [str(w / "topology_ragged.json")], "topology_ragged.json"),
+]
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """relative path -> 'dir' or the sha256 of the file (log files: their bytes, checked append-only)."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_dir():
+            out[rel] = "dir"
+        elif path.name in LOG_FILES:
+            out[rel] = path.read_bytes().decode(errors="replace")
+        else:
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def _assert_unmodified(before: dict[str, str], after: dict[str, str]) -> None:
+    """Nothing removed or changed; new paths only inside a run dir that did not exist before (a
+    fresh run that fails mid-way leaves its log there, which is new output, not modified output)."""
+    created = set(after) - set(before)
+    assert not set(before) - set(after), f"removed {set(before) - set(after)}"
+    assert all(p == FRESH or p.startswith(FRESH + "/") for p in created), f"created {created}"
+    for rel, value in before.items():
+        if Path(rel).name in LOG_FILES:
+            assert after[rel].startswith(value), f"{rel} was rewritten"
+        else:
+            assert after[rel] == value, f"{rel} was modified"
+
+
+_MAINS: dict[str, Callable] = {}
+
+
+def _run(command: str, argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    if command not in _MAINS:
+        _MAINS[command] = runpy.run_path(str(SCRIPTS[command]), run_name="bad_inputs")["main"]
+    monkeypatch.setattr(sys, "argv", [SCRIPTS[command].name, *argv])
+    main = _MAINS[command]
+    reset_accelerate()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(lambda: main())
+    finally:
+        reset_accelerate()
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def mixed_sizes(world) -> Path:
+    folder = world / "images_mixed"
+    if not folder.exists():
+        folder.mkdir()
+        Image.fromarray(np.zeros((20, 24, 3), np.uint8)).save(folder / "0.png")
+        Image.fromarray(np.zeros((30, 24, 3), np.uint8)).save(folder / "1.png")
+    return folder
+
+
+def test_the_table_is_big_enough():
+    assert len(CASES) >= 40 and len({c[0] for c in CASES}) == len(CASES)
+    assert {c[1] for c in CASES} == set(SCRIPTS)
+
+
+@pytest.mark.parametrize("name,command,argv,expected", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_touches_nothing(name, command, argv, expected, world, mixed_sizes, monkeypatch,
+                                                   capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("ANCRE_DEBUG", raising=False)
+    torch.set_num_threads(1)
+    args = argv(world)
+    before = _snapshot(world)
+    code, err = _run(command, args, monkeypatch, capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert "Traceback" not in err, err
+    assert code == 2, err
+    assert len(errors) == 1, err
+    assert expected in errors[0], errors[0]
+    assert lines[-1] == errors[0], err  # the last word (a run may have logged progress before it)
+    _assert_unmodified(before, _snapshot(world))
+
+
+def test_resume_auto_skips_a_damaged_newest_checkpoint(world, tmp_path):
+    """Not an error: --resume auto warns about the damaged newest checkpoint, takes the previous
+    complete one, and the run goes on from there (rewriting the damaged step)."""
+    from ancre_dit.training.checkpointing import resolve_resume
+    from ancre_dit.trained_model import load_trained_model
+
+    run = _copy(world / "run", tmp_path / "run", _truncate, "checkpoints/0000004/ema.safetensors")
+    warnings: list[str] = []
+    assert resolve_resume("auto", run, warn=warnings.append) == run / "checkpoints" / "0000002"
+    assert len(warnings) == 1 and "0000004/ema.safetensors" in warnings[0] and "skipping damaged" in warnings[0]
+    reset_accelerate()
+    try:
+        out = train(tiny_config(run, "train.max_steps=4", "train.ckpt_every=2"), resume="auto")
+    finally:
+        reset_accelerate()
+    assert out["step"] == 4
+    assert "skipping damaged checkpoint" in (run / "log.txt").read_text()
+    model, spec = load_trained_model(run / "checkpoints" / "0000004")  # rewritten whole
+    assert spec["step"] == 4
