@@ -66,10 +66,18 @@ class TrainConfig:
     sample_every: int = 10_000        # EMA sample grid; 0 = never
     num_sample_images: int = 16
     cfg_scale_for_grids: float = 4.0
-    sample_steps: int = 50            # DDPM steps of the grid sampler
+    sample_steps: int = 50            # steps of the grid sampler (the objective's default one)
     seed: int = 0
     compile: bool = False
     tf32: bool = True
+
+
+@dataclass
+class DiffusionConfig:
+    objective: str = "ddpm"           # ddpm (DiT) or flow (SiT's linear interpolant, velocity)
+    time_sampling: str = "uniform"    # flow: training time uniform (SiT) or logit-normal (SD3)
+    logit_mean: float = 0.0           # logit-normal location
+    logit_std: float = 1.0            # logit-normal scale
 
 
 @dataclass
@@ -85,6 +93,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -174,6 +183,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         _merge(raw, key.strip().split("."), value)
     config = _build(Config, raw, "")
     validate_config(config)
+    validate_diffusion(config)
     return config
 
 
@@ -209,6 +219,24 @@ def validate_config(config: Config) -> None:
         raise UserError(f"train.ema_decay must be in [0, 1], got {t.ema_decay}")
     if t.lr <= 0:
         raise UserError(f"train.lr must be positive, got {t.lr}")
+
+
+def diffusion_spec(config: Config) -> dict[str, Any]:
+    """The diffusion section as the spec `ancre_dit.diffusion.build_objective` reads."""
+    return {**dataclasses.asdict(config.diffusion), "learn_sigma": config.model.learn_sigma}
+
+
+def validate_diffusion(config: Config) -> None:
+    """The diffusion section, checked by building its objective (one UserError naming the key)."""
+    from ..diffusion import OBJECTIVES, build_objective
+
+    d = config.diffusion
+    if d.objective not in OBJECTIVES:
+        raise UserError(f"unknown objective {d.objective!r} in diffusion.objective; choose {' or '.join(OBJECTIVES)}")
+    if d.objective != "flow" and d.time_sampling != "uniform":
+        raise UserError(f"diffusion.time_sampling={d.time_sampling} applies only to diffusion.objective=flow "
+                        "(DDPM draws integer timesteps uniformly)")
+    build_objective(diffusion_spec(config))
 
 
 def check_batch_layout(config: Config, num_processes: int) -> int:
