@@ -250,7 +250,7 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"digits {len(train)} train / {len(heldout)} held-out; width {args.width}, heads {args.heads}, "
           f"batch {args.batch_size}, AdamW lr {args.lr:g}, EMA {args.ema_decay:g}, "
-          f"{'fixed' if args.fixed_sigma else 'learned'} sigma, {args.steps} steps, seeds {args.seeds}, "
+          f"{'learned' if not args.fixed_sigma and args.objective == 'ddpm' else 'no learned'} sigma, {args.steps} steps, seeds {args.seeds}, "
           f"{args.objective} objective, held-out times "
           f"{build_objective({'objective': args.objective, 'learn_sigma': False}).evaluation_times(EVAL_TIMES).tolist()}")
     everything = {}
