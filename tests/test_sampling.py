@@ -85,14 +85,19 @@ def test_same_seed_same_images_whatever_the_batch():
                                                guidance=Guidance(2.0)))
 
 
-def test_one_and_two_processes_give_identical_npz(digits_ckpt, tmp_path):
-    common = ["--ckpt", str(digits_ckpt), "--num-samples", "10", "--batch-size", "3", "--steps", "6",
-              "--cfg-scale", "2", "--seed", "3"]
+def sample_with_one_and_two_processes(common: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """sample.py with `common` flags in this process (-> one.npz) and under torchrun with 2 CPU processes (-> two.npz)."""
     run_sample(*common, "--out", str(tmp_path / "one.npz"))
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "sample.py"), *common, "--out", str(tmp_path / "two.npz")]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+
+
+def test_one_and_two_processes_give_identical_npz(digits_ckpt, tmp_path):
+    common = ["--ckpt", str(digits_ckpt), "--num-samples", "10", "--batch-size", "3", "--steps", "6",
+              "--cfg-scale", "2", "--seed", "3"]
+    proc = sample_with_one_and_two_processes(common, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr and "2 process(es)" in proc.stdout
     with np.load(tmp_path / "one.npz") as one, np.load(tmp_path / "two.npz") as two:

@@ -46,7 +46,8 @@ class FlowObjective(Objective):
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any]) -> "FlowObjective":
         if spec.get("learn_sigma"):
-            raise UserError("the flow objective predicts a velocity and has no learned variance; set model.learn_sigma=false")
+            raise UserError("the flow objective predicts a velocity and has no learned variance; "
+                            "set model.learn_sigma=false")
         return cls(str(spec.get("time_sampling", "uniform")), float(spec.get("logit_mean", 0.0)),
                    float(spec.get("logit_std", 1.0)))
 

@@ -57,7 +57,8 @@ def parse_interval(text: str | None) -> tuple[float, float] | None:
     try:
         lo, hi = (float(p) for p in parts)
     except ValueError:
-        raise UserError(f"--guidance-interval {text!r} must be LO,HI in normalised time [0, 1], e.g. --guidance-interval 0,0.7") from None
+        raise UserError(f"--guidance-interval {text!r} must be LO,HI in normalised time [0, 1], "
+                        "e.g. --guidance-interval 0,0.7") from None
     return lo, hi
 
 
