@@ -10,7 +10,7 @@ SiT's SDE-250, all with the same guidance scale. Reported per sampler, mean +- s
 held-out classifier accuracy and pixel Fréchet distance (ancre_dit.evaluation.digits, NOT FID),
 network forward passes per sample (guided: cond + uncond count 2) and sampling wall time.
 
-    python scripts/bench_objectives.py --seeds 0 1 2 --steps 600 --num-samples 200
+    python scripts/bench_objectives.py --seeds 0 1 2 --steps 1000 --depth 4 --width 64 --num-samples 100
 """
 from __future__ import annotations
 
@@ -60,14 +60,14 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--topologies", nargs="+", default=["cascaded", "ancre"])
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--depth", type=int, default=8)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--depth", type=int, default=4)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--ema-decay", type=float, default=0.99)
-    p.add_argument("--num-samples", type=int, default=200)
+    p.add_argument("--num-samples", type=int, default=100)
     p.add_argument("--cfg-scale", type=float, default=2.0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/objectives.json"))
