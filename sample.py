@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 
 from ancre_dit.cli import run_cli
-from ancre_dit.sampling import SAMPLERS, JobSettings, run_job
+from ancre_dit.diffusion import ALL_SAMPLERS, LAST_STEPS
+from ancre_dit.sampling import JobSettings, run_job
 from ancre_dit.sampling.guidance import PRECISIONS, parse_interval
 
 
@@ -29,13 +30,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=16)
     p.add_argument("--out", default="samples.npz", help="merged ADM .npz (arr_0 uint8 NHWC images, arr_1 labels)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward (per process)")
-    p.add_argument("--sampler", choices=SAMPLERS, default="ddpm")
-    p.add_argument("--steps", type=int, default=250, help="sampling steps (DDPM respaced ADM-style)")
+    p.add_argument("--sampler", choices=ALL_SAMPLERS, default=None,
+                   help="DDPM checkpoints: ddpm (default), ddim, dpm-solver; flow checkpoints: heun (default), "
+                        "euler, dopri5 (adaptive), sde (SiT's Euler-Maruyama)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="sampling steps (default: DDPM 250, respaced ADM-style; flow euler 50, heun 25 "
+                        "(2 network calls each), sde 250 time points as SiT; dopri5 ignores it)")
+    p.add_argument("--sde-last-step", choices=LAST_STEPS, default="mean", help="SiT's last SDE step (--sampler sde)")
+    p.add_argument("--sde-last-step-size", type=float, default=0.04, help="time covered by the last SDE step")
+    p.add_argument("--sde-diffusion-norm", type=float, default=1.0,
+                   help="scale of SiT's SDE diffusion coefficient w(t) = norm * (1 - t)")
     p.add_argument("--cfg-scale", type=float, default=1.5, help="classifier-free guidance scale; 1 = none")
     p.add_argument("--cfg-channels", type=int, default=None,
                    help="guide only the first N latent channels (3 = original DiT); default all")
     p.add_argument("--guidance-interval", default=None, metavar="LO,HI",
-                   help="guide only at original timesteps LO <= t <= HI")
+                   help="guide only at normalised times LO <= u <= HI, u in [0, 1] with 0 = data and 1 = noise, "
+                        "for every objective (DDPM timestep t is u = t/999)")
     p.add_argument("--seed", type=int, default=0)
     labels = p.add_mutually_exclusive_group()
     labels.add_argument("--classes", type=_classes, default=None, help="class ids cycled over the samples, e.g. 1,2,3")
@@ -56,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     run_job(JobSettings(
         ckpt=a.ckpt, out=a.out, num_samples=a.num_samples, weights=a.weights, batch_size=a.batch_size,
         sampler=a.sampler, steps=a.steps, cfg_scale=a.cfg_scale, cfg_channels=a.cfg_channels,
-        guidance_interval=parse_interval(a.guidance_interval), seed=a.seed,
+        guidance_interval=parse_interval(a.guidance_interval), seed=a.seed, sde_last_step=a.sde_last_step,
+        sde_last_step_size=a.sde_last_step_size, sde_diffusion_norm=a.sde_diffusion_norm,
         label_mode="random" if a.random_classes else "balanced", classes=a.classes, precision=a.precision,
         vae=a.vae, png_dir=a.png_dir, grid=a.grid, grid_max=a.grid_max, keep_parts=a.keep_parts, cpu=a.cpu))
     return 0

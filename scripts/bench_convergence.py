@@ -4,11 +4,12 @@
 For every seed, each topology starts from the same block weights (the topology module is built
 after the blocks and ANCRe's logits start at zero, so it draws no random numbers) and sees the
 same batches, timesteps, noise and label dropout. Every `--eval-every` steps the held-out split
-is scored with the epsilon MSE at fixed timesteps and fixed noise. The script reports mean and
+is scored with the objective's MSE (epsilon for DDPM, velocity for flow, `--objective`) at ten
+fixed times spread over the process and fixed noise. The script reports mean and
 spread over seeds, and how many steps each topology needs to reach the first topology's final
 held-out loss (the paper's "steps to the baseline").
 
-A plain loop (model + diffusion + AdamW + EMA), not the Accelerate trainer, so the numbers
+A plain loop (model + objective + AdamW + EMA), not the Accelerate trainer, so the numbers
 measure the architecture, not the framework.
 
     python scripts/bench_convergence.py --topologies cascaded ancre --depth 12 --tau 0.01 0.1 \
@@ -32,11 +33,12 @@ from tqdm import tqdm
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.data.digits import DIGITS_IMAGE_SIZE, DIGITS_NUM_CLASSES, DigitsDataset
-from ancre_dit.diffusion.gaussian import GaussianDiffusion, create_diffusion
+from ancre_dit.diffusion import OBJECTIVES, Objective, build_objective
 from ancre_dit.models import TOPOLOGIES, TopologyNotDefined, create_model
 
-# Fixed timesteps of the held-out score: spread over the whole chain, like the training loss.
-EVAL_TIMESTEPS = (50, 150, 250, 350, 450, 550, 650, 750, 850, 950)
+# Fixed times of the held-out score, spread over the whole process like the training loss
+# (the objective's evaluation_times: DDPM timesteps 50, 150, ..., 950; flow t = 0.05, ..., 0.95).
+EVAL_TIMES = 10
 EVAL_NOISE_SEED = 1234  # the same held-out noise for every seed, topology and run
 
 
@@ -52,6 +54,8 @@ class RunConfig:
     lr: float = 1e-3
     ema_decay: float = 0.995
     learn_sigma: bool = True
+    objective: str = "ddpm"
+    time_sampling: str = "uniform"
     class_dropout: float = 0.1
     steps: int = 800
     eval_every: int = 100
@@ -78,26 +82,31 @@ def build_model(cfg: RunConfig) -> torch.nn.Module:
                         class_dropout_prob=cfg.class_dropout)
 
 
-def heldout_batch(heldout: DigitsDataset) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every held-out image at every EVAL_TIMESTEPS value, with noise fixed by EVAL_NOISE_SEED."""
-    n, k = len(heldout), len(EVAL_TIMESTEPS)
+def build_run_objective(cfg: RunConfig) -> Objective:
+    return build_objective({"objective": cfg.objective, "learn_sigma": cfg.learn_sigma,
+                            "time_sampling": cfg.time_sampling})
+
+
+def heldout_batch(heldout: DigitsDataset, objective: Objective) -> tuple[torch.Tensor, ...]:
+    """Every held-out image at every evaluation time, with noise fixed by EVAL_NOISE_SEED."""
+    times = objective.evaluation_times(EVAL_TIMES)
+    n, k = len(heldout), len(times)
     x0 = heldout.images.repeat(k, 1, 1, 1)
     y = heldout.labels.repeat(k)
-    t = torch.tensor(EVAL_TIMESTEPS).repeat_interleave(n)
+    t = times.repeat_interleave(n)
     noise = torch.randn(x0.shape, generator=torch.Generator().manual_seed(EVAL_NOISE_SEED))
     return x0, y, t, noise
 
 
 @torch.no_grad()
-def heldout_mse(model: torch.nn.Module, diffusion: GaussianDiffusion, batch, chunk: int = 1080) -> float:
-    """Mean epsilon MSE over the fixed held-out (image, t, noise) triples, labels kept (eval mode)."""
+def heldout_mse(model: torch.nn.Module, objective: Objective, batch, chunk: int = 1080) -> float:
+    """Mean MSE of the objective's target over the fixed held-out (image, t, noise) triples, labels kept (eval mode)."""
     was_training = model.training
     model.eval()
     x0, y, t, noise = batch
     total = 0.0
     for s in range(0, len(x0), chunk):
-        out = diffusion.training_losses(model, x0[s:s + chunk], t[s:s + chunk], {"y": y[s:s + chunk]},
-                                        noise=noise[s:s + chunk])
+        out = objective.losses(model, x0[s:s + chunk], y[s:s + chunk], (t[s:s + chunk], noise[s:s + chunk]))
         total += out["mse"].sum().item()
     model.train(was_training)
     return total / len(x0)
@@ -115,13 +124,13 @@ def train_run(cfg: RunConfig, train: DigitsDataset, heldout: DigitsDataset | Non
     """Trains one model; returns the result record, the model and its EMA."""
     model = build_model(cfg)
     ema = copy.deepcopy(model).requires_grad_(False)
-    diffusion = create_diffusion(learn_sigma=cfg.learn_sigma)
+    objective = build_run_objective(cfg)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     # Data order, timesteps and noise come from a generator of their own, so they are the same
     # for every topology; the global RNG (label dropout) is reseeded for the same reason.
     data_gen = torch.Generator().manual_seed(10_000 + cfg.seed)
     torch.manual_seed(20_000 + cfg.seed)
-    batch = heldout_batch(heldout) if heldout is not None else None
+    batch = heldout_batch(heldout, objective) if heldout is not None else None
     result = RunResult(config=asdict(cfg))
     order, cursor, running, count = torch.randperm(len(train), generator=data_gen), 0, 0.0, 0
     start = time.perf_counter()
@@ -132,9 +141,7 @@ def train_run(cfg: RunConfig, train: DigitsDataset, heldout: DigitsDataset | Non
         idx = order[cursor:cursor + cfg.batch_size]
         cursor += cfg.batch_size
         x0, y = train.images[idx], train.labels[idx]
-        t = torch.randint(0, diffusion.num_timesteps, (len(idx),), generator=data_gen)
-        noise = torch.randn(x0.shape, generator=data_gen)
-        loss = diffusion.training_losses(model, x0, t, {"y": y}, noise=noise)["loss"].mean()
+        loss = objective.losses(model, x0, y, objective.draw(x0, data_gen))["loss"].mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -142,14 +149,14 @@ def train_run(cfg: RunConfig, train: DigitsDataset, heldout: DigitsDataset | Non
         running, count = running + loss.item(), count + 1
         if batch is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
             result.steps.append(step)
-            result.heldout_mse.append(heldout_mse(model, diffusion, batch))
+            result.heldout_mse.append(heldout_mse(model, objective, batch))
             result.train_loss.append(running / count)
             running, count = 0.0, 0
         if progress is not None:
             progress.update(1)
     result.seconds = time.perf_counter() - start
     if batch is not None:  # the EMA only at the end: scoring it every time would double the cost
-        result.heldout_mse_ema.append(heldout_mse(ema, diffusion, batch))
+        result.heldout_mse_ema.append(heldout_mse(ema, objective, batch))
     try:
         result.topology = model.topology.probabilities().detach().tolist()
     except TopologyNotDefined:  # n-stream schemes (HC, mHC) have no block-to-block matrix
@@ -170,7 +177,7 @@ def label_of(topology: str, tau: float, taus_matter: bool) -> str:
 def summarize(results: dict[str, list[RunResult]], baseline: str) -> str:
     """Mean +- std table of the held-out MSE per evaluation step, then steps to the baseline."""
     steps = next(iter(results.values()))[0].steps
-    lines = ["held-out epsilon MSE (raw weights), mean +- std over seeds"]
+    lines = ["held-out MSE (raw weights), mean +- std over seeds"]
     width = max(len(k) for k in results) + 2
     lines.append("step".rjust(6) + "".join(k.rjust(width + 8) for k in results))
     curves = {k: np.array([r.heldout_mse for r in runs]) for k, runs in results.items()}
@@ -179,7 +186,7 @@ def summarize(results: dict[str, list[RunResult]], baseline: str) -> str:
         for k, c in curves.items():
             row += f"{c[:, n].mean():.4f} +- {c[:, n].std():.4f}".rjust(width + 8)
         lines.append(row)
-    lines.append("held-out epsilon MSE (EMA weights) at the last step, mean +- std")
+    lines.append("held-out MSE (EMA weights) at the last step, mean +- std")
     for k, runs in results.items():
         e = np.array([r.heldout_mse_ema[-1] for r in runs])
         lines.append(f"  {k}: {e.mean():.4f} +- {e.std():.4f}")
@@ -214,6 +221,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ema-decay", type=float, default=0.995,
                    help="short runs need a short EMA: 0.999 keeps 0.999^steps of the initial weights")
     p.add_argument("--fixed-sigma", action="store_true", help="MSE only (default: learned sigma, hybrid loss)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="ddpm",
+                   help="ddpm (epsilon MSE) or flow (velocity MSE; implies --fixed-sigma)")
+    p.add_argument("--time-sampling", choices=("uniform", "logit-normal"), default="uniform", help="flow's training time")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/convergence"))
     return p.parse_args()
@@ -240,8 +250,9 @@ def main() -> None:
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"digits {len(train)} train / {len(heldout)} held-out; width {args.width}, heads {args.heads}, "
           f"batch {args.batch_size}, AdamW lr {args.lr:g}, EMA {args.ema_decay:g}, "
-          f"{'fixed' if args.fixed_sigma else 'learned'} sigma, {args.steps} steps, seeds {args.seeds}, "
-          f"held-out t = {list(EVAL_TIMESTEPS)}")
+          f"{'learned' if not args.fixed_sigma and args.objective == 'ddpm' else 'no learned'} sigma, {args.steps} steps, seeds {args.seeds}, "
+          f"{args.objective} objective, held-out times "
+          f"{build_objective({'objective': args.objective, 'learn_sigma': False}).evaluation_times(EVAL_TIMES).tolist()}")
     everything = {}
     for depth in args.depth:
         results: dict[str, list[RunResult]] = {}
@@ -251,7 +262,8 @@ def main() -> None:
                 for topology, tau in settings:
                     cfg = RunConfig(topology=topology, tau=tau, depth=depth, width=args.width, heads=args.heads,
                                     batch_size=args.batch_size, lr=args.lr, ema_decay=args.ema_decay,
-                                    learn_sigma=not args.fixed_sigma, steps=args.steps,
+                                    learn_sigma=not args.fixed_sigma and args.objective == "ddpm",
+                                    objective=args.objective, time_sampling=args.time_sampling, steps=args.steps,
                                     eval_every=args.eval_every, seed=seed)
                     result, _, _ = train_run(cfg, train, heldout, progress=bar)
                     results.setdefault(label_of(topology, tau, taus_matter and topology in TAU_TOPOLOGIES),
@@ -263,7 +275,7 @@ def main() -> None:
 
         steps = results[baseline][0].steps
         png = plot_loss_curve(steps, {k: [r.heldout_mse for r in runs] for k, runs in results.items()},
-                              args.out / f"convergence_depth{depth}.png", ylabel="held-out epsilon MSE",
+                              args.out / f"convergence_depth{depth}.png", ylabel=f"held-out {args.objective} MSE",
                               title=f"digits, depth {depth}, width {args.width}, {len(args.seeds)} seeds (mean +- std)")
         print(f"curves: {png}")
         everything[f"depth{depth}"] = {k: [asdict(r) for r in runs] for k, runs in results.items()}

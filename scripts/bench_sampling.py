@@ -24,9 +24,10 @@ import torch
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.models import create_model
-from ancre_dit.sampling import sample_images, sample_latents
+from ancre_dit.diffusion import DDPMObjective
+from ancre_dit.sampling import Guidance, sample_images, sample_latents
 
-DIFFUSION = dict(num_timesteps=1000, beta_start=1e-4, beta_end=0.02, learn_sigma=True)
+DIFFUSION = DDPMObjective(learn_sigma=True)  # DiT's schedule
 
 
 def _sync(device: torch.device) -> None:
@@ -38,10 +39,10 @@ def time_sampler(model: torch.nn.Module, device: torch.device, n: int, sampler: 
                  precision: str) -> float:
     """Seconds to sample n latents (one batch) after a one-step warm-up."""
     labels = np.arange(n) % model.num_classes
-    sample_latents(model, DIFFUSION, labels[:1], sampler="ddim", steps=1, cfg_scale=cfg, precision=precision)
+    sample_latents(model, DIFFUSION, labels[:1], sampler="ddim", steps=1, guidance=Guidance(cfg), precision=precision)
     _sync(device)
     start = time.perf_counter()
-    sample_latents(model, DIFFUSION, labels, sampler=sampler, steps=steps, cfg_scale=cfg, precision=precision)
+    sample_latents(model, DIFFUSION, labels, sampler=sampler, steps=steps, guidance=Guidance(cfg), precision=precision)
     _sync(device)
     return time.perf_counter() - start
 
@@ -90,7 +91,7 @@ def digits_quality(args: argparse.Namespace, device: torch.device) -> None:
         for s in range(0, len(labels), args.batch_size):
             idx = np.arange(s, min(s + args.batch_size, len(labels)))
             images.append(sample_images(model, spec["diffusion"], labels[idx], indices=idx, seed=args.seed,
-                                        sampler=sampler, steps=steps, cfg_scale=args.digits_cfg))
+                                        sampler=sampler, steps=steps, guidance=Guidance(args.digits_cfg)))
         seconds = time.perf_counter() - start
         report = digits_report(np.concatenate(images), labels)
         print(f"{sampler}-{steps}: accuracy {report['accuracy']:.3f}, pixel FD {report['pixel_fd']:.2f} "

@@ -74,7 +74,7 @@ def deterministic_draws(self, x: torch.Tensor):
     """Replaces the trainer's random t / noise by a function of each sample alone, so runs with
     different process layouts see the same draws for the same sample."""
     flat = x.flatten(1)
-    t = ((flat + 1.0) * 0.5 * torch.arange(1, flat.shape[1] + 1)).sum(1).round().long() % self.diffusion.num_timesteps
+    t = ((flat + 1.0) * 0.5 * torch.arange(1, flat.shape[1] + 1)).sum(1).round().long() % self.objective.num_timesteps
     noise = torch.sin(x * 12.9898 + torch.arange(x[0].numel()).view(x.shape[1:]) * 78.233) * 1.5
     return t, noise
 

@@ -24,8 +24,10 @@ def test_shipped_configs_load(tmp_path):
             (tmp_path / "lat").mkdir(exist_ok=True)
             c = load_config(path, [f"data.path={tmp_path / 'lat'}"])
             assert (c.train.global_batch_size, c.train.max_steps, c.train.lr, c.train.ema_decay) == (256, 400000, 1e-4, 0.9999)
+            # learn_sigma: on for DiT's DDPM, off for SiT's flow objective (sit-*.yaml).
             assert (c.train.mixed_precision, c.train.ckpt_every, c.model.tau, c.model.learn_sigma, c.model.class_dropout) == \
-                ("bf16", 50000, 0.01, True, 0.1)
+                ("bf16", 50000, 0.01, c.diffusion.objective == "ddpm", 0.1)
+            assert c.diffusion.objective == ("flow" if path.stem.startswith("sit-") else "ddpm")
         else:
             c = load_config(path)
             assert c.data.kind == "digits" and c.train.mixed_precision == "no"

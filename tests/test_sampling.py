@@ -12,10 +12,11 @@ import pytest
 import torch
 from helpers import ROOT, TINY_DIT, load_script, tiny_model
 
+from ancre_dit.diffusion import build_objective
 from ancre_dit.errors import UserError
 from ancre_dit.sampling import GuidedDenoiser, Guidance, SampleNoise, sample_images, sample_latents
 from ancre_dit.sampling import job as job_module
-from ancre_dit.sampling.samplers import ddpm_loop, respaced_diffusion
+from ancre_dit.diffusion.ddpm import ddpm_loop, respaced_diffusion
 from ancre_dit.trained_model import make_model_spec, write_model_files
 
 REPO = ROOT
@@ -56,30 +57,36 @@ def run_sample(*args: str) -> None:
 def test_same_seed_same_images_whatever_the_batch():
     model = random_model()
     labels = [3, 1, 4, 1, 5, 9]
-    a = sample_latents(model, DIFFUSION, labels, seed=5, steps=8, cfg_scale=2.0)
-    b = sample_latents(model, DIFFUSION, labels, seed=5, steps=8, cfg_scale=2.0)
+    a = sample_latents(model, DIFFUSION, labels, seed=5, steps=8, guidance=Guidance(2.0))
+    b = sample_latents(model, DIFFUSION, labels, seed=5, steps=8, guidance=Guidance(2.0))
     assert torch.equal(a, b)
     # Sample i depends only on (seed, i): the same indices in other batches give the same samples.
-    first = sample_latents(model, DIFFUSION, labels[:2], indices=[0, 1], seed=5, steps=8, cfg_scale=2.0)
-    rest = sample_latents(model, DIFFUSION, labels[2:], indices=[2, 3, 4, 5], seed=5, steps=8, cfg_scale=2.0)
+    first = sample_latents(model, DIFFUSION, labels[:2], indices=[0, 1], seed=5, steps=8, guidance=Guidance(2.0))
+    rest = sample_latents(model, DIFFUSION, labels[2:], indices=[2, 3, 4, 5], seed=5, steps=8, guidance=Guidance(2.0))
     torch.testing.assert_close(torch.cat([first, rest]), a, rtol=0, atol=1e-5)
-    other = sample_latents(model, DIFFUSION, labels, seed=6, steps=8, cfg_scale=2.0)
+    other = sample_latents(model, DIFFUSION, labels, seed=6, steps=8, guidance=Guidance(2.0))
     assert (other - a).abs().mean() > 0.1
     for sampler in ("ddim", "dpm-solver"):
-        x = sample_images(model, DIFFUSION, labels, seed=5, steps=4, sampler=sampler, cfg_scale=2.0)
+        x = sample_images(model, DIFFUSION, labels, seed=5, steps=4, sampler=sampler, guidance=Guidance(2.0))
         assert x.dtype == np.uint8 and x.shape == (6, 8, 8, 1)
-        assert np.array_equal(x, sample_images(model, DIFFUSION, labels, seed=5, steps=4, sampler=sampler, cfg_scale=2.0))
+        assert np.array_equal(x, sample_images(model, DIFFUSION, labels, seed=5, steps=4, sampler=sampler,
+                                               guidance=Guidance(2.0)))
+
+
+def sample_with_one_and_two_processes(common: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """sample.py with `common` flags in this process (-> one.npz) and under torchrun with 2 CPU processes (-> two.npz)."""
+    run_sample(*common, "--out", str(tmp_path / "one.npz"))
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(REPO / "sample.py"), *common, "--out", str(tmp_path / "two.npz")]
+    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
 
 
 @pytest.mark.slow
 def test_one_and_two_processes_give_identical_npz(digits_ckpt, tmp_path):
     common = ["--ckpt", str(digits_ckpt), "--num-samples", "10", "--batch-size", "3", "--steps", "6",
               "--cfg-scale", "2", "--seed", "3"]
-    run_sample(*common, "--out", str(tmp_path / "one.npz"))
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(REPO / "sample.py"), *common, "--out", str(tmp_path / "two.npz")]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    proc = sample_with_one_and_two_processes(common, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr and "2 process(es)" in proc.stdout
     with np.load(tmp_path / "one.npz") as one, np.load(tmp_path / "two.npz") as two:
@@ -131,8 +138,8 @@ def test_interrupted_job_resumes_only_missing_parts(digits_ckpt, tmp_path, monke
     (parts / "part-0000006-0000007.npz").unlink()
     out.unlink()
     calls = []
-    real = job_module.sample_images
-    monkeypatch.setattr(job_module, "sample_images", lambda *a, **k: calls.append(k["indices"].tolist()) or real(*a, **k))
+    real = job_module.sample_part
+    monkeypatch.setattr(job_module, "sample_part", lambda *a, **k: calls.append(k["indices"].tolist()) or real(*a, **k))
     run_sample(*args)
     assert calls == [[3, 4, 5], [6]]
     with np.load(out) as f:
@@ -153,13 +160,13 @@ def test_cfg_scale_one_is_the_plain_conditional_model():
     assert torch.equal(out, model(x, t, y))
     # A whole sampling run at scale 1 equals DDPM driven by the bare conditional model.
     labels = [0, 5, 9]
-    got = sample_latents(model, DIFFUSION, labels, seed=2, steps=5, cfg_scale=1.0)
+    got = sample_latents(model, DIFFUSION, labels, seed=2, steps=5, guidance=Guidance(1.0))
     noise = SampleNoise(2, range(3), (1, 8, 8))
     expected = ddpm_loop(lambda a, b, c: model(a, b, c), noise.next(), torch.tensor(labels), noise,
                          respaced_diffusion(DIFFUSION, 5))
     assert torch.equal(got, expected)
     # Guidance really changes the samples (so the equality above is not vacuous).
-    assert not torch.allclose(got, sample_latents(model, DIFFUSION, labels, seed=2, steps=5, cfg_scale=3.0))
+    assert not torch.allclose(got, sample_latents(model, DIFFUSION, labels, seed=2, steps=5, guidance=Guidance(3.0)))
 
 
 def test_three_channel_mode_guides_only_three_channels():
@@ -178,7 +185,9 @@ def test_three_channel_mode_guides_only_three_channels():
 def test_guidance_interval_guides_only_inside():
     model = random_model()
     x, y = torch.randn(2, 1, 8, 8), torch.tensor([4, 5])
-    denoise = GuidedDenoiser(model, Guidance(4.0, interval=(100, 600)))
+    # The interval is in normalised time (0 = data, 1 = noise): DDPM timestep t is t / 999.
+    ddpm = build_objective(DIFFUSION)
+    denoise = GuidedDenoiser(model, Guidance(4.0, interval=(100 / 999, 600 / 999)), normalized_time=ddpm.normalized_time)
     for step, guided in ((50, False), (100, True), (600, True), (900, False)):
         t = torch.full((2,), step)
         reference = GuidedDenoiser(model, Guidance(4.0 if guided else 1.0))(x, t, y)
@@ -207,7 +216,7 @@ class ToyLearnedSigma(torch.nn.Module):
 def test_ddpm_steps_match_adm_posterior_formulas():
     toy = ToyLearnedSigma()
     labels, seed, steps = [0, 2], 11, 3
-    got = sample_latents(toy, DIFFUSION, labels, seed=seed, steps=steps, cfg_scale=1.0).double().numpy()
+    got = sample_latents(toy, DIFFUSION, labels, seed=seed, steps=steps, guidance=Guidance(1.0)).double().numpy()
 
     # ADM, written out: linear betas, respaced to 3 of 1000 steps with stride (1000-1)/(3-1).
     betas = np.linspace(1e-4, 0.02, 1000, dtype=np.float64)
@@ -296,7 +305,7 @@ def test_latent_model_decodes_through_a_local_vae(tmp_path):
         images = f["arr_0"]
     assert images.dtype == np.uint8 and images.shape == (3, 8, 8, 3)
     # Same as decoding the latents by hand: z / scaling_factor through the VAE, [-1, 1] -> uint8.
-    z = sample_latents(model, DIFFUSION, [0, 1, 2], steps=4, sampler="ddim", cfg_scale=1.5)
+    z = sample_latents(model, DIFFUSION, [0, 1, 2], steps=4, sampler="ddim", guidance=Guidance(1.5))
     with torch.no_grad():
         pixels = vae.decode(z / 0.5).sample
     expected = ((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
@@ -319,7 +328,7 @@ def test_bad_input_gives_one_clear_line(digits_ckpt, tmp_path):
     with pytest.raises(UserError, match="out of range"):
         sample_images(random_model(), DIFFUSION, [12])
     with pytest.raises(UserError, match="no unconditional mode"):
-        sample_images(random_model(class_dropout_prob=0.0), DIFFUSION, [1], cfg_scale=2.0)
+        sample_images(random_model(class_dropout_prob=0.0), DIFFUSION, [1], guidance=Guidance(2.0))
     # A checkpoint whose weights belong to another model.
     other = write_ckpt(tmp_path / "other", random_model(hidden_size=64), {**TINY, "hidden_size": 64})
     spec_path = other / "model_spec.json"

@@ -1,1 +1,8 @@
-"""diffusion"""
+"""Training objectives and their samplers: DDPM (DiT) and flow matching (SiT), behind one interface."""
+from .base import ALL_SAMPLERS, LAST_STEPS, Objective, SDEOptions
+from .ddpm import DDPMObjective
+from .flow import TIME_SAMPLINGS, FlowObjective
+from .objectives import OBJECTIVES, build_objective
+
+__all__ = ["ALL_SAMPLERS", "LAST_STEPS", "Objective", "SDEOptions", "DDPMObjective", "TIME_SAMPLINGS",
+           "FlowObjective", "OBJECTIVES", "build_objective"]

@@ -10,7 +10,7 @@ respaced betas as DiT's sampler does.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -19,7 +19,12 @@ from .vlb import discretized_gaussian_log_likelihood, mean_flat, normal_kl
 from ..errors import UserError
 
 
-def linear_betas(num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02) -> np.ndarray:
+# DiT's linear schedule: the one place these numbers live (model_spec.json copies them per run).
+DDPM_SCHEDULE = {"num_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02}
+
+
+def linear_betas(num_timesteps: int = DDPM_SCHEDULE["num_timesteps"], beta_start: float = DDPM_SCHEDULE["beta_start"],
+                 beta_end: float = DDPM_SCHEDULE["beta_end"]) -> np.ndarray:
     """DiT's schedule, scaled like ADM's `get_named_beta_schedule("linear")` for 1000 steps."""
     scale = 1000 / num_timesteps
     return np.linspace(scale * beta_start, scale * beta_end, num_timesteps, dtype=np.float64)
@@ -204,16 +209,18 @@ class GaussianDiffusion:
         return terms
 
 
-def create_diffusion(respacing: str | int | None = None, learn_sigma: bool = True, num_timesteps: int = 1000,
-                     beta_start: float = 1e-4, beta_end: float = 0.02) -> GaussianDiffusion:
-    """The 1000-step linear schedule of DiT, optionally respaced (e.g. "250" for sampling)."""
-    diffusion = GaussianDiffusion(linear_betas(num_timesteps, beta_start, beta_end), learn_sigma)
+def create_diffusion(respacing: str | int | None = None, learn_sigma: bool = True, **schedule: Any) -> GaussianDiffusion:
+    """DiT's linear schedule (DDPM_SCHEDULE, or num_timesteps / beta_start / beta_end given),
+    optionally respaced (e.g. "250" for sampling)."""
+    schedule = {**DDPM_SCHEDULE, **schedule}
+    num_timesteps = schedule["num_timesteps"]
+    diffusion = GaussianDiffusion(linear_betas(**schedule), learn_sigma)
     if respacing not in (None, "", num_timesteps, str(num_timesteps)):
         diffusion = diffusion.respaced(respacing)
     return diffusion
 
 
-def diffusers_scheduler(kind: str, num_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02):
+def diffusers_scheduler(kind: str, **schedule: Any):
     """diffusers' DDIM / DPM-Solver++ / DDPM scheduler on DiT's schedule, predicting epsilon.
 
     clip_sample / thresholding are off: DiT's latents are not bounded to [-1, 1] (a known trap:
@@ -221,8 +228,9 @@ def diffusers_scheduler(kind: str, num_timesteps: int = 1000, beta_start: float 
     """
     from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
 
-    common = dict(num_train_timesteps=num_timesteps, beta_start=beta_start, beta_end=beta_end,
-                  beta_schedule="linear", prediction_type="epsilon")
+    schedule = {**DDPM_SCHEDULE, **schedule}
+    common = dict(num_train_timesteps=schedule["num_timesteps"], beta_start=schedule["beta_start"],
+                  beta_end=schedule["beta_end"], beta_schedule="linear", prediction_type="epsilon")
     if kind == "ddim":
         return DDIMScheduler(**common, clip_sample=False, set_alpha_to_one=True, timestep_spacing="leading")
     if kind == "dpm-solver":

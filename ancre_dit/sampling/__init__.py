@@ -1,14 +1,14 @@
 """Class-conditional sampling with classifier-free guidance: samplers, guidance, decoding, and the
 sharded, resumable sampling job behind sample.py."""
-from .api import sample_images, sample_latents
+from .api import SamplingPlan, plan_sampling, sample_images, sample_latents
 from .decode import build_decoder, decode_pixels, to_uint8_nhwc
 from .guidance import Guidance, GuidedDenoiser
 from .job import JobSettings, run_job
 from .labels import assign_labels, check_classes
 from .noise import SampleNoise, sample_seed
-from .samplers import SAMPLERS, run_sampler
 
 __all__ = [
-    "sample_images", "sample_latents", "build_decoder", "decode_pixels", "to_uint8_nhwc", "Guidance", "GuidedDenoiser",
-    "JobSettings", "run_job", "assign_labels", "check_classes", "SampleNoise", "sample_seed", "SAMPLERS", "run_sampler",
+    "SamplingPlan", "plan_sampling", "sample_images", "sample_latents", "build_decoder", "decode_pixels",
+    "to_uint8_nhwc", "Guidance", "GuidedDenoiser",
+    "JobSettings", "run_job", "assign_labels", "check_classes", "SampleNoise", "sample_seed",
 ]

@@ -1,55 +1,88 @@
 """Python entry points: sample a batch from a DiT in memory (used by sample.py, the trainer's
-grids and the benchmarks)."""
+grids and the benchmarks).
+
+`plan_sampling` does every check of the sampling flags once (sampler fits the objective, step
+count, guidance against the model, precision); the plan then samples any number of batches.
+`sample_latents` / `sample_images` are the one-call forms for Python users.
+"""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
+from ..diffusion import Objective, SDEOptions, build_objective
 from ..errors import UserError
 from .decode import Decoder, decode_pixels
 from .guidance import Guidance, GuidedDenoiser, unwrap_model
 from .labels import check_classes
 from .noise import SampleNoise
-from .samplers import run_sampler
+
+ObjectiveLike = Objective | Mapping[str, Any]  # an objective, or a spec such as a checkpoint's spec["diffusion"]
 
 
-def sample_latents(model: torch.nn.Module, diffusion_spec: dict[str, Any], labels: Sequence[int] | np.ndarray | torch.Tensor,
-                   *, indices: Sequence[int] | np.ndarray | None = None, seed: int = 0, sampler: str = "ddpm",
-                   steps: int = 250, cfg_scale: float = 1.0, cfg_channels: int | None = None,
-                   guidance_interval: tuple[float, float] | None = None, precision: str = "fp32",
-                   guidance: Guidance | None = None) -> torch.Tensor:
-    """x_0 (N, C, H, W) float32 for the given labels; sample j uses the random streams of
-    (seed, indices[j]) (indices default to 0..N-1), so it does not depend on the batch it is in.
+@dataclass
+class SamplingPlan:
+    """A checked sampler setup around one network; `latents` samples a batch without further checks."""
 
-    diffusion_spec: {"num_timesteps", "beta_start", "beta_end", "learn_sigma"} (a checkpoint's spec["diffusion"]).
-    """
+    net: torch.nn.Module
+    objective: Objective
+    sampler: str
+    steps: int
+    denoiser: GuidedDenoiser
+    sde: SDEOptions
+
+    def latents(self, labels: torch.Tensor, indices: Sequence[int] | np.ndarray, seed: int) -> torch.Tensor:
+        """x_0 (N, C, H, W) float32; sample j uses the random streams of (seed, indices[j])."""
+        net = self.net
+        device = next(net.parameters()).device
+        noise = SampleNoise(seed, indices, (net.in_channels, net.input_size, net.input_size), device)
+        was_training = net.training
+        net.eval()  # no label dropout while sampling
+        try:
+            return self.objective.sample(self.denoiser, noise.next(), labels.to(device), noise, sampler=self.sampler,
+                                         steps=self.steps, sde=self.sde)
+        finally:
+            net.train(was_training)
+
+
+def plan_sampling(model: torch.nn.Module, objective: ObjectiveLike, *, sampler: str | None = None,
+                  steps: int | None = None, guidance: Guidance = Guidance(), precision: str = "fp32",
+                  sde: SDEOptions = SDEOptions()) -> SamplingPlan:
+    """Checks the flags once; sampler and steps default to the objective's (DDPM: ddpm-250; flow: heun-25)."""
+    objective = build_objective(objective)
+    sampler = sampler or objective.default_sampler
+    steps = objective.default_steps(sampler) if steps is None else int(steps)
+    objective.check_sampler(sampler, steps)
     net = unwrap_model(model)
-    device = next(net.parameters()).device
+    denoiser = GuidedDenoiser(net, guidance, precision, objective.normalized_time)
+    return SamplingPlan(net, objective, sampler, steps, denoiser, sde)
+
+
+def sample_latents(model: torch.nn.Module, objective: ObjectiveLike, labels: Sequence[int] | np.ndarray | torch.Tensor,
+                   *, indices: Sequence[int] | np.ndarray | None = None, seed: int = 0, sampler: str | None = None,
+                   steps: int | None = None, guidance: Guidance = Guidance(), precision: str = "fp32",
+                   sde: SDEOptions = SDEOptions()) -> torch.Tensor:
+    """x_0 (N, C, H, W) float32 for the given labels; sample j uses the random streams of (seed, indices[j])
+    (indices default to 0..N-1), so it does not depend on the batch it is in (dopri5 excepted: its
+    adaptive steps follow the whole batch). `objective`: an Objective or a spec (a checkpoint's spec["diffusion"])."""
+    plan = plan_sampling(model, objective, sampler=sampler, steps=steps, guidance=guidance, precision=precision,
+                         sde=sde)
     labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
     if labels.ndim != 1 or len(labels) == 0:
         raise UserError("labels must be a non-empty 1-D list of class ids")
-    check_classes(labels.unique().tolist(), int(net.num_classes))
+    check_classes(labels.unique().tolist(), int(plan.net.num_classes))
     indices = np.arange(len(labels)) if indices is None else np.asarray(indices)
     if len(indices) != len(labels):
         raise ValueError(f"{len(indices)} indices for {len(labels)} labels")
-    if guidance is None:
-        guidance = Guidance(float(cfg_scale), cfg_channels, guidance_interval)
-    denoiser = GuidedDenoiser(net, guidance, precision)
-    noise = SampleNoise(seed, indices, (net.in_channels, net.input_size, net.input_size), device)
-    was_training = net.training
-    net.eval()  # no label dropout while sampling
-    try:
-        return run_sampler(denoiser, labels.to(device), noise, sampler=sampler, steps=steps,
-                           diffusion_spec=diffusion_spec)
-    finally:
-        net.train(was_training)
+    return plan.latents(labels, indices, seed)
 
 
-def sample_images(model: torch.nn.Module, diffusion_spec: dict[str, Any], labels: Sequence[int] | np.ndarray | torch.Tensor,
+def sample_images(model: torch.nn.Module, objective: ObjectiveLike, labels: Sequence[int] | np.ndarray | torch.Tensor,
                   *, decoder: Decoder | None = None, **kwargs: Any) -> np.ndarray:
     """uint8 (N, H, W, C) images (C = 1 for grayscale pixel models, 3 after a VAE); keyword
     arguments as for `sample_latents`. `decoder` defaults to the pixel-space rescale; latent models
     pass `build_decoder(...)`."""
-    return (decoder or decode_pixels)(sample_latents(model, diffusion_spec, labels, **kwargs))
+    return (decoder or decode_pixels)(sample_latents(model, objective, labels, **kwargs))

@@ -2,12 +2,15 @@
 
 Conditional and unconditional passes share one batched forward (the model's `forward_with_cfg`);
 at scale 1, or outside the guidance interval, only the conditional half runs (half the compute).
+The interval is in normalised time u in [0, 1] (0 = data, 1 = pure noise) for every objective; the
+objective maps its model time to u (DDPM: t / 999; flow: 1 - t).
 """
 from __future__ import annotations
 
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -19,8 +22,8 @@ PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass(frozen=True)
 class Guidance:
     """scale: 1 = plain conditional model. channels: guide only the first `channels` epsilon
-    channels (3 = the original DiT's behaviour); None = all. interval: guide only at original
-    timesteps LO <= t <= HI (None = every step)."""
+    channels (3 = the original DiT's behaviour); None = all. interval: guide only at normalised
+    times LO <= u <= HI, u in [0, 1], 0 = data, 1 = noise (None = every step)."""
 
     scale: float = 1.0
     channels: int | None = None
@@ -34,27 +37,35 @@ class Guidance:
             raise UserError(f"--cfg-scale {self.scale} is negative; use 1 for no guidance or a value > 1 (e.g. 1.5)")
         if self.channels is not None and self.channels < 1:
             raise UserError(f"--cfg-channels {self.channels} must be at least 1 (or omitted for all channels)")
-        if self.interval is not None and not self.interval[0] <= self.interval[1]:
-            raise UserError(f"--guidance-interval {self.interval[0]},{self.interval[1]} is empty; give LO,HI with LO <= HI")
+        if self.interval is not None:
+            lo, hi = self.interval
+            if not 0 <= lo <= 1 or not 0 <= hi <= 1:
+                # The flag once took DDPM timesteps 0..999; refuse those instead of guessing.
+                raise UserError(f"--guidance-interval {lo:g},{hi:g} must lie in [0, 1]: it is in normalised time "
+                                f"(0 = data, 1 = noise) for every objective; DDPM timesteps t become t/999, "
+                                f"e.g. 0,700 -> 0,{700 / 999:.4f}")
+            if not lo <= hi:
+                raise UserError(f"--guidance-interval {lo:g},{hi:g} is empty; give LO,HI with LO <= HI")
 
-    def active_at(self, timestep: float) -> bool:
+    def active_at(self, normalized_time: float) -> bool:
         if self.scale == 1:
             return False
-        return self.interval is None or self.interval[0] <= timestep <= self.interval[1]
+        return self.interval is None or self.interval[0] <= normalized_time <= self.interval[1]
 
 
 def parse_interval(text: str | None) -> tuple[float, float] | None:
-    """"LO,HI" -> (LO, HI) in original timesteps (0..T-1); None/"" -> None."""
+    """"LO,HI" -> (LO, HI) in normalised time (0 = data, 1 = noise); None/"" -> None."""
     if text is None or str(text).strip() == "":
         return None
     parts = str(text).split(",")
     try:
         lo, hi = (float(p) for p in parts)
     except ValueError:
-        raise UserError(f"--guidance-interval {text!r} must be LO,HI in timesteps, e.g. --guidance-interval 0,700") from None
+        raise UserError(f"--guidance-interval {text!r} must be LO,HI in normalised time [0, 1], "
+                        "e.g. --guidance-interval 0,0.7") from None
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        raise UserError(f"--guidance-interval {text!r} holds a number that is not finite; give LO,HI in timesteps, "
-                        "e.g. 0,700")
+        raise UserError(f"--guidance-interval {text!r} holds a number that is not finite; give LO,HI in normalised "
+                        "time [0, 1], e.g. 0,0.7")
     return lo, hi
 
 
@@ -70,12 +81,17 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 class GuidedDenoiser:
     """`denoiser(x, t, y)` -> the model output (C or 2C channels) with guidance applied, float32.
 
-    t holds original timesteps, the same for the whole batch (every sampler here steps in lockstep).
+    t holds the objective's model times, the same for the whole batch (every sampler here steps in
+    lockstep); `normalized_time` (the objective's) maps them to the unit of the guidance interval.
     """
 
-    def __init__(self, model: torch.nn.Module, guidance: Guidance, precision: str = "fp32"):
+    def __init__(self, model: torch.nn.Module, guidance: Guidance, precision: str = "fp32",
+                 normalized_time: Callable[[float], float] | None = None):
         self.model = unwrap_model(model)
         self.guidance = guidance
+        if guidance.interval is not None and normalized_time is None:
+            raise ValueError("a guidance interval needs the objective's normalized_time")
+        self.normalized_time = normalized_time
         if precision not in PRECISIONS:
             raise UserError(f"--precision {precision} is unknown; choose {', '.join(PRECISIONS)}")
         self.dtype = PRECISIONS[precision]
@@ -96,7 +112,7 @@ class GuidedDenoiser:
     def __call__(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         g = self.guidance
         with self._autocast(x.device):
-            if not g.active_at(float(t[0])):
+            if not g.active_at(self.normalized_time(float(t[0])) if g.interval is not None else 0.0):
                 self.calls += len(x)
                 return self.model(x, t, y).float()
             null = torch.full_like(y, self.num_classes)

@@ -13,22 +13,22 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..diffusion import SDEOptions
 from ..errors import UserError
 from ..data.adm_npz import load_adm_npz, save_adm_npz
 from ..files import write_atomic
 from ..trained_model import load_trained_model
-from .api import sample_images
-from .decode import build_decoder
+from .api import SamplingPlan, plan_sampling
+from .decode import Decoder, build_decoder
 from .guidance import Guidance
 from .labels import assign_labels, check_classes
-from .samplers import check_steps, schedule_kwargs
 
 JOB_FILE = "job.json"
 
@@ -40,12 +40,15 @@ class JobSettings:
     num_samples: int
     weights: str = "ema"
     batch_size: int = 32
-    sampler: str = "ddpm"
-    steps: int = 250
+    sampler: str | None = None        # None: the checkpoint objective's default (ddpm / heun)
+    steps: int | None = None          # None: that sampler's default (DDPM 250; flow euler 50, heun 25, sde 250)
     cfg_scale: float = 1.5
     cfg_channels: int | None = None
     guidance_interval: tuple[float, float] | None = None
     seed: int = 0
+    sde_last_step: str = "mean"
+    sde_last_step_size: float = 0.04
+    sde_diffusion_norm: float = 1.0
     label_mode: str = "balanced"
     classes: list[int] | None = None
     precision: str = "fp32"
@@ -73,7 +76,8 @@ def job_identity(settings: JobSettings, spec: dict) -> dict:
     """What decides the content of a part; a rerun may resume only if this is unchanged. The sample
     count is left out on purpose: sample i does not depend on it, so a job can be extended."""
     keep = ("weights", "batch_size", "sampler", "steps", "cfg_scale", "cfg_channels", "guidance_interval",
-            "seed", "label_mode", "classes", "precision", "vae")
+            "seed", "label_mode", "classes", "precision", "vae", "sde_last_step", "sde_last_step_size",
+            "sde_diffusion_norm")
     identity = {k: v for k, v in asdict(settings).items() if k in keep}
     identity["guidance_interval"] = list(settings.guidance_interval) if settings.guidance_interval else None
     identity["ckpt"] = str(Path(settings.ckpt).resolve())
@@ -81,15 +85,28 @@ def job_identity(settings: JobSettings, spec: dict) -> dict:
     return identity
 
 
+def sde_options(s: JobSettings) -> SDEOptions:
+    return SDEOptions(s.sde_last_step, float(s.sde_last_step_size), float(s.sde_diffusion_norm))
+
+
 def check_settings(s: JobSettings) -> Guidance:
-    """Flag checks that need no model (cheap, before anything is loaded)."""
+    """Flag checks that need no model (cheap, before anything is loaded); the sampler, steps and
+    classes are checked once the checkpoint's objective and class count are known (in _run)."""
     if s.num_samples < 1:
         raise UserError(f"--num-samples {s.num_samples} must be at least 1")
     if s.batch_size < 1:
         raise UserError(f"--batch-size {s.batch_size} must be at least 1")
     if not str(s.out).endswith(".npz"):
         raise UserError(f"--out {s.out} must name an .npz file (ADM sample layout), e.g. --out samples.npz")
+    if sde_options(s) != SDEOptions() and s.sampler != "sde":
+        raise UserError("--sde-last-step, --sde-last-step-size and --sde-diffusion-norm apply only to --sampler sde")
     return Guidance(float(s.cfg_scale), s.cfg_channels, s.guidance_interval)
+
+
+def sample_part(plan: SamplingPlan, labels: np.ndarray, *, indices: np.ndarray, seed: int,
+                decoder: Decoder) -> np.ndarray:
+    """One part's uint8 images (labels already checked at the job's edge)."""
+    return decoder(plan.latents(torch.as_tensor(labels, dtype=torch.long), indices, seed))
 
 
 def _check_or_write_identity(folder: Path, identity: dict, is_main: bool) -> None:
@@ -174,9 +191,11 @@ def _run(s: JobSettings, guidance: Guidance, state) -> Path:
     log = print if is_main else (lambda *a, **k: None)
     model, spec = load_trained_model(s.ckpt, s.weights, state.device)
     num_classes = int(model.num_classes)
-    check_steps(s.sampler, s.steps, schedule_kwargs(spec["diffusion"])["num_timesteps"])
+    plan = plan_sampling(model, spec["diffusion"], sampler=s.sampler, steps=s.steps, guidance=guidance,
+                         precision=s.precision, sde=sde_options(s))
+    s = replace(s, sampler=plan.sampler, steps=plan.steps)  # the defaults resolved, for the log and the job identity
     if s.classes is not None:
-        check_classes(s.classes, num_classes)
+        s = replace(s, classes=check_classes(s.classes, num_classes))
     decoder = build_decoder(spec["data"], model.in_channels, s.vae, state.device)
     labels = assign_labels(np.arange(s.num_samples), num_classes, seed=s.seed, mode=s.label_mode, classes=s.classes)
 
@@ -189,7 +208,7 @@ def _run(s: JobSettings, guidance: Guidance, state) -> Path:
     mine = ranges[rank::world]
     todo = [r for r in mine if not part_path(folder, *r).is_file()]
     log(f"sampling {s.num_samples} images from {s.ckpt} (step {spec.get('step')}, {s.weights} weights) with "
-        f"{s.sampler}-{s.steps}, cfg {s.cfg_scale}, {world} process(es); parts in {folder}")
+        f"{plan.objective.name} {s.sampler}-{s.steps}, cfg {s.cfg_scale}, {world} process(es); parts in {folder}")
     finished = sum(part_path(folder, *r).is_file() for r in ranges)
     if finished:
         log(f"resuming: {finished} of {len(ranges)} parts already done")
@@ -197,9 +216,7 @@ def _run(s: JobSettings, guidance: Guidance, state) -> Path:
     bar = tqdm(total=sum(e - b for b, e in mine), initial=done, unit="img", desc=f"rank {rank}/{world}",
                disable=not is_main, dynamic_ncols=True)
     for start, end in todo:
-        images = sample_images(model, spec["diffusion"], labels[start:end], indices=np.arange(start, end),
-                               seed=s.seed, sampler=s.sampler, steps=s.steps, guidance=guidance,
-                               precision=s.precision, decoder=decoder)
+        images = sample_part(plan, labels[start:end], indices=np.arange(start, end), seed=s.seed, decoder=decoder)
         save_adm_npz(part_path(folder, start, end), images, labels[start:end])
         bar.update(end - start)
     bar.close()

@@ -28,13 +28,14 @@ def assign_labels(indices: Sequence[int] | np.ndarray, num_classes: int, *, seed
                   classes: Sequence[int] | None = None) -> np.ndarray:
     """int64 labels of the given sample indices.
 
-    classes given: sample i gets classes[i % len(classes)]. Otherwise "balanced": class i % num_classes
+    classes given (ids checked by `check_classes` at the caller's edge): sample i gets
+    classes[i % len(classes)]. Otherwise "balanced": class i % num_classes
     (so N = 50 x num_classes gives exactly 50 per class, and any prefix is balanced to within one);
     "random": uniform, from sample i's own label stream.
     """
     indices = np.asarray(indices, dtype=np.int64)
     if classes is not None:
-        table = np.asarray(check_classes(classes, num_classes), dtype=np.int64)
+        table = np.asarray(classes, dtype=np.int64)
         return table[indices % len(table)]
     if mode == "balanced":
         return indices % num_classes

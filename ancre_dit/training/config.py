@@ -82,12 +82,20 @@ class TrainConfig:
     sample_every: int = 10_000        # EMA sample grid; 0 = never
     num_sample_images: int = 16
     cfg_scale_for_grids: float = 4.0
-    sample_steps: int = 50            # DDPM steps of the grid sampler
+    sample_steps: int = 50            # steps of the grid sampler (the objective's default one)
     seed: int = 0
     nonfinite: str = "skip"           # non-finite loss / grad norm: skip the update, or stop the run
     nonfinite_max_skips: int = 10     # with skip: stop after more than this many in a row
     compile: bool = False
     tf32: bool = True
+
+
+@dataclass
+class DiffusionConfig:
+    objective: str = "ddpm"           # ddpm (DiT) or flow (SiT's linear interpolant, velocity)
+    time_sampling: str = "uniform"    # flow: training time uniform (SiT) or logit-normal (SD3)
+    logit_mean: float = 0.0           # logit-normal location
+    logit_std: float = 1.0            # logit-normal scale
 
 
 @dataclass
@@ -103,6 +111,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -209,6 +218,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         _merge(raw, key.strip().split("."), value)
     config = _build(Config, raw, "")
     validate_config(config)
+    validate_diffusion(config)
     return config
 
 
@@ -276,6 +286,24 @@ def _check_ranges(config: Config) -> None:
         raise UserError(f"model.hidden_size={width} is not divisible by model.num_heads={heads}; change one of them")
     if t.nonfinite not in NONFINITE_POLICIES:
         raise UserError(f"train.nonfinite must be one of {', '.join(NONFINITE_POLICIES)}, got {t.nonfinite!r}")
+
+
+def diffusion_spec(config: Config) -> dict[str, Any]:
+    """The diffusion section as the spec `ancre_dit.diffusion.build_objective` reads."""
+    return {**dataclasses.asdict(config.diffusion), "learn_sigma": config.model.learn_sigma}
+
+
+def validate_diffusion(config: Config) -> None:
+    """The diffusion section, checked by building its objective (one UserError naming the key)."""
+    from ..diffusion import OBJECTIVES, build_objective
+
+    d = config.diffusion
+    if d.objective not in OBJECTIVES:
+        raise UserError(f"unknown objective {d.objective!r} in diffusion.objective; choose {' or '.join(OBJECTIVES)}")
+    if d.objective != "flow" and d.time_sampling != "uniform":
+        raise UserError(f"diffusion.time_sampling={d.time_sampling} applies only to diffusion.objective=flow "
+                        "(DDPM draws integer timesteps uniformly)")
+    build_objective(diffusion_spec(config))
 
 
 def check_batch_layout(config: Config, num_processes: int) -> int:

@@ -1,4 +1,4 @@
-"""The training loop: DiT's diffusion objective with Accelerate (CPU, one or many GPUs, many nodes).
+"""The training loop: DiT's diffusion (or SiT's flow) objective with Accelerate (CPU, one or many GPUs, many nodes).
 
 One optimizer step consumes one global batch = per-device batch x processes x accumulation. Every
 random draw is reproducible from saved state: the data order is a function of (seed, epoch), the
@@ -23,16 +23,15 @@ from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
 from ..errors import UserError
-from ..diffusion.gaussian import create_diffusion
+from ..diffusion import build_objective
 from ..models import TopologyNotDefined, create_model, save_topology_json
 from ..trained_model import WEIGHT_FILES, make_model_spec, write_model_files
 from ..weights import load_safetensors_checked
 from . import checkpointing as ckpt
-from .config import Config, check_batch_layout, flat_config, save_config, topology_options_of
+from .config import Config, check_batch_layout, diffusion_spec, flat_config, save_config, topology_options_of
 from .guards import NonFiniteGuard
 from .data import DataInfo, GlobalBatchSampler, advance_position, build_data, describe, make_loader, prepare_batch
 
-DIFFUSION = {"num_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02}
 LOG_FILE = "log.txt"
 METRICS_FILE = "metrics.jsonl"
 
@@ -121,7 +120,7 @@ class Trainer:
         self.raw_model.train()
         self.ema = ModelEmaV3(self.raw_model, decay=c.train.ema_decay, use_warmup=c.train.ema_warmup)
         self.ema.requires_grad_(False)
-        self.diffusion = create_diffusion(learn_sigma=c.model.learn_sigma, **DIFFUSION)
+        self.objective = build_objective(diffusion_spec(c))
         rank = acc.process_index
         set_seed(_seed(c.train.seed, rank, 0))
         self.generator = torch.Generator(device=acc.device).manual_seed(_seed(c.train.seed, rank, 1))
@@ -171,8 +170,8 @@ class Trainer:
                 "num_classes": d.num_classes, "vae": d.vae, "scaling_factor": d.scaling_factor}
 
     def model_spec(self) -> dict[str, Any]:
-        diffusion = dict(DIFFUSION, learn_sigma=self.config.model.learn_sigma)
-        return make_model_spec(self.config.model.name, self.model_kwargs, diffusion, self.data_spec(), self.step)
+        return make_model_spec(self.config.model.name, self.model_kwargs, self.objective.spec(), self.data_spec(),
+                               self.step)
 
     # -- checkpoints ----------------------------------------------------------------------
     def _last_good_checkpoint(self) -> str:
@@ -228,6 +227,7 @@ class Trainer:
             return None
         from ..analysis import save_image_grid
         from ..sampling.api import sample_images
+        from ..sampling.guidance import Guidance
         from ..sampling.decode import build_decoder, decode_pixels
 
         c, d = self.config.train, self.data
@@ -245,8 +245,8 @@ class Trainer:
         cfg = c.cfg_scale_for_grids if self.config.model.class_dropout > 0 else 1.0
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            images = sample_images(self.ema.module, dict(DIFFUSION, learn_sigma=self.config.model.learn_sigma), labels,
-                                   decoder=self._decoder, seed=c.seed, sampler="ddpm", steps=c.sample_steps, cfg_scale=cfg)
+            images = sample_images(self.ema.module, self.objective, labels, decoder=self._decoder, seed=c.seed,
+                                   steps=c.sample_steps, guidance=Guidance(cfg))
         nrow = d.num_classes if d.num_classes <= 32 and n % d.num_classes == 0 else int(math.ceil(math.sqrt(n)))
         path = save_image_grid(images, self.run_dir / "samples" / f"{ckpt.step_name(self.step)}.png", nrow=nrow)
         self.log.info("step %d: EMA sample grid (cfg %.1f) saved to %s", self.step, cfg, path)
@@ -260,11 +260,8 @@ class Trainer:
         return make_loader(self.data, sampler, c.data.num_workers, pin_memory=acc.device.type == "cuda")
 
     def draw_timesteps_and_noise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Diffusion timesteps and noise for a micro-batch, from this rank's generator."""
-        g = self.generator
-        t = torch.randint(0, self.diffusion.num_timesteps, (x.shape[0],), generator=g, device=g.device).to(x.device)
-        noise = torch.randn(x.shape, generator=g, device=g.device, dtype=x.dtype).to(x.device)
-        return t, noise
+        """The objective's training time and noise for a micro-batch, from this rank's generator."""
+        return self.objective.draw(x, self.generator)
 
     def train_step(self, batches) -> dict[str, torch.Tensor]:
         """One optimizer step over grad_accum micro-batches; returns this rank's mean terms."""
@@ -276,9 +273,9 @@ class Trainer:
         grad_norm = torch.zeros((), device=acc.device)
         for _ in range(c.grad_accum):
             x, y = prepare_batch(self.data, next(batches), acc.device, self.generator)
-            t, noise = self.draw_timesteps_and_noise(x)
+            draws = self.draw_timesteps_and_noise(x)
             with acc.accumulate(self.model):
-                terms = self.diffusion.training_losses(self.model, x, t, model_kwargs={"y": y}, noise=noise)
+                terms = self.objective.losses(self.model, x, y, draws)
                 loss = terms["loss"].mean()
                 acc.backward(loss)
                 for key, value in terms.items():

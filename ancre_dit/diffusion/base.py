@@ -1,0 +1,107 @@
+"""The training objective as one interface: what the trainer, the sampling job, the sample grids
+and the benchmarks ask of DDPM or flow matching, and nothing they need to know about either.
+
+An objective
+- draws a micro-batch's training randomness (time and noise) from the generator it is handed, so
+  that a run resumed from a checkpoint (which saves that generator) continues bitwise;
+- returns the per-sample loss terms of (model, x, y, draws), "loss" being the one to minimise;
+- samples: it lists the samplers that fit it and runs one, turning the network's output into the
+  update of that sampler; sampling code only wraps the network (guidance, precision) around it;
+- maps its own model time to normalised time u in [0, 1] (0 = data, 1 = pure noise), the unit of
+  the guidance interval for every objective.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Protocol
+
+import torch
+
+from ..errors import UserError
+
+# net(x, t, y) -> output; t holds the objective's model times, the same for the whole batch.
+Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Draws = tuple[torch.Tensor, torch.Tensor]  # (model time per sample, noise shaped like x)
+
+
+class NoiseSource(Protocol):
+    """Per-sample noise (see sampling.noise.SampleNoise): each call gives the next draw of every sample."""
+
+    def next(self) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class SDEOptions:
+    """SiT's Euler-Maruyama options. diffusion_norm scales SiT's default ("sigma") diffusion
+    coefficient w(t) = norm * (1 - t); last_step: "mean" (SiT's default), "tweedie", "euler" or
+    "none", taken over the last `last_step_size` of time (SiT's default 0.04)."""
+
+    last_step: str = "mean"
+    last_step_size: float = 0.04
+    diffusion_norm: float = 1.0
+
+    def __post_init__(self):
+        if self.last_step not in LAST_STEPS:
+            raise UserError(f"--sde-last-step {self.last_step} is unknown; choose {', '.join(LAST_STEPS)}")
+        if self.last_step != "none" and not 0 < self.last_step_size < 1:
+            raise UserError(f"--sde-last-step-size {self.last_step_size} must be in (0, 1)")
+        if not self.diffusion_norm >= 0:
+            raise UserError(f"--sde-diffusion-norm {self.diffusion_norm} must be >= 0")
+
+
+LAST_STEPS = ("mean", "tweedie", "euler", "none")
+
+
+class Objective(ABC):
+    """See the module docstring. Subclasses set name, samplers and default_sampler."""
+
+    name: ClassVar[str]
+    samplers: ClassVar[tuple[str, ...]]
+    default_sampler: ClassVar[str]
+    learn_sigma: bool
+
+    @abstractmethod
+    def spec(self) -> dict[str, Any]:
+        """What model_spec.json records under "diffusion"; build_objective(spec) rebuilds this object."""
+
+    @abstractmethod
+    def draw(self, x: torch.Tensor, generator: torch.Generator) -> Draws:
+        """Training time and noise for the micro-batch x, drawn from `generator` only."""
+
+    @abstractmethod
+    def losses(self, model: Callable[..., torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+               draws: Draws) -> dict[str, torch.Tensor]:
+        """Per-sample loss terms (N,) for data x, labels y and the given draws; "loss" is minimised."""
+
+    @abstractmethod
+    def normalized_time(self, t: float) -> float:
+        """Model time -> u in [0, 1], 0 = data, 1 = pure noise."""
+
+    @abstractmethod
+    def evaluation_times(self, count: int) -> torch.Tensor:
+        """`count` model times spread evenly over the process (fixed held-out scores)."""
+
+    @abstractmethod
+    def default_steps(self, sampler: str) -> int:
+        """The step count of `sampler` when the user gives none."""
+
+    @abstractmethod
+    def sample(self, denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: NoiseSource, *, sampler: str,
+               steps: int, sde: SDEOptions = SDEOptions()) -> torch.Tensor:
+        """Initial noise x -> data, with `sampler` (already checked by check_sampler)."""
+
+    def check_steps(self, sampler: str, steps: int) -> None:
+        if int(steps) < 1:
+            raise UserError(f"--steps {steps} must be at least 1")
+
+    def check_sampler(self, sampler: str, steps: int) -> None:
+        """One UserError if `sampler` does not fit this objective (naming those that do) or steps are out of range."""
+        if sampler not in self.samplers:
+            known = "does not fit" if sampler in ALL_SAMPLERS else "is unknown for"
+            raise UserError(f"--sampler {sampler} {known} this {self.name} checkpoint; choose "
+                            f"{', '.join(self.samplers[:-1])} or {self.samplers[-1]}")
+        self.check_steps(sampler, steps)
+
+
+ALL_SAMPLERS = ("ddpm", "ddim", "dpm-solver", "euler", "heun", "dopri5", "sde")

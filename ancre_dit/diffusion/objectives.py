@@ -1,0 +1,25 @@
+"""Objective name -> class, and the one function that builds an objective from a spec (a
+checkpoint's model_spec.json "diffusion" section, or the config's diffusion section)."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..errors import UserError
+from .base import Objective
+from .ddpm import DDPMObjective, schedule_of
+from .flow import FlowObjective
+
+OBJECTIVES = ("ddpm", "flow")
+
+
+def build_objective(spec: Mapping[str, Any] | Objective | None) -> Objective:
+    """A spec without "objective" (checkpoints written before flow matching existed) is DDPM."""
+    if isinstance(spec, Objective):
+        return spec
+    spec = dict(spec or {})
+    name = spec.get("objective", "ddpm")
+    if name == "ddpm":
+        return DDPMObjective(learn_sigma=bool(spec.get("learn_sigma", True)), **schedule_of(spec))
+    if name == "flow":
+        return FlowObjective.from_spec(spec)
+    raise UserError(f"unknown diffusion objective {name!r}; choose {' or '.join(OBJECTIVES)}")
