@@ -27,6 +27,7 @@ from ..errors import UserError
 from ..diffusion.gaussian import create_diffusion
 from ..models import DIT_MODELS, TopologyNotDefined, create_model, save_topology_json
 from ..models.dit import DIT_SIZES
+from ..topology_tools import check_entropy_topology, topology_entropy
 from ..trained_model import WEIGHT_FILES, make_model_spec, write_model_files
 from . import checkpointing as ckpt
 from .config import Config, check_batch_layout, flat_config, save_config, topology_options_of
@@ -141,6 +142,9 @@ class Trainer:
             save_config(c, self.run_dir / "config.yaml")
         acc.init_trackers(c.log.project, config=flat_config(c))
         self.learnable_topology = any(True for _ in self.raw_model.topology.parameters())
+        self.entropy_weight = c.model.topology_entropy_weight
+        if self.entropy_weight:
+            check_entropy_topology(self.raw_model.topology)
         self._decoder = None
         self._grids_disabled = False
 
@@ -278,6 +282,9 @@ class Trainer:
             with acc.accumulate(self.model):
                 terms = self.diffusion.training_losses(self.model, x, t, model_kwargs={"y": y}, noise=noise)
                 loss = terms["loss"].mean()
+                if self.entropy_weight:  # logged as train/topology_entropy (unweighted)
+                    terms["topology_entropy"] = topology_entropy(self.raw_model.topology)
+                    loss = loss + self.entropy_weight * terms["topology_entropy"]
                 acc.backward(loss)
                 if acc.sync_gradients:
                     # max_norm=inf only measures the norm (the clip coefficient is clamped to 1).
