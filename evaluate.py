@@ -73,7 +73,7 @@ def _digits(args) -> int:
     print(format_digits_report(report))
     if args.json:
         _write_json(args.json, {"metrics": report, "samples": str(Path(args.samples).resolve()),
-                                "note": "digits offline check, NOT FID-50K"})
+                                "note": "digits offline check, NOT FID-50K", "sampling": _sampling(args.samples)})
     return 0
 
 
@@ -88,6 +88,16 @@ def _save_ref(args) -> int:
                                device=args.device, workers=args.workers)
     print(f"reference statistics written to {out}")
     return 0
+
+
+def _sampling(samples: str) -> dict | None:
+    """The settings sample.py drew `samples` with (its .sampling.json), so numbers are compared only
+    between equal protocols; None for samples from elsewhere."""
+    from ancre_dit.sampling.protocols import read_sampling_record
+
+    record = read_sampling_record(samples)
+    print(f"sampling settings: {'unknown (no ' + Path(samples).stem + '.sampling.json)' if record is None else record}")
+    return record
 
 
 def _write_json(path: str, payload: dict) -> None:
@@ -123,7 +133,7 @@ def main() -> int:
                       kid_subset_size=args.kid_subset_size, image_size=args.image_size, workers=args.workers)
     print(format_table(result))
     if args.json:
-        _write_json(args.json, {"metrics": result.metrics, **result.info})
+        _write_json(args.json, {"metrics": result.metrics, **result.info, "sampling": _sampling(args.samples)})
     sys.stdout.flush()
     return 0
 

@@ -14,6 +14,7 @@ from ancre_dit.cli import run_cli
 from ancre_dit.diffusion import ALL_SAMPLERS, LAST_STEPS
 from ancre_dit.sampling import JobSettings, run_job
 from ancre_dit.sampling.guidance import PRECISIONS, parse_interval
+from ancre_dit.sampling.protocols import PROTOCOLS, apply_protocol
 
 
 def _classes(text: str) -> list[int]:
@@ -47,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="guide only at normalised times LO <= u <= HI, u in [0, 1] with 0 = data and 1 = noise, "
                         "for every objective (DDPM timestep t is u = t/999)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--protocol", choices=tuple(PROTOCOLS), default=None,
+                   help="dit: the DiT / ANCRe papers' protocol (random labels, DDPM-250, guidance on the first 3 "
+                        "channels, fp32); flags that contradict it are refused")
     labels = p.add_mutually_exclusive_group()
     labels.add_argument("--classes", type=_classes, default=None, help="class ids cycled over the samples, e.g. 1,2,3")
     labels.add_argument("--random-classes", action="store_true",
@@ -63,13 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    run_job(JobSettings(
+    run_job(apply_protocol(JobSettings(
         ckpt=a.ckpt, out=a.out, num_samples=a.num_samples, weights=a.weights, batch_size=a.batch_size,
         sampler=a.sampler, steps=a.steps, cfg_scale=a.cfg_scale, cfg_channels=a.cfg_channels,
         guidance_interval=parse_interval(a.guidance_interval), seed=a.seed, sde_last_step=a.sde_last_step,
         sde_last_step_size=a.sde_last_step_size, sde_diffusion_norm=a.sde_diffusion_norm,
         label_mode="random" if a.random_classes else "balanced", classes=a.classes, precision=a.precision,
-        vae=a.vae, png_dir=a.png_dir, grid=a.grid, grid_max=a.grid_max, keep_parts=a.keep_parts, cpu=a.cpu))
+        vae=a.vae, png_dir=a.png_dir, grid=a.grid, grid_max=a.grid_max, keep_parts=a.keep_parts, cpu=a.cpu),
+        a.protocol))
     return 0
 
 

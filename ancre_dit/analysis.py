@@ -6,6 +6,7 @@ of block i), zeros above the diagonal, as `model.topology.probabilities()` retur
 """
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Mapping
 
@@ -184,3 +185,60 @@ def format_topology_summary(summary: dict) -> str:
     lines.append(f"mean weight on the previous block {summary['mean_previous_weight']:.3f}, "
                  f"mean normalised entropy {summary['mean_normalized_entropy']:.3f}")
     return "\n".join(lines)
+
+
+def _draw_topology(ax, P: np.ndarray, vmax: float, title: str):
+    masked = np.ma.masked_where(np.triu(np.ones_like(P, dtype=bool), k=1), P)
+    image = ax.imshow(masked, cmap="viridis", vmin=0.0, vmax=vmax, interpolation="nearest")
+    K = P.shape[0]
+    step = 1 if K <= 12 else max(1, K // 6)
+    ax.set_xticks(np.arange(K)[::step], [str(i) for i in range(K)][::step], fontsize=7)
+    ax.set_yticks(np.arange(K)[::step], [str(j + 1) for j in range(K)][::step], fontsize=7)
+    ax.set_title("\n".join(textwrap.wrap(title, 22)), fontsize=8)  # long run names wrap instead of overlapping
+    return image
+
+
+def plot_topology_panels(topologies: Mapping[str, object], path, title: str | None = None,
+                         max_columns: int = 6) -> Path:
+    """Several topologies side by side (rows of at most `max_columns`) on one shared colour scale:
+    `scripts/topology.py compare` (one panel per run) and `evolution` (one per checkpoint)."""
+    mats = {name: _as_matrix(P) for name, P in topologies.items()}
+    if not mats:
+        raise ValueError("no topologies to draw")
+    vmax = max(1e-12, max(float(np.nanmax(P)) for P in mats.values()))
+    cols = min(max_columns, len(mats))
+    rows = -(-len(mats) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols + 0.8, 2.6 * rows + (0.4 if title else 0.0)),
+                             squeeze=False)
+    image = None
+    for ax, (name, P) in zip(axes.flat, mats.items()):
+        image = _draw_topology(ax, P, vmax, name)
+    for ax in list(axes.flat)[len(mats):]:
+        ax.axis("off")
+    fig.colorbar(image, ax=axes.ravel().tolist(), label="p_ij", shrink=0.8)
+    axes[0, 0].set_ylabel("target block j")
+    axes[-1, 0].set_xlabel("source i")
+    if title:
+        fig.suptitle(title)
+    path = _prepare(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def save_topology_gif(topologies: Mapping[str, object], path, seconds_per_frame: float = 0.6) -> Path:
+    """One heatmap per frame (same colour scale), as an animated GIF (Pillow)."""
+    from PIL import Image
+
+    mats = {name: _as_matrix(P) for name, P in topologies.items()}
+    vmax = max(1e-12, max(float(np.nanmax(P)) for P in mats.values()))
+    frames = []
+    for name, P in mats.items():
+        fig, ax = plt.subplots(figsize=(4.2, 3.6))
+        fig.colorbar(_draw_topology(ax, P, vmax, name), ax=ax, label="p_ij")
+        fig.canvas.draw()
+        frames.append(Image.fromarray(np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()))
+        plt.close(fig)
+    path = _prepare(path)
+    frames[0].save(path, save_all=True, append_images=frames[1:], duration=int(1000 * seconds_per_frame), loop=0)
+    return path

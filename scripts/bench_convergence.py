@@ -34,7 +34,7 @@ from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.data.digits import DIGITS_IMAGE_SIZE, DIGITS_NUM_CLASSES, DigitsDataset
 from ancre_dit.diffusion import OBJECTIVES, Objective, build_objective
-from ancre_dit.models import TOPOLOGIES, TopologyNotDefined, create_model
+from ancre_dit.models import TOPOLOGIES, TopologyNotDefined, create_model, save_topology_json
 
 # Fixed times of the held-out score, spread over the whole process like the training loss
 # (the objective's evaluation_times: DDPM timesteps 50, 150, ..., 950; flow t = 0.05, ..., 0.95).
@@ -60,6 +60,7 @@ class RunConfig:
     steps: int = 800
     eval_every: int = 100
     seed: int = 0
+    topology_path: str | None = None  # the topology.json of a `frozen` run
 
 
 @dataclass
@@ -76,10 +77,11 @@ class RunResult:
 def build_model(cfg: RunConfig) -> torch.nn.Module:
     """The digits DiT; seeded so every topology of one seed starts from the same block weights."""
     torch.manual_seed(cfg.seed)
+    extra = {"topology_path": cfg.topology_path} if cfg.topology_path is not None else {}
     return create_model(f"DiT-T/{cfg.patch}", depth=cfg.depth, hidden_size=cfg.width, num_heads=cfg.heads,
                         topology=cfg.topology, tau=cfg.tau, input_size=DIGITS_IMAGE_SIZE, in_channels=1,
                         num_classes=DIGITS_NUM_CLASSES, learn_sigma=cfg.learn_sigma,
-                        class_dropout_prob=cfg.class_dropout)
+                        class_dropout_prob=cfg.class_dropout, **extra)
 
 
 def build_run_objective(cfg: RunConfig) -> Objective:
@@ -178,7 +180,7 @@ def summarize(results: dict[str, list[RunResult]], baseline: str) -> str:
     """Mean +- std table of the held-out MSE per evaluation step, then steps to the baseline."""
     steps = next(iter(results.values()))[0].steps
     lines = ["held-out MSE (raw weights), mean +- std over seeds"]
-    width = max(len(k) for k in results) + 2
+    width = max(max(len(k) for k in results) + 2, 10)  # a value "0.1234 +- 0.0012" needs 16 + 2 columns
     lines.append("step".rjust(6) + "".join(k.rjust(width + 8) for k in results))
     curves = {k: np.array([r.heldout_mse for r in runs]) for k, runs in results.items()}
     for n, step in enumerate(steps):
@@ -242,7 +244,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     train, heldout = DigitsDataset("train"), DigitsDataset("heldout")
-    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "topologies").mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     settings = [(t, tau) for t in args.topologies for tau in (args.tau if t in TAU_TOPOLOGIES else [args.tau[0]])]
     taus_matter = len(args.tau) > 1
@@ -264,8 +266,11 @@ def main() -> None:
                                     batch_size=args.batch_size, lr=args.lr, ema_decay=args.ema_decay,
                                     learn_sigma=not args.fixed_sigma and args.objective == "ddpm",
                                     objective=args.objective, time_sampling=args.time_sampling, steps=args.steps,
-                                    eval_every=args.eval_every, seed=seed)
+                                    eval_every=args.eval_every, seed=seed, topology_path=args.topology_path)
                     result, _, _ = train_run(cfg, train, heldout, progress=bar)
+                    if result.topology is not None and topology != "cascaded":  # for scripts/topology.py
+                        save_topology_json(args.out / "topologies" / f"{topology}_tau{tau:g}_depth{depth}_seed{seed}.json",
+                                           torch.tensor(result.topology), topology=topology, seed=seed, depth=depth)
                     results.setdefault(label_of(topology, tau, taus_matter and topology in TAU_TOPOLOGIES),
                                        []).append(result)
         baseline = label_of(*settings[0], taus_matter and settings[0][0] in TAU_TOPOLOGIES)

@@ -9,6 +9,7 @@ import torch.nn as nn
 from ..errors import UserError
 
 _PREFIXES = ("module.", "_orig_mod.")
+_LOGITS = "topology.logits"
 
 
 def convert_official_state_dict(checkpoint: Mapping[str, Any], prefer: str = "ema") -> dict[str, torch.Tensor]:
@@ -16,9 +17,26 @@ def convert_official_state_dict(checkpoint: Mapping[str, Any], prefer: str = "em
     to this package's parameter names.
 
     - `module.` (DDP) and `_orig_mod.` (torch.compile) prefixes are stripped, in any order;
-    - `ancre.shortcut_params.N` (block N+1's incoming logits) -> `topology.logits.N`;
-    - `ancre.softmax_temp` -> `topology.tau`; every other DiT key is already ours.
+    - `ancre.shortcut_params.N` -> `topology.logits.N`; `ancre.softmax_temp` -> `topology.tau`;
+      every other DiT key is already ours.
+    - The logits come in one of two layouts (`official_logit_layout`). Per target, as the official
+      ANCRe code stores them: `shortcut_params.j` holds block j+1's incoming logits over sources
+      0..j (lengths 1, 2, ..., K), which is our layout. Per source, as we define the official layout
+      of the outgoing-normalisation ablation: `shortcut_params.i` holds the logits of source i's
+      outgoing edges to blocks i+1..K (lengths K, K-1, ..., 1); it is remapped onto our per-target
+      rows, `logits.j[i] = shortcut_params.i[j - i]`. (With K = 1 both layouts are the same.)
     """
+    converted = _renamed(checkpoint, prefer)
+    if _layout(converted) == "per-source":
+        K = len(_logit_lengths(converted))
+        source = {i: converted.pop(f"{_LOGITS}.{i}") for i in range(K)}
+        for j in range(K):
+            converted[f"{_LOGITS}.{j}"] = torch.stack([source[i][j - i] for i in range(j + 1)])
+    return converted
+
+
+def _renamed(checkpoint: Mapping[str, Any], prefer: str) -> dict[str, torch.Tensor]:
+    """The chosen state dict's tensors under our key names (logits still in the file's layout)."""
     if prefer in checkpoint and isinstance(checkpoint[prefer], Mapping):
         checkpoint = checkpoint[prefer]
     elif "model" in checkpoint and isinstance(checkpoint["model"], Mapping):
@@ -33,10 +51,39 @@ def convert_official_state_dict(checkpoint: Mapping[str, Any], prefer: str = "em
             for prefix in _PREFIXES:
                 if key.startswith(prefix):
                     key, stripped = key[len(prefix):], True
-        key = key.replace("ancre.shortcut_params.", "topology.logits.")
+        key = key.replace("ancre.shortcut_params.", f"{_LOGITS}.")
         key = key.replace("ancre.softmax_temp", "topology.tau")
         converted[key] = value
     return converted
+
+
+def _logit_lengths(state_dict: Mapping[str, torch.Tensor]) -> list[int]:
+    """Lengths of the per-block logit vectors `topology.logits.N`, N = 0, 1, ...; [] if none."""
+    found = {int(k.rsplit(".", 1)[1]): state_dict[k].numel() for k in state_dict
+             if k.startswith(f"{_LOGITS}.") and k.rsplit(".", 1)[1].isdigit()}
+    if sorted(found) != list(range(len(found))):
+        raise UserError(f"the ANCRe logits are numbered {sorted(found)}, not 0..{len(found) - 1}; the file is incomplete")
+    return [found[n] for n in range(len(found))]
+
+
+def official_logit_layout(checkpoint: Mapping[str, Any], prefer: str = "ema") -> str | None:
+    """How an official checkpoint (what `convert_official_state_dict` takes) stores its ANCRe
+    logits: "per-target" (lengths 1..K), "per-source" (lengths K..1) or None (no logits); a
+    UserError if the lengths fit neither."""
+    return _layout(_renamed(checkpoint, prefer))
+
+
+def _layout(state_dict: Mapping[str, torch.Tensor]) -> str | None:
+    lengths = _logit_lengths(state_dict)
+    K = len(lengths)
+    if K == 0:
+        return None
+    if lengths == list(range(1, K + 1)):
+        return "per-target"
+    if lengths == list(range(K, 0, -1)):
+        return "per-source"
+    raise UserError(f"the ANCRe logit vectors have lengths {lengths}: neither per target block (1, 2, ..., {K}) "
+                    f"nor per source ({K}, ..., 1); this is not an ANCRe checkpoint layout we know")
 
 
 def architecture_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from .api import SamplingPlan, plan_sampling
 from .decode import Decoder, build_decoder
 from .guidance import Guidance
 from .labels import assign_labels, check_classes
+from .protocols import write_sampling_record
 
 JOB_FILE = "job.json"
 
@@ -58,6 +59,7 @@ class JobSettings:
     grid_max: int = 100
     keep_parts: bool = False
     cpu: bool = False
+    protocol: str | None = None  # a named preset (protocols.py) the settings follow
 
 
 def part_ranges(num_samples: int, batch_size: int) -> list[tuple[int, int]]:
@@ -226,6 +228,9 @@ def _run(s: JobSettings, guidance: Guidance, state) -> Path:
         t0 = time.time()
         images = merge_parts(folder, ranges, labels, out)
         log(f"wrote {out}: arr_0 uint8 {tuple(images.shape)}, arr_1 labels ({time.time() - t0:.1f}s to merge)")
+        record = write_sampling_record(out, {**job_identity(s, spec), "num_samples": s.num_samples,
+                                             "protocol": s.protocol})
+        log(f"wrote the sampling settings to {record} (evaluate.py copies them into its results)")
         if s.png_dir:
             write_pngs(images, Path(s.png_dir))
             log(f"wrote {len(images)} PNGs to {s.png_dir}")

@@ -39,6 +39,9 @@ class ModelConfig:
     topology_path: str | None = None  # topology.json for topology "frozen"
     hc_streams: int = 4               # residual streams of hc / hc-dynamic / mhc
     sinkhorn_iters: int = 20          # Sinkhorn-Knopp iterations of mhc
+    # Weight of the Tsallis-entropy (q = 2) penalty on ANCRe's incoming weights, added to the loss
+    # to push toward sparse topologies (ancre_dit.topology_tools.tsallis_entropy); 0 = off.
+    topology_entropy_weight: float = 0.0
     # Options of other registered topologies (`model.<option>=value`): the registry
     # (models/topologies/registry.py) declares which keys exist and their types.
     topology_options: dict = field(default_factory=dict)
@@ -229,6 +232,9 @@ def validate_config(config: Config) -> None:
         raise UserError(f"unknown model {m.name!r} in model.name; choose one of {', '.join(DIT_MODELS)}")
     if m.topology not in TOPOLOGIES:
         raise UserError(f"unknown topology {m.topology!r} in model.topology; choose one of {', '.join(TOPOLOGIES)}")
+    if not 0 <= m.topology_entropy_weight < float("inf"):
+        raise UserError(f"model.topology_entropy_weight must be a finite number >= 0 (0 = off), "
+                        f"got {m.topology_entropy_weight}")
     if not 0 <= m.class_dropout < 1:
         raise UserError(f"model.class_dropout must be in [0, 1), got {m.class_dropout}")
     if d.kind not in DATA_KINDS:

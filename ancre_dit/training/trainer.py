@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from ..errors import UserError
 from ..diffusion import build_objective
 from ..models import TopologyNotDefined, create_model, save_topology_json
+from ..topology_tools import check_entropy_topology, topology_entropy
 from ..trained_model import WEIGHT_FILES, make_model_spec, write_model_files
 from ..weights import load_safetensors_checked
 from . import checkpointing as ckpt
@@ -142,6 +143,9 @@ class Trainer:
         self.learnable_topology = any(True for _ in self.raw_model.topology.parameters())
         self.guard = NonFiniteGuard(acc, c.train.nonfinite, c.train.nonfinite_max_skips, self._last_good_checkpoint,
                                     self.log.warning, scaler_handles_grads=c.train.mixed_precision == "fp16")
+        self.entropy_weight = c.model.topology_entropy_weight
+        if self.entropy_weight:
+            check_entropy_topology(self.raw_model.topology)
         self._decoder = None
         self._grids_disabled = False
 
@@ -277,6 +281,9 @@ class Trainer:
             with acc.accumulate(self.model):
                 terms = self.objective.losses(self.model, x, y, draws)
                 loss = terms["loss"].mean()
+                if self.entropy_weight:  # logged as train/topology_entropy (unweighted)
+                    terms["topology_entropy"] = topology_entropy(self.raw_model.topology)
+                    loss = loss + self.entropy_weight * terms["topology_entropy"]
                 acc.backward(loss)
                 for key, value in terms.items():
                     sums[key] = sums.get(key, 0.0) + value.detach().mean() / c.grad_accum

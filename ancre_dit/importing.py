@@ -1,0 +1,145 @@
+"""Published checkpoints (.pt) -> a checkpoint folder that sample.py and evaluate.py read.
+
+Handles the original DiT release (a bare state dict of EMA weights), official ANCRe training
+checkpoints ({"model", "ema", "opt", "args"}, keys possibly under `module.` / `_orig_mod.`) and the
+per-source logit layout of the outgoing-normalisation ablation (see
+`models.convert.convert_official_state_dict`). The architecture comes from the file's `args` where
+it has them (model, image_size, num_classes), else from the caller, and is always checked against
+the state dict's shapes by a strict load.
+
+A .pt file is a pickle, and unpickling can run arbitrary code, so files are read with
+`torch.load(weights_only=True)`, which only rebuilds tensors and plain containers, plus the one
+class these files really hold (argparse.Namespace, the training script's arguments).
+"""
+from __future__ import annotations
+
+import argparse
+import pickle
+import re
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .errors import MissingFileError, UserError
+from .files import sha256_file
+from .models import create_model, load_state_dict_checked, official_logit_layout, save_topology_json
+from .models.convert import convert_official_state_dict
+from .models.topologies import topology_entry
+from .trained_model import SPEC_FILE, make_model_spec, write_model_files
+
+SAFE_GLOBALS = [argparse.Namespace]  # what the official training scripts store besides tensors
+VAE_DOWNSAMPLE = 8  # SD VAE: 256 px -> 32 x 32 latents
+# DiT's diffusion (1000-step linear betas); every released DiT / ANCRe checkpoint was trained with it.
+DIT_DIFFUSION = {"num_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02}
+SD_VAE_SCALING = 0.18215
+# Topology of an imported file by its logit layout, when the caller does not name one.
+DEFAULT_TOPOLOGY = {None: "cascaded", "per-target": "ancre", "per-source": "ancre-outgoing"}
+
+
+def safe_torch_load(path: str | Path) -> Any:
+    """torch.load that never runs code from the file: weights_only, Namespace allowed, else refused."""
+    path = Path(path)
+    if not path.is_file():
+        raise MissingFileError(f"{path} not found; pass the .pt file to import")
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        wanted = re.search(r"GLOBAL (\S+)", str(err)) or re.search(r"global[^`]*`?([\w.]+)", str(err))
+        if "global" in str(err).lower():
+            what = f" ({wanted.group(1)})" if wanted else ""
+            raise UserError(f"{path} wants to run code when unpickled{what} and was not loaded; only tensors, "
+                            f"plain containers and argparse.Namespace are accepted") from None
+        raise UserError(f"{path} is not a readable PyTorch checkpoint ({' '.join(str(err).split())[:200]})") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        raise UserError(f"{path} is not a readable PyTorch checkpoint ({' '.join(str(err).split())[:200]})") from None
+
+
+def _select_weights(raw: Mapping[str, Any], weights: str | None) -> tuple[Mapping[str, Any], str]:
+    """The state dict to import and which it is ("ema", "model" or "state dict" for a bare one)."""
+    if weights not in (None, "ema", "model"):
+        raise UserError(f"--weights must be ema or model, got {weights!r}")
+    wrapped = [k for k in ("ema", "model") if isinstance(raw.get(k), Mapping)]
+    if not wrapped:
+        if not any(isinstance(v, torch.Tensor) for v in raw.values()):
+            raise UserError(f"the file holds neither a state dict nor 'ema' / 'model' entries (keys: "
+                            f"{', '.join(map(str, list(raw)[:8]))})")
+        if weights == "model":
+            raise UserError("the file is a bare state dict (one set of weights, EMA in the DiT release); drop --weights")
+        return raw, "state dict"
+    choice = weights or wrapped[0]  # EMA preferred
+    if choice not in wrapped:
+        raise UserError(f"the file has no {choice!r} weights (it has {', '.join(wrapped)}); pass --weights {wrapped[0]}")
+    return raw[choice], choice
+
+
+def _pick(name: str, given: Any, from_file: Any, default: Any = None) -> Any:
+    """A setting from the caller or the file's args; both given and different is an error."""
+    if given is not None and from_file is not None and given != from_file:
+        raise UserError(f"--{name.replace('_', '-')} {given} contradicts the file, which was trained with "
+                        f"{name} {from_file}; drop the flag or pass the file's value")
+    return given if given is not None else (from_file if from_file is not None else default)
+
+
+def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = None, image_size: int | None = None,
+                      topology: str | None = None, tau: float | None = None, weights: str | None = None,
+                      overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Writes OUT/model_spec.json + ema/model.safetensors (both hold the imported weights; the spec's
+    "imported" entry says which) and OUT/topology.json for ANCRe; returns the spec.
+
+    `overrides`: extra create_model arguments (depth, hidden_size, num_heads) for non-standard sizes."""
+    src, out = Path(src), Path(out)
+    if (out / SPEC_FILE).exists():
+        raise UserError(f"{out} already holds a checkpoint; choose another --out or delete it first")
+    raw = safe_torch_load(src)
+    if not isinstance(raw, Mapping):
+        raise UserError(f"{src} holds a {type(raw).__name__}, not a state dict or a training checkpoint")
+    args = raw.get("args")
+    args = vars(args) if isinstance(args, argparse.Namespace) else (dict(args) if isinstance(args, Mapping) else {})
+    chosen, which = _select_weights(raw, weights)
+    state = convert_official_state_dict(chosen)
+    layout = official_logit_layout(chosen)
+
+    name = _pick("model", model, args.get("model"))
+    if name is None:
+        raise UserError(f"{src} does not say which model it holds; pass --model (e.g. --model DiT-XL/2)")
+    image_size = int(_pick("image_size", image_size, args.get("image_size"), 256))
+    if image_size % VAE_DOWNSAMPLE:
+        raise UserError(f"--image-size {image_size} is not a multiple of {VAE_DOWNSAMPLE} (the VAE's downsampling)")
+    topology = topology or DEFAULT_TOPOLOGY[layout]
+    if layout == "per-source" and topology != "ancre-outgoing":
+        raise UserError(f"{src} stores its logits per source (the outgoing-normalisation ablation); import it with "
+                        f"--topology ancre-outgoing, not {topology}")
+    if layout is None and topology != "cascaded":
+        raise UserError(f"{src} holds no ANCRe logits (ancre.shortcut_params.*): it is a plain DiT; drop --topology")
+
+    proj = state.get("x_embedder.proj.weight")
+    final = state.get("final_layer.linear.weight")
+    table = state.get("y_embedder.embedding_table.weight")
+    if proj is None or final is None or table is None:
+        raise UserError(f"{src} is not a DiT state dict (no x_embedder / final_layer / y_embedder weights)")
+    in_channels, patch = int(proj.shape[1]), int(proj.shape[2])
+    num_classes = int(args.get("num_classes") or table.shape[0] - 1)
+    kwargs: dict[str, Any] = dict(
+        topology=topology, input_size=image_size // VAE_DOWNSAMPLE, in_channels=in_channels, num_classes=num_classes,
+        learn_sigma=final.shape[0] == 2 * in_channels * patch * patch,
+        class_dropout_prob=0.1 if table.shape[0] == num_classes + 1 else 0.0, **(overrides or {}))
+    if "tau" in topology_entry(topology).options:
+        file_tau = float(state["topology.tau"]) if "topology.tau" in state else args.get("tau")
+        kwargs["tau"] = float(_pick("tau", tau, file_tau, 0.01))
+        state.setdefault("topology.tau", torch.tensor(kwargs["tau"]))
+    net = create_model(name, **kwargs)
+    load_state_dict_checked(net, state, source=str(src))
+
+    spec = make_model_spec(name, kwargs, dict(DIT_DIFFUSION, learn_sigma=kwargs["learn_sigma"]),
+                           {"kind": "latents", "image_size": image_size, "image_channels": 3, "num_classes": num_classes,
+                            "vae": None, "scaling_factor": SD_VAE_SCALING},
+                           step=int(src.stem) if src.stem.isdigit() else 0)
+    spec["imported"] = {"source": str(src.resolve()), "sha256": sha256_file(src), "weights": which,
+                        "logit_layout": layout}
+    weights_state = net.state_dict()
+    write_model_files(out, spec, weights_state, weights_state)
+    if any(True for _ in net.topology.parameters()):  # a learned topology: for scripts/topology.py
+        save_topology_json(out / "topology.json", net.topology.probabilities(), topology=topology, weights=which)
+    return spec

@@ -1,0 +1,65 @@
+"""What a set of samples was drawn with: named presets of published protocols, and the record
+written next to every sample file so that evaluations say which protocol their numbers follow.
+
+`dit`: the protocol of the DiT and ANCRe papers' numbers: class labels drawn at random (not
+balanced), 250 respaced DDPM steps, classifier-free guidance on the first 3 latent channels only
+(a quirk of DiT's sampling script that the published numbers include), fp32. The guidance scale
+stays a flag: the papers report both cfg 1.0 and 1.5.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import UserError
+
+PROTOCOLS: dict[str, dict[str, Any]] = {
+    "dit": {"sampler": "ddpm", "steps": 250, "cfg_channels": 3, "label_mode": "random", "precision": "fp32",
+            "guidance_interval": None},
+}
+FLAG_OF = {"sampler": "--sampler", "steps": "--steps", "cfg_channels": "--cfg-channels",
+           "label_mode": "--random-classes / --classes", "precision": "--precision",
+           "guidance_interval": "--guidance-interval"}
+
+
+def apply_protocol(settings, name: str | None):
+    """`settings` (a JobSettings) with the protocol's choices; a setting the user changed from its
+    default to something else than the protocol's is a one-line error, not silently overridden."""
+    if name is None:
+        return settings
+    if name not in PROTOCOLS:
+        raise UserError(f"unknown --protocol {name!r}; choose {', '.join(PROTOCOLS)}")
+    defaults = {f.name: f.default for f in fields(settings)}
+    for key, wanted in PROTOCOLS[name].items():
+        given = getattr(settings, key)
+        if given != wanted and given != defaults[key]:
+            raise UserError(f"--protocol {name} samples with {key} {wanted}, but {FLAG_OF[key]} asks for {given}; "
+                            f"drop that flag or drop --protocol")
+    if getattr(settings, "classes", None) is not None:
+        raise UserError(f"--protocol {name} draws class labels at random; drop --classes or drop --protocol")
+    return replace(settings, **PROTOCOLS[name], protocol=name)
+
+
+def record_path(samples: str | Path) -> Path:
+    """The sampling record of samples.npz: samples.sampling.json next to it."""
+    samples = Path(samples)
+    return samples.with_name(samples.stem + ".sampling.json")
+
+
+def write_sampling_record(samples: str | Path, record: dict[str, Any]) -> Path:
+    path = record_path(samples)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path
+
+
+def read_sampling_record(samples: str | Path) -> dict[str, Any] | None:
+    """The settings samples.npz was drawn with, or None (a file not written by sample.py)."""
+    path = record_path(samples)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON ({err}); delete it or rewrite it with sample.py") from None

@@ -1,0 +1,182 @@
+"""The paper's topology tools as plain functions: compare learned topologies across runs, prune
+one to a sparse frozen topology, and the Tsallis-entropy regulariser that pushes toward sparsity.
+
+A topology is the (K, K) matrix P of `model.topology.probabilities()`: row j holds block j+1's
+incoming weights over sources i = 0..j (0 = the embedding), zeros above the diagonal. Block 1 has
+a single incoming edge whose weight every normalised topology fixes at 1, so the comparisons use
+the *learned* edges only: rows 2..K, sources 0..j (K(K+1)/2 - 1 edges; 77 for 12 blocks).
+
+Figures live in `analysis.py`; `scripts/topology.py` is the command-line face.
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from .errors import MissingFileError, UserError
+from .models.topologies import ANCReTopology, ResidualTopology, load_topology_json, save_topology_json
+
+
+# -- reading topologies ---------------------------------------------------------------------
+def load_topology(path: str | Path) -> np.ndarray:
+    """P from a topology.json, or from a run directory (its newest RUN/topology.json)."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "topology.json").is_file():
+            raise MissingFileError(f"{path} holds no topology.json; pass a run directory of a topology with learned "
+                                   f"weights, or a topology.json")
+        path = path / "topology.json"
+    return load_topology_json(path).double().numpy()
+
+
+def checkpoint_topologies(run_dir: str | Path) -> list[tuple[int, np.ndarray]]:
+    """(step, P) of every RUN/checkpoints/<step>/topology.json, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    found = sorted((int(p.parent.name), p) for p in root.glob("*/topology.json") if p.parent.name.isdigit())
+    if not found:
+        raise MissingFileError(f"no checkpoints/<step>/topology.json under {run_dir}; pass a run directory whose "
+                               f"topology has learned weights (e.g. model.topology=ancre)")
+    return [(step, load_topology_json(p).double().numpy()) for step, p in found]
+
+
+def _matrix(P) -> np.ndarray:
+    P = np.asarray(P.detach().cpu() if isinstance(P, torch.Tensor) else P, dtype=np.float64)
+    if P.ndim != 2 or P.shape[0] != P.shape[1] or P.shape[0] < 2:
+        raise UserError(f"a topology must be a square (K, K) matrix with K >= 2 blocks, got shape {P.shape}")
+    return P
+
+
+def learned_edges(P) -> np.ndarray:
+    """The weights of the learned edges: rows 2..K (blocks 2..K), sources 0..j, row by row."""
+    P = _matrix(P)
+    rows, cols = np.tril_indices(P.shape[0])
+    keep = rows >= 1
+    return P[rows[keep], cols[keep]]
+
+
+# -- comparing ---------------------------------------------------------------------------------
+def pearson(P, Q) -> float:
+    """Pearson correlation of the learned edges of two topologies of the same depth.
+
+    NaN when one of them is constant over its learned edges (no variation to correlate)."""
+    a, b = learned_edges(P), learned_edges(Q)
+    if a.shape != b.shape:
+        raise UserError(f"cannot compare topologies of different depths ({_matrix(P).shape[0]} and "
+                        f"{_matrix(Q).shape[0]} blocks)")
+    a, b = a - a.mean(), b - b.mean()
+    norm = np.sqrt((a * a).sum() * (b * b).sum())
+    return float((a * b).sum() / norm) if norm > 0 else float("nan")
+
+
+def strongest_sources(P) -> np.ndarray:
+    """For blocks 2..K, the source of the largest incoming weight (the lowest index on a tie)."""
+    P = _matrix(P)
+    return np.array([int(np.argmax(P[j, : j + 1])) for j in range(1, P.shape[0])])
+
+
+def strongest_edge_agreement(P, Q) -> float:
+    """Fraction of blocks 2..K whose strongest incoming edge comes from the same source in both."""
+    a, b = strongest_sources(P), strongest_sources(Q)
+    if a.shape != b.shape:
+        raise UserError(f"cannot compare topologies of different depths ({len(a) + 1} and {len(b) + 1} blocks)")
+    return float((a == b).mean())
+
+
+def compare_topologies(topologies: Mapping[str, np.ndarray]) -> dict:
+    """Pairwise Pearson and strongest-edge agreement of named topologies, plus their means."""
+    if len(topologies) < 2:
+        raise UserError("compare needs at least two topologies (run directories or topology.json files)")
+    pairs = []
+    for (name_a, P), (name_b, Q) in itertools.combinations(topologies.items(), 2):
+        pairs.append({"a": name_a, "b": name_b, "pearson": pearson(P, Q), "agreement": strongest_edge_agreement(P, Q)})
+    return {"pairs": pairs,
+            "mean_pearson": float(np.mean([p["pearson"] for p in pairs])),
+            "mean_agreement": float(np.mean([p["agreement"] for p in pairs]))}
+
+
+def format_comparison(result: dict) -> str:
+    width = max(len(p["a"]) + len(p["b"]) for p in result["pairs"]) + 6
+    lines = [f"{'pair':<{width}} {'pearson':>8} {'strongest-edge agreement':>25}"]
+    for p in result["pairs"]:
+        lines.append(f"{p['a'] + ' vs ' + p['b']:<{width}} {p['pearson']:>8.3f} {100 * p['agreement']:>24.1f}%")
+    lines.append(f"{'mean':<{width}} {result['mean_pearson']:>8.3f} {100 * result['mean_agreement']:>24.1f}%")
+    return "\n".join(lines)
+
+
+# -- pruning -----------------------------------------------------------------------------------
+def prune_topology(P, top_k: int | None = None, threshold: float | None = None) -> np.ndarray:
+    """Keeps each block's strongest incoming edges and rescales each row to its former sum.
+
+    top_k: the k largest weights of each row (ties: the lower source index). threshold: the
+    weights >= threshold, and the strongest edge of a row where none reaches it (so no block loses
+    all its skips). Exactly one of the two. Rows that were zero stay zero. For ANCRe every row
+    sums to 1, so the result is again a distribution over each block's kept sources.
+    """
+    if (top_k is None) == (threshold is None):
+        raise UserError("prune needs exactly one of --top-k K or --threshold P")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top-k must be at least 1, got {top_k}")
+    if threshold is not None and not 0 <= threshold <= 1:
+        raise UserError(f"--threshold is an edge weight in [0, 1], got {threshold}")
+    P = _matrix(P)
+    out = np.zeros_like(P)
+    for j in range(P.shape[0]):
+        row = P[j, : j + 1]
+        total = row.sum()
+        if total == 0:
+            continue
+        order = np.argsort(-row, kind="stable")
+        keep = order[:top_k] if top_k is not None else (np.nonzero(row >= threshold)[0] if (row >= threshold).any()
+                                                         else order[:1])
+        out[j, keep] = row[keep] * (total / row[keep].sum())
+    return out
+
+
+def write_topology(path: str | Path, P, **extra) -> Path:
+    """A topology.json that `model.topology=frozen model.topology_path=PATH` trains."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_topology_json(path, torch.as_tensor(_matrix(P)), **extra)
+    return path
+
+
+# -- entropy regulariser -------------------------------------------------------------------------
+def tsallis_entropy(P: torch.Tensor, q: float = 2.0) -> torch.Tensor:
+    """Mean Tsallis entropy of the incoming weights of blocks 2..K (differentiable).
+
+    For block j+1 with incoming distribution p = P[j, 0..j] (sums to 1):
+
+        S_q(p) = (1 - sum_i p_i^q) / (q - 1),    q > 0, q != 1;   S_1(p) = -sum_i p_i log p_i
+
+    and the regulariser is the mean of S_q over blocks 2..K (block 1's single edge has S_q = 0).
+    S_q is 0 for a one-hot row and largest, (1 - j^(1-q)) / (q - 1), for the uniform row over j
+    sources; q = 2 (the default) gives 1 - sum_i p_i^2, which unlike Shannon's entropy has a
+    finite gradient as weights reach 0. Adding w * S_q to the loss pushes rows toward few edges.
+    """
+    if not q > 0:
+        raise UserError(f"the Tsallis entropy index q must be positive, got {q}")
+    K = P.shape[0]
+    mask = torch.tril(torch.ones(K, K, dtype=torch.bool, device=P.device))
+    rows = torch.where(mask, P, torch.zeros((), dtype=P.dtype, device=P.device))[1:]
+    if q == 1:
+        entropy = -(rows * torch.log(rows.clamp_min(1e-30))).sum(dim=1)
+    else:
+        entropy = (1.0 - rows.pow(q).sum(dim=1)) / (q - 1.0)
+    return entropy.mean()
+
+
+def check_entropy_topology(topology: ResidualTopology) -> None:
+    """The regulariser needs incoming weights that form a distribution: ANCRe's ingoing softmax."""
+    if not (isinstance(topology, ANCReTopology) and topology.softmax_dim == 1):
+        raise UserError(f"model.topology_entropy_weight needs the ancre topology (a learned softmax over each block's "
+                        f"incoming edges), not {type(topology).__name__}; set it to 0 or use model.topology=ancre")
+
+
+def topology_entropy(topology: ResidualTopology, q: float = 2.0) -> torch.Tensor:
+    """`tsallis_entropy` of an ANCRe topology's current incoming weights (gradients reach its logits)."""
+    check_entropy_topology(topology)
+    return tsallis_entropy(topology.probabilities(), q)

@@ -1,0 +1,137 @@
+"""Issue 13, importing published checkpoints: files written here in the official layouts (DiT
+release, ANCRe training checkpoint, per-source outgoing ablation) import into checkpoint folders
+whose model gives the saved model's output exactly; a pickle that would run code is refused."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import ROOT, randomize, subprocess_env
+
+from ancre_dit.errors import UserError
+from ancre_dit.importing import import_checkpoint, safe_torch_load
+from ancre_dit.models import create_model, load_topology_json
+from ancre_dit.trained_model import load_trained_model
+
+SCRIPT = ROOT / "scripts" / "import_checkpoint.py"
+NAME = "DiT-T/4"  # 12 blocks of width 192; 64 px images -> 8x8x4 latents -> 4 tokens
+
+
+def _model(topology: str, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = randomize(create_model(NAME, input_size=8, in_channels=4, num_classes=10, topology=topology), seed=seed)
+    if topology.startswith("ancre"):
+        g = torch.Generator().manual_seed(seed + 100)
+        with torch.no_grad():
+            for p in model.topology.logits:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)  # tau 0.01: clearly non-uniform weights
+    return model
+
+
+def _same_output(folder: Path, source: torch.nn.Module, weights: str = "ema") -> None:
+    imported, _ = load_trained_model(folder, weights)
+    g = torch.Generator().manual_seed(0)
+    x, t, y = torch.randn(3, 4, 8, 8, generator=g), torch.tensor([0, 500, 999]), torch.tensor([1, 7, 10])
+    with torch.no_grad():
+        assert torch.equal(imported(x, t, y), source.eval()(x, t, y))
+
+
+def _official(state: dict, prefix: str) -> dict:
+    """Our keys -> the official ANCRe code's (DDP / compile prefixes, ancre.* topology names)."""
+    return {prefix + k.replace("topology.logits.", "ancre.shortcut_params.").replace("topology.tau", "ancre.softmax_temp"):
+            v.clone() for k, v in state.items()}
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=subprocess_env(),
+                          cwd=ROOT, timeout=300)
+
+
+def test_dit_release_state_dict_imports_with_the_same_output(tmp_path):
+    source = _model("cascaded", 1)
+    torch.save(source.state_dict(), tmp_path / "DiT-T-4-64x64.pt")  # the release layout: a bare state dict
+    out = _run(str(tmp_path / "DiT-T-4-64x64.pt"), "--model", NAME, "--image-size", "64", "--out", str(tmp_path / "ckpt"))
+    assert out.returncode == 0, out.stderr
+    _same_output(tmp_path / "ckpt", source)
+    _, spec = load_trained_model(tmp_path / "ckpt")
+    assert spec["model"]["kwargs"]["topology"] == "cascaded" and spec["imported"]["weights"] == "state dict"
+    assert spec["data"]["image_size"] == 64 and spec["data"]["kind"] == "latents"
+    # The architecture is checked against the shapes: one line naming what differs.
+    bad = _run(str(tmp_path / "DiT-T-4-64x64.pt"), "--model", "DiT-S/4", "--image-size", "64", "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert "hidden size 192 vs 384" in bad.stderr
+
+
+def test_official_ancre_training_checkpoint_prefers_ema_and_reads_its_args(tmp_path):
+    ema, raw = _model("ancre", 2), _model("ancre", 3)
+    opt = torch.optim.AdamW(raw.parameters(), lr=1e-4)
+    raw(torch.randn(1, 4, 8, 8), torch.tensor([3]), torch.tensor([2])).square().mean().backward()
+    opt.step()
+    args = argparse.Namespace(model=NAME, image_size=64, num_classes=10, global_batch_size=256, results_dir="results")
+    ckpt = {"model": _official(raw.state_dict(), "module."), "ema": _official(ema.state_dict(), "_orig_mod."),
+            "opt": opt.state_dict(), "args": args}
+    torch.save(ckpt, tmp_path / "0400000.pt")
+    spec = import_checkpoint(tmp_path / "0400000.pt", tmp_path / "ema")  # no --model: the file's args say it
+    assert spec["model"]["name"] == NAME and spec["step"] == 400000 and spec["imported"]["weights"] == "ema"
+    assert spec["model"]["kwargs"]["topology"] == "ancre" and spec["model"]["kwargs"]["tau"] == pytest.approx(0.01)
+    _same_output(tmp_path / "ema", ema)
+    _same_output(tmp_path / "ema", ema, weights="model")  # both files hold the chosen weights
+    assert torch.allclose(load_topology_json(tmp_path / "ema" / "topology.json"), ema.topology.probabilities())
+    import_checkpoint(tmp_path / "0400000.pt", tmp_path / "raw", weights="model")
+    _same_output(tmp_path / "raw", raw)
+    with pytest.raises(UserError, match="contradicts the file"):
+        import_checkpoint(tmp_path / "0400000.pt", tmp_path / "other", model="DiT-T/2")
+    with pytest.raises(UserError, match="already holds a checkpoint"):
+        import_checkpoint(tmp_path / "0400000.pt", tmp_path / "ema")
+
+
+def test_outgoing_ablation_per_source_layout_is_remapped(tmp_path):
+    source = _model("ancre-outgoing", 4)
+    state = source.state_dict()
+    K = len(source.topology.logits)
+    # The official outgoing layout: shortcut_params.i = logits of source i's edges to blocks i+1..K.
+    per_source = {f"topology.logits.{i}": torch.stack([state[f"topology.logits.{j}"][i] for j in range(i, K)])
+                  for i in range(K)}
+    state.update(per_source)
+    assert [state[f"topology.logits.{i}"].numel() for i in range(K)] == list(range(K, 0, -1))
+    torch.save({"ema": _official(state, "module."), "args": argparse.Namespace(model=NAME, image_size=64)},
+               tmp_path / "outgoing.pt")
+    spec = import_checkpoint(tmp_path / "outgoing.pt", tmp_path / "ckpt")
+    assert spec["model"]["kwargs"]["topology"] == "ancre-outgoing" and spec["imported"]["logit_layout"] == "per-source"
+    _same_output(tmp_path / "ckpt", source)
+    with pytest.raises(UserError, match="--topology ancre-outgoing"):
+        import_checkpoint(tmp_path / "outgoing.pt", tmp_path / "bad", topology="ancre")
+
+
+class _Payload:
+    """Unpickling this object would run code: here, create a marker file."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def test_a_pickle_that_would_run_code_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": _model("cascaded", 5).state_dict(), "args": _Payload(marker)}, evil)
+    torch.load(evil, weights_only=False)  # the file really is dangerous: a plain load runs the payload
+    assert marker.exists()
+    marker.unlink()
+    out = _run(str(evil), "--model", NAME, "--image-size", "64", "--out", str(tmp_path / "ckpt"))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "wants to run code" in out.stderr and "was not loaded" in out.stderr
+    assert not marker.exists() and not (tmp_path / "ckpt").exists()
+    with pytest.raises(UserError, match="wants to run code"):
+        safe_torch_load(evil)
+    assert not marker.exists()
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="not a readable PyTorch checkpoint"):
+        safe_torch_load(tmp_path / "junk.pt")
