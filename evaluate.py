@@ -7,7 +7,8 @@
     python evaluate.py --samples samples.npz --digits      # offline check for the 8x8 digits default (not FID-50K)
     python evaluate.py --run RUN_DIR [--steps 500,1000] [eval.num_samples=5000 ...]
         # every checkpoint of a training run, with its config's eval section, into RUN_DIR/logs/evals.jsonl
-        # (resumable: checkpoints already evaluated with the same settings are skipped)
+        # (resumable: checkpoints already evaluated with the same settings are skipped); on several
+        # processes: accelerate launch evaluate.py --run ... (torchrun reads --run as its --run-path)
 
 REF is an ADM reference npz (arr_0 images and/or mu, sigma, mu_s, sigma_s), a folder of images
 (center-cropped to the samples' size, as in training) or another sample npz.

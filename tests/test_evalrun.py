@@ -112,7 +112,7 @@ def test_one_and_two_process_evaluations_give_the_same_numbers(tmp_path):
                          cwd=ROOT, timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(_free_port()), *args, str(tmp_path / "two")], capture_output=True, text=True, env=env,
+                          str(_free_port()), str(ROOT / "tests" / "_dist_evaluate.py"), str(tmp_path / "two")], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     e1, e2 = read_evals(tmp_path / "one"), read_evals(tmp_path / "two")
