@@ -39,6 +39,6 @@ done
 wait
 echo "training wall time: $(( $(date +%s) - start )) s"
 for d in 12 24; do
-  python3 scripts/compare_runs.py "$RUNS"/d$d-cascaded-s* "$RUNS"/d$d-ancre-s* --group "d$d-cascaded-*" \
+  python3 scripts/compare_runs.py "$RUNS"/d$d-cascaded-s[0-9] "$RUNS"/d$d-ancre-s[0-9] --group "d$d-cascaded-*" \
     --group "d$d-ancre-*" --out "$REPORT/depth$d"
 done
