@@ -104,7 +104,7 @@ class EvaluationTask(PeriodicTask):
     name = "evaluation"
 
     def __init__(self, trainer: "Trainer"):
-        from ..evaluation.evaluator import Evaluator, evaluated_steps
+        from ..evaluation.evaluator import Evaluator, evaluated_steps, resolve_metrics
         from ..evaluation.heldout import build_heldout_set
 
         super().__init__(trainer.config.train.eval_every)
@@ -113,7 +113,7 @@ class EvaluationTask(PeriodicTask):
         if e.heldout_loss and d.heldout is not None:
             heldout = build_heldout_set(d.heldout, d.kind, max_examples=e.heldout_max, draws=e.heldout_draws,
                                         seed=e.seed, num_timesteps=trainer.diffusion.num_timesteps)
-        needs_decoder = bool(e.metrics is None and (d.kind == "digits" or e.ref) or e.metrics)
+        needs_decoder = bool(resolve_metrics(e, d.kind))  # only sample metrics decode images
         self.evaluator = Evaluator(e, data_kind=d.kind, num_classes=d.num_classes, diffusion=trainer.diffusion,
                                    diffusion_spec=trainer.diffusion_spec(), heldout=heldout,
                                    decoder=_decoder(trainer) if needs_decoder else None,
