@@ -5,6 +5,10 @@
         [--json results.json] [--batch-size 250]
     python evaluate.py --save-ref-stats ref.npz --images IMAGES_DIR --inception-weights FILE [--image-size 256] [--with-images]
     python evaluate.py --samples samples.npz --digits      # offline check for the 8x8 digits default (not FID-50K)
+    python evaluate.py --run RUN_DIR [--steps 500,1000] [eval.num_samples=5000 ...]
+        # every checkpoint of a training run, with its config's eval section, into RUN_DIR/logs/evals.jsonl
+        # (resumable: checkpoints already evaluated with the same settings are skipped); on several
+        # processes: accelerate launch evaluate.py --run ... (torchrun reads --run as its --run-path)
 
 REF is an ADM reference npz (arr_0 images and/or mu, sigma, mu_s, sigma_s), a folder of images
 (center-cropped to the samples' size, as in training) or another sample npz.
@@ -51,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--with-images", action="store_true", help="also store the cropped images (arr_0) in OUT.npz")
     r.add_argument("--max-images", type=int, help="use a seeded random subset of this many images")
     r.add_argument("--seed", type=int, default=0, help="seed of that subset")
+    t = p.add_argument_group("evaluating a training run")
+    t.add_argument("--run", metavar="RUN_DIR", help="evaluate every checkpoint of this run (as training's eval does)")
+    t.add_argument("--steps", help="only these checkpoint steps, comma-separated (default: all)")
+    t.add_argument("--cpu", action="store_true", help="with --run: stay on the CPU even if a GPU is present")
+    t.add_argument("overrides", nargs="*", metavar="eval.KEY=VALUE", help="with --run: eval settings to change")
     p.add_argument("--digits", action="store_true",
                    help="offline digits check of --samples (class accuracy + pixel Fréchet distance; NOT FID-50K)")
     return p
@@ -74,6 +83,19 @@ def _digits(args) -> int:
     if args.json:
         _write_json(args.json, {"metrics": report, "samples": str(Path(args.samples).resolve()),
                                 "note": "digits offline check, NOT FID-50K", "sampling": _sampling(args.samples)})
+    return 0
+
+
+def _run(args) -> int:
+    from ancre_dit.training.evaluate_run import evaluate_run
+
+    steps = None
+    if args.steps:
+        try:
+            steps = [int(s) for s in args.steps.split(",") if s.strip()]
+        except ValueError:
+            raise UserError(f"--steps {args.steps!r} must be comma-separated integers, e.g. --steps 500,1000") from None
+    evaluate_run(args.run, steps, args.overrides, cpu=args.cpu)
     return 0
 
 
@@ -114,6 +136,10 @@ def main() -> int:
                     max_images=args.max_images)
     if args.save_ref_stats:
         return _save_ref(args)
+    if args.run:
+        return _run(args)
+    if args.overrides or args.steps:
+        raise UserError("--steps and eval.* overrides go with --run RUN_DIR")
     if args.digits:
         if not args.samples:
             raise UserError("--digits needs --samples samples.npz")

@@ -2,7 +2,8 @@
 # The README's first command: install, train the embedded digits default with ANCRe residuals on
 # the CPU, sample from its EMA weights and check the digits. Everything lands in results/quickstart/:
 #   checkpoints/<step>/ (sample.py reads these), samples/<step>.png (EMA grids during training),
-#   topology.json + topology.png (learned residual wiring), loss.png, log.txt, logs/ (TensorBoard),
+#   topology.json + topology.png (learned residual wiring), loss.png, quality.png (held-out loss and
+#   the digits metric every 500 steps, from logs/evals.jsonl), log.txt, logs/ (TensorBoard),
 #   samples.npz + samples.png (the final EMA samples).
 # Extra arguments are config overrides, e.g. `bash scripts/quickstart.sh train.max_steps=500`.
 set -euo pipefail
@@ -25,4 +26,4 @@ python3 sample.py --ckpt "$CKPT" --num-samples 200 --batch-size 100 --cfg-scale 
   --grid "$RUN/samples.png" --cpu
 # Offline check (no Inception weights needed): an independent classifier's accuracy on the samples.
 python3 evaluate.py --samples "$RUN/samples.npz" --digits
-echo "quickstart outputs: $RUN (checkpoints/, samples.png, samples/, topology.png, loss.png, log.txt)"
+echo "quickstart outputs: $RUN (checkpoints/, samples.png, samples/, topology.png, loss.png, quality.png, log.txt)"

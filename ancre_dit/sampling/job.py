@@ -15,6 +15,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -188,10 +189,30 @@ def run_job(s: JobSettings) -> Path:
             torch.distributed.destroy_process_group()
 
 
+def sample_parts(plan: SamplingPlan, labels: np.ndarray, ranges: list[tuple[int, int]], *,
+                 decoder: Decoder, seed: int) -> Iterator[tuple[int, int, np.ndarray]]:
+    """(start, end, uint8 images) of each part in `ranges`, from a checked plan around a model in
+    memory. Sample i uses the streams of (seed, i), so a part is the same whatever process draws it."""
+    for start, end in ranges:
+        yield start, end, sample_part(plan, labels[start:end], indices=np.arange(start, end), seed=seed, decoder=decoder)
+
+
+def run_job_with_model(model: torch.nn.Module, spec: dict, s: JobSettings, state=None) -> Path:
+    """`run_job` for a model already in memory (e.g. the trainer's EMA); `spec` is its model spec
+    (diffusion + data); s.ckpt only names the source in the job identity. `state`: accelerate's
+    PartialState (or anything with its process fields); None = one process."""
+    guidance = check_settings(s)
+    return _run_model(model, spec, s, guidance, state or SingleProcess(s.cpu))
+
+
 def _run(s: JobSettings, guidance: Guidance, state) -> Path:
+    model, spec = load_trained_model(s.ckpt, s.weights, state.device)
+    return _run_model(model, spec, s, guidance, state)
+
+
+def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Guidance, state) -> Path:
     is_main, rank, world = state.is_main_process, state.process_index, state.num_processes
     log = print if is_main else (lambda *a, **k: None)
-    model, spec = load_trained_model(s.ckpt, s.weights, state.device)
     num_classes = int(model.num_classes)
     plan = plan_sampling(model, spec["diffusion"], sampler=s.sampler, steps=s.steps, guidance=guidance,
                          precision=s.precision, sde=sde_options(s))
@@ -217,8 +238,7 @@ def _run(s: JobSettings, guidance: Guidance, state) -> Path:
     done = sum(e - b for b, e in mine) - sum(e - b for b, e in todo)
     bar = tqdm(total=sum(e - b for b, e in mine), initial=done, unit="img", desc=f"rank {rank}/{world}",
                disable=not is_main, dynamic_ncols=True)
-    for start, end in todo:
-        images = sample_part(plan, labels[start:end], indices=np.arange(start, end), seed=s.seed, decoder=decoder)
+    for start, end, images in sample_parts(plan, labels, todo, decoder=decoder, seed=s.seed):
         save_adm_npz(part_path(folder, start, end), images, labels[start:end])
         bar.update(end - start)
     bar.close()

@@ -1,6 +1,6 @@
 """Typed training configuration: YAML file + `section.key=value` overrides -> Config.
 
-Sections follow DESIGN.md (run_dir, model, data, train; plus log). Unknown keys and values of the
+Sections follow DESIGN.md (run_dir, model, data, train, eval; plus log). Unknown keys and values of the
 wrong type are rejected with one line naming the key. Checked by hand on dataclasses with PyYAML
 (not OmegaConf) so the package needs no dependency beyond the ones pyproject already lists.
 """
@@ -86,11 +86,39 @@ class TrainConfig:
     num_sample_images: int = 16
     cfg_scale_for_grids: float = 4.0
     sample_steps: int = 50            # steps of the grid sampler (the objective's default one)
+    eval_every: int = 0               # evaluation (see EvalConfig) every N steps and at the end; 0 = never
     seed: int = 0
     nonfinite: str = "skip"           # non-finite loss / grad norm: skip the update, or stop the run
     nonfinite_max_skips: int = 10     # with skip: stop after more than this many in a row
     compile: bool = False
     tf32: bool = True
+
+
+EVAL_METRICS = ("digits", "fid", "sfid", "is", "precision", "recall")
+
+
+@dataclass
+class EvalConfig:
+    """What an evaluation measures (run every train.eval_every steps, and by `evaluate.py --run`).
+
+    Samples come from the EMA weights with a fixed seed, sampler and step count, once per cfg scale.
+    `metrics`: "digits" (held-out classifier accuracy + Fréchet distance on that classifier's
+    features; NOT FID) and/or Inception metrics (fid, sfid, is, precision, recall) against `ref`;
+    null = digits on digits data, fid when `ref` is set, else none (held-out loss only)."""
+    num_samples: int = 1000
+    batch_size: int = 250             # images per sampling part (part j goes to process j % world)
+    sampler: str | None = None        # null: the objective's default (DDPM: ddpm; flow: heun)
+    steps: int | None = None          # null: that sampler's default step count
+    cfg_scales: list[float] = field(default_factory=lambda: [1.0])
+    seed: int = 0
+    metrics: list[str] | None = None
+    ref: str | None = None            # ADM reference npz, or one from evaluate.py --save-ref-stats
+    inception_weights: str | None = None
+    heldout_loss: bool = True         # loss on fixed held-out examples with fixed noise and times
+    heldout_draws: int = 4            # (noise, time) pairs per held-out example
+    heldout_max: int = 1000           # at most this many held-out examples (the first ones)
+    val_path: str | None = None       # latents: a latent directory of held-out examples
+    heldout_from_train: int = 0       # latents: hold out the last N training samples (training skips them)
 
 
 @dataclass
@@ -115,6 +143,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -126,6 +155,8 @@ def _type_name(tp: Any) -> str:
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Checks `value` against the annotation `tp` (int, float, bool, str or X | None)."""
     options = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
+    if typing.get_origin(tp) is list or any(typing.get_origin(o) is list for o in options):
+        return _coerce_list(value, tp, key)
     if value is None:
         if type(None) in options:
             return None
@@ -148,6 +179,20 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if option is str and value is False and key == "train.mixed_precision":
             return "no"  # YAML 1.1 reads an unquoted `no` as false
     raise UserError(f"config key {key} must be {_type_name(tp)}, got {value!r}")
+
+
+def _coerce_list(value: Any, tp: Any, key: str) -> Any:
+    """A list annotation (list[float], list[str] | None): a scalar becomes a one-item list."""
+    options = typing.get_args(tp) if typing.get_origin(tp) is not list else (tp,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise UserError(f"config key {key} must be a list, got null")
+    item_type = typing.get_args(next(o for o in options if typing.get_origin(o) is list))[0]
+    items = value if isinstance(value, list) else [value]
+    if not items:
+        raise UserError(f"config key {key} must not be an empty list")
+    return [_coerce(item, item_type, key) for item in items]
 
 
 def _topology_option(key: str, value: Any, full: str) -> Any:
@@ -260,6 +305,7 @@ def validate_config(config: Config) -> None:
         raise UserError(f"train.lr must be positive, got {t.lr}")
     _check_ranges(config)
     topology_options_of(m)  # the chosen topology's own checks (e.g. frozen's topology_path)
+    validate_eval_config(config)
 
 
 def _check_ranges(config: Config) -> None:
@@ -312,6 +358,31 @@ def validate_diffusion(config: Config) -> None:
     build_objective(diffusion_spec(config))
 
 
+def validate_eval_config(config: Config) -> None:
+    """The eval section's own checks (also run by `evaluate.py --run` after its overrides)."""
+    e, t = config.eval, config.train
+    if t.eval_every < 0:
+        raise UserError(f"train.eval_every must be >= 0 (0 = no evaluation), got {t.eval_every}")
+    for key in ("num_samples", "batch_size", "steps", "heldout_draws", "heldout_max"):
+        if getattr(e, key) is not None and getattr(e, key) < 1:
+            raise UserError(f"eval.{key} must be at least 1, got {getattr(e, key)}")
+    if e.heldout_from_train < 0:
+        raise UserError(f"eval.heldout_from_train must be >= 0, got {e.heldout_from_train}")
+    for name in e.metrics or ():
+        if name not in EVAL_METRICS:
+            raise UserError(f"unknown metric {name!r} in eval.metrics; choose from {', '.join(EVAL_METRICS)}")
+    if any(s <= 0 for s in e.cfg_scales):
+        raise UserError(f"eval.cfg_scales must be positive (1.0 = no guidance), got {e.cfg_scales}")
+    if (e.heldout_from_train or e.val_path) and config.data.kind != "latents":
+        raise UserError("eval.val_path and eval.heldout_from_train apply to data.kind=latents only "
+                        "(digits use their held-out split); remove them")
+    if e.val_path and e.heldout_from_train:
+        raise UserError("set eval.val_path or eval.heldout_from_train, not both")
+    if e.val_path and not Path(e.val_path).is_dir():
+        raise UserError(f"eval.val_path {e.val_path} does not exist; point it at a latent directory "
+                        f"written by scripts/extract_latents.py")
+
+
 def check_batch_layout(config: Config, num_processes: int) -> int:
     """Per-device micro-batch = global batch / (processes x accumulation); a UserError if it does not divide."""
     t = config.train
@@ -337,6 +408,8 @@ def flat_config(config: Config) -> dict[str, Any]:
         if isinstance(values, dict):
             for key, value in values.items():
                 for name, item in (value.items() if isinstance(value, dict) else [(None, value)]):
+                    if isinstance(item, list):  # trackers take scalars only
+                        item = ",".join(str(v) for v in item)
                     out[f"{section}.{key}" + (f".{name}" if name else "")] = "null" if item is None else item
         else:
             out[section] = values

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, Subset
 
 from ..errors import UserError
 from ..data.image_folder import list_image_folder, load_rgb
@@ -33,6 +33,7 @@ class DataInfo:
     vae: str | None = None
     scaling_factor: float | None = None
     random_flip: bool = False
+    heldout: Dataset | None = None   # fixed held-out examples of the evaluation's held-out loss
 
 
 class _ImageFolderArrays(Dataset):
@@ -57,7 +58,8 @@ def build_data(config: Config, patch_size: int) -> DataInfo:
     d = config.data
     if d.kind == "digits":
         from ..data.digits import DIGITS_NUM_CLASSES, DigitsDataset
-        info = DataInfo(DigitsDataset("train"), "digits", 8, 1, DIGITS_NUM_CLASSES, 8, 1)
+        info = DataInfo(DigitsDataset("train"), "digits", 8, 1, DIGITS_NUM_CLASSES, 8, 1,
+                        heldout=DigitsDataset("heldout"))
         if d.image_size != 8:
             raise UserError(f"the digits are 8x8 pixels; set data.image_size=8 (got {d.image_size})")
     elif d.kind == "latents":
@@ -68,8 +70,9 @@ def build_data(config: Config, patch_size: int) -> DataInfo:
         if int(m["image_size"]) != d.image_size:
             raise UserError(f"the latents in {d.path} were extracted at {m['image_size']} px but data.image_size="
                             f"{d.image_size}; set data.image_size={m['image_size']}")
-        info = DataInfo(ds, "latents", h, c, ds.num_classes, int(m["image_size"]), 3,
-                        vae=d.vae or m.get("vae"), scaling_factor=float(m["scaling_factor"]))
+        train_set, heldout = _split_latents(ds, config)
+        info = DataInfo(train_set, "latents", h, c, ds.num_classes, int(m["image_size"]), 3,
+                        vae=d.vae or m.get("vae"), scaling_factor=float(m["scaling_factor"]), heldout=heldout)
     else:
         ds = _ImageFolderArrays(d.path, d.image_size)
         info = DataInfo(ds, "images", d.image_size, 3, len(ds.images.class_names), d.image_size, 3, random_flip=True)
@@ -78,6 +81,26 @@ def build_data(config: Config, patch_size: int) -> DataInfo:
         raise UserError(f"{what} {info.input_size} is not divisible by the patch size {patch_size} of "
                         f"{config.model.name}; pick a model with a patch size that divides it")
     return info
+
+
+def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
+    """(training set, held-out set): eval.val_path's latents, or the last eval.heldout_from_train
+    training latents, which training then skips (decided by the config alone, so runs with and
+    without evaluation see the same data)."""
+    e = config.eval
+    if e.val_path:
+        from ..data.latents import LatentShardDataset
+        val = LatentShardDataset(e.val_path)
+        if val.latent_shape != ds.latent_shape or val.num_classes != ds.num_classes:
+            raise UserError(f"eval.val_path {e.val_path} holds {val.latent_shape} latents of {val.num_classes} classes, "
+                            f"the training data {ds.latent_shape} of {ds.num_classes}; extract both the same way")
+        return ds, val
+    k = e.heldout_from_train
+    if k:
+        if k >= len(ds):
+            raise UserError(f"eval.heldout_from_train={k} leaves no training data ({len(ds)} latents); lower it")
+        return Subset(ds, range(len(ds) - k)), Subset(ds, range(len(ds) - k, len(ds)))
+    return ds, None
 
 
 def prepare_batch(info: DataInfo, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import signal
 import time
 from pathlib import Path
@@ -24,13 +23,14 @@ from tqdm.auto import tqdm
 
 from ..errors import UserError
 from ..diffusion import build_objective
-from ..models import TopologyNotDefined, create_model, save_topology_json
+from ..models import create_model
 from ..topology_tools import check_entropy_topology, topology_entropy
 from ..trained_model import WEIGHT_FILES, make_model_spec, write_model_files
 from ..weights import load_safetensors_checked
 from . import checkpointing as ckpt
 from .config import Config, check_batch_layout, diffusion_spec, flat_config, save_config, topology_options_of
 from .guards import NonFiniteGuard
+from .periodic import build_tasks, topology_matrix, write_topology_files
 from .data import DataInfo, GlobalBatchSampler, advance_position, build_data, describe, make_loader, prepare_batch
 
 LOG_FILE = "log.txt"
@@ -132,6 +132,7 @@ class Trainer:
         self.model, self.optimizer = acc.prepare(model, optimizer)
 
         self.step, self.epoch, self.offset = 0, 0, 0
+        self.train_seconds = 0.0  # time inside optimizer steps, summed over resumes (periodic work excluded)
         self.resumed_from = ckpt.resolve_resume(resume, self.run_dir, warn=self.log.warning)
         if self.resumed_from is not None:
             self._load(self.resumed_from)
@@ -146,8 +147,7 @@ class Trainer:
         self.entropy_weight = c.model.topology_entropy_weight
         if self.entropy_weight:
             check_entropy_topology(self.raw_model.topology)
-        self._decoder = None
-        self._grids_disabled = False
+        self.tasks = build_tasks(self)  # sample grids, evaluation, checkpoints (periodic.py)
 
     # -- setup helpers --------------------------------------------------------------------
     def _model_kwargs(self) -> dict[str, Any]:
@@ -184,29 +184,17 @@ class Trainer:
 
     def _write_files(self, folder: Path) -> None:
         write_model_files(folder, self.model_spec(), self.raw_model.state_dict(), self.ema.module.state_dict())
-        P, P_raw = _topology_matrix(self.ema.module), _topology_matrix(self.raw_model)
-        if P is None:  # n-stream schemes (HC, mHC) have no block-to-block matrix to draw
-            return
-        extra = {"step": self.step, "topology": self.config.model.topology, "weights": "ema",
-                 "training_probabilities": P_raw.tolist()}
-        for target in (folder, self.run_dir):
-            save_topology_json(target / "topology.json", P, **extra)
-        try:
-            from ..analysis import plot_topology_heatmap
-        except ImportError:  # pragma: no cover - the analysis module ships with the package
-            return
-        title = f"{self.config.model.topology} topology (EMA), step {self.step}"
-        for target in (folder, self.run_dir):
-            plot_topology_heatmap(P, target / "topology.png", title=title)
+        write_topology_files(folder, self.run_dir, self.ema.module, self.raw_model, self.step, self.config.model.topology)
 
     def save(self) -> Path:
         state = {"step": self.step, "data": {"epoch": self.epoch, "offset": self.offset},
                  "num_processes": self.accelerator.num_processes, "global_batch_size": self.config.train.global_batch_size,
-                 "seed": self.config.train.seed, "model": self.config.model.name}
+                 "seed": self.config.train.seed, "model": self.config.model.name,
+                 "train_seconds": round(self.train_seconds, 3)}
         path = ckpt.save_checkpoint(self.accelerator, self.run_dir, self.step, self.generator, self._write_files,
                                     state, keep_last=self.config.train.keep_last)
         self.log.info("step %d: checkpoint saved to %s", self.step, path)
-        self._last_saved = self.step
+        self.last_saved = self.step
         return path
 
     def _load(self, folder: Path) -> None:
@@ -218,43 +206,12 @@ class Trainer:
         self.ema.module.load_state_dict(ema_state)
         self.step = int(state["step"])
         self.epoch, self.offset = int(state["data"]["epoch"]), int(state["data"]["offset"])
+        self.train_seconds = float(state.get("train_seconds", 0.0))
         if not ckpt.load_generator_state(folder, acc.process_index, self.generator):
             self.generator.manual_seed(_seed(self.config.train.seed, acc.process_index, 1, self.step))
             self.log.warning("%s was written by %d process(es); rank %d starts a fresh random stream, so this "
                              "resume is not bitwise exact", folder, state["num_processes"], acc.process_index)
         self.log.info("resumed from %s at step %d", folder, self.step)
-
-    # -- sample grid ------------------------------------------------------------------------
-    def sample_grid(self) -> Path | None:
-        """An EMA sample grid (main process only), without touching the training RNG streams."""
-        if self._grids_disabled:
-            return None
-        from ..analysis import save_image_grid
-        from ..sampling.api import sample_images
-        from ..sampling.guidance import Guidance
-        from ..sampling.decode import build_decoder, decode_pixels
-
-        c, d = self.config.train, self.data
-        if self._decoder is None:
-            try:
-                self._decoder = decode_pixels if d.kind != "latents" else build_decoder(
-                    self.data_spec(), d.in_channels, device=self.accelerator.device)
-            except UserError as err:
-                self.log.warning("no sample grids: %s", err)
-                self._grids_disabled = True
-                return None
-        n = c.num_sample_images
-        labels = (np.arange(n) % d.num_classes if d.num_classes <= 32
-                  else np.random.default_rng(c.seed).integers(0, d.num_classes, n))
-        cfg = c.cfg_scale_for_grids if self.config.model.class_dropout > 0 else 1.0
-        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            images = sample_images(self.ema.module, self.objective, labels, decoder=self._decoder, seed=c.seed,
-                                   steps=c.sample_steps, guidance=Guidance(cfg))
-        nrow = d.num_classes if d.num_classes <= 32 and n % d.num_classes == 0 else int(math.ceil(math.sqrt(n)))
-        path = save_image_grid(images, self.run_dir / "samples" / f"{ckpt.step_name(self.step)}.png", nrow=nrow)
-        self.log.info("step %d: EMA sample grid (cfg %.1f) saved to %s", self.step, cfg, path)
-        return path
 
     # -- training -----------------------------------------------------------------------------
     def _loader(self):
@@ -323,11 +280,12 @@ class Trainer:
         metrics = {k: float(v) for k, v in zip(keys, mean.tolist())}
         metrics["steps_per_sec"] = count / elapsed
         metrics["images_per_sec"] = images / elapsed
+        metrics["train_seconds"] = round(self.train_seconds, 3)
         if acc.is_main_process:
             with open(self.run_dir / "logs" / METRICS_FILE, "a") as f:
                 f.write(json.dumps({"step": self.step, **metrics}) + "\n")
             tracked = {f"train/{k}": v for k, v in metrics.items()}
-            P = _topology_matrix(self.raw_model) if self.learnable_topology else None
+            P = topology_matrix(self.raw_model) if self.learnable_topology else None
             if P is not None:
                 for j in range(P.shape[0]):
                     for i in range(j + 1):
@@ -338,14 +296,16 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         acc, c = self.accelerator, self.config.train
         self.log.info("run dir %s: config.yaml, %s (text), logs/ (TensorBoard: tensorboard --logdir %s; %s), "
-                      "checkpoints/<step>/, samples/<step>.png, topology.json/.png",
-                      self.run_dir, LOG_FILE, self.run_dir / "logs", METRICS_FILE)
+                      "checkpoints/<step>/, samples/<step>.png, topology.json/.png%s",
+                      self.run_dir, LOG_FILE, self.run_dir / "logs", METRICS_FILE,
+                      ", logs/evals.jsonl + quality.png (evaluation)" if c.eval_every else "")
         n_params = sum(p.numel() for p in self.raw_model.parameters())
         self.log.info("model %s (%s topology), %.2fM parameters; data %s; %d process(es) x %d per device x %d "
                       "accumulation = global batch %d; mixed precision %s", self.config.model.name,
                       self.config.model.topology, n_params / 1e6, describe(self.data), acc.num_processes,
                       self.micro_batch, c.grad_accum, c.global_batch_size, c.mixed_precision)
-        self._last_saved = self.step if self.resumed_from is not None else -1
+        self.last_saved = self.step if self.resumed_from is not None else -1
+        self._train_seconds_at_start = self.train_seconds
         last: dict[str, float] = {}
         batches = iter(self._loader())
         progress = tqdm(total=c.max_steps, initial=self.step, disable=not acc.is_main_process, desc="train",
@@ -355,6 +315,7 @@ class Trainer:
         stopped = False
         with _StopFlag() as flag:
             while self.step < c.max_steps:
+                started = time.perf_counter()
                 try:
                     terms = self.train_step(batches)
                 except UserError as err:  # non-finite stop, unreadable data: nothing saved over the good checkpoints
@@ -362,6 +323,7 @@ class Trainer:
                     progress.close()
                     acc.end_training()
                     raise
+                self.train_seconds += time.perf_counter() - started
                 for k, v in terms.items():
                     running[k] = running.get(k, 0.0) + v
                 count += 1
@@ -373,22 +335,35 @@ class Trainer:
                     self.log.info("step %d: loss %.4f, %.2f steps/s, %.1f images/s", self.step, last["loss"],
                                   last["steps_per_sec"], last["images_per_sec"])
                     running, count, tick = {}, 0, time.perf_counter()
-                if c.sample_every and self.step % c.sample_every == 0 and acc.is_main_process:
-                    self.sample_grid()
-                if self.step % c.ckpt_every == 0:
-                    self.save()
+                for task in self.tasks:
+                    task.maybe_run(self)
                 if self._stop_agreed(flag):
                     stopped = True
                     self.log.info("stop requested: saving step %d and exiting", self.step)
                     break
         progress.close()
-        if self._last_saved != self.step:
-            self.save()
+        for task in self.tasks:
+            task.finish(self, stopped)
         if acc.is_main_process:
             self._plot_loss()
+        self._log_time_shares()
         self.log.info("done at step %d; outputs in %s", self.step, self.run_dir)
         acc.end_training()  # also destroys the process group (else gloo aborts at exit)
         return {"step": self.step, "stopped": stopped, "metrics": last, "run_dir": str(self.run_dir)}
+
+    def _log_time_shares(self) -> None:
+        """How this process's time split between training and the periodic tasks (this launch only
+        for the tasks; training time summed over resumes)."""
+        parts = {task.name: task.seconds for task in self.tasks}
+        total = self._launch_train_seconds() + sum(parts.values())
+        if total <= 0:
+            return
+        shares = ", ".join(f"{name} {sec:.1f} s ({100 * sec / total:.1f}%)" for name, sec in parts.items())
+        self.log.info("time in this launch: training %.1f s (%.1f%%), %s", self._launch_train_seconds(),
+                      100 * self._launch_train_seconds() / total, shares)
+
+    def _launch_train_seconds(self) -> float:
+        return self.train_seconds - self._train_seconds_at_start
 
     def _plot_loss(self) -> None:
         path = self.run_dir / "logs" / METRICS_FILE
@@ -397,14 +372,6 @@ class Trainer:
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         from ..analysis import plot_loss_curve
         plot_loss_curve([r["step"] for r in rows], [r["loss"] for r in rows], self.run_dir / "loss.png")
-
-
-def _topology_matrix(model: torch.nn.Module) -> torch.Tensor | None:
-    """The model's (K, K) topology on the CPU, or None for schemes that have none (HC, mHC)."""
-    try:
-        return model.topology.probabilities().detach().float().cpu()
-    except TopologyNotDefined:
-        return None
 
 
 def train(config: Config, resume: str | None = None) -> dict[str, Any]:

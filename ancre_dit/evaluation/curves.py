@@ -1,0 +1,47 @@
+"""Metric panels: one subplot per metric, one line (with an optional +-std band) per run or group."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+Curve = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # x, mean, std (None: a single run)
+
+
+def plot_panels(panels: dict[str, dict[str, Curve]], path: str | Path, xlabel: str = "step",
+                title: str | None = None, log_x: bool = False) -> Path:
+    """panels: metric -> {label -> (x, mean, std | None)}; lines share colours across panels by label."""
+    names = list(panels)
+    cols = min(3, len(names))
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    labels = list(dict.fromkeys(label for curves in panels.values() for label in curves))
+    colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    for ax, name in zip(axes.flat, names):
+        for label, (x, mean, std) in panels[name].items():
+            ax.plot(x, mean, marker="o", markersize=3, color=colours[label], label=label or None)
+            if std is not None:
+                ax.fill_between(x, mean - std, mean + std, color=colours[label], alpha=0.2)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel(xlabel)
+        if log_x:
+            ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    if any(labels):
+        handles, texts = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, texts, loc="lower center", ncol=min(4, len(labels)), fontsize=9)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06 if any(labels) else 0, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,247 @@
+"""One evaluation of a model in memory, on every process: held-out loss + sample metrics.
+
+Used by the training loop (every train.eval_every steps) and by `evaluate.py --run` (every
+checkpoint of a finished run), so both write the same numbers for the same weights:
+- samples: `num_samples` images from the given (EMA) weights per cfg scale, with a fixed seed,
+  sampler and step count, cut into parts of `batch_size` as a sampling job does (part j on process
+  j % world; a part is the same whatever the process count). Each process computes the features of
+  its parts (the digits classifier's, or Inception's); they are gathered in index order on the main
+  process, which computes the metrics;
+- held-out loss: the training objective on fixed held-out rows (see heldout.py), sharded the same way.
+Every random draw comes from generators seeded here, inside a fork of the global RNGs: the training
+random streams are untouched, so a run with evaluation on trains the same weights as one without.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..diffusion import Objective
+from ..errors import UserError
+from .heldout import HeldOutSet, heldout_terms
+
+EVALS_FILE = "evals.jsonl"
+INCEPTION_METRICS = ("fid", "sfid", "is", "precision", "recall")
+LOWER_IS_BETTER = ("loss", "mse", "fd", "fid", "sfid", "kid", "vb")  # substrings of metric names
+
+
+def resolve_metrics(settings, data_kind: str) -> list[str]:
+    """eval.metrics, or its default: digits on digits data, fid when a reference is given, else none."""
+    if settings.metrics is not None:
+        return list(settings.metrics)
+    if data_kind == "digits":
+        return ["digits"]
+    return ["fid"] if settings.ref else []
+
+
+def evaluation_identity(settings, data_kind: str) -> dict[str, Any]:
+    """The settings that decide an evaluation's numbers (two entries compare only if these match)."""
+    keep = ("num_samples", "batch_size", "sampler", "steps", "cfg_scales", "seed", "ref", "heldout_loss",
+            "heldout_draws", "heldout_max", "val_path", "heldout_from_train")
+    identity = {k: getattr(settings, k) for k in keep}
+    identity["metrics"] = resolve_metrics(settings, data_kind)
+    identity["cfg_scales"] = [float(c) for c in settings.cfg_scales]
+    return identity
+
+
+def _ranks_parts(total: int, batch_size: int, rank: int, world: int) -> list[tuple[int, int]]:
+    from ..sampling.job import part_ranges
+    return part_ranges(total, batch_size)[rank::world]
+
+
+def _gather(state, items: list) -> list:
+    """All processes' lists concatenated (on every process)."""
+    if state.num_processes == 1:
+        return list(items)
+    out: list = [None] * state.num_processes
+    torch.distributed.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+def _in_order(parts: list[tuple[int, Any]]) -> list[Any]:
+    return [payload for _, payload in sorted(parts, key=lambda p: p[0])]
+
+
+class Evaluator:
+    """Built once per run (checks settings, loads the classifier / Inception and the reference);
+    `evaluate(model, ...)` is collective: every process calls it, the main one gets the results."""
+
+    def __init__(self, settings, *, data_kind: str, num_classes: int, objective: Objective,
+                 heldout: HeldOutSet | None, decoder, state, log=print):
+        self.settings, self.data_kind, self.num_classes = settings, data_kind, num_classes
+        self.objective, self.heldout = objective, heldout
+        # The sampler and steps the objective uses when eval.sampler / eval.steps are null.
+        self.sampler = settings.sampler or objective.default_sampler
+        self.steps = objective.default_steps(self.sampler) if settings.steps is None else int(settings.steps)
+        self.decoder, self.state, self.log = decoder, state, log
+        self.metrics = resolve_metrics(settings, data_kind)
+        self.identity = evaluation_identity(settings, data_kind)
+        if "digits" in self.metrics and data_kind != "digits":
+            raise UserError(f"eval.metrics=digits scores 8x8 digits, but data.kind={data_kind}; use fid (with eval.ref)")
+        self.inception = [m for m in self.metrics if m in INCEPTION_METRICS]
+        if self.inception and not settings.ref:
+            raise UserError(f"eval.metrics {', '.join(self.inception)} need eval.ref (an ADM reference npz or one "
+                            f"written by evaluate.py --save-ref-stats)")
+        if self.metrics:
+            objective.check_sampler(self.sampler, self.steps)
+            if decoder is None:
+                raise UserError("the evaluation samples images but no decoder is available; set data.vae")
+        self._extractor = None
+        self._ref_side = None
+        if self.inception:
+            from .inception import check_weights
+            check_weights(settings.inception_weights)  # the clear error now, not at the first evaluation
+            if not Path(settings.ref).exists():
+                raise UserError(f"eval.ref {settings.ref} does not exist; pass an ADM reference npz or a "
+                                f"file written by evaluate.py --save-ref-stats")
+
+    # -- public -----------------------------------------------------------------------------
+    def evaluate(self, model: torch.nn.Module, raw_model: torch.nn.Module | None = None) -> dict[str, Any] | None:
+        """{"metrics": {...}, "reference": {...}, "seconds": s} on the main process, None elsewhere.
+        `model`: the weights sampled from (EMA); `raw_model`: also scored on the held-out loss."""
+        start = time.perf_counter()
+        devices = [self.state.device] if torch.device(self.state.device).type == "cuda" else []
+        np_state, py_state = np.random.get_state(), random.getstate()
+        try:
+            with torch.random.fork_rng(devices=devices):
+                metrics, reference = self._evaluate(model, raw_model)
+        finally:
+            np.random.set_state(np_state)
+            random.setstate(py_state)
+        if not self.state.is_main_process:
+            return None
+        return {"metrics": metrics, "reference": reference, "seconds": round(time.perf_counter() - start, 3)}
+
+    # -- parts ------------------------------------------------------------------------------
+    def _evaluate(self, model, raw_model) -> tuple[dict[str, float], dict[str, float]]:
+        metrics: dict[str, float] = {}
+        reference: dict[str, float] = {}
+        if self.settings.heldout_loss and self.heldout is not None:
+            metrics.update(self._heldout(model, ""))
+            if raw_model is not None:
+                metrics.update(self._heldout(raw_model, "_raw"))
+        if self.metrics:
+            labels = np.arange(self.settings.num_samples) % self.num_classes  # balanced, as sample.py's default
+            for cfg in self.settings.cfg_scales:
+                metrics.update({f"{k}/cfg{float(cfg):g}": v for k, v in self._sample_metrics(model, labels, cfg).items()})
+            if "digits" in self.metrics and self.state.is_main_process:
+                from .digits_classifier import digits_reference_scores
+                reference.update(digits_reference_scores())
+        return metrics, reference
+
+    def _heldout(self, model, suffix: str) -> dict[str, float]:
+        s, state = self.settings, self.state
+        mine = _ranks_parts(len(self.heldout), s.batch_size, state.process_index, state.num_processes)
+        parts = _gather(state, heldout_terms(model, self.objective, self.heldout, mine, torch.device(state.device)))
+        terms = _in_order(parts)
+        return {f"heldout_{k}{suffix}": float(np.concatenate([t[k] for t in terms]).mean()) for k in terms[0]}
+
+    def _sample_metrics(self, model, labels: np.ndarray, cfg: float) -> dict[str, float]:
+        from ..sampling.api import plan_sampling
+        from ..sampling.guidance import Guidance
+        from ..sampling.job import sample_parts
+
+        s, state = self.settings, self.state
+        mine = _ranks_parts(len(labels), s.batch_size, state.process_index, state.num_processes)
+        plan = plan_sampling(model, self.objective, sampler=self.sampler, steps=self.steps, guidance=Guidance(float(cfg)))
+        local = []
+        for start, _end, images in sample_parts(plan, labels, mine, decoder=self.decoder, seed=s.seed):
+            local.append((start, self._features(images)))
+        features = _in_order(_gather(state, local))
+        if not state.is_main_process:
+            return {}
+        out: dict[str, float] = {}
+        if "digits" in self.metrics:
+            from .digits_classifier import digits_metric
+            out.update(digits_metric(np.concatenate([f["digits_features"] for f in features]),
+                                     np.concatenate([f["digits_pred"] for f in features]), labels))
+        if self.inception:
+            out.update(self._inception_scores(features))
+        return out
+
+    def _features(self, images: np.ndarray) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        if "digits" in self.metrics:
+            from .digits_classifier import classify
+            out["digits_features"], out["digits_pred"] = classify(images)
+        if self.inception:
+            from ..data.adm_npz import to_rgb_uint8
+            pool, spatial, logits = self._get_extractor().batch(to_rgb_uint8(images))
+            out.update(pool=pool.numpy(), spatial=spatial.numpy(), logits=logits.numpy())
+        return out
+
+    def _get_extractor(self):
+        if self._extractor is None:
+            from .pipeline import get_extractor
+            self._extractor = get_extractor(self.settings.inception_weights, self.state.device)
+        return self._extractor
+
+    def _inception_scores(self, features: list[dict[str, np.ndarray]]) -> dict[str, float]:
+        from .inception import InceptionFeatures
+        from .pipeline import Side, default_batch_size, load_side, score
+
+        feats = InceptionFeatures(*(np.concatenate([f[k] for f in features]) for k in ("pool", "spatial", "logits")))
+        samples = Side("samples", features=feats, num_images=len(feats))
+        if self._ref_side is None:
+            needs_images = bool({"precision", "recall"} & set(self.inception))
+            device = torch.device(self.state.device)
+            self._ref_side = load_side(self.settings.ref, "reference", self._get_extractor, default_batch_size(device),
+                                       need_features=needs_images or not _stored_stats(self.settings.ref))
+        # eigh: the same Fréchet distance as sqrtm, stable with fewer samples than feature dimensions
+        return score(samples, self._ref_side, self.inception, fid_method="eigh", device=self.state.device)
+
+
+def _stored_stats(ref: str) -> bool:
+    path = Path(ref)
+    if not path.is_file():
+        return False
+    with np.load(path) as data:
+        return {"mu", "sigma", "mu_s", "sigma_s"} <= set(data.files)
+
+
+# -- the evals file --------------------------------------------------------------------------------
+def evals_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "logs" / EVALS_FILE
+
+
+def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Entries of RUN/logs/evals.jsonl in file order (a torn last line, from a kill, is skipped)."""
+    path = evals_path(run_dir)
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def append_eval(run_dir: str | Path, entry: dict[str, Any]) -> None:
+    path = evals_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def evaluated_steps(run_dir: str | Path, identity: dict[str, Any]) -> set[int]:
+    """Steps that already have an entry made with these settings (what a resumed evaluation skips)."""
+    return {int(e["step"]) for e in read_evals(run_dir) if e.get("settings") == identity}
+
+
+def format_eval(entry: dict[str, Any]) -> str:
+    """One log line: 'step 500: heldout_loss 0.1234, digits_acc/cfg2 0.950, ... (3.2 s)'."""
+    values = ", ".join(f"{k} {v:.4g}" for k, v in entry["metrics"].items())
+    return f"step {entry['step']}: evaluation {values} ({entry['seconds']:.1f} s)"
+
+
+def is_lower_better(metric: str) -> bool:
+    name = metric.split("/")[0]
+    return any(part in name for part in LOWER_IS_BETTER)

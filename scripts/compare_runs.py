@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Compares training runs of any topology or objective: curves and a Markdown table.
+
+    python scripts/compare_runs.py RUN_A RUN_B ... --out REPORT_DIR [--group 'd12-ancre-*' ...] [--target fid/cfg1.5=20]
+
+Writes REPORT_DIR/report.md (final values, steps to reach a target, speedup against the first
+group), summary.json and curves_step.png / curves_images.png / curves_seconds.png (training loss,
+held-out loss and every evaluated metric on shared axes). Runs that differ only in train.seed are
+aggregated as mean ± std (shaded bands); --group patterns (matched against the run directory name)
+choose the groups instead.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ancre_dit.cli import run_cli
+from ancre_dit.errors import UserError
+
+
+def _targets(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name:
+            raise UserError(f"--target {item!r} must be METRIC=VALUE, e.g. --target heldout_loss=0.15")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("runs", nargs="+", help="run directories (train.py's run_dir)")
+    p.add_argument("--out", required=True, help="report directory")
+    p.add_argument("--group", action="append", default=[], metavar="PATTERN",
+                   help="runs whose directory name matches PATTERN (fnmatch) form one group; repeatable")
+    p.add_argument("--target", action="append", default=[], metavar="METRIC=VALUE",
+                   help="target of a metric (default: the first group's final value); repeatable")
+    args = p.parse_args()
+    from ancre_dit.evaluation.compare import write_report
+
+    write_report(args.runs, args.out, args.group, _targets(args.target))
+    print(f"report written to {Path(args.out) / 'report.md'} (+ summary.json, curves_*.png)")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
