@@ -24,6 +24,7 @@ import numpy as np
 import yaml
 
 from ..errors import UserError
+from ..files import read_jsonl
 from .evaluator import is_lower_better, read_evals
 
 AXES = {"step": "step", "images": "images seen", "seconds": "training seconds (evaluation excluded)"}
@@ -47,15 +48,7 @@ class Run:
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a torn last line (a killed run)
-            continue
-    return rows
+    return read_jsonl(path)  # a torn last line (a killed run) is skipped
 
 
 def _series(points: dict[int, tuple[float, float, float]]) -> Series:

@@ -24,6 +24,7 @@ import torch
 
 from ..diffusion import Objective
 from ..errors import UserError
+from ..files import read_jsonl
 from .heldout import HeldOutSet, heldout_terms
 
 EVALS_FILE = "evals.jsonl"
@@ -212,16 +213,7 @@ def evals_path(run_dir: str | Path) -> Path:
 
 def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
     """Entries of RUN/logs/evals.jsonl in file order (a torn last line, from a kill, is skipped)."""
-    path = evals_path(run_dir)
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return read_jsonl(evals_path(run_dir))
 
 
 def append_eval(run_dir: str | Path, entry: dict[str, Any]) -> None:
