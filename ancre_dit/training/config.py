@@ -82,6 +82,7 @@ class TrainConfig:
     sample_steps: int = 50            # DDPM steps of the grid sampler
     seed: int = 0
     compile: bool = False
+    grad_checkpointing: bool = False  # recompute each block's activations in backward (less memory, ~1 more forward)
     tf32: bool = True
 
 
