@@ -69,8 +69,10 @@ def write_synthetic_latents(out: Path, shards: int, per_shard: int, latent_shape
 
 
 def loader_images_per_second(root: Path, path: str, workers: int, batch: int, batches: int, warmup: int,
-                             seed: int) -> float:
-    """Images/s of `batches` micro-batches from the trainer's loader, after `warmup` (worker start)."""
+                             seed: int, cpu_rates: list[float] | None = None) -> float:
+    """Images/s of `batches` micro-batches from the trainer's loader, after `warmup` (worker start).
+    With no worker, also appends images per CPU-second of this process to `cpu_rates`: on a shared
+    machine that shows what the path costs, independent of how much CPU the others leave."""
     ds = LatentShardDataset(root)
     info = DataInfo(ds, "latents", ds.latent_shape[1], ds.latent_shape[0], ds.num_classes, 256, 3)
     sampler = GlobalBatchSampler(len(ds), batch, 1, 0, 1, seed)
@@ -78,24 +80,28 @@ def loader_images_per_second(root: Path, path: str, workers: int, batch: int, ba
     it = iter(loader)
     for _ in range(warmup):
         next(it)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(batches):
         x, y = next(it)
         assert x.shape[0] == batch
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     del it, loader
+    if cpu_rates is not None and workers == 0:  # all the reading happens in this process: its CPU time is the cost
+        cpu_rates.append(batch * batches / cpu)
     return batch * batches / elapsed
 
 
 def run_benchmark(root: Path, paths, workers, batch: int, batches: int, warmup: int, rounds: int,
                   seed: int = 0) -> dict[tuple[str, int], list[float]]:
     results: dict[tuple[str, int], list[float]] = {(p, w): [] for p in paths for w in workers}
+    cpu_rates: dict[tuple[str, int], list[float]] = {key: [] for key in results}
     configs = list(results)
     for r in range(rounds):
         k = r % len(configs)
         for path, w in configs[k:] + configs[:k]:
-            results[(path, w)].append(loader_images_per_second(root, path, w, batch, batches, warmup, seed + r))
-    return results
+            results[(path, w)].append(loader_images_per_second(root, path, w, batch, batches, warmup, seed + r,
+                                                               cpu_rates[(path, w)]))
+    return results, cpu_rates
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -130,15 +136,17 @@ def measure(args: argparse.Namespace) -> dict[tuple[str, int], float]:
         print(f"# {args.shards} shards x {args.per_shard} images of 4x{args.latent_side}x{args.latent_side} fp16 moments "
               f"in {root} (ready in {time.perf_counter() - start:.0f} s), batch {args.batch_size}, "
               f"{args.batches} batches x {args.rounds} interleaved rounds (median), 64 shard handles per process")
-        results = run_benchmark(root, args.paths, args.workers, args.batch_size, args.batches, args.warmup, args.rounds)
+        results, cpu_rates = run_benchmark(root, args.paths, args.workers, args.batch_size, args.batches, args.warmup,
+                                           args.rounds)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"{'path':<12}{'workers':>8}{'images/s':>12}{'min..max':>20}")
+    print(f"{'path':<12}{'workers':>8}{'images/s':>12}{'min..max':>20}{'images/CPU-s':>15}")
     medians = {}
     for (path, w), values in results.items():
         medians[(path, w)] = statistics.median(values)
-        print(f"{path:<12}{w:>8}{medians[(path, w)]:>12,.0f}{f'{min(values):,.0f}..{max(values):,.0f}':>20}")
+        per_cpu = f"{statistics.median(cpu_rates[(path, w)]):,.0f}" if cpu_rates[(path, w)] else "-"
+        print(f"{path:<12}{w:>8}{medians[(path, w)]:>12,.0f}{f'{min(values):,.0f}..{max(values):,.0f}':>20}{per_cpu:>15}")
     print(f"# load average at the end {os.getloadavg()[0]:.2f}")
     return medians
 
