@@ -8,12 +8,14 @@ image in the sorted file list). Training draws a fresh posterior sample per step
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset
@@ -29,6 +31,73 @@ SHARD_KEYS = ("mean", "std", "label", "index")
 
 def shard_file_name(shard: int) -> str:
     return f"shard-{shard:05d}.safetensors"
+
+
+# safetensors dtype names -> the numpy dtype the bytes are read as and the torch dtype they are.
+# bfloat16 has no numpy dtype: its bytes are read as uint16 and reinterpreted by torch.
+_DTYPES = {"F16": (np.dtype("<f2"), torch.float16), "BF16": (np.dtype("<u2"), torch.bfloat16),
+           "F32": (np.dtype("<f4"), torch.float32), "I64": (np.dtype("<i8"), torch.int64)}
+
+
+def read_safetensors_layout(path: str | os.PathLike) -> tuple[int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
+    """(start of the data section, {name: (dtype, shape, begin, end)}) from a safetensors header.
+
+    Read by hand because the batched reader needs byte offsets for numpy.memmap: safetensors'
+    `get_slice` only takes contiguous ranges, so gathering 256 random rows would cost 256 calls.
+    """
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return 8 + size, {name: (v["dtype"], tuple(v["shape"]), *v["data_offsets"]) for name, v in header.items()}
+
+
+class _ShardFile:
+    """An open shard for batched reads: the file descriptor, the mean/std row layout, the labels.
+
+    Rows are read with positional reads (`os.preadv`) straight into the batch buffer: no per-call
+    Python objects as with safetensors' `get_slice`, no page faults as with re-created memory maps
+    (measured on this CPU: about 4x and 2x faster per row respectively).
+    """
+
+    def __init__(self, path: Path, layout: tuple[int, dict]):
+        start, tensors = layout
+        self.offsets, self.row_bytes = {}, {}
+        for name in ("mean", "std"):
+            dtype, shape, begin, end = tensors[name]
+            if dtype not in _DTYPES:
+                raise UserError(f"{path}: tensor {name} has dtype {dtype}, which this reader does not know; "
+                                "re-extract the latents")
+            self.torch_dtype = _DTYPES[dtype][1]
+            self.offsets[name], self.row_bytes[name] = start + begin, (end - begin) // max(shape[0], 1)
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        dtype, shape, begin, end = tensors["label"]
+        raw = os.pread(self.fd, end - begin, start + begin) if hasattr(os, "pread") else self._read(end - begin, start + begin)
+        self.labels = np.frombuffer(raw, _DTYPES[dtype][0]).astype(np.int64)
+
+    def _read(self, size: int, offset: int) -> bytes:
+        os.lseek(self.fd, offset, os.SEEK_SET)  # platforms without pread (Windows): not thread-safe, fine per process
+        return os.read(self.fd, size)
+
+    def read_row(self, name: str, row: int, halves: list[memoryview]) -> None:
+        """Reads row `row` of tensor `name` into the given buffers (filled in order)."""
+        offset = self.offsets[name] + row * self.row_bytes[name]
+        if hasattr(os, "preadv"):
+            os.preadv(self.fd, halves, offset)
+        else:
+            data = self._read(self.row_bytes[name], offset)
+            at = 0
+            for h in halves:
+                h[:] = data[at:at + len(h)]
+                at += len(h)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __del__(self):
+        self.close()
 
 
 def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
@@ -58,8 +127,10 @@ class LatentShardDataset(Dataset):
     """Random access over all images of a latent directory.
 
     `ds[i] -> (moments, label)`: moments float16 (2, 2, C, h, w) indexed [flip][0=mean, 1=std].
-    Shards are memory-mapped through safetensors and opened lazily (so each DataLoader worker
-    opens its own handles); at most `max_open_shards` stay open per process.
+    `ds.get_batch(indices) -> (moments (N, 2, 2, C, h, w), labels int64 (N,))` is the same as
+    stacking `ds[i]` for each index, read in one gather per shard (the training loader's path).
+    Shards are memory-mapped and opened lazily (so each DataLoader worker opens its own handles);
+    at most `max_open_shards` stay open per process and per path.
     """
 
     def __init__(self, root: str | os.PathLike, max_open_shards: int = 64):
@@ -91,6 +162,9 @@ class LatentShardDataset(Dataset):
                              f"num_images={self.manifest['num_images']}; run --verify and re-extract")
         self._max_open = max(1, max_open_shards)
         self._open: OrderedDict[int, Any] = OrderedDict()
+        self._files_open: OrderedDict[int, _ShardFile] = OrderedDict()
+        self._layouts: dict[int, tuple[int, dict]] = {}  # headers, kept: a few hundred bytes per shard
+        self._starts_np = np.asarray(self._starts, dtype=np.int64)
 
     def __len__(self) -> int:
         return self._len
@@ -123,11 +197,71 @@ class LatentShardDataset(Dataset):
         std = f.get_slice("std")[row:row + 1][0]
         return torch.stack([mean, std], dim=1), labels[row]
 
+    def _layout(self, shard: int) -> tuple[int, dict]:
+        if shard not in self._layouts:
+            self._layouts[shard] = read_safetensors_layout(self._files[shard])
+        return self._layouts[shard]
+
+    def _shard_file(self, shard: int) -> _ShardFile:
+        """The shard opened for batched reads, least recently used closed first (as `_handle`)."""
+        entry = self._files_open.get(shard)
+        if entry is None:
+            entry = self._files_open[shard] = _ShardFile(self._files[shard], self._layout(shard))
+            if len(self._files_open) > self._max_open:
+                self._files_open.popitem(last=False)[1].close()
+        else:
+            self._files_open.move_to_end(shard)
+        return entry
+
+    def get_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(stack of ds[i][0], tensor of ds[i][1])` over `indices`, in their order.
+
+        Rows are read shard by shard in file order, each shard opened at most once per batch
+        however many shards the batch spans, straight into the batch tensor (allocated in shared
+        memory inside a DataLoader worker, as torch's default collate does, so handing it to the
+        main process costs no copy).
+        """
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(idx)
+        if n and not (-self._len <= idx.min() and idx.max() < self._len):
+            bad = idx[(idx < -self._len) | (idx >= self._len)][0]
+            raise IndexError(f"index {bad} out of range for {self._len} latents")
+        idx = idx % max(self._len, 1)
+        shard_of = np.searchsorted(self._starts_np, idx, side="right") - 1
+        rows = idx - self._starts_np[shard_of]
+        stored = self._layout(0)[1]["mean"][0] if self._len else "F16"
+        dtype = _DTYPES[stored][1] if stored in _DTYPES else torch.float16  # an unknown one fails in _ShardFile
+        moments = _new_batch_tensor((n, 2, 2, *self.latent_shape), dtype)
+        labels = torch.empty(n, dtype=torch.int64)
+        out = moments.view(torch.uint8).numpy().reshape(n, 2, 2, moments[0, 0, 0].nbytes if n else 0)  # [sample, flip, mean/std, bytes]
+        label_out = labels.numpy()
+        shard_list, row_list = shard_of.tolist(), rows.tolist()
+        for shard, group in itertools.groupby(np.lexsort((rows, shard_of)).tolist(), key=shard_list.__getitem__):
+            f = self._shard_file(shard)
+            if f.torch_dtype != dtype:
+                raise UserError(f"{self._files[shard]} stores {f.torch_dtype}, other shards {dtype}; re-extract the latents")
+            for k in group:
+                row = row_list[k]
+                f.read_row("mean", row, [out[k, 0, 0], out[k, 1, 0]])
+                f.read_row("std", row, [out[k, 0, 1], out[k, 1, 1]])
+                label_out[k] = f.labels[row]
+        return moments, labels
+
     def __getstate__(self) -> dict[str, Any]:
         # Open handles are not picklable (spawned DataLoader workers); each worker reopens lazily.
         state = self.__dict__.copy()
         state["_open"] = OrderedDict()
+        state["_files_open"] = OrderedDict()
         return state
+
+
+def _new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor; in shared memory inside a DataLoader worker (what default_collate does)."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    numel = int(np.prod(shape))
+    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(numel)
+    return torch.empty(0, dtype=dtype).new(storage).view(shape)
 
 
 def draw_latents_from_moments(moments: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -155,6 +155,13 @@ class DiT(nn.Module):
         nn.init.constant_(self.final_layer.linear.weight, 0)
         nn.init.constant_(self.final_layer.linear.bias, 0)
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Activation checkpointing per block (the unit the topology wires: a block for the
+        history topologies, a block with its stream mixing for HC / mHC): the block's internals
+        are recomputed in the backward pass, so only the topology's inputs per block stay in
+        memory. Gradients are unchanged; a training step costs about one more forward."""
+        self.topology.grad_checkpointing = bool(enable)
+
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         """(N, T, p*p*C) -> (N, C, H, W)."""
         p = self.patch_size

@@ -91,6 +91,7 @@ class TrainConfig:
     nonfinite: str = "skip"           # non-finite loss / grad norm: skip the update, or stop the run
     nonfinite_max_skips: int = 10     # with skip: stop after more than this many in a row
     compile: bool = False
+    grad_checkpointing: bool = False  # recompute each block's activations in backward (less memory, ~1 more forward)
     tf32: bool = True
 
 

@@ -168,14 +168,39 @@ def collate(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.
     return torch.stack([torch.as_tensor(x) for x in xs]), torch.tensor([int(y) for y in ys])
 
 
-def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool):
+class BatchFetcher(Dataset):
+    """`fetcher[indices]` -> the whole batch from `dataset.get_batch(indices)`.
+
+    Lets the DataLoader hand each worker a whole micro-batch of indices (sampler=GlobalBatchSampler,
+    batch_size=None), so a dataset that can gather a batch in one pass per file (the latent
+    shards) is not asked for one sample at a time. The batches are identical to collating
+    `dataset[i]`; tests/test_loader.py checks that.
+    """
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __getitem__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dataset.get_batch(indices)
+
+
+def _whole_batch(batch):
+    return batch  # BatchFetcher already returns the collated batch
+
+
+def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool,
+                batched: bool = True):
+    """The training DataLoader over `sampler`'s micro-batches. Datasets with a `get_batch` method
+    are read a batch at a time (unless `batched=False`: one `dataset[i]` per sample, then
+    `collate`); both give the same batches."""
     # A private generator: DataLoader would otherwise draw its worker base seed from the
     # global RNG, which the model's label dropout uses, and break exact resume.
-    return torch.utils.data.DataLoader(
-        info.dataset, batch_sampler=sampler, num_workers=num_workers, collate_fn=collate,
-        pin_memory=pin_memory, persistent_workers=num_workers > 0, generator=torch.Generator(),
-        prefetch_factor=4 if num_workers > 0 else None,
-    )
+    common = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                  generator=torch.Generator(), prefetch_factor=4 if num_workers > 0 else None)
+    if batched and hasattr(info.dataset, "get_batch"):
+        return torch.utils.data.DataLoader(BatchFetcher(info.dataset), sampler=sampler, batch_size=None,
+                                           collate_fn=_whole_batch, **common)
+    return torch.utils.data.DataLoader(info.dataset, batch_sampler=sampler, collate_fn=collate, **common)
 
 
 def describe(info: DataInfo) -> str:
@@ -183,5 +208,5 @@ def describe(info: DataInfo) -> str:
             f"{info.in_channels}x{info.input_size}x{info.input_size}")
 
 
-__all__ = ["DataInfo", "build_data", "prepare_batch", "GlobalBatchSampler", "advance_position", "make_loader",
+__all__ = ["DataInfo", "build_data", "prepare_batch", "GlobalBatchSampler", "advance_position", "make_loader", "BatchFetcher",
            "describe"]

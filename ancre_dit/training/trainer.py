@@ -121,6 +121,7 @@ class Trainer:
         self.raw_model.train()
         self.ema = ModelEmaV3(self.raw_model, decay=c.train.ema_decay, use_warmup=c.train.ema_warmup)
         self.ema.requires_grad_(False)
+        self.raw_model.set_grad_checkpointing(c.train.grad_checkpointing)
         self.objective = build_objective(diffusion_spec(c))
         rank = acc.process_index
         set_seed(_seed(c.train.seed, rank, 0))

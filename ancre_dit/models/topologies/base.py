@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 from ...errors import MissingFileError, UserError
 
@@ -30,11 +31,21 @@ class TopologyNotDefined(ValueError):
 
 
 class ResidualTopology(nn.Module):
-    """Base class: owns the loop over blocks. Subclasses override `forward` and `probabilities`."""
+    """Base class: owns the loop over blocks. Subclasses override `forward` and `probabilities`,
+    and call every block (or the unit they wire around it) through `run_block`, so activation
+    checkpointing (`DiT.set_grad_checkpointing`) works with every topology."""
 
     def __init__(self, num_blocks: int):
         super().__init__()
         self.num_blocks = num_blocks
+        self.grad_checkpointing = False
+
+    def run_block(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """`fn(*args)`; with gradient checkpointing on (and autograd recording), its activations
+        are recomputed in the backward pass instead of kept: only its inputs stay in memory."""
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
     def check_blocks(self, blocks: Sequence[nn.Module]) -> None:
         if len(blocks) != self.num_blocks:
@@ -53,7 +64,7 @@ class CascadedTopology(ResidualTopology):
     def forward(self, h0, blocks, c):
         h = h0
         for block in blocks:
-            h = block(h, c)
+            h = self.run_block(block, h, c)
         return h
 
     def probabilities(self) -> torch.Tensor:
@@ -66,7 +77,11 @@ class WeightedHistoryTopology(ResidualTopology):
     The weighted sum is a running sum over the kept history list (no stacked (K, ...) tensor), so
     activation memory matches the cascaded model. `edges[j]` lists the sources that can carry a
     non-zero weight into block j+1, so fixed sparse layouts skip their zero edges entirely.
+    In eager mode the sum of each block is one `weighted_sum` (a fused autograd function); under
+    torch.compile it is the plain `addcmul` chain, which the compiler fuses itself.
     """
+
+    fused_aggregation = True  # False: the addcmul chain in eager mode too (benchmarks and pinned tests compare both)
 
     def __init__(self, num_blocks: int, edges: list[list[int]] | None = None):
         super().__init__(num_blocks)
@@ -75,15 +90,62 @@ class WeightedHistoryTopology(ResidualTopology):
     def forward(self, h0, blocks, c):
         self.check_blocks(blocks)
         weights = self.probabilities()
+        fused = self.fused_aggregation and not torch.compiler.is_compiling()
         history = [h0]
         h = h0
         for j, block in enumerate(blocks):
-            out = block(h, c)
-            for i in self.edges[j]:
-                out = torch.addcmul(out, history[i], weights[j, i])
+            out = self.run_block(block, h, c)
+            edges = self.edges[j]
+            if fused and edges:
+                row = weights[j, edges[0]:edges[-1] + 1] if edges == list(range(edges[0], edges[-1] + 1)) \
+                    else weights[j, edges]
+                out = weighted_sum(out, row, [history[i] for i in edges])
+            else:
+                for i in edges:
+                    out = torch.addcmul(out, history[i], weights[j, i])
             h = out
             history.append(h)
         return h
+
+
+class _WeightedSum(torch.autograd.Function):
+    """out + sum_i w[i] * sources[i] with a backward that reads each source once.
+
+    Why by hand: autograd's backward of an addcmul chain makes, per edge, the product grad * h_i
+    then its sum (logit gradient) and grad * w_i (source gradient), two temporaries per edge and
+    a fresh output per edge in the forward. Here the forward accumulates in place into one new
+    tensor and the logit gradients are dot products (no temporary). Equal to the chain within
+    fp32 rounding (tests/test_grad_checkpointing.py::test_fused_weighted_sum_matches_the_addcmul_chain).
+    """
+
+    @staticmethod
+    def forward(ctx, out, weights, *sources):
+        result = torch.addcmul(out, sources[0], weights[0])
+        dtype = result.dtype
+        for s in sources[1:]:
+            dtype = torch.promote_types(dtype, s.dtype)
+        result = result.to(dtype)  # what the chain of out-of-place addcmuls would return
+        for i in range(1, len(sources)):
+            result.addcmul_(sources[i], weights[i])
+        ctx.save_for_backward(weights, *sources)
+        return result
+
+    @staticmethod
+    def backward(ctx, grad):
+        weights, *sources = ctx.saved_tensors
+        grad_weights = None
+        if ctx.needs_input_grad[1]:
+            flat = grad.reshape(-1)
+            grad_weights = torch.stack([torch.dot(flat, s.reshape(-1)) if s.dtype == flat.dtype
+                                        else (flat.float() * s.reshape(-1).float()).sum()
+                                        for s in sources]).to(weights.dtype)
+        grad_sources = [grad * weights[i] if ctx.needs_input_grad[2 + i] else None for i in range(len(sources))]
+        return grad, grad_weights, *grad_sources
+
+
+def weighted_sum(out: torch.Tensor, weights: torch.Tensor, sources: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`out + sum_i weights[i] * sources[i]` (weights a 1-d tensor, one per source), fused."""
+    return _WeightedSum.apply(out, weights, *sources)
 
 
 class FixedTopology(WeightedHistoryTopology):

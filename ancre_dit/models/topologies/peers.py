@@ -16,7 +16,8 @@ matrix: `probabilities()` raises `TopologyNotDefined`, which callers that draw h
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -66,7 +67,7 @@ class DenseFormerTopology(ResidualTopology):
         history = [h0]
         y = h0
         for j, block in enumerate(blocks):
-            history.append(block(y, c))
+            history.append(self.run_block(block, y, c))
             alpha = self.alphas[j]
             y = history[-1] * alpha[-1]
             for i in range(j + 1):  # running sum, as ANCRe: no stacked history tensor
@@ -82,15 +83,13 @@ class DenseFormerTopology(ResidualTopology):
         return torch.stack([a[-1] for a in self.alphas])
 
 
-def _run_blocks(blocks: Sequence[nn.Module], c: torch.Tensor, H: torch.Tensor,
-                sublayer: Callable[[int, torch.Tensor, Callable, tuple], torch.Tensor]) -> torch.Tensor:
-    """Calls `sublayer(l, H, branch, modulation)` for the attention (l = 2k) and MLP (l = 2k+1)
-    branch of every block k; returns the final streams."""
-    for k, block in enumerate(blocks):
-        mod = block.modulation(c)
-        H = sublayer(2 * k, H, block.attention_branch, mod[:3])
-        H = sublayer(2 * k + 1, H, block.mlp_branch, mod[3:])
-    return H
+def _wired_block(sublayer: Callable[[int, torch.Tensor, Callable, tuple], torch.Tensor], k: int, block: nn.Module,
+                 H: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Block k with its wiring: `sublayer(l, H, branch, modulation)` for the attention (l = 2k)
+    and the MLP (l = 2k+1) branch; returns the streams after it."""
+    mod = block.modulation(c)
+    H = sublayer(2 * k, H, block.attention_branch, mod[:3])
+    return sublayer(2 * k + 1, H, block.mlp_branch, mod[3:])
 
 
 class _StreamTopology(ResidualTopology):
@@ -104,7 +103,9 @@ class _StreamTopology(ResidualTopology):
         self.check_blocks(blocks)
         h0 = h0.float() if self.fp32_streams else h0
         H = repeat(h0, "... d -> ... n d", n=self.streams)  # n copies of h_0 (a view, no memory)
-        return reduce(_run_blocks(blocks, c, H, self._sublayer), "... n d -> ... d", "sum")
+        for k, block in enumerate(blocks):  # a checkpointed unit = the block and its stream wiring
+            H = self.run_block(partial(_wired_block, self._sublayer, k, block), H, c)
+        return reduce(H, "... n d -> ... d", "sum")
 
     def probabilities(self) -> torch.Tensor:
         raise TopologyNotDefined(f"{self.no_matrix_reason()}, so it has no (K, K) block-to-block matrix")

@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""ANCRe's aggregation cost and a peer side by side (issue 15, parts 2 and 3).
+
+Variants, all at the same DiT shape (32x32x4 latents, 1000 classes, learn_sigma):
+
+    cascaded      our plain DiT
+    ancre         ANCRe, eager aggregation = the fused weighted sum (topologies/base.py)
+    ancre-chain   ANCRe with the plain addcmul chain (what the compiler sees)
+    diffusers     diffusers' DiTTransformer2DModel with the same depth / width / heads / patch
+    cascaded+gc, ancre+gc   with activation checkpointing per block (--checkpointing)
+
+Modes, each timed separately:
+
+    fwd+bwd       forward + backward of a squared-output loss, no optimizer step
+    train         the same plus AdamW's step (the step the trainer takes)
+    sample        one no-grad forward in eval mode (a sampling step without guidance)
+
+Every round runs every (variant, mode) in a rotated order; the median over rounds of the mean
+step time is reported, and ratios are taken between medians of the same run. Memory: bytes of
+the tensors autograd saves in one forward (activations; parameters excluded), as
+scripts/bench_overhead.py counts them on the CPU.
+
+    python scripts/bench_peer.py --models DiT-S/2 DiT-B/2 --batch-sizes 4 2 --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from ancre_dit.cli import run_cli
+from ancre_dit.errors import UserError
+from ancre_dit.models import create_model
+from ancre_dit.models.dit import DIT_MODELS, DIT_SIZES
+
+MODES = ("fwd+bwd", "train", "sample")
+VARIANTS = ("cascaded", "ancre", "ancre-chain", "diffusers")
+
+
+def build(variant: str, name: str, input_size: int, compile_: bool) -> torch.nn.Module:
+    size, patch = DIT_MODELS[name]
+    depth, hidden, heads = DIT_SIZES[size]
+    if variant == "diffusers":
+        from diffusers import DiTTransformer2DModel
+        model = DiTTransformer2DModel(num_attention_heads=heads, attention_head_dim=hidden // heads, in_channels=4,
+                                      out_channels=8, num_layers=depth, sample_size=input_size, patch_size=patch,
+                                      num_embeds_ada_norm=1000, norm_type="ada_norm_zero")
+        forward = model.forward
+        model.forward = lambda x, t, y: forward(x, timestep=t, class_labels=y, return_dict=False)[0]
+    else:
+        topology = variant.split("+")[0].replace("-chain", "")
+        model = create_model(name, topology=topology, input_size=input_size, in_channels=4, num_classes=1000)
+        if variant.startswith("ancre-chain"):
+            model.topology.fused_aggregation = False
+        model.set_grad_checkpointing(variant.endswith("+gc"))
+    return torch.compile(model) if compile_ else model
+
+
+def saved_activation_bytes(model: torch.nn.Module, batch) -> int:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*batch).square().mean()
+    return sum(seen.values())
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["DiT-S/2"])
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[4])
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--checkpointing", action="store_true", help="add cascaded+gc and ancre+gc")
+    p.add_argument("--compile", action="store_true", help="torch.compile every variant (inductor)")
+    p.add_argument("--input-size", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per (variant, mode) per round")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    bad = [m for m in args.models if m not in DIT_MODELS]
+    if bad:
+        raise UserError(f"unknown model {bad[0]!r}; choose from {', '.join(DIT_MODELS)}")
+    if "cascaded" not in args.variants:
+        args.variants.insert(0, "cascaded")
+    if args.checkpointing:
+        args.variants += ["cascaded+gc", "ancre+gc"]
+    if min(args.rounds, args.steps, *args.batch_sizes) < 1:
+        raise UserError("--rounds, --steps and --batch-sizes must be at least 1")
+    return args
+
+
+def measure(args) -> dict:
+    """Runs every (model, batch): returns {(model, batch): {(variant, mode): median seconds}, memory}."""
+    torch.set_num_threads(args.threads)
+    print(f"# bench_peer  {datetime.now(timezone.utc).isoformat(timespec='seconds')}  torch {torch.__version__}  "
+          f"{platform.machine()}  threads {torch.get_num_threads()}  load average {os.getloadavg()[0]:.2f}  "
+          f"compile {args.compile}  fp32  rounds {args.rounds} x {args.steps} steps (median of round means)")
+    results = {}
+    for name in args.models:
+        for batch_size in args.batch_sizes:
+            torch.manual_seed(0)
+            models = {v: build(v, name, args.input_size, args.compile).train() for v in args.variants}
+            optimizers = {v: torch.optim.AdamW(m.parameters(), lr=1e-4) for v, m in models.items()}
+            g = torch.Generator().manual_seed(0)
+            batch = (torch.randn(batch_size, 4, args.input_size, args.input_size, generator=g),
+                     torch.randint(0, 1000, (batch_size,), generator=g), torch.randint(0, 1000, (batch_size,), generator=g))
+
+            def step(variant, mode):
+                model = models[variant]
+                if mode == "sample":
+                    model.eval()
+                    with torch.no_grad():
+                        model(*batch)
+                    model.train()
+                    return
+                optimizers[variant].zero_grad(set_to_none=True)
+                model(*batch).square().mean().backward()
+                if mode == "train":
+                    optimizers[variant].step()
+
+            memory = {v: saved_activation_bytes(m, batch) for v, m in models.items()} if not args.compile else {}
+            configs = [(v, m) for v in args.variants for m in args.modes]
+            for config in configs:
+                for _ in range(args.warmup):
+                    step(*config)
+            times = {c: [] for c in configs}
+            for r in range(args.rounds):
+                k = (r * 5) % len(configs)
+                for config in configs[k:] + configs[:k]:
+                    start = time.perf_counter()
+                    for _ in range(args.steps):
+                        step(*config)
+                    times[config].append((time.perf_counter() - start) / args.steps)
+            med = {c: statistics.median(v) for c, v in times.items()}
+            results[(name, batch_size)] = {"time": med, "memory": memory, "spread": times}
+            print(f"\n{name} batch {batch_size}  (load average now {os.getloadavg()[0]:.2f})")
+            print(f"{'variant':<14}{'mode':<10}{'ms':>10}{'x cascaded':>12}{'min..max ms':>16}{'saved MiB':>11}")
+            for v, m in configs:
+                ratio = med[(v, m)] / med[("cascaded", m)]
+                spread = f"{min(times[(v, m)]) * 1e3:.0f}..{max(times[(v, m)]) * 1e3:.0f}"
+                mem = f"{memory[v] / 2**20:.1f}" if v in memory and m == args.modes[0] else ""
+                print(f"{v:<14}{m:<10}{med[(v, m)] * 1e3:>10.1f}{ratio:>12.3f}{spread:>16}{mem:>11}")
+            if "diffusers" in args.variants:
+                line = ", ".join(f"{m} {med[('cascaded', m)] / med[('diffusers', m)]:.3f}" for m in args.modes)
+                print(f"cascaded / diffusers: {line}")
+            del models, optimizers
+    return results
+
+
+def main(argv=None) -> None:
+    measure(parse_args(argv))
+
+
+if __name__ == "__main__":
+    run_cli(main)

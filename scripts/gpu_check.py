@@ -1,0 +1,333 @@
+#!/usr/bin/env python3
+"""One prepared GPU check (issue 15, part 5): what a user's GPU will see, in one run of about 8 minutes.
+
+Measures, and writes to OUT/gpu_check.json and OUT/gpu_check.md:
+
+  training   DiT-S/2 and DiT-B/2, bf16 autocast, AdamW, eager and torch.compile, for cascaded,
+             ancre, denseformer, hc and mhc: step time, images/s, peak memory
+             (torch.cuda.max_memory_allocated), the time and memory ratios against cascaded, and
+             MFU = FLOPs of a step (torch.utils.flop_counter.FlopCounterMode, forward + backward)
+             / step time / peak dense bf16 FLOP/s of the device (from its name, or --peak-tflops)
+  loader     images/s of the trainer's latent loader (synthetic shards, batch 256, 8 workers)
+  sampling   images/s of DDPM-250 and DPM-Solver-25 with guidance 1.5, bf16 (latents, no VAE decode)
+  inception  images/s of inception-v3-compat feature extraction (random weights: timing only)
+
+Work runs in priority order (eager training, loader, sampling, Inception, then the compiled
+training runs, cascaded and ancre first) and stops starting new items once --budget-s is spent;
+skipped items are listed as such. Targets (BENCHMARKS.md): ancre at most 1% slower than cascaded
+in bf16 with compile, DiT-B/2 training at 40% MFU or more.
+
+    python scripts/gpu_check.py --out results/gpu_check
+    python scripts/gpu_check.py --smoke --out /tmp/gpu_check    # CPU, tiny sizes, seconds (a test runs this)
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ancre_dit.cli import run_cli
+from ancre_dit.errors import UserError
+from ancre_dit.models import create_model
+
+TOPOLOGIES = ("cascaded", "ancre", "denseformer", "hc", "mhc")
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device-name fragment, most specific first.
+PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("GH200", 989.0), ("B200", 2250.0),
+                    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0), ("4090", 165.0),
+                    ("3090", 71.0), ("V100", 125.0))
+DIFFUSION = {"num_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02, "learn_sigma": True}
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.start, self.seconds = time.perf_counter(), seconds
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.start)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="folder for gpu_check.json and gpu_check.md")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on any device (seconds on a CPU)")
+    p.add_argument("--device", default=None, help="default: cuda if available (required unless --smoke)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="peak dense bf16 TFLOP/s (default: from the device name)")
+    p.add_argument("--budget-s", type=float, default=450.0, help="stop starting new measurements after this")
+    p.add_argument("--batch-size", type=int, default=None, help="training batch (default 256; smoke 2)")
+    p.add_argument("--steps", type=int, default=None, help="timed training steps (default 20; smoke 2)")
+    p.add_argument("--loader-workers", type=int, default=8)
+    args = p.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not args.smoke and not args.device.startswith("cuda"):
+        raise UserError("gpu_check measures a GPU: run it on a machine with CUDA, or add --smoke for the CPU dry run")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError("--device cuda given but no CUDA device is visible")
+    return args
+
+
+def sizes(args) -> dict:
+    if args.smoke:
+        return dict(models={"DiT-S/2": dict(depth=2, hidden_size=32, num_heads=2)}, input_size=8,
+                    batch=args.batch_size or 2, steps=args.steps or 2, warmup=1, compile_backend="eager",
+                    loader=dict(shards=6, per_shard=8, side=4, batch=4, batches=3, workers=min(args.loader_workers, 1)),
+                    sampling=dict(images=2, ddpm=3, dpm=2), inception=dict(images=2, batch=2, size=64))
+    return dict(models={"DiT-S/2": {}, "DiT-B/2": {}}, input_size=32, batch=args.batch_size or 256,
+                steps=args.steps or 20, warmup=3, compile_backend="inductor",
+                loader=dict(shards=100, per_shard=400, side=32, batch=256, batches=100, workers=args.loader_workers),
+                sampling=dict(images=64, ddpm=250, dpm=25), inception=dict(images=1024, batch=256, size=299))
+
+
+def peak_tflops(args, device: torch.device) -> tuple[float | None, str]:
+    if args.peak_tflops:
+        return args.peak_tflops, "--peak-tflops"
+    if device.type != "cuda":
+        return None, "no peak for a CPU"
+    name = torch.cuda.get_device_name(device)
+    for fragment, value in PEAK_BF16_TFLOPS:
+        if fragment in name:
+            return value, f"table entry {fragment}"
+    return None, f"unknown device {name!r}: pass --peak-tflops"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def training_run(name: str, overrides: dict, topology: str, compiled: bool, cfg: dict, device: torch.device) -> dict:
+    """Step time, peak memory and FLOPs of one (model, topology, compile) in bf16 autocast."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = create_model(name, topology=topology, input_size=cfg["input_size"], in_channels=4, num_classes=1000,
+                         **overrides).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    runner = torch.compile(model, backend=cfg["compile_backend"]) if compiled else model
+    g = torch.Generator().manual_seed(0)
+    b, s = cfg["batch"], cfg["input_size"]
+    x, t, y = (torch.randn(b, 4, s, s, generator=g).to(device), torch.randint(0, 1000, (b,), generator=g).to(device),
+               torch.randint(0, 1000, (b,), generator=g).to(device))
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            out = runner(x, t, y)
+        out.float().square().mean().backward()
+        optimizer.step()
+
+    start = time.perf_counter()
+    for _ in range(cfg["warmup"]):
+        step()
+    sync(device)
+    warmup_s = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(cfg["steps"]):
+        step()
+    sync(device)
+    step_s = (time.perf_counter() - start) / cfg["steps"]
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    flops = None
+    if not compiled:  # the same model's FLOPs hold for its compiled run
+        counter = FlopCounterMode(display=False)
+        with counter:
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                out = model(x, t, y)
+            out.float().square().mean().backward()
+        flops = int(counter.get_total_flops())
+    del model, optimizer, runner
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"model": name, "topology": topology, "compile": compiled, "batch": b, "step_ms": step_s * 1e3,
+            "images_per_s": b / step_s, "peak_memory_bytes": peak, "flops_per_step": flops,
+            "warmup_and_compile_s": warmup_s}
+
+
+def load_bench_loader():
+    spec = importlib.util.spec_from_file_location("bench_loader", Path(__file__).with_name("bench_loader.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def loader_run(cfg: dict) -> dict:
+    bench = load_bench_loader()
+    c = cfg["loader"]
+    with tempfile.TemporaryDirectory(prefix="gpu_check_latents_") as tmp:
+        start = time.perf_counter()
+        root = bench.write_synthetic_latents(Path(tmp), c["shards"], c["per_shard"], (4, c["side"], c["side"]))
+        write_s = time.perf_counter() - start
+        rate = bench.loader_images_per_second(root, "batched", c["workers"], c["batch"], c["batches"], warmup=3, seed=0)
+    return {"images_per_s": rate, "workers": c["workers"], "batch": c["batch"], "shards": c["shards"],
+            "images_per_shard": c["per_shard"], "write_s": write_s}
+
+
+def sampling_run(name: str, overrides: dict, cfg: dict, device: torch.device) -> list[dict]:
+    from ancre_dit.sampling.api import sample_latents
+
+    torch.manual_seed(0)
+    model = create_model(name, topology="ancre", input_size=cfg["input_size"], in_channels=4, num_classes=1000,
+                         **overrides).to(device).eval()
+    c = cfg["sampling"]
+    labels = np.arange(c["images"]) % 1000
+    rows = []
+    precision = "bf16" if device.type == "cuda" else "fp32"
+    sample_latents(model, DIFFUSION, labels[:2], sampler="dpm-solver", steps=2, cfg_scale=1.5, precision=precision)
+    for sampler, steps in (("ddpm", c["ddpm"]), ("dpm-solver", c["dpm"])):
+        sync(device)
+        start = time.perf_counter()
+        sample_latents(model, DIFFUSION, labels, sampler=sampler, steps=steps, cfg_scale=1.5, precision=precision)
+        sync(device)
+        seconds = time.perf_counter() - start
+        rows.append({"model": name, "sampler": sampler, "steps": steps, "cfg_scale": 1.5, "images": len(labels),
+                     "precision": precision, "images_per_s": len(labels) / seconds})
+    return rows
+
+
+def inception_run(cfg: dict, device: torch.device) -> dict:
+    from ancre_dit.evaluation.inception import InceptionExtractor, write_random_inception_weights
+
+    c = cfg["inception"]
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        extractor = InceptionExtractor(write_random_inception_weights(Path(tmp) / "random-inception.pth"), device=device)
+        images = rng.integers(0, 256, (c["batch"], c["size"], c["size"], 3), dtype=np.uint8)
+        extractor.batch(images)
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(max(1, c["images"] // c["batch"])):
+            extractor.batch(images)
+        sync(device)
+        seconds = time.perf_counter() - start
+    return {"images_per_s": max(1, c["images"] // c["batch"]) * c["batch"] / seconds, "batch": c["batch"],
+            "image_size": c["size"], "weights": "random (timing only)"}
+
+
+def add_ratios_and_mfu(training: list[dict], peak: float | None) -> None:
+    flops = {(r["model"], r["topology"]): r["flops_per_step"] for r in training if r.get("flops_per_step")}
+    ref = {(r["model"], r["compile"]): r for r in training if r["topology"] == "cascaded" and "step_ms" in r}
+    for r in training:
+        if "step_ms" not in r:
+            continue
+        f = flops.get((r["model"], r["topology"]))
+        r["achieved_tflops"] = f / (r["step_ms"] / 1e3) / 1e12 if f else None
+        r["mfu"] = r["achieved_tflops"] / peak if (f and peak) else None
+        base = ref.get((r["model"], r["compile"]))
+        r["time_ratio"] = r["step_ms"] / base["step_ms"] if base else None
+        r["memory_ratio"] = (r["peak_memory_bytes"] / base["peak_memory_bytes"]
+                             if base and r["peak_memory_bytes"] and base["peak_memory_bytes"] else None)
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def markdown(report: dict) -> str:
+    lines = [f"# gpu_check {report['date']}", "",
+             f"device: {report['device']}; peak {report['peak_tflops']} TFLOP/s ({report['peak_source']}); "
+             f"torch {report['torch']}; smoke {report['smoke']}", "",
+             "## Training (bf16 autocast, AdamW; ratios against cascaded with the same compile setting)", "",
+             "| model | topology | compile | batch | step ms | images/s | MFU | time ratio | peak GiB | memory ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["training"]:
+        if "step_ms" not in r:
+            lines.append(f"| {r['model']} | {r['topology']} | {r['compile']} | skipped: {r['skipped']} |||||||")
+            continue
+        peak = r["peak_memory_bytes"] / 2**30 if r["peak_memory_bytes"] else None
+        lines.append(f"| {r['model']} | {r['topology']} | {r['compile']} | {r['batch']} | {r['step_ms']:.1f} | "
+                     f"{r['images_per_s']:.1f} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['time_ratio'], '.3f')} | "
+                     f"{_fmt(peak, '.2f')} | {_fmt(r['memory_ratio'], '.3f')} |")
+    lines += ["", "## Other throughputs", ""]
+    loader = report.get("loader") or {}
+    lines.append(f"- loader: {_fmt(loader.get('images_per_s'), ',.0f')} images/s ({loader.get('workers')} workers, "
+                 f"batch {loader.get('batch')}, {loader.get('shards')} shards){' ' + loader['skipped'] if 'skipped' in loader else ''}")
+    for r in report.get("sampling", []):
+        lines.append(f"- sampling {r['model']} {r['sampler']}-{r['steps']} cfg {r['cfg_scale']} ({r['precision']}): "
+                     f"{r['images_per_s']:.2f} images/s" if "images_per_s" in r else f"- sampling: skipped ({r['skipped']})")
+    inc = report.get("inception") or {}
+    lines.append(f"- inception: {_fmt(inc.get('images_per_s'), ',.1f')} images/s (batch {inc.get('batch')}, "
+                 f"{inc.get('image_size')} px, {inc.get('weights', inc.get('skipped'))})")
+    lines += ["", "## Targets", ""]
+    for t in report["targets"]:
+        lines.append(f"- {t['target']}: {t['measured']} -> {t['verdict']}")
+    return "\n".join(lines) + "\n"
+
+
+def targets(training: list[dict], smoke: bool) -> list[dict]:
+    found = []
+    if smoke:
+        return [{"target": "ancre <= 1.01x cascaded (bf16 + compile); DiT-B/2 MFU >= 40%",
+                 "measured": "not evaluated", "verdict": "smoke run: tiny sizes, no verdict"}]
+    for r in training:
+        if r.get("topology") == "ancre" and r.get("compile") and "time_ratio" in r and r["time_ratio"]:
+            found.append({"target": f"{r['model']} ancre / cascaded step time, bf16 + compile <= 1.01",
+                          "measured": f"{r['time_ratio']:.3f}", "verdict": "met" if r["time_ratio"] <= 1.01 else "NOT met"})
+        if r.get("model") == "DiT-B/2" and r.get("topology") == "cascaded" and r.get("mfu") is not None:
+            found.append({"target": f"DiT-B/2 cascaded training MFU >= 40% (compile {r['compile']})",
+                          "measured": f"{r['mfu']:.1%}", "verdict": "met" if r["mfu"] >= 0.40 else "NOT met"})
+    return found
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    cfg = sizes(args)
+    budget = Budget(args.budget_s)
+    if args.smoke and device.type == "cpu":
+        torch.set_num_threads(1)  # tiny ops: a second thread only waits (and thrashes on a shared box)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    peak, peak_source = peak_tflops(args, device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": name, "torch": torch.__version__,
+              "smoke": args.smoke, "peak_tflops": peak, "peak_source": peak_source, "budget_s": args.budget_s,
+              "training": [], "sampling": []}
+
+    def guarded(label: str, fn):
+        if budget.left() <= 0:
+            print(f"skip {label}: budget spent", flush=True)
+            return {"skipped": "budget spent"}
+        t0 = time.perf_counter()
+        result = fn()
+        print(f"{label}: {time.perf_counter() - t0:.1f} s", flush=True)
+        return result
+
+    plan = [(m, o, topo, False) for m, o in cfg["models"].items() for topo in TOPOLOGIES]
+    compiled = [(m, o, topo, True) for topo in ("cascaded", "ancre") for m, o in cfg["models"].items()]
+    if not args.smoke:  # the smoke run compiles two topologies: enough to keep the path working
+        compiled += [(m, o, topo, True) for m, o in cfg["models"].items() for topo in TOPOLOGIES[2:]]
+    for m, o, topo, comp in plan:
+        r = guarded(f"train {m} {topo} compile={comp}", lambda: training_run(m, o, topo, comp, cfg, device))
+        report["training"].append({"model": m, "topology": topo, "compile": comp, **r})
+    report["loader"] = guarded("loader", lambda: loader_run(cfg))
+    for m, o in cfg["models"].items():
+        rows = guarded(f"sampling {m}", lambda: sampling_run(m, o, cfg, device))
+        report["sampling"] += rows if isinstance(rows, list) else [rows]
+    report["inception"] = guarded("inception", lambda: inception_run(cfg, device))
+    for m, o, topo, comp in compiled:
+        r = guarded(f"train {m} {topo} compile={comp}", lambda: training_run(m, o, topo, comp, cfg, device))
+        report["training"].append({"model": m, "topology": topo, "compile": comp, **r})
+    add_ratios_and_mfu(report["training"], peak)
+    report["targets"] = targets(report["training"], args.smoke)
+    report["elapsed_s"] = time.perf_counter() - budget.start
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    (out / "gpu_check.md").write_text(markdown(report))
+    print(markdown(report))
+    print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'} in {report['elapsed_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    run_cli(main)

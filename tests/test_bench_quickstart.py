@@ -1,0 +1,28 @@
+"""scripts/bench_quickstart.py (issue 15, part 4) times the quickstart's steps and reads the accuracy back."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import subprocess_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_times_train_sample_evaluate_and_reports_accuracy(tmp_path):
+    run = tmp_path / "qs"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_quickstart.py"), "--run-dir", str(run), "--num-samples", "20",
+           "--sample-batch", "20", "--sampler", "dpm-solver", "--steps", "3", "--",
+           "train.max_steps=3", "train.ckpt_every=3", "train.sample_every=0", "model.depth=2", "log.tensorboard=false"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((run / "bench_quickstart.json").read_text())
+    assert 0.0 <= report["accuracy"] <= 1.0 and report["num_samples"] == 20
+    for step in ("train", "sample", "evaluate"):
+        assert report["seconds"][step]["wall"] > 0 and report["seconds"][step]["cpu"] > 0
+    assert (run / "checkpoints" / "0000003").is_dir() and (run / "samples.npz").is_file()
