@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="timed steps per (variant, mode) per round")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu = this process's CPU time (use with --threads 1 on a shared machine: other "
+                        "processes then do not enter the time)")
     args = p.parse_args(argv)
     bad = [m for m in args.models if m not in DIT_MODELS]
     if bad:
@@ -105,9 +108,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def measure(args) -> dict:
     """Runs every (model, batch): returns {(model, batch): {(variant, mode): median seconds}, memory}."""
     torch.set_num_threads(args.threads)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"# bench_peer  {datetime.now(timezone.utc).isoformat(timespec='seconds')}  torch {torch.__version__}  "
           f"{platform.machine()}  threads {torch.get_num_threads()}  load average {os.getloadavg()[0]:.2f}  "
-          f"compile {args.compile}  fp32  rounds {args.rounds} x {args.steps} steps (median of round means)")
+          f"compile {args.compile}  fp32  clock {args.clock}  rounds {args.rounds} x {args.steps} steps (median of round means)")
     results = {}
     for name in args.models:
         for batch_size in args.batch_sizes:
@@ -140,10 +144,10 @@ def measure(args) -> dict:
             for r in range(args.rounds):
                 k = (r * 5) % len(configs)
                 for config in configs[k:] + configs[:k]:
-                    start = time.perf_counter()
+                    start = clock()
                     for _ in range(args.steps):
                         step(*config)
-                    times[config].append((time.perf_counter() - start) / args.steps)
+                    times[config].append((clock() - start) / args.steps)
             med = {c: statistics.median(v) for c, v in times.items()}
             results[(name, batch_size)] = {"time": med, "memory": memory, "spread": times}
             print(f"\n{name} batch {batch_size}  (load average now {os.getloadavg()[0]:.2f})")
