@@ -368,6 +368,7 @@ def test_the_table_is_big_enough():
     assert {c[1] for c in CASES} == set(SCRIPTS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,command,argv,expected", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_and_touches_nothing(name, command, argv, expected, world, mixed_sizes, monkeypatch,
                                                    capsys):

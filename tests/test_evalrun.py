@@ -120,6 +120,7 @@ def test_one_and_two_process_evaluations_give_the_same_numbers(tmp_path):
     assert "digits_acc/cfg2" in e1[0]["metrics"]
 
 
+@pytest.mark.slow
 def test_digits_metric_separates_real_digits_from_noise(tmp_path):
     from ancre_dit.data.digits import DigitsDataset, to_uint8
     from ancre_dit.evaluation.digits_classifier import _train, classify, digits_metric, digits_reference_scores
@@ -247,6 +248,7 @@ def test_seed_groups_aggregate_mean_and_std(tmp_path):
     assert rows["ancre-s* (2 runs)"].final_std == pytest.approx(np.std([0.6, 0.4], ddof=1))
 
 
+@pytest.mark.slow
 def test_compare_runs_command(tmp_path):
     run = _fake_run(tmp_path, "r", {1: 1.0, 2: 0.5}, {2: {"heldout_loss": 0.4}})
     env = subprocess_env()

@@ -35,6 +35,7 @@ def test_smoke_run_writes_every_measurement(tmp_path):
     assert "| DiT-S/2 | mhc | False |" in text and "no verdict" in text
 
 
+@pytest.mark.slow
 def test_refuses_to_measure_a_gpu_on_the_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu"], capture_output=True,
                           text=True, env=subprocess_env(), cwd=ROOT, timeout=120)

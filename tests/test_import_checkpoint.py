@@ -52,6 +52,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_dit_release_state_dict_imports_with_the_same_output(tmp_path):
     source = _model("cascaded", 1)
     torch.save(source.state_dict(), tmp_path / "DiT-T-4-64x64.pt")  # the release layout: a bare state dict
@@ -118,6 +119,7 @@ class _Payload:
         return exec, (f"open({str(self.marker)!r}, 'w').close()",)
 
 
+@pytest.mark.slow
 def test_a_pickle_that_would_run_code_is_refused(tmp_path):
     marker = tmp_path / "pwned"
     evil = tmp_path / "evil.pt"

@@ -114,6 +114,7 @@ def _latents_with_an_inf_sample(root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_an_inf_data_sample_is_skipped_or_stops_the_command(tmp_path):
     latents = _latents_with_an_inf_sample(tmp_path / "latents")
     common = ["data.kind=latents", f"data.path={latents}", "data.image_size=32", "train.global_batch_size=8",
