@@ -44,7 +44,7 @@ TOPOLOGIES = ("cascaded", "ancre", "denseformer", "hc", "mhc")
 PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("GH200", 989.0), ("B200", 2250.0),
                     ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0), ("4090", 165.0),
                     ("3090", 71.0), ("V100", 125.0))
-DIFFUSION = {"num_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02, "learn_sigma": True}
+DIFFUSION = {"objective": "ddpm", "learn_sigma": True}  # DiT's schedule (build_objective fills in the rest)
 
 
 class Budget:
@@ -174,6 +174,7 @@ def loader_run(cfg: dict) -> dict:
 
 def sampling_run(name: str, overrides: dict, cfg: dict, device: torch.device) -> list[dict]:
     from ancre_dit.sampling.api import sample_latents
+    from ancre_dit.sampling.guidance import Guidance
 
     torch.manual_seed(0)
     model = create_model(name, topology="ancre", input_size=cfg["input_size"], in_channels=4, num_classes=1000,
@@ -182,11 +183,11 @@ def sampling_run(name: str, overrides: dict, cfg: dict, device: torch.device) ->
     labels = np.arange(c["images"]) % 1000
     rows = []
     precision = "bf16" if device.type == "cuda" else "fp32"
-    sample_latents(model, DIFFUSION, labels[:2], sampler="dpm-solver", steps=2, cfg_scale=1.5, precision=precision)
+    sample_latents(model, DIFFUSION, labels[:2], sampler="dpm-solver", steps=2, guidance=Guidance(1.5), precision=precision)
     for sampler, steps in (("ddpm", c["ddpm"]), ("dpm-solver", c["dpm"])):
         sync(device)
         start = time.perf_counter()
-        sample_latents(model, DIFFUSION, labels, sampler=sampler, steps=steps, cfg_scale=1.5, precision=precision)
+        sample_latents(model, DIFFUSION, labels, sampler=sampler, steps=steps, guidance=Guidance(1.5), precision=precision)
         sync(device)
         seconds = time.perf_counter() - start
         rows.append({"model": name, "sampler": sampler, "steps": steps, "cfg_scale": 1.5, "images": len(labels),
