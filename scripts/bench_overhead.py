@@ -29,6 +29,7 @@ from tqdm import tqdm
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.models import TOPOLOGIES, create_model
+from ancre_dit.profiling import saved_activation_bytes
 
 DEFAULT_TOPOLOGIES = ("cascaded", "ancre", "denseformer", "hc", "hc-dynamic", "mhc")
 SHARED = ("x_embedder", "t_embedder", "y_embedder", "blocks", "final_layer")
@@ -79,23 +80,6 @@ def build_models(name: str, args) -> tuple[dict[str, torch.nn.Module], dict[str,
         models[topology] = model.to(args.device).train()
         added[topology] = sum(p.numel() for p in model.topology.parameters())
     return models, added
-
-
-def saved_activation_bytes(model, batch, autocast) -> int:
-    """Bytes autograd keeps for backward in one forward (parameters excluded, storages once)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
-        loss = model(*batch).float().square().mean()
-    del loss
-    return sum(seen.values())
 
 
 def main() -> None:

@@ -37,6 +37,7 @@ from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.models import create_model
 from ancre_dit.models.dit import DIT_MODELS, DIT_SIZES
+from ancre_dit.profiling import saved_activation_bytes
 
 MODES = ("fwd+bwd", "train", "sample")
 VARIANTS = ("cascaded", "ancre", "ancre-chain", "diffusers")
@@ -59,21 +60,6 @@ def build(variant: str, name: str, input_size: int, compile_: bool) -> torch.nn.
             model.topology.fused_aggregation = False
         model.set_grad_checkpointing(variant.endswith("+gc"))
     return torch.compile(model) if compile_ else model
-
-
-def saved_activation_bytes(model: torch.nn.Module, batch) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(*batch).square().mean()
-    return sum(seen.values())
 
 
 def parse_args(argv=None) -> argparse.Namespace:
