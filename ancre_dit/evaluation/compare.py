@@ -47,10 +47,6 @@ class Run:
     series: dict[str, Series] = field(default_factory=dict)
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return read_jsonl(path)  # a torn last line (a killed run) is skipped
-
-
 def _series(points: dict[int, tuple[float, float, float]]) -> Series:
     steps = sorted(points)
     cols = np.array([points[s] for s in steps], dtype=np.float64).reshape(len(steps), 3)
@@ -70,7 +66,7 @@ def load_run(path: str | Path) -> Run:
         seconds = row.get("train_seconds")
         return (float(value), np.nan if images is None else float(images), np.nan if seconds is None else float(seconds))
 
-    loss = {int(r["step"]): point(r, r["loss"]) for r in _jsonl(path / "logs" / "metrics.jsonl") if "loss" in r}
+    loss = {int(r["step"]): point(r, r["loss"]) for r in read_jsonl(path / "logs" / "metrics.jsonl") if "loss" in r}
     if loss:
         run.series["train_loss"] = _series(loss)
     evals = read_evals(path)
