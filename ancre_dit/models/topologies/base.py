@@ -86,6 +86,10 @@ class WeightedHistoryTopology(ResidualTopology):
     def __init__(self, num_blocks: int, edges: list[list[int]] | None = None):
         super().__init__(num_blocks)
         self.edges = edges if edges is not None else [list(range(j + 1)) for j in range(num_blocks)]
+        # How each block's weights are read from its row of P, decided once: a contiguous run of
+        # sources is a slice (a view), anything else an index list (a gather).
+        self._row_selectors = [None if not e else slice(e[0], e[-1] + 1) if e == list(range(e[0], e[-1] + 1)) else e
+                               for e in self.edges]
 
     def forward(self, h0, blocks, c):
         self.check_blocks(blocks)
@@ -97,9 +101,7 @@ class WeightedHistoryTopology(ResidualTopology):
             out = self.run_block(block, h, c)
             edges = self.edges[j]
             if fused and edges:
-                row = weights[j, edges[0]:edges[-1] + 1] if edges == list(range(edges[0], edges[-1] + 1)) \
-                    else weights[j, edges]
-                out = weighted_sum(out, row, [history[i] for i in edges])
+                out = weighted_sum(out, weights[j, self._row_selectors[j]], [history[i] for i in edges])
             else:
                 for i in edges:
                     out = torch.addcmul(out, history[i], weights[j, i])
