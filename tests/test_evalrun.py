@@ -260,3 +260,38 @@ def test_compare_runs_command(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare_runs.py"), str(tmp_path / "missing"),
                           "--out", str(tmp_path / "o2")], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "error: run directory" in bad.stderr
+
+
+@pytest.mark.slow
+def test_inception_metrics_during_training_equal_the_offline_pipeline(tmp_path):
+    """FID / IS / precision / recall in training (features per part, gathered, scored) give the numbers
+    of sample.py + the standalone evaluator on the same checkpoint, seed and sampler. Random Inception
+    weights (written here) keep it offline: the values mean nothing, their equality does."""
+    from ancre_dit.data.adm_npz import save_adm_npz
+    from ancre_dit.data.digits import DigitsDataset, to_uint8
+    from ancre_dit.evaluation import WEIGHTS_NAME, evaluate, write_random_inception_weights
+    from helpers import load_script
+
+    weights = write_random_inception_weights(tmp_path / WEIGHTS_NAME, seed=0)
+    held = DigitsDataset("heldout")
+    ref = save_adm_npz(tmp_path / "ref.npz", to_uint8(held.images[:10]).transpose(0, 2, 3, 1), held.labels[:10].numpy())
+    metrics = ["fid", "is", "precision", "recall"]
+    run = tmp_path / "run"
+    train(tiny_config(run, "train.max_steps=2", "train.ckpt_every=2", "train.eval_every=2", "eval.num_samples=8",
+                      "eval.batch_size=4", "eval.sampler=ddpm", "eval.steps=3", "eval.cfg_scales=[1.5]",
+                      "eval.heldout_loss=false", f"eval.metrics=[{','.join(metrics)}]", f"eval.ref={ref}",
+                      f"eval.inception_weights={weights}"))
+    reset_accelerate()
+    (entry,) = read_evals(run)
+    during = entry["metrics"]
+    assert set(during) == {f"{m}/cfg1.5" for m in metrics}
+    assert during["fid/cfg1.5"] > 0 and during["is/cfg1.5"] > 1.0
+
+    samples = tmp_path / "samples.npz"
+    load_script(ROOT / "sample.py").main(["--ckpt", str(run / "checkpoints" / "0000002"), "--num-samples", "8",
+                                          "--batch-size", "4", "--sampler", "ddpm", "--steps", "3", "--cfg-scale", "1.5",
+                                          "--seed", "0", "--out", str(samples), "--cpu"])
+    reset_accelerate()
+    offline = evaluate(samples, ref, weights, metrics=tuple(metrics), fid_method="eigh", device="cpu").metrics
+    for m in metrics:
+        assert during[f"{m}/cfg1.5"] == pytest.approx(offline[m], rel=1e-5), m
