@@ -9,8 +9,8 @@ box it shows what the step would take alone with one thread) and the held-out cl
 accuracy on the samples. Writes RUN/bench_quickstart.json.
 
     python scripts/bench_quickstart.py                                   # the quickstart as it is
-    python scripts/bench_quickstart.py --threads 2 --sampler dpm-solver --steps 25 -- \\
-        train.max_steps=800 train.global_batch_size=128 train.lr=2e-3 train.sample_every=0
+    python scripts/bench_quickstart.py --config configs/digits-ancre.yaml --sampler ddpm --steps 50 --sample-batch 100  # the old one
+    python scripts/bench_quickstart.py --threads 2 -- train.max_steps=400 train.global_batch_size=128
 """
 from __future__ import annotations
 
@@ -34,13 +34,13 @@ ACCURACY = re.compile(r"class accuracy\s+([0-9.]+)")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=str(ROOT / "configs" / "digits-ancre.yaml"))
+    p.add_argument("--config", default=str(ROOT / "configs" / "quickstart.yaml"))
     p.add_argument("--run-dir", default=str(ROOT / "results" / "bench_quickstart"), help="replaced if it exists")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every step")
     p.add_argument("--num-samples", type=int, default=200)
-    p.add_argument("--sample-batch", type=int, default=100)
-    p.add_argument("--sampler", default="ddpm", choices=("ddpm", "ddim", "dpm-solver"))
-    p.add_argument("--steps", type=int, default=50, help="sampling steps")
+    p.add_argument("--sample-batch", type=int, default=200)
+    p.add_argument("--sampler", default="heun", help="sample.py --sampler (quickstart.sh: heun)")
+    p.add_argument("--steps", type=int, default=10, help="sampling steps (quickstart.sh: 10)")
     p.add_argument("--cfg-scale", type=float, default=2.0)
     p.add_argument("overrides", nargs="*", help="config overrides for train.py (after --), e.g. train.max_steps=800")
     args = p.parse_args(argv)

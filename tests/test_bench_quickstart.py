@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_times_train_sample_evaluate_and_reports_accuracy(tmp_path):
     run = tmp_path / "qs"
     cmd = [sys.executable, str(ROOT / "scripts" / "bench_quickstart.py"), "--run-dir", str(run), "--num-samples", "20",
-           "--sample-batch", "20", "--sampler", "dpm-solver", "--steps", "3", "--",
-           "train.max_steps=3", "train.ckpt_every=3", "train.sample_every=0", "model.depth=2", "log.tensorboard=false"]
+           "--sample-batch", "20", "--sampler", "euler", "--steps", "3", "--",
+           "train.max_steps=3", "train.ckpt_every=3", "train.sample_every=0", "train.eval_every=0", "model.depth=2",
+           "log.tensorboard=false"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((run / "bench_quickstart.json").read_text())
