@@ -8,6 +8,8 @@ one process, global batch 256) for each worker count and read path:
 
     per-sample  one `ds[i]` per image (two safetensors `get_slice` calls) and `collate`
     batched     one `get_batch` per micro-batch: one gather per shard from a memory map
+    in-memory   `data.in_memory=true`: every shard read once into RAM (not timed; its load time is
+                printed), then one `index_select` per micro-batch
 
 The 256 rows of a shuffled batch come from nearly every shard, more than the 64 shard handles a
 process keeps open. Rounds are interleaved (every configuration once per round); the median over
@@ -37,7 +39,18 @@ from ancre_dit.errors import UserError
 from ancre_dit.latents.shards import write_shard
 from ancre_dit.training.data import DataInfo, GlobalBatchSampler, make_loader
 
-PATHS = ("per-sample", "batched")
+PATHS = ("per-sample", "batched", "in-memory")
+_IN_MEMORY: dict[Path, LatentShardDataset] = {}  # loaded once per run, shared by its rounds
+
+
+def open_dataset(root: Path, path: str) -> LatentShardDataset:
+    if path != "in-memory":
+        return LatentShardDataset(root)
+    if root not in _IN_MEMORY:
+        start = time.perf_counter()
+        _IN_MEMORY[root] = LatentShardDataset(root, in_memory=True)
+        print(f"# in-memory: {len(_IN_MEMORY[root])} images loaded in {time.perf_counter() - start:.1f} s (not timed below)")
+    return _IN_MEMORY[root]
 
 
 def write_synthetic_latents(out: Path, shards: int, per_shard: int, latent_shape=(4, 32, 32),
@@ -73,10 +86,10 @@ def loader_images_per_second(root: Path, path: str, workers: int, batch: int, ba
     """Images/s of `batches` micro-batches from the trainer's loader, after `warmup` (worker start).
     With no worker, also appends images per CPU-second of this process to `cpu_rates`: on a shared
     machine that shows what the path costs, independent of how much CPU the others leave."""
-    ds = LatentShardDataset(root)
+    ds = open_dataset(root, path)
     info = DataInfo(ds, "latents", ds.latent_shape[1], ds.latent_shape[0], ds.num_classes, 256, 3)
     sampler = GlobalBatchSampler(len(ds), batch, 1, 0, 1, seed)
-    loader = make_loader(info, sampler, workers, pin_memory=False, batched=path == "batched")
+    loader = make_loader(info, sampler, workers, pin_memory=False, batched=path != "per-sample")
     it = iter(loader)
     for _ in range(warmup):
         next(it)
@@ -139,6 +152,7 @@ def measure(args: argparse.Namespace) -> dict[tuple[str, int], float]:
         results, cpu_rates = run_benchmark(root, args.paths, args.workers, args.batch_size, args.batches, args.warmup,
                                            args.rounds)
     finally:
+        _IN_MEMORY.pop(root, None)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"{'path':<12}{'workers':>8}{'images/s':>12}{'min..max':>20}{'images/CPU-s':>15}")

@@ -67,10 +67,45 @@ def test_batched_loader_yields_the_per_sample_loaders_batches(latent_dir, worker
         assert y.tolist() == [ds[i][1] for i in indices]
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_in_memory_latents_give_the_files_batches(latent_dir, workers):
+    """data.in_memory: one array read up front; every sample, batch and loader stream is bitwise
+    what the shard files give (so exact resume and the 1-vs-N-process equality carry over)."""
+    files, memory = LatentShardDataset(latent_dir, max_open_shards=2), LatentShardDataset(latent_dir, in_memory=True)
+    assert memory._memory is not None and not memory._files_open  # nothing left open after loading
+    for i in (0, 12, 13, 90, -1):
+        assert torch.equal(memory[i][0], files[i][0]) and memory[i][1] == files[i][1]
+    for indices in ([90, 0, 13, 12, 13], np.random.default_rng(1).permutation(91)[:40].tolist(), [-1, -91]):
+        (xa, ya), (xb, yb) = memory.get_batch(indices), files.get_batch(indices)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    with pytest.raises(IndexError, match="out of range"):
+        memory.get_batch([91])
+    streams = []
+    for ds in (files, memory):
+        sampler = GlobalBatchSampler(len(ds), 16, world=2, rank=0, accum=1, seed=5, epoch=0, offset=16)
+        streams.append(list(itertools.islice(iter(make_loader(_info(ds), sampler, workers, pin_memory=False)), 9)))
+    for (xa, ya), (xb, yb) in zip(*streams):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_in_memory_latents_refused_in_one_line_without_the_ram(latent_dir, monkeypatch):
+    import ancre_dit.data.latents as latents
+    from ancre_dit.errors import UserError
+    from ancre_dit.training.config import load_config
+    from ancre_dit.training.data import build_data
+
+    monkeypatch.setattr(latents, "available_memory_bytes", lambda: 10_000)  # the 91 images need 93 KB
+    with pytest.raises(UserError, match=r"needs 0\.0 GiB .* set data.in_memory=false"):
+        LatentShardDataset(latent_dir, in_memory=True)
+    monkeypatch.undo()
+    config = load_config(None, ["data.kind=latents", f"data.path={latent_dir}", "data.image_size=32", "data.in_memory=true"])
+    assert build_data(config, patch_size=2).dataset._memory is not None  # the config key reaches the dataset
+
+
 def test_bench_loader_runs(latent_dir, capsys):
     bench = _bench_script()
     args = bench.parse_args(["--dir", str(latent_dir), "--shards", "7", "--per-shard", "13", "--latent-side", "4",
                              "--batch-size", "8", "--workers", "0", "--batches", "2", "--warmup", "1", "--rounds", "1"])
     medians = bench.measure(args)
-    assert set(medians) == {("per-sample", 0), ("batched", 0)} and all(v > 0 for v in medians.values())
+    assert set(medians) == {("per-sample", 0), ("batched", 0), ("in-memory", 0)} and all(v > 0 for v in medians.values())
     assert "batched" in capsys.readouterr().out

@@ -131,9 +131,14 @@ class LatentShardDataset(Dataset):
     stacking `ds[i]` for each index, read in one gather per shard (the training loader's path).
     Shards are memory-mapped and opened lazily (so each DataLoader worker opens its own handles);
     at most `max_open_shards` stay open per process and per path.
+
+    `in_memory=True` reads every shard once, here, into one array in shared memory (DataLoader
+    workers see it without a copy); batches are then one `index_select`, the same bytes as from
+    the files. It needs the latents' size in free RAM (ImageNet-256 with both flips: about 42 GB)
+    and refuses in one line when that is not available.
     """
 
-    def __init__(self, root: str | os.PathLike, max_open_shards: int = 64):
+    def __init__(self, root: str | os.PathLike, max_open_shards: int = 64, in_memory: bool = False):
         self.root = Path(root)
         self.manifest = read_manifest(self.root)
         self.num_classes: int = int(self.manifest["num_classes"])
@@ -165,6 +170,7 @@ class LatentShardDataset(Dataset):
         self._files_open: OrderedDict[int, _ShardFile] = OrderedDict()
         self._layouts: dict[int, tuple[int, dict]] = {}  # headers, kept: a few hundred bytes per shard
         self._starts_np = np.asarray(self._starts, dtype=np.int64)
+        self._memory: tuple[torch.Tensor, torch.Tensor] | None = self._load_all() if in_memory else None
 
     def __len__(self) -> int:
         return self._len
@@ -191,6 +197,10 @@ class LatentShardDataset(Dataset):
         return shard, i - self._starts[shard]
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        if self._memory is not None:
+            self.locate(int(i))  # the range check
+            moments, labels = self._memory
+            return moments[int(i)].clone(), int(labels[int(i)])
         shard, row = self.locate(int(i))
         f, labels = self._handle(shard)
         mean = f.get_slice("mean")[row:row + 1][0]
@@ -227,6 +237,11 @@ class LatentShardDataset(Dataset):
             bad = idx[(idx < -self._len) | (idx >= self._len)][0]
             raise IndexError(f"index {bad} out of range for {self._len} latents")
         idx = idx % max(self._len, 1)
+        if self._memory is not None:
+            moments, labels = self._memory
+            picked = torch.from_numpy(idx)
+            out = _new_batch_tensor((n, *moments.shape[1:]), moments.dtype)
+            return torch.index_select(moments, 0, picked, out=out), labels[picked]
         shard_of = np.searchsorted(self._starts_np, idx, side="right") - 1
         rows = idx - self._starts_np[shard_of]
         stored = self._layout(0)[1]["mean"][0] if self._len else "F16"
@@ -247,12 +262,55 @@ class LatentShardDataset(Dataset):
                 label_out[k] = f.labels[row]
         return moments, labels
 
+    def _load_all(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(moments (N, 2, 2, C, h, w), labels (N,)) of every shard, in shared memory."""
+        from tqdm.auto import tqdm
+
+        stored = self._layout(0)[1]["mean"][0] if self._len else "F16"
+        dtype = _DTYPES[stored][1] if stored in _DTYPES else torch.float16
+        shape = (self._len, 2, 2, *self.latent_shape)
+        need = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        free = available_memory_bytes()
+        if free is not None and need > 0.9 * free:
+            raise UserError(f"data.in_memory needs {need / 2**30:.1f} GiB for the latents of {self.root} but "
+                            f"{free / 2**30:.1f} GiB of memory is available; set data.in_memory=false "
+                            "(the shards are then read from disk)")
+        moments = torch.empty(shape, dtype=dtype).share_memory_()
+        labels = torch.empty(self._len, dtype=torch.int64)
+        flat = moments.view(torch.uint8).numpy().reshape(self._len, 2, 2, -1)  # [image, flip, mean/std, bytes]
+        for shard in tqdm(range(len(self._files)), desc="latents into memory", unit="shard", dynamic_ncols=True):
+            f = self._shard_file(shard)
+            if f.torch_dtype != dtype:
+                raise UserError(f"{self._files[shard]} stores {f.torch_dtype}, other shards {dtype}; re-extract the latents")
+            start, count = self._starts[shard], len(f.labels)
+            for which, name in enumerate(("mean", "std")):
+                size = f.row_bytes[name] * count
+                block = os.pread(f.fd, size, f.offsets[name]) if hasattr(os, "pread") else f._read(size, f.offsets[name])
+                flat[start:start + count, :, which] = np.frombuffer(block, np.uint8).reshape(count, 2, -1)
+            labels[start:start + count] = torch.from_numpy(f.labels)
+        for entry in self._files_open.values():
+            entry.close()
+        self._files_open.clear()
+        return moments, labels
+
     def __getstate__(self) -> dict[str, Any]:
         # Open handles are not picklable (spawned DataLoader workers); each worker reopens lazily.
         state = self.__dict__.copy()
         state["_open"] = OrderedDict()
         state["_files_open"] = OrderedDict()
         return state
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None (the in-memory check is then skipped)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -63,6 +63,7 @@ class DataConfig:
     image_size: int = 256             # pixels of the decoded image
     num_workers: int = 4
     vae: str | None = None            # local VAE folder for sample grids (latents; default: manifest's)
+    in_memory: bool = False           # latents: load every shard into RAM once (batches are then an index_select)
 
 
 @dataclass

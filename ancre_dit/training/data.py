@@ -64,7 +64,7 @@ def build_data(config: Config, patch_size: int) -> DataInfo:
             raise UserError(f"the digits are 8x8 pixels; set data.image_size=8 (got {d.image_size})")
     elif d.kind == "latents":
         from ..data.latents import LatentShardDataset
-        ds = LatentShardDataset(d.path)
+        ds = LatentShardDataset(d.path, in_memory=d.in_memory)
         c, h, w = ds.latent_shape
         m = ds.manifest
         if int(m["image_size"]) != d.image_size:
