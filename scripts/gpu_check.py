@@ -168,8 +168,11 @@ def loader_run(cfg: dict) -> dict:
         root = bench.write_synthetic_latents(Path(tmp), c["shards"], c["per_shard"], (4, c["side"], c["side"]))
         write_s = time.perf_counter() - start
         rate = bench.loader_images_per_second(root, "batched", c["workers"], c["batch"], c["batches"], warmup=3, seed=0)
+        # data.in_memory with no worker: the other way to feed a GPU when the latents fit in RAM
+        in_memory = bench.loader_images_per_second(root, "in-memory", 0, c["batch"], c["batches"], warmup=3, seed=0)
+        bench._IN_MEMORY.clear()
     return {"images_per_s": rate, "workers": c["workers"], "batch": c["batch"], "shards": c["shards"],
-            "images_per_shard": c["per_shard"], "write_s": write_s}
+            "images_per_shard": c["per_shard"], "write_s": write_s, "in_memory_0_workers_images_per_s": in_memory}
 
 
 def sampling_run(name: str, overrides: dict, cfg: dict, device: torch.device) -> list[dict]:
@@ -251,7 +254,9 @@ def markdown(report: dict) -> str:
     lines += ["", "## Other throughputs", ""]
     loader = report.get("loader") or {}
     lines.append(f"- loader: {_fmt(loader.get('images_per_s'), ',.0f')} images/s ({loader.get('workers')} workers, "
-                 f"batch {loader.get('batch')}, {loader.get('shards')} shards){' ' + loader['skipped'] if 'skipped' in loader else ''}")
+                 f"batch {loader.get('batch')}, {loader.get('shards')} shards); data.in_memory with no worker: "
+                 f"{_fmt(loader.get('in_memory_0_workers_images_per_s'), ',.0f')} images/s"
+                 f"{' ' + loader['skipped'] if 'skipped' in loader else ''}")
     for r in report.get("sampling", []):
         lines.append(f"- sampling {r['model']} {r['sampler']}-{r['steps']} cfg {r['cfg_scale']} ({r['precision']}): "
                      f"{r['images_per_s']:.2f} images/s" if "images_per_s" in r else f"- sampling: skipped ({r['skipped']})")
