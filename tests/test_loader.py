@@ -102,6 +102,38 @@ def test_in_memory_latents_refused_in_one_line_without_the_ram(latent_dir, monke
     assert build_data(config, patch_size=2).dataset._memory is not None  # the config key reaches the dataset
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_reused_worker_buffers_survive_a_slow_consumer(latent_dir, workers):
+    """Workers write batches into a ring of reused shared buffers (BatchFetcher); a consumer slower
+    than the workers still gets every batch intact. The same loader with a one-buffer ring hands
+    over overwritten batches: the ring size is what keeps them apart."""
+    import time
+
+    from torch.utils.data import DataLoader
+
+    from ancre_dit.training.data import BatchFetcher, _CopiedBatches, _whole_batch
+
+    ds = LatentShardDataset(latent_dir)
+
+    def sampler():
+        return GlobalBatchSampler(len(ds), 8, world=1, rank=0, accum=1, seed=7)
+
+    def slowly(loader) -> list:
+        out = []
+        for x, y in itertools.islice(iter(loader), 14):
+            time.sleep(0.03)  # the workers run ahead as far as the DataLoader lets them
+            out.append((x, y))
+        return out
+
+    reference = list(itertools.islice(iter(make_loader(_info(ds), sampler(), 0, pin_memory=False)), 14))
+    for (xa, ya), (xb, yb) in zip(slowly(make_loader(_info(ds), sampler(), workers, pin_memory=False)), reference):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    too_small = DataLoader(BatchFetcher(ds, ring_size=1), sampler=sampler(), batch_size=None, collate_fn=_whole_batch,
+                           num_workers=workers, prefetch_factor=4, generator=torch.Generator())
+    broken = slowly(_CopiedBatches(too_small, copy=True))
+    assert any(not torch.equal(xa, xb) for (xa, _), (xb, _) in zip(broken, reference))
+
+
 def test_bench_loader_runs(latent_dir, capsys):
     bench = _bench_script()
     args = bench.parse_args(["--dir", str(latent_dir), "--shards", "7", "--per-shard", "13", "--latent-side", "4",
@@ -109,3 +141,22 @@ def test_bench_loader_runs(latent_dir, capsys):
     medians = bench.measure(args)
     assert set(medians) == {("per-sample", 0), ("batched", 0), ("in-memory", 0)} and all(v > 0 for v in medians.values())
     assert "batched" in capsys.readouterr().out
+
+
+def test_heldout_slice_of_the_training_latents_keeps_the_batched_read(latent_dir):
+    """eval.heldout_from_train=K: training reads the first N-K latents (still a batch at a time),
+    the evaluation the last K; the two never overlap."""
+    from ancre_dit.training.config import load_config
+    from ancre_dit.training.data import build_data
+
+    config = load_config(None, ["data.kind=latents", f"data.path={latent_dir}", "data.image_size=32",
+                                "eval.heldout_from_train=10"])
+    info = build_data(config, patch_size=2)
+    train_set, heldout = info.dataset, info.heldout
+    assert (len(train_set), len(heldout)) == (81, 10) and hasattr(train_set, "get_batch")
+    full = LatentShardDataset(latent_dir)
+    indices = [80, 0, 40, 13, 13]
+    x, y = train_set.get_batch(indices)
+    ref_x, ref_y = collate([full[i] for i in indices])
+    assert torch.equal(x, ref_x) and torch.equal(y, ref_y)
+    assert torch.equal(heldout[0][0], full[81][0])  # the held-out part starts where training stops

@@ -223,8 +223,9 @@ class LatentShardDataset(Dataset):
             self._files_open.move_to_end(shard)
         return entry
 
-    def get_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(stack of ds[i][0], tensor of ds[i][1])` over `indices`, in their order.
+    def get_batch(self, indices: Sequence[int], out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(stack of ds[i][0], tensor of ds[i][1])` over `indices`, in their order; the moments are
+        written into `out` when it is given with the right shape and dtype (a reused buffer).
 
         Rows are read shard by shard in file order, each shard opened at most once per batch
         however many shards the batch spans, straight into the batch tensor (allocated in shared
@@ -240,13 +241,15 @@ class LatentShardDataset(Dataset):
         if self._memory is not None:
             moments, labels = self._memory
             picked = torch.from_numpy(idx)
-            out = _new_batch_tensor((n, *moments.shape[1:]), moments.dtype)
+            if not _fits(out, (n, *moments.shape[1:]), moments.dtype):
+                out = _new_batch_tensor((n, *moments.shape[1:]), moments.dtype)
             return torch.index_select(moments, 0, picked, out=out), labels[picked]
         shard_of = np.searchsorted(self._starts_np, idx, side="right") - 1
         rows = idx - self._starts_np[shard_of]
         stored = self._layout(0)[1]["mean"][0] if self._len else "F16"
         dtype = _DTYPES[stored][1] if stored in _DTYPES else torch.float16  # an unknown one fails in _ShardFile
-        moments = _new_batch_tensor((n, 2, 2, *self.latent_shape), dtype)
+        shape = (n, 2, 2, *self.latent_shape)
+        moments = out if _fits(out, shape, dtype) else _new_batch_tensor(shape, dtype)
         labels = torch.empty(n, dtype=torch.int64)
         out = moments.view(torch.uint8).numpy().reshape(n, 2, 2, moments[0, 0, 0].nbytes if n else 0)  # [sample, flip, mean/std, bytes]
         label_out = labels.numpy()
@@ -311,6 +314,10 @@ def available_memory_bytes() -> int | None:
     except OSError:
         pass
     return None
+
+
+def _fits(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    return out is not None and tuple(out.shape) == tuple(shape) and out.dtype == dtype and out.is_contiguous()
 
 
 def _new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
