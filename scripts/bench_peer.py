@@ -15,6 +15,12 @@ Modes, each timed separately:
     train         the same plus AdamW's step (the step the trainer takes)
     sample        one no-grad forward in eval mode (a sampling step without guidance)
 
+Every model starts from its own initialisation with its all-zero parameter tensors (our adaLN-Zero
+and output layers, zero biases) set to small random values, as after some training: at
+initialisation those layers make every upstream gradient exactly zero, and AdamW's CPU step runs
+about twice as slow on all-zero gradients (measured on a 2304x384 tensor: 7.7 ms against 3.7 ms
+with random ones), which would charge our model for its initialisation, not for its code.
+
 Every round runs every (variant, mode) in a rotated order; the median over rounds of the mean
 step time is reported, and ratios are taken between medians of the same run. Memory: bytes of
 the tensors autograd saves in one forward (activations; parameters excluded), as
@@ -59,7 +65,17 @@ def build(variant: str, name: str, input_size: int, compile_: bool) -> torch.nn.
         if variant.startswith("ancre-chain"):
             model.topology.fused_aggregation = False
         model.set_grad_checkpointing(variant.endswith("+gc"))
+    leave_zero_init(model)
     return torch.compile(model) if compile_ else model
+
+
+def leave_zero_init(model: torch.nn.Module, std: float = 0.02, seed: int = 0) -> None:
+    """Gives every all-zero trainable tensor N(0, std^2) values (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad and not p.any():
+                p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
