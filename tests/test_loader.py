@@ -130,7 +130,7 @@ def test_reused_worker_buffers_survive_a_slow_consumer(latent_dir, workers):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     too_small = DataLoader(BatchFetcher(ds, ring_size=1), sampler=sampler(), batch_size=None, collate_fn=_whole_batch,
                            num_workers=workers, prefetch_factor=4, generator=torch.Generator())
-    broken = slowly(_CopiedBatches(too_small, copy=True))
+    broken = slowly(_CopiedBatches(too_small))
     assert any(not torch.equal(xa, xb) for (xa, _), (xb, _) in zip(broken, reference))
 
 
@@ -160,3 +160,26 @@ def test_heldout_slice_of_the_training_latents_keeps_the_batched_read(latent_dir
     ref_x, ref_y = collate([full[i] for i in indices])
     assert torch.equal(x, ref_x) and torch.equal(y, ref_y)
     assert torch.equal(heldout[0][0], full[81][0])  # the held-out part starts where training stops
+
+
+def test_a_shard_stored_in_another_dtype_is_one_clear_error(latent_dir, tmp_path):
+    """Batched reads (from the files or into memory) need one moments dtype across shards."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from ancre_dit.data.latents import shard_file_name
+    from ancre_dit.errors import UserError
+    from ancre_dit.latents.shards import write_shard
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(latent_dir, mixed)
+    tensors = load_file(str(mixed / shard_file_name(3)))
+    tensors = {k: v.float() if k in ("mean", "std") else v for k, v in tensors.items()}
+    write_shard(mixed, 3, tensors, {"shard": 3, "count": 13, "report": []})
+    ds = LatentShardDataset(mixed)
+    ds.get_batch([0, 12])  # shards 0 only: fine
+    with pytest.raises(UserError, match=r"shard-00003.* stores torch.float32, other shards torch.float16; re-extract"):
+        ds.get_batch([0, 3 * 13])
+    with pytest.raises(UserError, match=r"shard-00003.* stores torch.float32, other shards torch.float16; re-extract"):
+        LatentShardDataset(mixed, in_memory=True)

@@ -72,10 +72,13 @@ class _ShardFile:
             self.offsets[name], self.row_bytes[name] = start + begin, (end - begin) // max(shape[0], 1)
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         dtype, shape, begin, end = tensors["label"]
-        raw = os.pread(self.fd, end - begin, start + begin) if hasattr(os, "pread") else self._read(end - begin, start + begin)
+        raw = self.read_bytes(end - begin, start + begin)
         self.labels = np.frombuffer(raw, _DTYPES[dtype][0]).astype(np.int64)
 
-    def _read(self, size: int, offset: int) -> bytes:
+    def read_bytes(self, size: int, offset: int) -> bytes:
+        """`size` bytes at `offset` (a positional read where the platform has one)."""
+        if hasattr(os, "pread"):
+            return os.pread(self.fd, size, offset)
         os.lseek(self.fd, offset, os.SEEK_SET)  # platforms without pread (Windows): not thread-safe, fine per process
         return os.read(self.fd, size)
 
@@ -85,7 +88,7 @@ class _ShardFile:
         if hasattr(os, "preadv"):
             os.preadv(self.fd, halves, offset)
         else:
-            data = self._read(self.row_bytes[name], offset)
+            data = self.read_bytes(self.row_bytes[name], offset)
             at = 0
             for h in halves:
                 h[:] = data[at:at + len(h)]
@@ -212,8 +215,14 @@ class LatentShardDataset(Dataset):
             self._layouts[shard] = read_safetensors_layout(self._files[shard])
         return self._layouts[shard]
 
-    def _shard_file(self, shard: int) -> _ShardFile:
-        """The shard opened for batched reads, least recently used closed first (as `_handle`)."""
+    def _moments_dtype(self) -> torch.dtype:
+        """The dtype of the stored mean/std, from the first shard's header (an unknown one fails in _ShardFile)."""
+        stored = self._layout(0)[1]["mean"][0] if self._len else "F16"
+        return _DTYPES[stored][1] if stored in _DTYPES else torch.float16
+
+    def _shard_file(self, shard: int, dtype: torch.dtype) -> _ShardFile:
+        """The shard opened for batched reads, least recently used closed first (as `_handle`);
+        a shard whose moments are not stored as `dtype` is one clear error."""
         entry = self._files_open.get(shard)
         if entry is None:
             entry = self._files_open[shard] = _ShardFile(self._files[shard], self._layout(shard))
@@ -221,6 +230,8 @@ class LatentShardDataset(Dataset):
                 self._files_open.popitem(last=False)[1].close()
         else:
             self._files_open.move_to_end(shard)
+        if entry.torch_dtype != dtype:
+            raise UserError(f"{self._files[shard]} stores {entry.torch_dtype}, other shards {dtype}; re-extract the latents")
         return entry
 
     def get_batch(self, indices: Sequence[int], out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,8 +257,7 @@ class LatentShardDataset(Dataset):
             return torch.index_select(moments, 0, picked, out=out), labels[picked]
         shard_of = np.searchsorted(self._starts_np, idx, side="right") - 1
         rows = idx - self._starts_np[shard_of]
-        stored = self._layout(0)[1]["mean"][0] if self._len else "F16"
-        dtype = _DTYPES[stored][1] if stored in _DTYPES else torch.float16  # an unknown one fails in _ShardFile
+        dtype = self._moments_dtype()
         shape = (n, 2, 2, *self.latent_shape)
         moments = out if _fits(out, shape, dtype) else _new_batch_tensor(shape, dtype)
         labels = torch.empty(n, dtype=torch.int64)
@@ -255,9 +265,7 @@ class LatentShardDataset(Dataset):
         label_out = labels.numpy()
         shard_list, row_list = shard_of.tolist(), rows.tolist()
         for shard, group in itertools.groupby(np.lexsort((rows, shard_of)).tolist(), key=shard_list.__getitem__):
-            f = self._shard_file(shard)
-            if f.torch_dtype != dtype:
-                raise UserError(f"{self._files[shard]} stores {f.torch_dtype}, other shards {dtype}; re-extract the latents")
+            f = self._shard_file(shard, dtype)
             for k in group:
                 row = row_list[k]
                 f.read_row("mean", row, [out[k, 0, 0], out[k, 1, 0]])
@@ -269,8 +277,7 @@ class LatentShardDataset(Dataset):
         """(moments (N, 2, 2, C, h, w), labels (N,)) of every shard, in shared memory."""
         from tqdm.auto import tqdm
 
-        stored = self._layout(0)[1]["mean"][0] if self._len else "F16"
-        dtype = _DTYPES[stored][1] if stored in _DTYPES else torch.float16
+        dtype = self._moments_dtype()
         shape = (self._len, 2, 2, *self.latent_shape)
         need = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
         free = available_memory_bytes()
@@ -282,13 +289,11 @@ class LatentShardDataset(Dataset):
         labels = torch.empty(self._len, dtype=torch.int64)
         flat = moments.view(torch.uint8).numpy().reshape(self._len, 2, 2, -1)  # [image, flip, mean/std, bytes]
         for shard in tqdm(range(len(self._files)), desc="latents into memory", unit="shard", dynamic_ncols=True):
-            f = self._shard_file(shard)
-            if f.torch_dtype != dtype:
-                raise UserError(f"{self._files[shard]} stores {f.torch_dtype}, other shards {dtype}; re-extract the latents")
+            f = self._shard_file(shard, dtype)
             start, count = self._starts[shard], len(f.labels)
             for which, name in enumerate(("mean", "std")):
                 size = f.row_bytes[name] * count
-                block = os.pread(f.fd, size, f.offsets[name]) if hasattr(os, "pread") else f._read(size, f.offsets[name])
+                block = f.read_bytes(size, f.offsets[name])
                 flat[start:start + count, :, which] = np.frombuffer(block, np.uint8).reshape(count, 2, -1)
             labels[start:start + count] = torch.from_numpy(f.labels)
         for entry in self._files_open.values():
