@@ -53,6 +53,11 @@ def open_dataset(root: Path, path: str) -> LatentShardDataset:
     return _IN_MEMORY[root]
 
 
+def release_in_memory(root: Path) -> None:
+    """Frees the in-memory copy `open_dataset` keeps for `root` (its rounds are over)."""
+    _IN_MEMORY.pop(root, None)
+
+
 def write_synthetic_latents(out: Path, shards: int, per_shard: int, latent_shape=(4, 32, 32),
                             num_classes: int = 1000, seed: int = 0) -> Path:
     """A latent directory in the extractor's format (random moments) written with `write_shard`;
@@ -152,7 +157,7 @@ def measure(args: argparse.Namespace) -> dict[tuple[str, int], float]:
         results, cpu_rates = run_benchmark(root, args.paths, args.workers, args.batch_size, args.batches, args.warmup,
                                            args.rounds)
     finally:
-        _IN_MEMORY.pop(root, None)
+        release_in_memory(root)
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     print(f"{'path':<12}{'workers':>8}{'images/s':>12}{'min..max':>20}{'images/CPU-s':>15}")

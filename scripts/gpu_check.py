@@ -170,7 +170,7 @@ def loader_run(cfg: dict) -> dict:
         rate = bench.loader_images_per_second(root, "batched", c["workers"], c["batch"], c["batches"], warmup=3, seed=0)
         # data.in_memory with no worker: the other way to feed a GPU when the latents fit in RAM
         in_memory = bench.loader_images_per_second(root, "in-memory", 0, c["batch"], c["batches"], warmup=3, seed=0)
-        bench._IN_MEMORY.clear()
+        bench.release_in_memory(root)
     return {"images_per_s": rate, "workers": c["workers"], "batch": c["batch"], "shards": c["shards"],
             "images_per_shard": c["per_shard"], "write_s": write_s, "in_memory_0_workers_images_per_s": in_memory}
 

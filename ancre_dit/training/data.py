@@ -206,21 +206,20 @@ class _SubsetBatches(Subset):
 
 class _CopiedBatches:
     """Iterates a DataLoader whose workers reuse buffers (BatchFetcher's ring), copying each batch
-    before asking for the next one.
+    before asking for the next one (with pin_memory the pinning thread copies; this is not needed).
 
     Why the ring is safe: the DataLoader keeps at most P = prefetch_factor x workers batches in
     flight and sends the task for batch m + P just before it returns batch m, so a worker writes
     batch m + P while batches m .. m + P - 1 may still be uncopied: at most prefetch_factor + 1 of
     them are that worker's (tasks go round-robin), and its ring holds prefetch_factor + 2.
-    With pin_memory the pinning thread has already copied the batch: nothing more to do.
     """
 
-    def __init__(self, loader: torch.utils.data.DataLoader, copy: bool):
-        self.loader, self.copy = loader, copy
+    def __init__(self, loader: torch.utils.data.DataLoader):
+        self.loader = loader
 
     def __iter__(self):
         for x, y in self.loader:
-            yield (x.clone() if self.copy else x), y
+            yield x.clone(), y
 
 
 def _whole_batch(batch):
@@ -241,7 +240,7 @@ def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, p
         ring = prefetch + 2 if num_workers > 0 else 0
         loader = torch.utils.data.DataLoader(BatchFetcher(info.dataset, ring), sampler=sampler, batch_size=None,
                                              collate_fn=_whole_batch, **common)
-        return _CopiedBatches(loader, copy=not pin_memory) if ring else loader
+        return _CopiedBatches(loader) if ring and not pin_memory else loader
     return torch.utils.data.DataLoader(info.dataset, batch_sampler=sampler, collate_fn=collate, **common)
 
 
