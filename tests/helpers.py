@@ -62,6 +62,17 @@ def tiny_config(run_dir: Path, *overrides: str) -> Config:
     return load_config(None, [*TINY_TRAIN, f"run_dir={run_dir}", *overrides])
 
 
+def assert_same_weights(a: Path, b: Path) -> None:
+    """Two checkpoint folders hold bitwise the same model and EMA weights."""
+    from safetensors.torch import load_file
+
+    for name in ("model.safetensors", "ema.safetensors"):
+        sa, sb = load_file(str(a / name)), load_file(str(b / name))
+        assert sa.keys() == sb.keys(), name
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), f"{name}:{k} differs"
+
+
 def reset_accelerate() -> None:
     """AcceleratorState is a process-wide singleton: reset it between in-process runs."""
     from accelerate.state import AcceleratorState, GradientState, PartialState

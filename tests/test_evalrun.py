@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import ROOT, reset_accelerate, subprocess_env, tiny_config
+from helpers import ROOT, assert_same_weights, reset_accelerate, subprocess_env, tiny_config
 
 from ancre_dit.errors import UserError
 from ancre_dit.evaluation.compare import group_runs, load_run, steps_to_target, summarize, write_report
@@ -40,15 +40,6 @@ def _fresh_accelerate(tmp_path, monkeypatch):
     reset_accelerate()
 
 
-def _weights_equal(a: Path, b: Path) -> None:
-    from safetensors.torch import load_file
-    for name in ("model.safetensors", "ema.safetensors"):
-        sa, sb = load_file(str(a / name)), load_file(str(b / name))
-        assert sa.keys() == sb.keys()
-        for k in sa:
-            assert torch.equal(sa[k], sb[k]), f"{name}:{k}"
-
-
 def _by_step(entries: list[dict]) -> dict[int, dict]:
     return {e["step"]: e["metrics"] for e in entries}
 
@@ -70,7 +61,7 @@ def test_eval_entries_match_evaluate_run_and_leave_training_unchanged(tmp_path):
     # The same run with evaluation off trains the same weights (the training streams are untouched).
     train(tiny_config(tmp_path / "off", "train.max_steps=4", *ckpt, *EVAL[1:], "train.eval_every=0"))
     reset_accelerate()
-    _weights_equal(tmp_path / "on" / "checkpoints" / "0000004", tmp_path / "off" / "checkpoints" / "0000004")
+    assert_same_weights(tmp_path / "on" / "checkpoints" / "0000004", tmp_path / "off" / "checkpoints" / "0000004")
     assert not (tmp_path / "off" / "logs" / "evals.jsonl").exists()
 
     # Resume with evaluation on: 2 steps, then 2 more from the checkpoint -> same weights and entries.
@@ -78,7 +69,7 @@ def test_eval_entries_match_evaluate_run_and_leave_training_unchanged(tmp_path):
     reset_accelerate()
     train(tiny_config(tmp_path / "split", "train.max_steps=4", *ckpt, *EVAL), resume="auto")
     reset_accelerate()
-    _weights_equal(tmp_path / "on" / "checkpoints" / "0000004", tmp_path / "split" / "checkpoints" / "0000004")
+    assert_same_weights(tmp_path / "on" / "checkpoints" / "0000004", tmp_path / "split" / "checkpoints" / "0000004")
     assert _by_step(read_evals(tmp_path / "split")) == _by_step(entries)
 
     # evaluate.py --run on the finished run's checkpoints gives the numbers training wrote.

@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from helpers import reset_accelerate, tiny_config
+from helpers import assert_same_weights, reset_accelerate, tiny_config
 from test_sampling import DIGITS, REPO, TINY, random_model, run_sample, sample_with_one_and_two_processes
 
 from ancre_dit.diffusion import FlowObjective, build_objective
@@ -193,8 +193,6 @@ def test_config_checks_the_diffusion_section(tmp_path):
 
 # -- training and processes --------------------------------------------------------------------------
 def test_flow_resume_is_bitwise_exact_and_the_spec_records_the_objective(tmp_path):
-    from safetensors.torch import load_file
-
     from ancre_dit.trained_model import load_trained_model
 
     common = ["train.ckpt_every=3", "model.learn_sigma=false", "model.class_dropout=0.1", "diffusion.objective=flow",
@@ -209,9 +207,7 @@ def test_flow_resume_is_bitwise_exact_and_the_spec_records_the_objective(tmp_pat
     finally:
         reset_accelerate()
     a, b = tmp_path / "straight" / "checkpoints" / "0000006", tmp_path / "split" / "checkpoints" / "0000006"
-    for name in ("model.safetensors", "ema.safetensors"):
-        sa, sb = load_file(str(a / name)), load_file(str(b / name))
-        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), name
+    assert_same_weights(a, b)
     _, spec = load_trained_model(a)
     assert spec["diffusion"] == {"objective": "flow", "path": "linear", "prediction": "velocity",
                                  "time_sampling": "logit-normal", "logit_mean": 0.0, "logit_std": 0.8,

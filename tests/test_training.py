@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, TINY_TRAIN, reset_accelerate, subprocess_env, tiny_config
+from helpers import ROOT, TINY_TRAIN, assert_same_weights, reset_accelerate, subprocess_env, tiny_config
 from safetensors.torch import load_file
 
 import ancre_dit.training.trainer as trainer_module
@@ -33,11 +33,7 @@ def _ckpt(run_dir: Path, step: int) -> Path:
 
 
 def _assert_same_state(a: Path, b: Path) -> None:
-    for name in ("model.safetensors", "ema.safetensors"):
-        sa, sb = load_file(str(a / name)), load_file(str(b / name))
-        assert sa.keys() == sb.keys()
-        for k in sa:
-            assert torch.equal(sa[k], sb[k]), f"{name}:{k} differs"
+    assert_same_weights(a, b)
     oa = torch.load(a / "accelerate" / "optimizer.bin", weights_only=False)
     ob = torch.load(b / "accelerate" / "optimizer.bin", weights_only=False)
     assert oa["state"].keys() == ob["state"].keys() and len(oa["state"]) > 0
