@@ -120,7 +120,7 @@ def test_zero_edges_of_a_pruned_frozen_topology_cost_nothing(monkeypatch):
             patch.setattr(WeightedHistoryTopology, "fused_aggregation", fused)
             if fused:  # (the fused sum uses addcmul inside: count its sources only)
                 patch.setattr(topology_base, "weighted_sum",
-                              lambda out, w, sources: calls.extend([1] * len(sources)) or real_fused(out, w, sources))
+                              lambda out, w, sources, *routing: calls.extend([1] * len(sources)) or real_fused(out, w, sources, *routing))
             else:
                 patch.setattr(topology_base.torch, "addcmul", lambda *a, **k: calls.append(1) or real_addcmul(*a, **k))
             calls.clear()

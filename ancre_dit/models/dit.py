@@ -170,7 +170,10 @@ class DiT(nn.Module):
 
     def embed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens h_0 and the conditioning vector c = t-embedding + y-embedding."""
-        h0 = self.x_embedder(x) + self.pos_embed
+        # Contiguous: PatchEmbed returns a transposed view (N, T, D over an (N, D, T) buffer) and
+        # every residual add would keep that layout, so each flattening of a history tensor (the
+        # fused aggregation's logit gradients) would copy it. One copy here instead.
+        h0 = (self.x_embedder(x) + self.pos_embed).contiguous()
         c = self.t_embedder(t) + self.y_embedder(y, self.training)
         return h0, c
 
