@@ -22,7 +22,11 @@ about twice as slow on all-zero gradients (measured on a 2304x384 tensor: 7.7 ms
 with random ones), which would charge our model for its initialisation, not for its code.
 
 Every round runs every (variant, mode) in a rotated order; the median over rounds of the mean
-step time is reported, and ratios are taken between medians of the same run. Memory: bytes of
+step time is reported, and ratios are taken between medians of the same run ("x cascaded") and,
+less sensitive to a shared machine's drifts, as the median of the per-round ratios ("paired",
+with its quartiles). `--share N` also profiles N eager ANCRe steps and prints the share of the
+step spent in the aggregation (ancre_dit.profiling.aggregation_share), an estimate of
+ANCRe / cascaded - 1 taken within the same steps. Memory: bytes of
 the tensors autograd saves in one forward (activations; parameters excluded), as
 scripts/bench_overhead.py counts them on the CPU.
 
@@ -43,7 +47,7 @@ from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.models import create_model
 from ancre_dit.models.dit import DIT_MODELS, DIT_SIZES
-from ancre_dit.profiling import saved_activation_bytes
+from ancre_dit.profiling import aggregation_share, saved_activation_bytes
 
 MODES = ("fwd+bwd", "train", "sample")
 VARIANTS = ("cascaded", "ancre", "ancre-chain", "diffusers")
@@ -78,6 +82,16 @@ def leave_zero_init(model: torch.nn.Module, std: float = 0.02, seed: int = 0) ->
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
+def paired_ratio(times: list[float], reference: list[float]) -> str:
+    """Median and quartiles of the per-round ratios: both were timed in the same round, minutes
+    apart at most, so slow drifts of a shared machine cancel out of each ratio."""
+    ratios = sorted(a / b for a, b in zip(times, reference))
+    if len(ratios) < 4:
+        return f"{statistics.median(ratios):.3f}"
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return f"{statistics.median(ratios):.3f} [{q1:.3f}..{q3:.3f}]"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["DiT-S/2"])
@@ -86,6 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--checkpointing", action="store_true", help="add cascaded+gc and ancre+gc")
     p.add_argument("--compile", action="store_true", help="torch.compile every variant (inductor)")
+    p.add_argument("--share", type=int, default=0, metavar="STEPS",
+                   help="also profile STEPS eager ancre fwd+bwd steps: the aggregation's share of the step")
     p.add_argument("--input-size", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=2, help="timed steps per (variant, mode) per round")
@@ -153,14 +169,21 @@ def measure(args) -> dict:
             med = {c: statistics.median(v) for c, v in times.items()}
             results[(name, batch_size)] = {"time": med, "memory": memory, "spread": times}
             print(f"\n{name} batch {batch_size}  (load average now {os.getloadavg()[0]:.2f})")
-            print(f"{'variant':<14}{'mode':<10}{'ms':>10}{'x cascaded':>12}{'min..max ms':>16}{'saved MiB':>11}")
+            print(f"{'variant':<14}{'mode':<10}{'ms':>10}{'x cascaded':>12}{'paired [IQR]':>22}{'min..max ms':>16}"
+                  f"{'saved MiB':>11}")
             for v, m in configs:
                 ratio = med[(v, m)] / med[("cascaded", m)]
                 spread = f"{min(times[(v, m)]) * 1e3:.0f}..{max(times[(v, m)]) * 1e3:.0f}"
                 mem = f"{memory[v] / 2**20:.1f}" if v in memory and m == args.modes[0] else ""
-                print(f"{v:<14}{m:<10}{med[(v, m)] * 1e3:>10.1f}{ratio:>12.3f}{spread:>16}{mem:>11}")
+                print(f"{v:<14}{m:<10}{med[(v, m)] * 1e3:>10.1f}{ratio:>12.3f}"
+                      f"{paired_ratio(times[(v, m)], times[('cascaded', m)]):>22}{spread:>16}{mem:>11}")
+            if args.share and "ancre" in models and not args.compile:
+                seconds, step_seconds = aggregation_share(models["ancre"], batch, args.share)
+                print(f"ancre aggregation (profiled, {args.share} fwd+bwd steps): {seconds * 1e3:.1f} ms of "
+                      f"{step_seconds * 1e3:.1f} ms per step = {seconds / step_seconds:.2%}")
             if "diffusers" in args.variants:
-                line = ", ".join(f"{m} {med[('cascaded', m)] / med[('diffusers', m)]:.3f}" for m in args.modes)
+                line = ", ".join(f"{m} {med[('cascaded', m)] / med[('diffusers', m)]:.3f} (paired "
+                                 f"{paired_ratio(times[('cascaded', m)], times[('diffusers', m)])})" for m in args.modes)
                 print(f"cascaded / diffusers: {line}")
             del models, optimizers
     return results

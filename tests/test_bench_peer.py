@@ -12,11 +12,14 @@ def test_bench_peer_runs_every_variant_and_mode(capsys):
     bench = load_script(ROOT / "scripts" / "bench_peer.py")
     args = bench.parse_args(["--models", "DiT-S/2", "--batch-sizes", "1", "--input-size", "8", "--rounds", "1",
                              "--steps", "1", "--warmup", "0", "--threads", "1", "--variants", "cascaded", "ancre",
-                             "diffusers"])
+                             "diffusers", "--share", "1"])
     results = bench.measure(args)
     times = results[("DiT-S/2", 1)]["time"]
     assert {v for v, _ in times} == {"cascaded", "ancre", "diffusers"} and all(t > 0 for t in times.values())
-    assert "cascaded / diffusers" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "cascaded / diffusers" in out and "paired" in out
+    share = float(out.split("ancre aggregation")[1].split("=")[1].split("%")[0])
+    assert 0 < share < 50
 
 
 def test_timed_models_have_no_all_zero_tensors_and_every_gradient_moves():
