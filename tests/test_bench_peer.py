@@ -31,3 +31,14 @@ def test_timed_models_have_no_all_zero_tensors_and_every_gradient_moves():
     assert all(p.any() for p in model.parameters() if p.requires_grad)
     model(torch.randn(2, 4, 8, 8), torch.tensor([3, 500]), torch.tensor([1, 2])).square().mean().backward()
     assert all(p.grad is not None and p.grad.any() for p in model.parameters() if p.requires_grad)
+
+
+def test_bench_aggregation_times_every_form_after_checking_they_agree(capsys):
+    bench = load_script(ROOT / "scripts" / "bench_aggregation.py")
+    args = bench.parse_args(["--depth", "4", "--tokens", "4", "--width", "8", "--rounds", "2", "--steps", "1",
+                             "--threads", "1"])
+    times = bench.measure(args)
+    assert set(times) == {"chain", "fused", "routed"} and all(len(v) == 2 and min(v) > 0 for v in times.values())
+    topology = bench.make_topology("fused", 4)
+    assert topology.fused_aggregation and not topology.route_gradients
+    assert "faults/step" in capsys.readouterr().out

@@ -84,6 +84,7 @@ class WeightedHistoryTopology(ResidualTopology):
     """
 
     fused_aggregation = True  # False: the addcmul chain in eager mode too (benchmarks and pinned tests compare both)
+    route_gradients = True  # False: each edge hands its source its own gradient (the form before routing; benchmarks)
 
     def __init__(self, num_blocks: int, edges: list[list[int]] | None = None):
         super().__init__(num_blocks)
@@ -98,7 +99,8 @@ class WeightedHistoryTopology(ResidualTopology):
         self.check_blocks(blocks)
         weights = self.probabilities()
         fused = self.fused_aggregation and not torch.compiler.is_compiling()
-        routing = _GradientRouting(self._routing_plan) if fused and torch.is_grad_enabled() else None
+        routing = (_GradientRouting(self._routing_plan) if fused and self.route_gradients and torch.is_grad_enabled()
+                   else None)
         history = [h0]
         h = h0
         for j, block in enumerate(blocks):
