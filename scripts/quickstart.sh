@@ -5,7 +5,7 @@
 #   topology.json + topology.png (learned residual wiring), loss.png, quality.png (held-out loss and
 #   the digits metric every 200 steps, from logs/evals.jsonl), log.txt, logs/ (TensorBoard),
 #   samples.npz + samples.png (the final EMA samples).
-# The recipe (configs/quickstart.yaml): flow matching, 6 ANCRe blocks, 600 steps; about 4 minutes on
+# The recipe (configs/quickstart.yaml): flow matching, 6 ANCRe blocks, 600 steps; about 3.5 minutes on
 # 2 CPU cores once the packages are installed (BENCHMARKS.md, "The quickstart").
 # Extra arguments are config overrides, e.g. `bash scripts/quickstart.sh train.max_steps=500`.
 set -euo pipefail
