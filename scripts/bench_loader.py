@@ -7,7 +7,9 @@ iterates the trainer's own loader (`LatentShardDataset` + `GlobalBatchSampler` +
 one process, global batch 256) for each worker count and read path:
 
     per-sample  one `ds[i]` per image (two safetensors `get_slice` calls) and `collate`
-    batched     one `get_batch` per micro-batch: one gather per shard from a memory map
+    batched     one `get_batch` per micro-batch: the rows of each shard read by positional reads
+                straight into the batch buffer (in a worker: a reused shared buffer, handed over
+                as its slot number)
     in-memory   `data.in_memory=true`: every shard read once into RAM (not timed; its load time is
                 printed), then one `index_select` per micro-batch
 

@@ -134,6 +134,36 @@ def test_reused_worker_buffers_survive_a_slow_consumer(latent_dir, workers):
     assert any(not torch.equal(xa, xb) for (xa, _), (xb, _) in zip(broken, reference))
 
 
+def test_a_worker_buffer_crosses_once_then_batches_travel_as_slot_numbers(latent_dir, monkeypatch):
+    """What a worker puts on the queue: the shared buffer the first time a slot is used, then only
+    the slot and the labels; the main process rebuilds the same batch from its copy of the buffer."""
+    import gc
+    import pickle
+    from types import SimpleNamespace
+
+    from ancre_dit.training import data as training_data
+
+    ds = LatentShardDataset(latent_dir)
+    fetcher = training_data.BatchFetcher(ds, ring_size=2)
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: SimpleNamespace(id=3))
+    batches = [[0, 5, 9], [4, 1, 7], [2, 8, 3], [6, 0, 1]]
+    sent = [fetcher[indices] for indices in batches[:2]]  # slots 0 and 1, first use: buffers included
+    assert all(b.buffer is not None for b in sent)
+    received = [pickle.loads(pickle.dumps(b)) for b in sent]  # (as the main process unpickles them)
+    for indices in batches[2:]:  # slots 0 and 1 again: no buffer, same results
+        batch = fetcher[indices]
+        assert batch.buffer is None and len(pickle.dumps(batch)) < 1000
+        x, y = pickle.loads(pickle.dumps(batch))
+        reference = ds.get_batch(indices)
+        assert torch.equal(y, reference[1])
+        assert x.data_ptr() == received[batches.index(indices) - 2][0].data_ptr()  # the main process's copy of the slot
+    assert set(training_data._RECEIVED_SLOTS[fetcher.ring_id]) == {(3, 0), (3, 1)}
+    ring_id = fetcher.ring_id
+    del fetcher, sent, received, batch, x
+    gc.collect()
+    assert ring_id not in training_data._RECEIVED_SLOTS  # dropped with the loader's fetcher
+
+
 def test_bench_loader_runs(latent_dir, capsys):
     bench = _bench_script()
     args = bench.parse_args(["--dir", str(latent_dir), "--shards", "7", "--per-shard", "13", "--latent-side", "4",
