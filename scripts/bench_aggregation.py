@@ -7,7 +7,7 @@ Forms, all of one `ANCReTopology` (same logits, same inputs), interleaved round 
     chain      the plain addcmul chain (what torch.compile sees; autograd's backward)
     fused      the fused weighted sum, each edge handing its source its own gradient
     routed     the fused weighted sum with the history gradients accumulated in place once per
-               tensor (the default since 2026-11-30; topologies/base.py, `_RoutingPlan`)
+               tensor (the default since 2026-11-30; topologies/aggregation.py, `RoutingPlan`)
     compiled   (--compile) the chain under torch.compile (inductor), which fuses it itself
 
 A whole-model ratio moves by +-7% between rounds on a shared 2-core box; this trunk runs in tens

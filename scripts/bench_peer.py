@@ -4,7 +4,7 @@
 Variants, all at the same DiT shape (32x32x4 latents, 1000 classes, learn_sigma):
 
     cascaded      our plain DiT
-    ancre         ANCRe, eager aggregation = the fused weighted sum (topologies/base.py)
+    ancre         ANCRe, eager aggregation = the fused weighted sum (topologies/aggregation.py)
     ancre-chain   ANCRe with the plain addcmul chain (what the compiler sees)
     diffusers     diffusers' DiTTransformer2DModel with the same depth / width / heads / patch
     cascaded+gc, ancre+gc   with activation checkpointing per block (--checkpointing)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ancre_dit.models.topologies.base import weighted_sum
+from ancre_dit.models.topologies.aggregation import weighted_sum
 from helpers import inputs, randomize, tiny_model
 
 # One per trunk family: plain loop, weighted history (ANCRe and its fixed sparse ablation),

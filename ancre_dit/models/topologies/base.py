@@ -8,7 +8,8 @@ block's own two residual adds (PAPER.md), so a plain DiT ("cascaded") is the zer
 one-hot "previous node" matrix gives h_j = B_j(h_{j-1}) + h_{j-1}.
 
 This module holds the interface and the topologies with no learned weights (cascaded, a fixed
-matrix); ANCRe and its ablations live in `ancre.py`, the peer schemes in `peers.py`.
+matrix); ANCRe and its ablations live in `ancre.py`, the peer schemes in `peers.py`, and the
+eager fused aggregation with its gradient routing in `aggregation.py`.
 """
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.nn as nn
-from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ...errors import MissingFileError, UserError
+from .aggregation import GradientRouting, RoutingPlan, weighted_sum
 
 
 class TopologyNotDefined(ValueError):
@@ -79,7 +80,7 @@ class WeightedHistoryTopology(ResidualTopology):
     activation memory matches the cascaded model. `edges[j]` lists the sources that can carry a
     non-zero weight into block j+1, so fixed sparse layouts skip their zero edges entirely.
     In eager mode the sum of each block is one `_WeightedSum` (a fused autograd function whose
-    backward routes the history gradients itself, see `_RoutingPlan`); under torch.compile it is
+    backward routes the history gradients itself, see aggregation.py); under torch.compile it is
     the plain `addcmul` chain, which the compiler fuses itself.
     """
 
@@ -93,13 +94,13 @@ class WeightedHistoryTopology(ResidualTopology):
         # sources is a slice (a view), anything else an index list (a gather).
         self._row_selectors = [None if not e else slice(e[0], e[-1] + 1) if e == list(range(e[0], e[-1] + 1)) else e
                                for e in self.edges]
-        self._routing_plan = _RoutingPlan(self.edges)
+        self._routing_plan = RoutingPlan(self.edges)
 
     def forward(self, h0, blocks, c):
         self.check_blocks(blocks)
         weights = self.probabilities()
         fused = self.fused_aggregation and not torch.compiler.is_compiling()
-        routing = (_GradientRouting(self._routing_plan) if fused and self.route_gradients and torch.is_grad_enabled()
+        routing = (GradientRouting(self._routing_plan) if fused and self.route_gradients and torch.is_grad_enabled()
                    else None)
         history = [h0]
         h = h0
@@ -114,119 +115,6 @@ class WeightedHistoryTopology(ResidualTopology):
             h = out
             history.append(h)
         return h
-
-
-class _RoutingPlan:
-    """Which aggregation node hands each history tensor its skip-sum gradient (fixed by `edges`).
-
-    Node j (the weighted sum of block j+1, output h_{j+1}) reads the sources `edges[j]`. Autograd
-    would give each read its own product grad * w and then add the products up per source: a
-    fresh tensor and three passes over it per edge. Instead every read but one *defers*: it adds
-    w * grad in place into one accumulator per source, which reaches autograd once:
-      - h_i made by node i-1: node i-1 *absorbs* it, adding it to the gradient of its own output
-        (autograd runs node i-1 after every node that reads h_i, since they take h_i as input);
-      - otherwise (h_0, or an h_i that no node made): its earliest reader *collects* it and returns
-        it as that source's gradient (every later reader depends on that reader's output through
-        the blocks, so autograd runs it last).
-    """
-
-    DEFER, COLLECT = 0, 1
-
-    def __init__(self, edges: list[list[int]]):
-        earliest_reader: dict[int, int] = {}
-        for j, sources in enumerate(edges):
-            for i in sources:
-                earliest_reader.setdefault(i, j)
-        absorbed = {i for i in earliest_reader if i >= 1 and edges[i - 1]}
-        self.absorbs = [j + 1 in absorbed for j in range(len(edges))]
-        self.modes = [[self.DEFER if i in absorbed or earliest_reader[i] != j else self.COLLECT for i in sources]
-                      for j, sources in enumerate(edges)]
-        self.edges = edges
-
-
-class _GradientRouting:
-    """One forward's accumulators of deferred history gradients, keyed by history index."""
-
-    def __init__(self, plan: _RoutingPlan):
-        self.plan = plan
-        self.pending: dict[int, torch.Tensor] = {}
-
-    def absorb(self, j: int, grad: torch.Tensor) -> torch.Tensor:
-        """Node j's full output gradient: what autograd brought plus the deferred skip-sum reads."""
-        acc = self.pending.pop(j + 1, None) if self.plan.absorbs[j] else None
-        if acc is None:
-            return grad
-        return acc.add_(grad) if acc.dtype == grad.dtype else acc + grad
-
-    def defer(self, i: int, grad: torch.Tensor, weight: torch.Tensor) -> None:
-        acc = self.pending.get(i)
-        if acc is None:
-            self.pending[i] = grad * weight
-        else:
-            acc.addcmul_(grad, weight)
-
-    def collect(self, i: int, grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        acc = self.pending.pop(i, None)
-        return grad * weight if acc is None else acc.addcmul_(grad, weight)
-
-
-class _WeightedSum(torch.autograd.Function):
-    """out + sum_i w[i] * sources[i], accumulated in place into one new tensor.
-
-    Why by hand: autograd's backward of an addcmul chain allocates, per edge, the product
-    grad * h_i, its sum (logit gradient) and grad * w_i (source gradient), and then adds the
-    source gradients up per history tensor. Here the logit gradients are dot products (no
-    temporary) and the source gradients go through `_GradientRouting` (one accumulator per history
-    tensor, updated in place). Equal to the chain within fp32 rounding (tests/test_grad_checkpointing.py).
-    With `routing` None (no autograd recording, or a lone call) every source gets its own gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, out, weights, routing, node, *sources):
-        result = torch.addcmul(out, sources[0], weights[0])
-        dtype = result.dtype
-        for s in sources[1:]:
-            dtype = torch.promote_types(dtype, s.dtype)
-        result = result.to(dtype)  # what the chain of out-of-place addcmuls would return
-        for i in range(1, len(sources)):
-            result.addcmul_(sources[i], weights[i])
-        ctx.save_for_backward(weights, *sources)
-        ctx.routing, ctx.node = routing, node
-        return result
-
-    @staticmethod
-    @once_differentiable  # the in-place accumulators are not themselves differentiable
-    def backward(ctx, grad):
-        weights, *sources = ctx.saved_tensors
-        routing, j = ctx.routing, ctx.node
-        if routing is not None:
-            grad = routing.absorb(j, grad)
-        grad_weights = None
-        if ctx.needs_input_grad[1]:
-            flat = grad.reshape(-1)
-            grad_weights = torch.stack([torch.dot(flat, s.reshape(-1)) if s.dtype == flat.dtype
-                                        else (flat.float() * s.reshape(-1).float()).sum()
-                                        for s in sources]).to(weights.dtype)
-        grad_sources = []
-        for k in range(len(sources)):
-            if not ctx.needs_input_grad[4 + k]:
-                grad_sources.append(None)
-            elif routing is None:
-                grad_sources.append(grad * weights[k])
-            elif routing.plan.modes[j][k] == _RoutingPlan.COLLECT:
-                grad_sources.append(routing.collect(routing.plan.edges[j][k], grad, weights[k]))
-            else:
-                routing.defer(routing.plan.edges[j][k], grad, weights[k])
-                grad_sources.append(None)
-        return grad, grad_weights, None, None, *grad_sources
-
-
-def weighted_sum(out: torch.Tensor, weights: torch.Tensor, sources: Sequence[torch.Tensor],
-                 routing: _GradientRouting | None = None, node: int = 0) -> torch.Tensor:
-    """`out + sum_i weights[i] * sources[i]` (weights a 1-d tensor, one per source), fused. Inside a
-    trunk, `routing` and `node` (the block index) let each source's gradient be accumulated in place
-    across blocks instead of once per edge."""
-    return _WeightedSum.apply(out, weights, routing, node, *sources)
 
 
 class FixedTopology(WeightedHistoryTopology):
