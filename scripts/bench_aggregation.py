@@ -9,6 +9,7 @@ Forms, all of one `ANCReTopology` (same logits, same inputs), interleaved round 
     routed     the fused weighted sum with the history gradients accumulated in place once per
                tensor (the default since 2026-11-30; topologies/aggregation.py, `RoutingPlan`)
     compiled   (--compile) the chain under torch.compile (inductor), which fuses it itself
+    none       (--block linear) the blocks alone, no skip sums (and none-compiled with --compile)
 
 A whole-model ratio moves by +-7% between rounds on a shared 2-core box; this trunk runs in tens
 of milliseconds, so the forms can be told apart to a few percent. Minor page faults per step are
@@ -17,6 +18,7 @@ counted too: on Linux every fresh multi-MiB tensor is new memory from the kernel
     python scripts/bench_aggregation.py                          # DiT-S/2 shape, batch 4
     python scripts/bench_aggregation.py --depth 12 --tokens 256 --width 768 --batch-size 2   # DiT-B/2
     python scripts/bench_aggregation.py --compile
+    python scripts/bench_aggregation.py --compile --block linear      # graphs split at every block
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import torch
 
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
+from ancre_dit.models.topologies import CascadedTopology
 from ancre_dit.models.topologies.ancre import ANCReTopology
 
 FORMS = ("chain", "fused", "routed")
@@ -48,6 +51,18 @@ class ScaleBlock(torch.nn.Module):
         return h * self.scale
 
 
+class LinearBlock(torch.nn.Module):
+    """A stand-in block with a matrix multiply, which torch.compile cannot fuse across: the compiled
+    trunk then splits at every block, as in the real model."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor, c: torch.Tensor | None) -> torch.Tensor:
+        return self.linear(h)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--depth", type=int, default=12)
@@ -58,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps per form per round")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--compile", action="store_true", help="also time the chain compiled with torch.compile")
+    p.add_argument("--block", choices=("scale", "linear"), default="scale",
+                   help="stand-in block: a scalar multiply, or a width x width linear map (splits compiled graphs); "
+                        "'linear' also times the blocks alone ('none', no skip sums)")
     args = p.parse_args(argv)
     if min(args.depth, args.batch_size, args.tokens, args.width, args.rounds, args.steps) < 1:
         raise UserError("--depth, --batch-size, --tokens, --width, --rounds and --steps must be at least 1")
@@ -82,22 +100,30 @@ def measure(args) -> dict[str, list[float]]:
           f"{platform.machine()}  threads {torch.get_num_threads()}  load average {os.getloadavg()[0]:.2f}  fp32  "
           f"depth {args.depth}  activation {args.batch_size}x{args.tokens}x{args.width}  "
           f"rounds {args.rounds} x {args.steps} steps")
-    blocks = torch.nn.ModuleList(ScaleBlock() for _ in range(args.depth))
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(ScaleBlock() if args.block == "scale" else LinearBlock(args.width)
+                                 for _ in range(args.depth))
     h0 = torch.randn(args.batch_size, args.tokens, args.width, generator=torch.Generator().manual_seed(1),
                      requires_grad=True)
     forms = FORMS + ("compiled",) * args.compile
     topologies = {form: make_topology(form, args.depth) for form in forms}
     modules = {form: torch.compile(t) if form == "compiled" else t for form, t in topologies.items()}
+    if args.block == "linear":  # the blocks alone, eager and compiled: what the forms add to them
+        forms += ("none",) + ("none-compiled",) * args.compile
+        for form in forms[-1 - args.compile:]:
+            modules[form] = CascadedTopology(args.depth)
+            if form == "none-compiled":
+                modules[form] = torch.compile(modules[form])
 
     def step(form: str) -> None:
-        topologies[form].zero_grad(set_to_none=True)
+        modules[form].zero_grad(set_to_none=True)
         modules[form](h0, blocks, None).sum().backward()
 
     for form in forms:  # warm up (compile), and check the forms agree
         step(form)
         step(form)
-    grads = {form: torch.cat([p.grad for p in topologies[form].logits[1:]]) for form in forms}
-    for form in forms[1:]:  # (logit gradients are sums over the whole activation: relative tolerance)
+    grads = {form: torch.cat([p.grad for p in topologies[form].logits[1:]]) for form in topologies}
+    for form in list(topologies)[1:]:  # (logit gradients are sums over the whole activation: relative tolerance)
         scale = grads["chain"].abs().max().item()
         torch.testing.assert_close(grads[form], grads["chain"], rtol=1e-3, atol=1e-4 * scale)
     times = {form: [] for form in forms}
