@@ -190,8 +190,7 @@ class BatchFetcher(Dataset):
     def __init__(self, dataset: Dataset, ring_size: int = 0):
         self.dataset, self.ring_size = dataset, ring_size
         self.ring_id = uuid.uuid4().hex  # names this loader's buffers in the main process's `_RECEIVED_SLOTS`
-        self._ring: list[torch.Tensor | None] = [None] * ring_size
-        self._sent: list[torch.Tensor | None] = [None] * ring_size  # the buffer the main process last received per slot
+        self._ring: list[torch.Tensor | None] = [None] * ring_size  # per slot: the buffer the main process holds too
         self._calls = 0
         if ring_size:  # (in the main process: drop the received buffers with the loader)
             weakref.finalize(self, _RECEIVED_SLOTS.pop, self.ring_id, None)
@@ -202,11 +201,10 @@ class BatchFetcher(Dataset):
             return self.dataset.get_batch(indices)
         slot = self._calls % self.ring_size
         self._calls += 1
-        x, y = self.dataset.get_batch(indices, out=self._ring[slot])
+        buffer = self._ring[slot]
+        x, y = self.dataset.get_batch(indices, out=buffer)
         self._ring[slot] = x  # the buffer itself when it fitted, else the new one, reused next time
-        new_buffer = self._sent[slot] is not x
-        self._sent[slot] = x
-        return _SlotBatch((self.ring_id, worker.id, slot), x if new_buffer else None, x.shape[0], y.numpy())
+        return _SlotBatch((self.ring_id, worker.id, slot), None if x is buffer else x, y.numpy())
 
 
 # Main process: (ring id, worker id, slot) -> that worker's shared buffer, as first received.
@@ -214,23 +212,25 @@ _RECEIVED_SLOTS: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
 
 
 class _SlotBatch:
-    """A batch in a worker's ring, pickled as its slot (plus the buffer, the first time) and labels.
-    Unpickled in the main process it is the plain `(x, y)` tuple, x still the shared buffer."""
+    """A batch in a worker's ring, pickled as its slot (plus the buffer, the first time a slot holds
+    it) and labels. Unpickled in the main process it is the plain `(x, y)` tuple, x still the shared
+    buffer: a batch of another shape never fits the old buffer (`get_batch` then makes a new one,
+    sent again), so the buffer held for a slot always has the batch's shape."""
 
-    def __init__(self, key: tuple[str, int, int], buffer: torch.Tensor | None, rows: int, labels: np.ndarray):
-        self.key, self.buffer, self.rows, self.labels = key, buffer, rows, labels
+    def __init__(self, key: tuple[str, int, int], buffer: torch.Tensor | None, labels: np.ndarray):
+        self.key, self.buffer, self.labels = key, buffer, labels
 
     def __reduce__(self):
-        return _receive_slot_batch, (self.key, self.buffer, self.rows, self.labels)
+        return _receive_slot_batch, (self.key, self.buffer, self.labels)
 
 
-def _receive_slot_batch(key: tuple[str, int, int], buffer: torch.Tensor | None, rows: int,
+def _receive_slot_batch(key: tuple[str, int, int], buffer: torch.Tensor | None,
                         labels: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     ring, worker, slot = key
     received = _RECEIVED_SLOTS.setdefault(ring, {})
     if buffer is not None:
         received[(worker, slot)] = buffer
-    return received[(worker, slot)][:rows], torch.from_numpy(labels)
+    return received[(worker, slot)], torch.from_numpy(labels)
 
 
 class _SubsetBatches(Subset):
