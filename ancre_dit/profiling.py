@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable, ContextManager, Sequence
 
 import torch
@@ -34,9 +35,7 @@ def aggregation_share(model: torch.nn.Module, batch: Sequence[torch.Tensor], ste
     drifts, which swamp a 2% difference between two separately timed models, cancel out of their
     ratio. It estimates ANCRe / cascaded - 1 on the assumption that the blocks cost the same in both.
     """
-    import time
-
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile  # (only the benchmarks that ask pay for its import)
 
     names = ("_WeightedSum", "_WeightedSumBackward")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
