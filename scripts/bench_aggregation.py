@@ -23,6 +23,7 @@ counted too: on Linux every fresh multi-MiB tensor is new memory from the kernel
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import resource
@@ -94,6 +95,22 @@ def make_topology(form: str, depth: int) -> ANCReTopology:
     return topology
 
 
+def edge_read_ms(edges: int, shape: tuple[int, ...], repeats: int = 10) -> tuple[float, float]:
+    """(ms, GB/s) of one streaming read of `edges` activations of `shape`, timed as a matrix-vector
+    product over them stacked (fastest of `repeats`). Any aggregation reads each edge's source at
+    least once forward and each reader's gradient at least once backward, so twice this is about
+    the least its fwd+bwd can cost from memory (less where the tensors still sit in the cache)."""
+    stacked = torch.randn(edges, math.prod(shape))
+    weights = torch.randn(edges)
+    torch.mv(stacked.t(), weights)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mv(stacked.t(), weights)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3, stacked.numel() * stacked.element_size() / best / 1e9
+
+
 def measure(args) -> dict[str, list[float]]:
     torch.set_num_threads(args.threads)
     print(f"# bench_aggregation  {datetime.now(timezone.utc).isoformat(timespec='seconds')}  torch {torch.__version__}  "
@@ -144,6 +161,9 @@ def measure(args) -> dict[str, list[float]]:
         med = statistics.median(times[form])
         spread = f"{min(times[form]) * 1e3:.1f}..{max(times[form]) * 1e3:.1f}"
         print(f"{form:<8}{med * 1e3:>10.2f}{med / chain:>10.3f}{spread:>16}{faults[form] / (args.rounds * args.steps):>13.0f}")
+    read_ms, bandwidth = edge_read_ms(edges, (args.batch_size, args.tokens, args.width))
+    print(f"one read of all {edges} edge sources: {read_ms:.2f} ms ({bandwidth:.1f} GB/s); the skip sums need about "
+          f"twice that per fwd+bwd from memory")
     return times
 
 

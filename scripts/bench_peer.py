@@ -35,6 +35,7 @@ scripts/bench_overhead.py counts them on the CPU.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import statistics
@@ -82,6 +83,19 @@ def leave_zero_init(model: torch.nn.Module, std: float = 0.02, seed: int = 0) ->
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
+def median_confidence_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """Distribution-free interval for the median: order statistics x_(l) and x_(n+1-l), with l the
+    largest rank whose binomial(n, 1/2) tail stays within (1 - level) / 2; None below 6 values."""
+    xs, n = sorted(values), len(values)
+    tail, rank = 0.0, 0
+    while True:
+        tail += math.comb(n, rank) / 2**n  # P(fewer than rank + 1 of the n values below the median)
+        if tail > (1 - level) / 2:
+            break
+        rank += 1
+    return (xs[rank - 1], xs[n - rank]) if rank >= 1 else None
+
+
 def paired_ratio(times: list[float], reference: list[float]) -> str:
     """Median and quartiles of the per-round ratios: both were timed in the same round, minutes
     apart at most, so slow drifts of a shared machine cancel out of each ratio."""
@@ -90,6 +104,12 @@ def paired_ratio(times: list[float], reference: list[float]) -> str:
         return f"{statistics.median(ratios):.3f}"
     q1, _, q3 = statistics.quantiles(ratios, n=4)
     return f"{statistics.median(ratios):.3f} [{q1:.3f}..{q3:.3f}]"
+
+
+def paired_interval(times: list[float], reference: list[float]) -> str:
+    """95% interval of the median per-round ratio ("" with too few rounds to have one)."""
+    interval = median_confidence_interval([a / b for a, b in zip(times, reference)])
+    return "" if interval is None else f"{interval[0]:.3f}..{interval[1]:.3f}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -170,13 +190,14 @@ def measure(args) -> dict:
             results[(name, batch_size)] = {"time": med, "memory": memory, "spread": times}
             print(f"\n{name} batch {batch_size}  (load average now {os.getloadavg()[0]:.2f})")
             print(f"{'variant':<14}{'mode':<10}{'ms':>10}{'x cascaded':>12}{'paired [IQR]':>22}{'min..max ms':>16}"
-                  f"{'saved MiB':>11}")
+                  f"{'median 95% CI':>16}{'saved MiB':>11}")
             for v, m in configs:
                 ratio = med[(v, m)] / med[("cascaded", m)]
                 spread = f"{min(times[(v, m)]) * 1e3:.0f}..{max(times[(v, m)]) * 1e3:.0f}"
                 mem = f"{memory[v] / 2**20:.1f}" if v in memory and m == args.modes[0] else ""
                 print(f"{v:<14}{m:<10}{med[(v, m)] * 1e3:>10.1f}{ratio:>12.3f}"
-                      f"{paired_ratio(times[(v, m)], times[('cascaded', m)]):>22}{spread:>16}{mem:>11}")
+                      f"{paired_ratio(times[(v, m)], times[('cascaded', m)]):>22}{spread:>16}"
+                      f"{paired_interval(times[(v, m)], times[('cascaded', m)]):>16}{mem:>11}")
             if args.share and "ancre" in models and not args.compile:
                 seconds, step_seconds = aggregation_share(models["ancre"], batch, args.share)
                 print(f"ancre aggregation (profiled, {args.share} fwd+bwd steps): {seconds * 1e3:.1f} ms of "

@@ -41,4 +41,18 @@ def test_bench_aggregation_times_every_form_after_checking_they_agree(capsys):
     assert set(times) == {"chain", "fused", "routed"} and all(len(v) == 2 and min(v) > 0 for v in times.values())
     topology = bench.make_topology("fused", 4)
     assert topology.fused_aggregation and not topology.route_gradients
-    assert "faults/step" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "faults/step" in out
+    assert "one read of all 10 edge sources" in out
+    read_ms, bandwidth = bench.edge_read_ms(4, (64, 1024), repeats=2)  # 1 MiB
+    assert read_ms > 0 and bandwidth == pytest.approx(4 * 64 * 1024 * 4 / (read_ms / 1e3) / 1e9)
+
+
+def test_median_interval_is_the_binomial_order_statistics():
+    """n=10: x_(2)..x_(9) covers the median with 97.9% (x_(3)..x_(8) only 89%); n=6: x_(1)..x_(6)
+    (96.9%); five values cannot reach 95% (two-sided 1/16 > 5%)."""
+    bench = load_script(ROOT / "scripts" / "bench_peer.py")
+    assert bench.median_confidence_interval([float(v) for v in range(10, 0, -1)]) == (2.0, 9.0)
+    assert bench.median_confidence_interval([3.0, 1.0, 2.0, 6.0, 5.0, 4.0]) == (1.0, 6.0)
+    assert bench.median_confidence_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+    assert bench.paired_interval([2.0] * 5, [1.0] * 5) == ""
