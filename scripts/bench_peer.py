@@ -204,7 +204,9 @@ def measure(args) -> dict:
                       f"{step_seconds * 1e3:.1f} ms per step = {seconds / step_seconds:.2%}")
             if "diffusers" in args.variants:
                 line = ", ".join(f"{m} {med[('cascaded', m)] / med[('diffusers', m)]:.3f} (paired "
-                                 f"{paired_ratio(times[('cascaded', m)], times[('diffusers', m)])})" for m in args.modes)
+                                 f"{paired_ratio(times[('cascaded', m)], times[('diffusers', m)])}"
+                                 f"{'; 95% ' + paired_interval(times[('cascaded', m)], times[('diffusers', m)]) if args.rounds >= 6 else ''})"
+                                 for m in args.modes)
                 print(f"cascaded / diffusers: {line}")
             del models, optimizers
     return results
