@@ -14,7 +14,9 @@ Measures, and writes to OUT/gpu_check.json and OUT/gpu_check.md:
 
 Work runs in priority order (eager training, loader, sampling, Inception, then the compiled
 training runs, cascaded and ancre first) and stops starting new items once --budget-s is spent;
-skipped items are listed as such. Targets (BENCHMARKS.md): ancre at most 1% slower than cascaded
+skipped items are listed as such. An item that raises is recorded as FAILED with its error (traceback
+on stderr) and the run goes on; both files are rewritten after every item, so a run killed at a
+time limit still leaves what it measured. Targets (BENCHMARKS.md): ancre at most 1% slower than cascaded
 in bf16 with compile, DiT-B/2 training at 40% MFU or more.
 
     python scripts/gpu_check.py --out results/gpu_check
@@ -29,6 +31,7 @@ import os
 import platform
 import tempfile
 import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -232,6 +235,10 @@ def add_ratios_and_mfu(training: list[dict], peak: float | None) -> None:
                              if base and r["peak_memory_bytes"] and base["peak_memory_bytes"] else None)
 
 
+def not_measured(item: dict) -> str:
+    return f"FAILED: {item['failed']}" if "failed" in item else f"skipped: {item.get('skipped', 'not run yet')}"
+
+
 def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
@@ -245,7 +252,7 @@ def markdown(report: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["training"]:
         if "step_ms" not in r:
-            lines.append(f"| {r['model']} | {r['topology']} | {r['compile']} | skipped: {r['skipped']} |||||||")
+            lines.append(f"| {r['model']} | {r['topology']} | {r['compile']} | {not_measured(r)} |||||||")
             continue
         peak = r["peak_memory_bytes"] / 2**30 if r["peak_memory_bytes"] else None
         lines.append(f"| {r['model']} | {r['topology']} | {r['compile']} | {r['batch']} | {r['step_ms']:.1f} | "
@@ -256,13 +263,13 @@ def markdown(report: dict) -> str:
     lines.append(f"- loader: {_fmt(loader.get('images_per_s'), ',.0f')} images/s ({loader.get('workers')} workers, "
                  f"batch {loader.get('batch')}, {loader.get('shards')} shards); data.in_memory with no worker: "
                  f"{_fmt(loader.get('in_memory_0_workers_images_per_s'), ',.0f')} images/s"
-                 f"{' ' + loader['skipped'] if 'skipped' in loader else ''}")
+                 f"{'' if 'images_per_s' in loader else ' ' + not_measured(loader)}")
     for r in report.get("sampling", []):
         lines.append(f"- sampling {r['model']} {r['sampler']}-{r['steps']} cfg {r['cfg_scale']} ({r['precision']}): "
-                     f"{r['images_per_s']:.2f} images/s" if "images_per_s" in r else f"- sampling: skipped ({r['skipped']})")
+                     f"{r['images_per_s']:.2f} images/s" if "images_per_s" in r else f"- sampling {r['model']}: {not_measured(r)}")
     inc = report.get("inception") or {}
     lines.append(f"- inception: {_fmt(inc.get('images_per_s'), ',.1f')} images/s (batch {inc.get('batch')}, "
-                 f"{inc.get('image_size')} px, {inc.get('weights', inc.get('skipped'))})")
+                 f"{inc.get('image_size')} px, {inc['weights'] if 'weights' in inc else not_measured(inc)})")
     lines += ["", "## Targets", ""]
     for t in report["targets"]:
         lines.append(f"- {t['target']}: {t['measured']} -> {t['verdict']}")
@@ -301,36 +308,55 @@ def main(argv=None) -> None:
               "training": [], "sampling": []}
 
     def guarded(label: str, fn):
+        """Runs one item; a failure is recorded and the run goes on (device time is scarce: one
+        broken item must not cost the others), and the report on disk is brought up to date."""
         if budget.left() <= 0:
             print(f"skip {label}: budget spent", flush=True)
             return {"skipped": "budget spent"}
         t0 = time.perf_counter()
-        result = fn()
-        print(f"{label}: {time.perf_counter() - t0:.1f} s", flush=True)
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001 - recorded in the report, traceback on stderr
+            traceback.print_exc()
+            result = {"failed": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(f"{label}: {time.perf_counter() - t0:.1f} s{' FAILED' if 'failed' in result else ''}", flush=True)
         return result
 
     plan = [(m, o, topo, False) for m, o in cfg["models"].items() for topo in TOPOLOGIES]
     compiled = [(m, o, topo, True) for topo in ("cascaded", "ancre") for m, o in cfg["models"].items()]
     if not args.smoke:  # the smoke run compiles two topologies: enough to keep the path working
         compiled += [(m, o, topo, True) for m, o in cfg["models"].items() for topo in TOPOLOGIES[2:]]
-    for m, o, topo, comp in plan:
-        r = guarded(f"train {m} {topo} compile={comp}", lambda: training_run(m, o, topo, comp, cfg, device))
-        report["training"].append({"model": m, "topology": topo, "compile": comp, **r})
-    report["loader"] = guarded("loader", lambda: loader_run(cfg))
-    for m, o in cfg["models"].items():
-        rows = guarded(f"sampling {m}", lambda: sampling_run(m, o, cfg, device))
-        report["sampling"] += rows if isinstance(rows, list) else [rows]
-    report["inception"] = guarded("inception", lambda: inception_run(cfg, device))
-    for m, o, topo, comp in compiled:
-        r = guarded(f"train {m} {topo} compile={comp}", lambda: training_run(m, o, topo, comp, cfg, device))
-        report["training"].append({"model": m, "topology": topo, "compile": comp, **r})
-    add_ratios_and_mfu(report["training"], peak)
-    report["targets"] = targets(report["training"], args.smoke)
-    report["elapsed_s"] = time.perf_counter() - budget.start
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    (out / "gpu_check.md").write_text(markdown(report))
+
+    def write_report() -> None:
+        """Both files after every item: a run killed at its time limit still leaves what it measured."""
+        add_ratios_and_mfu(report["training"], peak)
+        report["targets"] = targets(report["training"], args.smoke)
+        report["elapsed_s"] = time.perf_counter() - budget.start
+        for name, text in (("gpu_check.json", json.dumps(report, indent=1)), ("gpu_check.md", markdown(report))):
+            (out / f"{name}.tmp").write_text(text)
+            os.replace(out / f"{name}.tmp", out / name)
+
+    def train_item(m: str, o: dict, topo: str, comp: bool) -> None:
+        r = guarded(f"train {m} {topo} compile={comp}", lambda: training_run(m, o, topo, comp, cfg, device))
+        report["training"].append({"model": m, "topology": topo, "compile": comp, **r})
+        write_report()
+
+    for item in plan:
+        train_item(*item)
+    report["loader"] = guarded("loader", lambda: loader_run(cfg))
+    write_report()
+    for m, o in cfg["models"].items():
+        rows = guarded(f"sampling {m}", lambda: sampling_run(m, o, cfg, device))
+        report["sampling"] += rows if isinstance(rows, list) else [{"model": m, **rows}]
+        write_report()
+    report["inception"] = guarded("inception", lambda: inception_run(cfg, device))
+    write_report()
+    for item in compiled:
+        train_item(*item)
     print(markdown(report))
     print(f"wrote {out / 'gpu_check.json'} and {out / 'gpu_check.md'} in {report['elapsed_s']:.0f} s")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import subprocess_env
+from helpers import load_script, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
@@ -40,3 +40,43 @@ def test_refuses_to_measure_a_gpu_on_the_cpu(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu"], capture_output=True,
                           text=True, env=subprocess_env(), cwd=ROOT, timeout=120)
     assert proc.returncode == 2 and "--smoke" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_failing_item_is_recorded_and_the_files_are_written_after_every_item(tmp_path, monkeypatch):
+    """On a lent GPU every minute counts: one broken measurement must not lose the others, and a run
+    killed at its time limit must leave the report so far on disk."""
+    gpu_check = load_script(SCRIPT)
+
+    def fake_training(name, overrides, topology, compiled, cfg, device):
+        if topology == "hc" and not compiled:
+            raise RuntimeError("CUDA out of memory.\nTried to allocate 2.00 GiB")
+        return {"model": name, "topology": topology, "compile": compiled, "batch": 2, "step_ms": 10.0,
+                "images_per_s": 200.0, "peak_memory_bytes": None, "flops_per_step": None if compiled else 1e9,
+                "warmup_and_compile_s": 0.1}
+
+    seen_on_disk = {}
+
+    def fake_sampling(name, overrides, cfg, device):  # runs after training and the loader
+        seen_on_disk.update(json.loads((tmp_path / "gpu_check.json").read_text()))
+        raise ValueError("sampler broke")
+
+    monkeypatch.setattr(gpu_check, "training_run", fake_training)
+    monkeypatch.setattr(gpu_check, "loader_run", lambda cfg: {"images_per_s": 5.0, "workers": 1, "batch": 4,
+                                                               "shards": 6, "in_memory_0_workers_images_per_s": 9.0})
+    monkeypatch.setattr(gpu_check, "sampling_run", fake_sampling)
+    monkeypatch.setattr(gpu_check, "inception_run", lambda cfg, device: {"images_per_s": 3.0, "batch": 2,
+                                                                          "image_size": 64, "weights": "random"})
+    gpu_check.main(["--smoke", "--out", str(tmp_path)])
+
+    assert [r["topology"] for r in seen_on_disk["training"]] == ["cascaded", "ancre", "denseformer", "hc", "mhc"]
+    assert seen_on_disk["loader"]["images_per_s"] == 5.0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    hc = next(r for r in report["training"] if r["topology"] == "hc")
+    assert hc["failed"] == "RuntimeError: CUDA out of memory." and "step_ms" not in hc
+    assert all(r["step_ms"] == 10.0 for r in report["training"] if r["topology"] != "hc")
+    assert report["sampling"] == [{"model": "DiT-S/2", "failed": "ValueError: sampler broke"}]
+    assert report["inception"]["images_per_s"] == 3.0
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "| DiT-S/2 | hc | False | FAILED: RuntimeError: CUDA out of memory. |" in text
+    assert "- sampling DiT-S/2: FAILED: ValueError: sampler broke" in text
+    assert not list(tmp_path.glob("*.tmp"))
