@@ -80,3 +80,17 @@ def test_a_failing_item_is_recorded_and_the_files_are_written_after_every_item(t
     assert "| DiT-S/2 | hc | False | FAILED: RuntimeError: CUDA out of memory. |" in text
     assert "- sampling DiT-S/2: FAILED: ValueError: sampler broke" in text
     assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_device_wrapper_runs_the_check_from_the_tree_and_keeps_a_log(tmp_path):
+    """scripts/gpu_check_device.sh is the command for a lent GPU machine (no install there): here it
+    runs the smoke check through PYTHONPATH, with no wheels folder, and leaves the three files."""
+    env = {**subprocess_env(), "ANCRE_WHEELS": str(tmp_path / "no-wheels")}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check_device.sh"), str(tmp_path / "out"), "--smoke"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = (tmp_path / "out" / "gpu_check.log").read_text()
+    assert log.startswith("torch ") and "wrote " in log
+    assert json.loads((tmp_path / "out" / "gpu_check.json").read_text())["training"]
+    assert (tmp_path / "out" / "gpu_check.md").is_file()
