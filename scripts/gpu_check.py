@@ -188,7 +188,7 @@ def sampling_run(name: str, overrides: dict, cfg: dict, device: torch.device) ->
     c = cfg["sampling"]
     labels = np.arange(c["images"]) % 1000
     rows = []
-    precision = "bf16" if device.type == "cuda" else "fp32"
+    precision = "bf16"  # the GPU run's setting; the CPU smoke run takes the same path (CPU autocast)
     sample_latents(model, DIFFUSION, labels[:2], sampler="dpm-solver", steps=2, guidance=Guidance(1.5), precision=precision)
     for sampler, steps in (("ddpm", c["ddpm"]), ("dpm-solver", c["dpm"])):
         sync(device)

@@ -28,7 +28,8 @@ def test_smoke_run_writes_every_measurement(tmp_path):
     assert {r["topology"] for r in report["training"] if r["compile"]} == {"cascaded", "ancre"}
     assert all(r["step_ms"] > 0 for r in report["training"])
     assert report["loader"]["images_per_s"] > 0 and report["loader"]["in_memory_0_workers_images_per_s"] > 0
-    assert [(r["sampler"], r["cfg_scale"]) for r in report["sampling"]] == [("ddpm", 1.5), ("dpm-solver", 1.5)]
+    assert [(r["sampler"], r["cfg_scale"], r["precision"]) for r in report["sampling"]] == [
+        ("ddpm", 1.5, "bf16"), ("dpm-solver", 1.5, "bf16")]  # the GPU run's path, through CPU autocast
     assert all(r["images_per_s"] > 0 for r in report["sampling"])
     assert report["inception"]["images_per_s"] > 0
     text = (tmp_path / "gpu_check.md").read_text()
