@@ -86,12 +86,14 @@ def test_a_failing_item_is_recorded_and_the_files_are_written_after_every_item(t
 @pytest.mark.slow
 def test_device_wrapper_runs_the_check_from_the_tree_and_keeps_a_log(tmp_path):
     """scripts/gpu_check_device.sh is the command for a lent GPU machine (no install there): here it
-    runs the smoke check through PYTHONPATH, with no wheels folder, and leaves the three files."""
+    runs the smoke check through PYTHONPATH, with no wheels folder, passes its extra arguments on
+    (a spent budget: every item skipped, in seconds) and leaves the three files."""
     env = {**subprocess_env(), "ANCRE_WHEELS": str(tmp_path / "no-wheels")}
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check_device.sh"), str(tmp_path / "out"), "--smoke"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check_device.sh"), str(tmp_path / "out"), "--smoke",
+                           "--budget-s", "0"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = (tmp_path / "out" / "gpu_check.log").read_text()
-    assert log.startswith("torch ") and "wrote " in log
-    assert json.loads((tmp_path / "out" / "gpu_check.json").read_text())["training"]
-    assert (tmp_path / "out" / "gpu_check.md").is_file()
+    assert log.startswith("torch ") and "skip train DiT-S/2 cascaded" in log and "wrote " in log
+    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert report["budget_s"] == 0 and all(r["skipped"] == "budget spent" for r in report["training"])
+    assert "skipped: budget spent" in (tmp_path / "out" / "gpu_check.md").read_text()
