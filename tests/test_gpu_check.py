@@ -8,39 +8,19 @@ from pathlib import Path
 
 import pytest
 
+from ancre_dit.cli import run_cli
 from helpers import load_script, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 
-@pytest.mark.slow
-def test_smoke_run_writes_every_measurement(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--out", str(tmp_path)], capture_output=True,
-                          text=True, env=subprocess_env(), cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((tmp_path / "gpu_check.json").read_text())
-    eager = [r for r in report["training"] if not r["compile"]]
-    assert [r["topology"] for r in eager] == ["cascaded", "ancre", "denseformer", "hc", "mhc"]
-    for r in eager:
-        assert r["step_ms"] > 0 and r["flops_per_step"] > 0 and r["time_ratio"] > 0
-    assert eager[0]["time_ratio"] == 1.0
-    assert {r["topology"] for r in report["training"] if r["compile"]} == {"cascaded", "ancre"}
-    assert all(r["step_ms"] > 0 for r in report["training"])
-    assert report["loader"]["images_per_s"] > 0 and report["loader"]["in_memory_0_workers_images_per_s"] > 0
-    assert [(r["sampler"], r["cfg_scale"], r["precision"]) for r in report["sampling"]] == [
-        ("ddpm", 1.5, "bf16"), ("dpm-solver", 1.5, "bf16")]  # the GPU run's path, through CPU autocast
-    assert all(r["images_per_s"] > 0 for r in report["sampling"])
-    assert report["inception"]["images_per_s"] > 0
-    text = (tmp_path / "gpu_check.md").read_text()
-    assert "| DiT-S/2 | mhc | False |" in text and "no verdict" in text
-
-
-@pytest.mark.slow
-def test_refuses_to_measure_a_gpu_on_the_cpu(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--device", "cpu"], capture_output=True,
-                          text=True, env=subprocess_env(), cwd=ROOT, timeout=120)
-    assert proc.returncode == 2 and "--smoke" in proc.stderr and "Traceback" not in proc.stderr
+def test_refuses_to_measure_a_gpu_on_the_cpu(tmp_path, capsys):
+    gpu_check = load_script(SCRIPT)
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda: gpu_check.main(["--out", str(tmp_path), "--device", "cpu"]))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--smoke" in err and "Traceback" not in err
 
 
 def test_a_failing_item_is_recorded_and_the_files_are_written_after_every_item(tmp_path, monkeypatch):
@@ -84,16 +64,28 @@ def test_a_failing_item_is_recorded_and_the_files_are_written_after_every_item(t
 
 
 @pytest.mark.slow
-def test_device_wrapper_runs_the_check_from_the_tree_and_keeps_a_log(tmp_path):
+def test_smoke_run_through_the_device_wrapper_writes_every_measurement(tmp_path):
     """scripts/gpu_check_device.sh is the command for a lent GPU machine (no install there): here it
-    runs the smoke check through PYTHONPATH, with no wheels folder, passes its extra arguments on
-    (a spent budget: every item skipped, in seconds) and leaves the three files."""
+    runs gpu_check.py --smoke through PYTHONPATH, with no wheels folder, and leaves the three files."""
     env = {**subprocess_env(), "ANCRE_WHEELS": str(tmp_path / "no-wheels")}
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check_device.sh"), str(tmp_path / "out"), "--smoke",
-                           "--budget-s", "0"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check_device.sh"), str(out), "--smoke"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    log = (tmp_path / "out" / "gpu_check.log").read_text()
-    assert log.startswith("torch ") and "skip train DiT-S/2 cascaded" in log and "wrote " in log
-    report = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
-    assert report["budget_s"] == 0 and all(r["skipped"] == "budget spent" for r in report["training"])
-    assert "skipped: budget spent" in (tmp_path / "out" / "gpu_check.md").read_text()
+    log = (out / "gpu_check.log").read_text()
+    assert log.startswith("torch ") and "train DiT-S/2 mhc compile=False" in log and "wrote " in log
+    report = json.loads((out / "gpu_check.json").read_text())
+    eager = [r for r in report["training"] if not r["compile"]]
+    assert [r["topology"] for r in eager] == ["cascaded", "ancre", "denseformer", "hc", "mhc"]
+    for r in eager:
+        assert r["step_ms"] > 0 and r["flops_per_step"] > 0 and r["time_ratio"] > 0
+    assert eager[0]["time_ratio"] == 1.0
+    assert {r["topology"] for r in report["training"] if r["compile"]} == {"cascaded", "ancre"}
+    assert all(r["step_ms"] > 0 for r in report["training"])
+    assert report["loader"]["images_per_s"] > 0 and report["loader"]["in_memory_0_workers_images_per_s"] > 0
+    assert [(r["sampler"], r["cfg_scale"], r["precision"]) for r in report["sampling"]] == [
+        ("ddpm", 1.5, "bf16"), ("dpm-solver", 1.5, "bf16")]  # the GPU run's path, through CPU autocast
+    assert all(r["images_per_s"] > 0 for r in report["sampling"])
+    assert report["inception"]["images_per_s"] > 0
+    text = (out / "gpu_check.md").read_text()
+    assert "| DiT-S/2 | mhc | False |" in text and "no verdict" in text
