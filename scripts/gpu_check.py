@@ -322,17 +322,20 @@ def main(argv=None) -> None:
 
     def guarded(label: str, fn):
         """Runs one item; a failure is recorded and the run goes on (device time is scarce: one
-        broken item must not cost the others), and the report on disk is brought up to date."""
+        broken item, an out-of-memory say, must not cost the others)."""
         if budget.left() <= 0:
             print(f"skip {label}: budget spent", flush=True)
             return {"skipped": "budget spent"}
         t0 = time.perf_counter()
+        failure = None
         try:
             result = fn()
         except Exception as err:  # noqa: BLE001 - recorded in the report, traceback on stderr
             traceback.print_exc()
-            result = {"failed": f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]}
-            if device.type == "cuda":
+            failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:300]
+        if failure is not None:
+            result = {"failed": failure}
+            if device.type == "cuda":  # out here, the error's frames no longer hold the item's tensors
                 torch.cuda.empty_cache()
         print(f"{label}: {time.perf_counter() - t0:.1f} s{' FAILED' if 'failed' in result else ''}", flush=True)
         return result
