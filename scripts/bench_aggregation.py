@@ -140,8 +140,8 @@ def measure(args) -> dict[str, list[float]]:
         step(form)
         step(form)
     grads = {form: torch.cat([p.grad for p in topologies[form].logits[1:]]) for form in topologies}
-    for form in list(topologies)[1:]:  # (logit gradients are sums over the whole activation: relative tolerance)
-        scale = grads["chain"].abs().max().item()
+    scale = grads["chain"].abs().max().item()  # (logit gradients are sums over the whole activation: relative tolerance)
+    for form in list(topologies)[1:]:
         torch.testing.assert_close(grads[form], grads["chain"], rtol=1e-3, atol=1e-4 * scale)
     times = {form: [] for form in forms}
     faults = {form: 0 for form in forms}

@@ -96,10 +96,15 @@ def median_confidence_interval(values: list[float], level: float = 0.95) -> tupl
     return (xs[rank - 1], xs[n - rank]) if rank >= 1 else None
 
 
+def per_round_ratios(times: list[float], reference: list[float]) -> list[float]:
+    """Both were timed in the same round, minutes apart at most, so slow drifts of a shared machine
+    cancel out of each ratio."""
+    return sorted(a / b for a, b in zip(times, reference))
+
+
 def paired_ratio(times: list[float], reference: list[float]) -> str:
-    """Median and quartiles of the per-round ratios: both were timed in the same round, minutes
-    apart at most, so slow drifts of a shared machine cancel out of each ratio."""
-    ratios = sorted(a / b for a, b in zip(times, reference))
+    """Median and quartiles of the per-round ratios."""
+    ratios = per_round_ratios(times, reference)
     if len(ratios) < 4:
         return f"{statistics.median(ratios):.3f}"
     q1, _, q3 = statistics.quantiles(ratios, n=4)
@@ -108,7 +113,7 @@ def paired_ratio(times: list[float], reference: list[float]) -> str:
 
 def paired_interval(times: list[float], reference: list[float]) -> str:
     """95% interval of the median per-round ratio ("" with too few rounds to have one)."""
-    interval = median_confidence_interval([a / b for a, b in zip(times, reference)])
+    interval = median_confidence_interval(per_round_ratios(times, reference))
     return "" if interval is None else f"{interval[0]:.3f}..{interval[1]:.3f}"
 
 
@@ -203,11 +208,13 @@ def measure(args) -> dict:
                 print(f"ancre aggregation (profiled, {args.share} fwd+bwd steps): {seconds * 1e3:.1f} ms of "
                       f"{step_seconds * 1e3:.1f} ms per step = {seconds / step_seconds:.2%}")
             if "diffusers" in args.variants:
-                line = ", ".join(f"{m} {med[('cascaded', m)] / med[('diffusers', m)]:.3f} (paired "
-                                 f"{paired_ratio(times[('cascaded', m)], times[('diffusers', m)])}"
-                                 f"{'; 95% ' + paired_interval(times[('cascaded', m)], times[('diffusers', m)]) if args.rounds >= 6 else ''})"
-                                 for m in args.modes)
-                print(f"cascaded / diffusers: {line}")
+                parts = []
+                for m in args.modes:
+                    ours, theirs = times[("cascaded", m)], times[("diffusers", m)]
+                    interval = paired_interval(ours, theirs)
+                    parts.append(f"{m} {med[('cascaded', m)] / med[('diffusers', m)]:.3f} (paired "
+                                 f"{paired_ratio(ours, theirs)}{'; 95% ' + interval if interval else ''})")
+                print(f"cascaded / diffusers: {', '.join(parts)}")
             del models, optimizers
     return results
 

@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from ancre_dit.cli import run_cli
 from ancre_dit.models import create_model
-from helpers import load_script, subprocess_env
+from helpers import ROOT, load_script, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 
