@@ -1,10 +1,14 @@
-"""Small file helpers shared by the long jobs (extraction, sampling, evaluation)."""
+"""Small file helpers shared by every layer: hashing, atomic writes, JSONL, structural checks."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import pickletools
+import zipfile
 from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
 
 _CHUNK = 1 << 22
 
@@ -42,3 +46,29 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+def file_problem(path: Path) -> str | None:
+    """Why `path` cannot be read, judged from its structure without loading it (None = readable):
+    a safetensors header that does not cover the file, a torch/zip archive whose directory or
+    checksums are broken, a pickle without its end, invalid JSON. Truncation, the usual damage of a killed copy, fails all three."""
+    try:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt"):
+                pass
+        elif path.suffix in (".bin", ".pt", ".pth", ".pkl") and zipfile.is_zipfile(path):  # torch.save's format
+            with zipfile.ZipFile(path) as zf:
+                bad = zf.testzip()
+            if bad is not None:
+                return f"{path}: member {bad} fails its CRC check"
+        elif path.suffix == ".pkl":  # a plain pickle: walk its opcodes without executing any; a cut one has no STOP
+            with open(path, "rb") as f:
+                for _ in pickletools.genops(f):
+                    pass
+        elif path.suffix in (".bin", ".pt", ".pth"):
+            return f"{path}: not a torch archive (no zip directory; truncated?)"
+        elif path.suffix == ".json":
+            json.loads(path.read_text())
+    except (SafetensorError, OSError, UnicodeDecodeError, ValueError, zipfile.BadZipFile) as err:
+        return f"{path}: {' '.join(str(err).split())}"
+    return None

@@ -276,7 +276,7 @@ def main() -> None:
         baseline = label_of(*settings[0], taus_matter and settings[0][0] in TAU_TOPOLOGIES)
         print(f"\n=== depth {depth} ===")
         print(summarize(results, baseline))
-        from ancre_dit.analysis import plot_loss_curve  # matplotlib only when plotting
+        from ancre_dit.figures import plot_loss_curve  # matplotlib only when plotting
 
         steps = results[baseline][0].steps
         png = plot_loss_curve(steps, {k: [r.heldout_mse for r in runs] for k, runs in results.items()},

@@ -70,7 +70,7 @@ def newest_checkpoint(root: Path) -> Path | None:
 
 
 def digits_quality(args: argparse.Namespace, device: torch.device) -> None:
-    from ancre_dit.trained_model import load_trained_model
+    from ancre_dit.checkpoint import load_trained_model
 
     ckpt = Path(args.digits_ckpt) if args.digits_ckpt else newest_checkpoint(Path("results/quickstart/checkpoints"))
     print(f"## digits quality: DPM-Solver++-25 vs DDPM-250, cfg {args.digits_cfg}, {args.digits_samples} samples")

@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from ancre_dit.cli import run_cli
-from ancre_dit.importing import import_checkpoint
+from ancre_dit.checkpoint import import_checkpoint
 from ancre_dit.models import TOPOLOGIES
 
 

@@ -9,7 +9,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ancre_dit.analysis import format_topology_summary, plot_topology_heatmap, topology_summary
+from ancre_dit.figures import plot_topology_heatmap
+from ancre_dit.models.topologies.analysis import format_topology_summary, topology_summary
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.models import load_topology_json

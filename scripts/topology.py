@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
-from ancre_dit.topology_tools import (checkpoint_topologies, compare_topologies, format_comparison, load_topology,
+from ancre_dit.models.topologies.analysis import (checkpoint_topologies, compare_topologies, format_comparison, load_topology,
                                       prune_topology, write_topology)
 
 
@@ -32,7 +32,7 @@ def _names(paths: list[Path]) -> list[str]:
 
 
 def compare(args) -> None:
-    from ancre_dit.analysis import plot_topology_panels
+    from ancre_dit.figures import plot_topology_panels
 
     topologies = {name: load_topology(p) for name, p in zip(_names(args.topologies), args.topologies)}
     result = compare_topologies(topologies)
@@ -56,7 +56,7 @@ def prune(args) -> None:
 
 
 def evolution(args) -> None:
-    from ancre_dit.analysis import plot_topology_panels, save_topology_gif
+    from ancre_dit.figures import plot_topology_panels, save_topology_gif
 
     frames = {f"step {step}": P for step, P in checkpoint_topologies(args.run)}
     out = args.out or args.run / "topology_evolution.png"

@@ -392,7 +392,7 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint(world, tmp_path):
     """Not an error: --resume auto warns about the damaged newest checkpoint, takes the previous
     complete one, and the run goes on from there (rewriting the damaged step)."""
     from ancre_dit.training.checkpointing import resolve_resume
-    from ancre_dit.trained_model import load_trained_model
+    from ancre_dit.checkpoint import load_trained_model
 
     run = _copy(world / "run", tmp_path / "run", _truncate, "checkpoints/0000004/ema.safetensors")
     warnings: list[str] = []

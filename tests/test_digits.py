@@ -89,7 +89,7 @@ def test_tiny_dit_loss_falls_on_digits(one_thread):
 def test_sample_grid_png_holds_the_images(tmp_path):
     from PIL import Image
 
-    from ancre_dit.analysis import save_image_grid
+    from ancre_dit.figures import save_image_grid
 
     images = DigitsDataset("heldout").images[:10]
     nhwc = np.repeat(to_uint8(images).transpose(0, 2, 3, 1), 3, axis=-1)  # the ADM sample layout
@@ -106,7 +106,8 @@ def test_sample_grid_png_holds_the_images(tmp_path):
 def test_topology_summary_and_heatmap(tmp_path):
     from PIL import Image
 
-    from ancre_dit.analysis import plot_topology_heatmap, topology_summary
+    from ancre_dit.figures import plot_topology_heatmap
+    from ancre_dit.models.topologies.analysis import topology_summary
 
     P = torch.tensor([[1.0, 0, 0, 0], [0.7, 0.3, 0, 0], [0.1, 0.6, 0.3, 0], [0.5, 0.1, 0.1, 0.3]])
     summary = topology_summary(P)

@@ -24,7 +24,7 @@ from PIL import Image
 
 from helpers import ROOT, TINY_TRAIN, subprocess_env
 
-from ancre_dit.trained_model import load_trained_model  # noqa: E402
+from ancre_dit.checkpoint import load_trained_model  # noqa: E402
 from ancre_dit.training.checkpointing import checkpoint_problem, list_checkpoints  # noqa: E402
 
 KILLS = 3          # kills per job at random moments (plus, for training, 2 timed to land in a checkpoint write)

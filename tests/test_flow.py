@@ -17,7 +17,7 @@ from test_sampling import DIGITS, REPO, TINY, random_model, run_sample, sample_w
 from ancre_dit.diffusion import FlowObjective, build_objective
 from ancre_dit.errors import UserError
 from ancre_dit.sampling import Guidance, GuidedDenoiser, sample_latents
-from ancre_dit.trained_model import make_model_spec, write_model_files
+from ancre_dit.checkpoint import make_model_spec, write_model_files
 from ancre_dit.training import train
 from ancre_dit.training.config import load_config
 
@@ -193,7 +193,7 @@ def test_config_checks_the_diffusion_section(tmp_path):
 
 # -- training and processes --------------------------------------------------------------------------
 def test_flow_resume_is_bitwise_exact_and_the_spec_records_the_objective(tmp_path):
-    from ancre_dit.trained_model import load_trained_model
+    from ancre_dit.checkpoint import load_trained_model
 
     common = ["train.ckpt_every=3", "model.learn_sigma=false", "model.class_dropout=0.1", "diffusion.objective=flow",
               "diffusion.time_sampling=logit-normal", "diffusion.logit_std=0.8"]

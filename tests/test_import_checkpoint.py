@@ -14,9 +14,9 @@ import torch
 from helpers import ROOT, randomize, subprocess_env
 
 from ancre_dit.errors import UserError
-from ancre_dit.importing import import_checkpoint, safe_torch_load
+from ancre_dit.checkpoint import import_checkpoint, safe_torch_load
 from ancre_dit.models import create_model, load_topology_json
-from ancre_dit.trained_model import load_trained_model
+from ancre_dit.checkpoint import load_trained_model
 
 SCRIPT = ROOT / "scripts" / "import_checkpoint.py"
 NAME = "DiT-T/4"  # 12 blocks of width 192; 64 px images -> 8x8x4 latents -> 4 tokens

@@ -11,7 +11,7 @@ from PIL import Image
 from ancre_dit.data.adm_npz import load_adm_npz
 from ancre_dit.data.latents import LatentShardDataset
 from ancre_dit.latents.extract import ExtractConfig, run_extraction
-from ancre_dit.trained_model import load_trained_model
+from ancre_dit.checkpoint import load_trained_model
 from ancre_dit.training import train
 
 

@@ -17,7 +17,7 @@ from ancre_dit.errors import UserError
 from ancre_dit.models import create_model
 from ancre_dit.sampling import assign_labels
 from ancre_dit.sampling.protocols import read_sampling_record, record_path
-from ancre_dit.trained_model import make_model_spec, write_model_files
+from ancre_dit.checkpoint import make_model_spec, write_model_files
 from helpers import ROOT, TINY_DIT, TINY_NAME, load_script
 
 REPO = ROOT

@@ -11,7 +11,7 @@ from ancre_dit.errors import UserError
 from ancre_dit.models import create_model
 from ancre_dit.models.topologies import (TOPOLOGIES, CascadedTopology, TopologyOption, register_topology,
                                          resolve_options, unregister_topology)
-from ancre_dit.trained_model import load_trained_model
+from ancre_dit.checkpoint import load_trained_model
 from ancre_dit.training import load_config, train
 from helpers import TINY_DIT, TINY_NAME, TINY_TRAIN, reset_accelerate, tiny_model
 
@@ -95,7 +95,7 @@ def test_registry_holds_every_builtin_with_its_options():
 def test_frozen_topology_rebuilds_from_its_own_state_dict(tmp_path):
     P = torch.tensor([[1.0, 0.0], [0.25, 0.75]])
     from ancre_dit.models import save_topology_json
-    from ancre_dit.trained_model import make_model_spec, write_model_files
+    from ancre_dit.checkpoint import make_model_spec, write_model_files
     save_topology_json(tmp_path / "p.json", P)
     kwargs = dict(TINY_DIT, topology="frozen", topology_path=str(tmp_path / "p.json"))
     model = create_model(TINY_NAME, **kwargs)

@@ -20,7 +20,7 @@ from ancre_dit.errors import UserError
 from ancre_dit.models import create_model, load_topology_json
 from ancre_dit.models.topologies import ANCReTopology, CascadedTopology, FixedTopology, OutgoingANCReTopology
 from ancre_dit.models.topologies.base import WeightedHistoryTopology
-from ancre_dit.topology_tools import (compare_topologies, learned_edges, pearson, prune_topology,
+from ancre_dit.models.topologies.analysis import (compare_topologies, learned_edges, pearson, prune_topology,
                                       strongest_edge_agreement, topology_entropy, tsallis_entropy, write_topology)
 
 SCRIPT = ROOT / "scripts" / "topology.py"
@@ -177,7 +177,7 @@ def test_compare_and_prune_commands(tmp_path):
 @pytest.mark.slow
 def test_pruned_frozen_topology_trains_samples_and_evolution_draws(tmp_path):
     from ancre_dit.sampling.api import sample_images
-    from ancre_dit.trained_model import load_trained_model
+    from ancre_dit.checkpoint import load_trained_model
     from ancre_dit.training import train
 
     common = ("model.depth=4", "train.global_batch_size=32", "model.learn_sigma=false")

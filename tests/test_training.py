@@ -16,7 +16,7 @@ from helpers import ROOT, TINY_TRAIN, assert_same_weights, reset_accelerate, sub
 from safetensors.torch import load_file
 
 import ancre_dit.training.trainer as trainer_module
-from ancre_dit.trained_model import load_trained_model
+from ancre_dit.checkpoint import load_trained_model
 from ancre_dit.training import Trainer, train
 from ancre_dit.training.checkpointing import list_checkpoints, resolve_resume
 

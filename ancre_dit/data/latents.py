@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from torch.utils.data import Dataset
 from ..errors import UserError
-from ..weights import file_problem
+from ..files import file_problem
 
 FORMAT_NAME = "ancre-dit-latents"
 FORMAT_VERSION = 1

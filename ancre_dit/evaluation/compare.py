@@ -202,7 +202,7 @@ def markdown_report(groups: Sequence[Group], summary: dict[str, dict[str, Any]])
 def write_report(run_dirs: Sequence[str | Path], out: str | Path, patterns: Sequence[str] = (),
                  targets: dict[str, float] | None = None) -> dict[str, Any]:
     """Loads the runs, writes OUT/report.md, OUT/summary.json and OUT/curves_<axis>.png; returns the summary."""
-    from .curves import plot_panels
+    from ..figures import plot_panels
 
     if not run_dirs:
         raise UserError("pass at least one run directory")

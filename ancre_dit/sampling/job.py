@@ -25,7 +25,7 @@ from ..diffusion import SDEOptions
 from ..errors import UserError
 from ..data.adm_npz import load_adm_npz, save_adm_npz
 from ..files import write_atomic
-from ..trained_model import load_trained_model
+from ..checkpoint import load_trained_model
 from .api import SamplingPlan, plan_sampling
 from .decode import Decoder, build_decoder
 from .guidance import Guidance
@@ -127,7 +127,7 @@ def _check_or_write_identity(folder: Path, identity: dict, is_main: bool) -> Non
 
 def write_grid(images: np.ndarray, labels: np.ndarray, num_classes: int, path: Path) -> None:
     """uint8 NHWC -> one PNG (small images enlarged); one column per class when labels are balanced."""
-    from ..analysis import save_image_grid
+    from ..figures import save_image_grid
 
     balanced = num_classes <= 32 and len(images) % num_classes == 0 and np.array_equal(
         labels, np.arange(len(labels)) % num_classes)

@@ -4,7 +4,7 @@ Layout of one checkpoint (folder name = the optimizer step, zero-padded to 7 dig
     accelerate/          Accelerate's save_state: model, optimizer, grad scaler, RNG state of every rank
     rng/rank<R>.pt       the trainer's own per-rank generator (t, noise, flips, posterior draws)
     model_spec.json      \
-    model.safetensors     > the trained-model files read by sample.py (ancre_dit.trained_model)
+    model.safetensors     > the trained-model files read by sample.py (ancre_dit.checkpoint)
     ema.safetensors      /
     topology.json/.png   the learned topology of the EMA model
     trainer_state.json   step, data position, layout; written last
@@ -23,8 +23,9 @@ from typing import Any, Callable
 import torch
 
 from ..errors import UserError
-from ..trained_model import SPEC_FILE, WEIGHT_FILES
-from ..weights import file_problem, read_json_checked
+from ..checkpoint import SPEC_FILE, WEIGHT_FILES
+from ..checkpoint import read_json_checked
+from ..files import file_problem
 
 STATE_FILE = "trainer_state.json"
 ACCELERATE_DIR = "accelerate"

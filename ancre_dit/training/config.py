@@ -40,7 +40,7 @@ class ModelConfig:
     hc_streams: int = 4               # residual streams of hc / hc-dynamic / mhc
     sinkhorn_iters: int = 20          # Sinkhorn-Knopp iterations of mhc
     # Weight of the Tsallis-entropy (q = 2) penalty on ANCRe's incoming weights, added to the loss
-    # to push toward sparse topologies (ancre_dit.topology_tools.tsallis_entropy); 0 = off.
+    # to push toward sparse topologies (ancre_dit.models.topologies.analysis.tsallis_entropy); 0 = off.
     topology_entropy_weight: float = 0.0
     # Options of other registered topologies (`model.<option>=value`): the registry
     # (models/topologies/registry.py) declares which keys exist and their types.

@@ -73,7 +73,7 @@ def _evaluate(run_dir: Path, config: Config, selected: list[tuple[int, Path]], s
     from ..evaluation.evaluator import Evaluator, append_eval, evaluated_steps, format_eval, read_evals
     from ..evaluation.heldout import build_heldout_set
     from ..sampling.decode import build_decoder
-    from ..trained_model import load_model_spec, load_trained_model
+    from ..checkpoint import load_model_spec, load_trained_model
     from .data import build_data
     from .periodic import QUALITY_PLOT, plot_quality
 

@@ -74,7 +74,7 @@ class SampleGridTask(PeriodicTask):
         return super().due(trainer) and trainer.accelerator.is_main_process and not self._disabled
 
     def run(self, trainer: "Trainer") -> Path | None:
-        from ..analysis import save_image_grid
+        from ..figures import save_image_grid
         from ..sampling.api import sample_images
         from ..sampling.guidance import Guidance
 
@@ -185,7 +185,7 @@ def write_topology_files(folder: Path, run_dir: Path, ema_model: torch.nn.Module
     extra = {"step": step, "topology": topology, "weights": "ema", "training_probabilities": P_raw.tolist()}
     for target in (folder, run_dir):
         save_topology_json(target / "topology.json", P, **extra)
-    from ..analysis import plot_topology_heatmap
+    from ..figures import plot_topology_heatmap
     title = f"{topology} topology (EMA), step {step}"
     for target in (folder, run_dir):
         plot_topology_heatmap(P, target / "topology.png", title=title)
@@ -202,7 +202,7 @@ def topology_matrix(model: torch.nn.Module) -> torch.Tensor | None:
 def plot_quality(entries: list[dict[str, Any]], path: Path) -> Path | None:
     """The run's quality-versus-step curve: held-out loss and every sample metric, one panel each
     (the loss's parts, mse / vb, stay in evals.jsonl)."""
-    from ..evaluation.curves import plot_panels
+    from ..figures import plot_panels
     series: dict[str, tuple[list, list]] = {}
     for e in sorted(entries, key=lambda e: e["step"]):
         for k, v in e["metrics"].items():

@@ -24,9 +24,9 @@ from tqdm.auto import tqdm
 from ..errors import UserError
 from ..diffusion import build_objective
 from ..models import create_model
-from ..topology_tools import check_entropy_topology, topology_entropy
-from ..trained_model import WEIGHT_FILES, make_model_spec, write_model_files
-from ..weights import load_safetensors_checked
+from ..models.topologies.analysis import check_entropy_topology, topology_entropy
+from ..checkpoint import WEIGHT_FILES, make_model_spec, write_model_files
+from ..checkpoint import load_safetensors_checked
 from . import checkpointing as ckpt
 from .config import Config, check_batch_layout, diffusion_spec, flat_config, save_config, topology_options_of
 from .guards import NonFiniteGuard
@@ -371,7 +371,7 @@ class Trainer:
         if not path.is_file():
             return
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        from ..analysis import plot_loss_curve
+        from ..figures import plot_loss_curve
         plot_loss_curve([r["step"] for r in rows], [r["loss"] for r in rows], self.run_dir / "loss.png")
 
 

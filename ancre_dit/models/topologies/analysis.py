@@ -6,7 +6,8 @@ incoming weights over sources i = 0..j (0 = the embedding), zeros above the diag
 a single incoming edge whose weight every normalised topology fixes at 1, so the comparisons use
 the *learned* edges only: rows 2..K, sources 0..j (K(K+1)/2 - 1 edges; 77 for 12 blocks).
 
-Figures live in `analysis.py`; `scripts/topology.py` is the command-line face.
+Also the paper's per-block summary (strongest source, anchors, entropy). Figures live in
+`ancre_dit.figures`; `scripts/topology.py` is the command-line face.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from .errors import MissingFileError, UserError
-from .models.topologies import ANCReTopology, ResidualTopology, load_topology_json, save_topology_json
+from ...errors import MissingFileError, UserError
+from .ancre import ANCReTopology
+from .base import ResidualTopology, load_topology_json, save_topology_json
 
 
 # -- reading topologies ---------------------------------------------------------------------
@@ -43,16 +45,18 @@ def checkpoint_topologies(run_dir: str | Path) -> list[tuple[int, np.ndarray]]:
     return [(step, load_topology_json(p).double().numpy()) for step, p in found]
 
 
-def _matrix(P) -> np.ndarray:
-    P = np.asarray(P.detach().cpu() if isinstance(P, torch.Tensor) else P, dtype=np.float64)
-    if P.ndim != 2 or P.shape[0] != P.shape[1] or P.shape[0] < 2:
-        raise UserError(f"a topology must be a square (K, K) matrix with K >= 2 blocks, got shape {P.shape}")
+def square_topology(P, min_blocks: int = 2) -> np.ndarray:
+    """P (tensor or array) as a float64 (K, K) array; a UserError for any other shape. The learned-edge
+    statistics need K >= 2 (block 1's single edge is fixed); drawing needs K >= 1."""
+    P = np.asarray(P.detach().float().cpu() if isinstance(P, torch.Tensor) else P, dtype=np.float64)
+    if P.ndim != 2 or P.shape[0] != P.shape[1] or P.shape[0] < min_blocks:
+        raise UserError(f"a topology must be a square (K, K) matrix with K >= {min_blocks} block(s), got shape {P.shape}")
     return P
 
 
 def learned_edges(P) -> np.ndarray:
     """The weights of the learned edges: rows 2..K (blocks 2..K), sources 0..j, row by row."""
-    P = _matrix(P)
+    P = square_topology(P)
     rows, cols = np.tril_indices(P.shape[0])
     keep = rows >= 1
     return P[rows[keep], cols[keep]]
@@ -65,8 +69,8 @@ def pearson(P, Q) -> float:
     NaN when one of them is constant over its learned edges (no variation to correlate)."""
     a, b = learned_edges(P), learned_edges(Q)
     if a.shape != b.shape:
-        raise UserError(f"cannot compare topologies of different depths ({_matrix(P).shape[0]} and "
-                        f"{_matrix(Q).shape[0]} blocks)")
+        raise UserError(f"cannot compare topologies of different depths ({square_topology(P).shape[0]} and "
+                        f"{square_topology(Q).shape[0]} blocks)")
     a, b = a - a.mean(), b - b.mean()
     norm = np.sqrt((a * a).sum() * (b * b).sum())
     return float((a * b).sum() / norm) if norm > 0 else float("nan")
@@ -74,7 +78,7 @@ def pearson(P, Q) -> float:
 
 def strongest_sources(P) -> np.ndarray:
     """For blocks 2..K, the source of the largest incoming weight (the lowest index on a tie)."""
-    P = _matrix(P)
+    P = square_topology(P)
     return np.array([int(np.argmax(P[j, : j + 1])) for j in range(1, P.shape[0])])
 
 
@@ -107,6 +111,63 @@ def format_comparison(result: dict) -> str:
     return "\n".join(lines)
 
 
+# -- summarising one topology ------------------------------------------------------------
+def topology_summary(P) -> dict:
+    """The paper's topology analysis of P (K, K).
+
+    Per block j (1..K): the strongest incoming source, the weight on the anchors (the embedding
+    and the first block, sources 0 and 1, the paper's "first two nodes"), the weight on the
+    immediate predecessor (source j-1), and the entropy of the incoming weights (nats; log(j) is
+    uniform). Aggregates: mean anchor weight over blocks 3..K (where anchors are not simply the
+    only or local sources), the fraction of those blocks whose strongest source is an anchor,
+    and the mean normalised entropy (entropy / log(j), 1 = uniform, 0 = one edge).
+    """
+    P = square_topology(P, min_blocks=1)
+    K = P.shape[0]
+    blocks = []
+    for j in range(K):
+        row = P[j, : j + 1]
+        positive = row[row > 0]
+        total = positive.sum()
+        entropy = float(-(positive / total * np.log(positive / total)).sum()) if total > 0 else 0.0
+        blocks.append({
+            "block": j + 1,
+            "strongest_source": int(np.argmax(row)),
+            "strongest_weight": float(row.max()),
+            "anchor_weight": float(row[: min(2, j + 1)].sum()),
+            "previous_weight": float(row[j]),
+            "entropy": entropy,
+            "normalized_entropy": entropy / float(np.log(j + 1)) if j > 0 else 0.0,
+        })
+    deep = blocks[2:]  # blocks 1 and 2 see only anchors
+    summary = {
+        "num_blocks": K,
+        "blocks": blocks,
+        "mean_anchor_weight_deep": float(np.mean([b["anchor_weight"] for b in deep])) if deep else None,
+        "anchor_strongest_fraction_deep": (float(np.mean([b["strongest_source"] <= 1 for b in deep]))
+                                           if deep else None),
+        "mean_previous_weight": float(np.mean([b["previous_weight"] for b in blocks])),
+        "mean_normalized_entropy": (float(np.mean([b["normalized_entropy"] for b in blocks[1:]]))
+                                    if K > 1 else 0.0),
+    }
+    return summary
+
+
+def format_topology_summary(summary: dict) -> str:
+    """A short human-readable table of `topology_summary`'s output."""
+    lines = [f"{'block':>5} {'strongest':>9} {'weight':>7} {'anchors':>7} {'previous':>8} {'H/log j':>7}"]
+    for b in summary["blocks"]:
+        lines.append(f"{b['block']:>5} {b['strongest_source']:>9} {b['strongest_weight']:>7.3f} "
+                     f"{b['anchor_weight']:>7.3f} {b['previous_weight']:>8.3f} {b['normalized_entropy']:>7.3f}")
+    if summary["mean_anchor_weight_deep"] is not None:
+        lines.append(f"blocks 3..{summary['num_blocks']}: mean anchor weight {summary['mean_anchor_weight_deep']:.3f}, "
+                     f"strongest source is an anchor in {100 * summary['anchor_strongest_fraction_deep']:.0f}%")
+    lines.append(f"mean weight on the previous block {summary['mean_previous_weight']:.3f}, "
+                 f"mean normalised entropy {summary['mean_normalized_entropy']:.3f}")
+    return "\n".join(lines)
+
+
+
 # -- pruning -----------------------------------------------------------------------------------
 def prune_topology(P, top_k: int | None = None, threshold: float | None = None) -> np.ndarray:
     """Keeps each block's strongest incoming edges and rescales each row to its former sum.
@@ -122,7 +183,7 @@ def prune_topology(P, top_k: int | None = None, threshold: float | None = None) 
         raise UserError(f"--top-k must be at least 1, got {top_k}")
     if threshold is not None and not 0 <= threshold <= 1:
         raise UserError(f"--threshold is an edge weight in [0, 1], got {threshold}")
-    P = _matrix(P)
+    P = square_topology(P)
     out = np.zeros_like(P)
     for j in range(P.shape[0]):
         row = P[j, : j + 1]
@@ -140,7 +201,7 @@ def write_topology(path: str | Path, P, **extra) -> Path:
     """A topology.json that `model.topology=frozen model.topology_path=PATH` trains."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_topology_json(path, torch.as_tensor(_matrix(P)), **extra)
+    save_topology_json(path, torch.as_tensor(square_topology(P)), **extra)
     return path
 
 

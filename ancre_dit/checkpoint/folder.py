@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from .models import DiT, create_model, load_state_dict_checked
-from .models.topologies import restore_topology
-from .errors import MissingFileError, UserError
+from ..models import DiT, create_model, load_state_dict_checked
+from ..models.topologies import restore_topology
+from ..errors import MissingFileError, UserError
 from .weights import load_safetensors_checked, read_json_checked
 
 SPEC_FILE = "model_spec.json"

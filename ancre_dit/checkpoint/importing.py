@@ -21,17 +21,16 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import MissingFileError, UserError
-from .files import sha256_file
-from .models import create_model, load_state_dict_checked, official_logit_layout, save_topology_json
-from .models.convert import convert_official_state_dict
-from .models.topologies import topology_entry
-from .trained_model import SPEC_FILE, make_model_spec, write_model_files
+from ..diffusion.gaussian import DDPM_SCHEDULE
+from ..errors import MissingFileError, UserError
+from ..files import sha256_file
+from ..models import create_model, load_state_dict_checked, official_logit_layout, save_topology_json
+from ..models.convert import convert_official_state_dict
+from ..models.topologies import topology_entry
+from .folder import SPEC_FILE, make_model_spec, write_model_files
 
 SAFE_GLOBALS = [argparse.Namespace]  # what the official training scripts store besides tensors
 VAE_DOWNSAMPLE = 8  # SD VAE: 256 px -> 32 x 32 latents
-# DiT's diffusion (1000-step linear betas); every released DiT / ANCRe checkpoint was trained with it.
-DIT_DIFFUSION = {"num_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02}
 SD_VAE_SCALING = 0.18215
 # Topology of an imported file by its logit layout, when the caller does not name one.
 DEFAULT_TOPOLOGY = {None: "cascaded", "per-target": "ancre", "per-source": "ancre-outgoing"}
@@ -125,14 +124,15 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
         topology=topology, input_size=image_size // VAE_DOWNSAMPLE, in_channels=in_channels, num_classes=num_classes,
         learn_sigma=final.shape[0] == 2 * in_channels * patch * patch,
         class_dropout_prob=0.1 if table.shape[0] == num_classes + 1 else 0.0, **(overrides or {}))
-    if "tau" in topology_entry(topology).options:
+    tau_option = topology_entry(topology).options.get("tau")
+    if tau_option is not None:
         file_tau = float(state["topology.tau"]) if "topology.tau" in state else args.get("tau")
-        kwargs["tau"] = float(_pick("tau", tau, file_tau, 0.01))
+        kwargs["tau"] = float(_pick("tau", tau, file_tau, tau_option.default))
         state.setdefault("topology.tau", torch.tensor(kwargs["tau"]))
     net = create_model(name, **kwargs)
     load_state_dict_checked(net, state, source=str(src))
 
-    spec = make_model_spec(name, kwargs, dict(DIT_DIFFUSION, learn_sigma=kwargs["learn_sigma"]),
+    spec = make_model_spec(name, kwargs, dict(DDPM_SCHEDULE, learn_sigma=kwargs["learn_sigma"]),
                            {"kind": "latents", "image_size": image_size, "image_channels": 3, "num_classes": num_classes,
                             "vae": None, "scaling_factor": SD_VAE_SCALING},
                            step=int(src.stem) if src.stem.isdigit() else 0)

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import pickletools
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .errors import MissingFileError, UserError
+from ..errors import MissingFileError, UserError
 
 
 def damaged(path: Path, why: str) -> UserError:
@@ -45,30 +43,4 @@ def read_json_checked(path: str | os.PathLike) -> Any:
         raise damaged(path, f"not valid JSON: {err}") from None
 
 
-def file_problem(path: Path) -> str | None:
-    """Why `path` cannot be read, judged from its structure without loading it (None = readable):
-    a safetensors header that does not cover the file, a torch/zip archive whose directory or
-    checksums are broken, a pickle without its end, invalid JSON. Truncation, the usual damage of a killed copy, fails all three."""
-    try:
-        if path.suffix == ".safetensors":
-            with safe_open(str(path), framework="pt"):
-                pass
-        elif path.suffix in (".bin", ".pt", ".pth", ".pkl") and zipfile.is_zipfile(path):  # torch.save's format
-            with zipfile.ZipFile(path) as zf:
-                bad = zf.testzip()
-            if bad is not None:
-                return f"{path}: member {bad} fails its CRC check"
-        elif path.suffix == ".pkl":  # a plain pickle: walk its opcodes without executing any; a cut one has no STOP
-            with open(path, "rb") as f:
-                for _ in pickletools.genops(f):
-                    pass
-        elif path.suffix in (".bin", ".pt", ".pth"):
-            return f"{path}: not a torch archive (no zip directory; truncated?)"
-        elif path.suffix == ".json":
-            json.loads(path.read_text())
-    except (SafetensorError, OSError, UnicodeDecodeError, ValueError, zipfile.BadZipFile) as err:
-        return f"{path}: {' '.join(str(err).split())}"
-    return None
-
-
-__all__ = ["load_safetensors_checked", "read_json_checked", "file_problem", "damaged"]
+__all__ = ["load_safetensors_checked", "read_json_checked", "damaged"]

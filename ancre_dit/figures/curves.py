@@ -1,0 +1,70 @@
+"""Metric curves: one subplot per metric, one line (with an optional +-std band) per run or group."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+
+from .canvas import plt, save_figure
+
+Curve = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # x, mean, std (None: a single run)
+
+
+def plot_panels(panels: dict[str, dict[str, Curve]], path: str | Path, xlabel: str = "step",
+                title: str | None = None, log_x: bool = False, log_y: bool = False) -> Path:
+    """panels: metric -> {label -> (x, mean, std | None)}; lines share colours across panels by label."""
+    names = list(panels)
+    cols = min(3, len(names))
+    rows = math.ceil(len(names) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    labels = list(dict.fromkeys(label for curves in panels.values() for label in curves))
+    colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    for ax, name in zip(axes.flat, names):
+        for label, (x, mean, std) in panels[name].items():
+            ax.plot(x, mean, marker="o", markersize=3, color=colours[label], label=label or None)
+            if std is not None:
+                ax.fill_between(x, mean - std, mean + std, color=colours[label], alpha=0.2)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel(xlabel)
+        if log_x:
+            ax.set_xscale("log")
+        if log_y:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    if any(labels):
+        handles, texts = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, texts, loc="lower center", ncol=min(4, len(labels)), fontsize=9)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.06 if any(labels) else 0, 1, 1))
+    return save_figure(fig, path, dpi=110)
+
+
+def mean_and_std(values) -> tuple[np.ndarray, np.ndarray | None]:
+    """1-D (one run) -> (curve, None); 2-D (runs, points) -> (mean, std over runs; None for one run)."""
+    values = np.asarray(values.detach().cpu() if isinstance(values, torch.Tensor) else values, dtype=np.float64)
+    if values.ndim == 1:
+        return values, None
+    if values.ndim == 2:
+        return values.mean(axis=0), (values.std(axis=0) if values.shape[0] > 1 else None)
+    raise ValueError(f"losses must be 1-D (one run) or 2-D (runs, points), got shape {values.shape}")
+
+
+def plot_loss_curve(steps, losses, path: str | Path, label: str | None = None, title: str | None = None,
+                    ylabel: str = "loss", log_y: bool = False) -> Path:
+    """One panel of loss against step: `losses` is one curve (1-D), several runs of one setting
+    (2-D (runs, points), drawn as mean +- std), or a mapping label -> either, for several settings."""
+    curves = dict(losses) if isinstance(losses, Mapping) else {label: losses}
+    steps = np.asarray(steps)
+    panel: dict[str, Curve] = {}
+    for name, values in curves.items():
+        mean, spread = mean_and_std(values)
+        if mean.shape != steps.shape:
+            raise ValueError(f"{len(steps)} steps but {mean.shape[0]} loss values for {name or 'the curve'}")
+        panel[name or ""] = (steps, mean, spread)
+    return plot_panels({ylabel: panel}, path, xlabel="step", title=title, log_y=log_y)

@@ -1,0 +1,33 @@
+"""Sample grids: a batch of images as one PNG, small images enlarged so the grid is readable."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def save_image_grid(images, path: str | Path, nrow: int = 8, scale: int | None = None) -> Path:
+    """Saves a grid PNG of uint8 NHWC images (ADM sample layout) or float NCHW images in [-1, 1].
+
+    `scale` is an integer nearest-neighbour upscale; by default small images (e.g. 8x8 digits)
+    are enlarged to at least 64 pixels a side so the grid is readable.
+    """
+    from torchvision.utils import make_grid, save_image
+
+    x = torch.as_tensor(np.asarray(images)) if not isinstance(images, torch.Tensor) else images.detach().cpu()
+    if x.ndim != 4:
+        raise ValueError(f"images must be a 4-D batch (NHWC uint8 or NCHW float), got shape {tuple(x.shape)}")
+    if x.dtype == torch.uint8:
+        x = x.permute(0, 3, 1, 2).float() / 255.0
+    else:
+        x = ((x.float() + 1.0) / 2.0).clamp(0.0, 1.0)
+    if scale is None:
+        scale = max(1, -(-64 // min(x.shape[-2:])))
+    if scale > 1:
+        x = torch.nn.functional.interpolate(x, scale_factor=scale, mode="nearest")
+    grid = make_grid(x, nrow=nrow, padding=max(1, scale), pad_value=0.5)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_image(grid, str(path))
+    return path
