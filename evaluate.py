@@ -87,7 +87,7 @@ def _digits(args) -> int:
 
 
 def _run(args) -> int:
-    from ancre_dit.training.evaluate_run import evaluate_run
+    from ancre_dit.training.run_evaluation import evaluate_run
 
     steps = None
     if args.steps:

@@ -57,37 +57,24 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         raise UserError(f"missing {', '.join(missing)}; usage: extract_latents.py --data-path IMAGES --vae VAE_DIR "
                         "--out LATENT_DIR (or --verify LATENT_DIR)")
-    import torch
-    from accelerate import PartialState
-
+    from ancre_dit.cli import job_processes
     from ancre_dit.latents.extract import DistContext, ExtractConfig, run_extraction
 
-    from accelerate.utils import parse_flag_from_env
-
-    # PartialState alone ignores ACCELERATE_USE_CPU and, without a GPU, would treat each torchrun
-    # process as a lone one (all writing the same shards); CPU mode makes it use gloo instead.
-    cpu = args.cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available()
-    state = PartialState(cpu=cpu)
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != state.num_processes:
-        raise UserError(f"launched as {launched} processes but accelerate set up {state.num_processes}; "
-                        "launch with `accelerate launch` or `torchrun` (set ACCELERATE_USE_CPU=1 on CPU)")
-    workers = args.num_workers
-    if workers < 0:
-        per_process = (os.cpu_count() or 1) // state.num_processes
-        workers = min(8, max(0, per_process - 1)) if state.device.type == "cuda" else 0
-    cfg = ExtractConfig(data_path=args.data_path, vae=args.vae, out=args.out, image_size=args.image_size,
-                        shard_size=args.shard_size, batch_size=args.batch_size, num_workers=workers,
-                        vae_dtype=args.vae_dtype, scaling_factor=args.scaling_factor, min_side=args.min_side,
-                        max_shards=args.max_shards)
-    ctx = DistContext(rank=state.process_index, world=state.num_processes, device=state.device,
-                      barrier=state.wait_for_everyone)
-    try:
-        run_extraction(cfg, ctx)
-    finally:
-        # Without this, gloo/NCCL processes abort at exit ("terminate called without an active exception").
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    with job_processes(args.cpu) as state:
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != state.num_processes:
+            raise UserError(f"launched as {launched} processes but accelerate set up {state.num_processes}; "
+                            "launch with `accelerate launch` or `torchrun` (set ACCELERATE_USE_CPU=1 on CPU)")
+        workers = args.num_workers
+        if workers < 0:
+            per_process = (os.cpu_count() or 1) // state.num_processes
+            workers = min(8, max(0, per_process - 1)) if state.device.type == "cuda" else 0
+        cfg = ExtractConfig(data_path=args.data_path, vae=args.vae, out=args.out, image_size=args.image_size,
+                            shard_size=args.shard_size, batch_size=args.batch_size, num_workers=workers,
+                            vae_dtype=args.vae_dtype, scaling_factor=args.scaling_factor, min_side=args.min_side,
+                            max_shards=args.max_shards)
+        run_extraction(cfg, DistContext(rank=state.process_index, world=state.num_processes, device=state.device,
+                                        barrier=state.wait_for_everyone))
     return 0
 
 

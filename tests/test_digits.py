@@ -7,7 +7,8 @@ import torch
 from helpers import tiny_model
 from sklearn.datasets import load_digits
 
-from ancre_dit.data.digits import DIGITS_IMAGE_SIZE, DIGITS_NUM_CLASSES, DigitsDataset, to_uint8
+from ancre_dit.data.adm_npz import to_uint8
+from ancre_dit.data.digits import DIGITS_IMAGE_SIZE, DIGITS_NUM_CLASSES, DigitsDataset
 from ancre_dit.diffusion.gaussian import create_diffusion
 
 

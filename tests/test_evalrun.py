@@ -23,7 +23,7 @@ from ancre_dit.evaluation.compare import group_runs, load_run, steps_to_target, 
 from ancre_dit.evaluation.evaluator import read_evals
 from ancre_dit.training import train
 from ancre_dit.training.config import load_config
-from ancre_dit.training.evaluate_run import evaluate_run
+from ancre_dit.training.run_evaluation import evaluate_run
 
 # Several parts per evaluation (20 samples in parts of 8), two cfg scales, label dropout and learned
 # sigma on, so every random stream of training is in play.
@@ -113,7 +113,8 @@ def test_one_and_two_process_evaluations_give_the_same_numbers(tmp_path):
 
 @pytest.mark.slow
 def test_digits_metric_separates_real_digits_from_noise(tmp_path):
-    from ancre_dit.data.digits import DigitsDataset, to_uint8
+    from ancre_dit.data.adm_npz import to_uint8
+    from ancre_dit.data.digits import DigitsDataset
     from ancre_dit.evaluation.digits_classifier import _train, classify, digits_metric, digits_reference_scores
 
     ref = digits_reference_scores()
@@ -259,7 +260,8 @@ def test_inception_metrics_during_training_equal_the_offline_pipeline(tmp_path):
     of sample.py + the standalone evaluator on the same checkpoint, seed and sampler. Random Inception
     weights (written here) keep it offline: the values mean nothing, their equality does."""
     from ancre_dit.data.adm_npz import save_adm_npz
-    from ancre_dit.data.digits import DigitsDataset, to_uint8
+    from ancre_dit.data.adm_npz import to_uint8
+    from ancre_dit.data.digits import DigitsDataset
     from ancre_dit.evaluation import WEIGHTS_NAME, evaluate, write_random_inception_weights
     from helpers import load_script
 

@@ -310,7 +310,8 @@ def test_cli_writes_table_and_json_and_fails_in_one_line(weights, image_sets, tm
 
 @pytest.mark.slow
 def test_digits_report_real_high_noise_chance(tmp_path, monkeypatch, capsys):
-    from ancre_dit.data.digits import DigitsDataset, to_uint8
+    from ancre_dit.data.adm_npz import to_uint8
+    from ancre_dit.data.digits import DigitsDataset
 
     heldout = DigitsDataset("heldout")
     images = to_uint8(heldout.images[:, 0])  # (N, 8, 8) uint8, as sample.py writes them

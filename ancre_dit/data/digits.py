@@ -13,7 +13,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .adm_npz import to_uint8  # noqa: F401  (re-exported: samples of the digits default)
 from ..errors import UserError
 
 DIGITS_NUM_CLASSES = 10

@@ -24,8 +24,9 @@ from ancre_dit.errors import UserError
 from ancre_dit.data.latents import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, REPORT_NAME,
                                     shard_file_name)
 from ancre_dit.data.image_folder import CroppedImages, ImageList, LoadedImage, list_image_folder
+from ancre_dit.files import write_atomic
 from ancre_dit.latents.shards import (checksum_path, read_checksum, read_shard_meta, remove_stale_tmp,
-                                      shard_is_complete, write_atomic, write_shard)
+                                      shard_is_complete, write_shard)
 from ancre_dit.vae import DTYPES, LoadedVAE, encode_moments, load_vae
 
 

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from ancre_dit.data.latents import shard_file_name
-from ancre_dit.files import sha256_file, write_atomic  # noqa: F401  (re-exported for extract.py)
+from ancre_dit.files import sha256_file, write_atomic
 
 META_KEY = "ancre_dit"
 

@@ -1,7 +1,7 @@
 """Class-conditional sampling with classifier-free guidance: samplers, guidance, decoding, and the
 sharded, resumable sampling job behind sample.py."""
 from .api import SamplingPlan, plan_sampling, sample_images, sample_latents
-from .decode import build_decoder, decode_pixels, to_uint8_nhwc
+from .decode import build_decoder, decode_pixels
 from .guidance import Guidance, GuidedDenoiser
 from .job import JobSettings, run_job
 from .labels import assign_labels, check_classes
@@ -9,6 +9,6 @@ from .noise import SampleNoise, sample_seed
 
 __all__ = [
     "SamplingPlan", "plan_sampling", "sample_images", "sample_latents", "build_decoder", "decode_pixels",
-    "to_uint8_nhwc", "Guidance", "GuidedDenoiser",
+    "Guidance", "GuidedDenoiser",
     "JobSettings", "run_job", "assign_labels", "check_classes", "SampleNoise", "sample_seed",
 ]

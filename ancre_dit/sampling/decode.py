@@ -15,14 +15,10 @@ from ..vae import decode_to_uint8, load_run_vae
 Decoder = Callable[[torch.Tensor], np.ndarray]
 
 
-def to_uint8_nhwc(x: torch.Tensor) -> np.ndarray:
-    """(N, C, H, W) in [-1, 1] -> uint8 (N, H, W, C), clipped and rounded to nearest."""
-    return to_uint8(x).transpose(0, 2, 3, 1)
-
-
 def decode_pixels(x: torch.Tensor) -> np.ndarray:
-    """Pixel-space models sample images directly."""
-    return to_uint8_nhwc(x)
+    """Pixel-space models sample images directly: (N, C, H, W) in [-1, 1] -> uint8 (N, H, W, C),
+    clipped and rounded to nearest."""
+    return to_uint8(x).transpose(0, 2, 3, 1)
 
 
 def build_decoder(data_spec: dict[str, Any], model_channels: int, vae: str | None = None,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
@@ -21,11 +20,12 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..checkpoint import load_trained_model
+from ..cli import job_processes
+from ..data.adm_npz import load_adm_npz, save_adm_npz
 from ..diffusion import SDEOptions
 from ..errors import UserError
-from ..data.adm_npz import load_adm_npz, save_adm_npz
 from ..files import write_atomic
-from ..checkpoint import load_trained_model
 from .api import SamplingPlan, plan_sampling
 from .decode import Decoder, build_decoder
 from .guidance import Guidance
@@ -158,35 +158,12 @@ def merge_parts(folder: Path, ranges: list[tuple[int, int]], labels: np.ndarray,
     return images
 
 
-class SingleProcess:
-    """The slice of accelerate's PartialState a one-process job uses. Used when no launcher set
-    WORLD_SIZE, so in-process callers (tests, notebooks) leave no accelerate singleton behind."""
-
-    process_index, num_processes, is_main_process = 0, 1, True
-
-    def __init__(self, cpu: bool):
-        self.device = torch.device("cuda" if torch.cuda.is_available() and not cpu else "cpu")
-
-    def wait_for_everyone(self) -> None:
-        pass
-
-
 def run_job(s: JobSettings) -> Path:
     """Samples s.num_samples images into s.out (+ PNG folder, grid); returns s.out."""
     guidance = check_settings(s)
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return _run(s, guidance, SingleProcess(s.cpu))
-    from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
-    # Without a GPU, accelerate only sets up a (gloo) process group when told it runs on the CPU.
-    state = PartialState(cpu=s.cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
-    try:
-        return _run(s, guidance, state)
-    finally:
-        # A process group left open aborts the process at exit.
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    with job_processes(s.cpu) as state:
+        model, spec = load_trained_model(s.ckpt, s.weights, state.device)
+        return _run_model(model, spec, s, guidance, state)
 
 
 def sample_parts(plan: SamplingPlan, labels: np.ndarray, ranges: list[tuple[int, int]], *,
@@ -195,19 +172,6 @@ def sample_parts(plan: SamplingPlan, labels: np.ndarray, ranges: list[tuple[int,
     memory. Sample i uses the streams of (seed, i), so a part is the same whatever process draws it."""
     for start, end in ranges:
         yield start, end, sample_part(plan, labels[start:end], indices=np.arange(start, end), seed=seed, decoder=decoder)
-
-
-def run_job_with_model(model: torch.nn.Module, spec: dict, s: JobSettings, state=None) -> Path:
-    """`run_job` for a model already in memory (e.g. the trainer's EMA); `spec` is its model spec
-    (diffusion + data); s.ckpt only names the source in the job identity. `state`: accelerate's
-    PartialState (or anything with its process fields); None = one process."""
-    guidance = check_settings(s)
-    return _run_model(model, spec, s, guidance, state or SingleProcess(s.cpu))
-
-
-def _run(s: JobSettings, guidance: Guidance, state) -> Path:
-    model, spec = load_trained_model(s.ckpt, s.weights, state.device)
-    return _run_model(model, spec, s, guidance, state)
 
 
 def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Guidance, state) -> Path:

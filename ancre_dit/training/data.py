@@ -19,6 +19,7 @@ from torch.utils.data import Dataset, Subset
 
 from ..errors import UserError
 from ..data.image_folder import list_image_folder, load_rgb
+from ..models import DIT_MODELS
 from .config import Config
 
 
@@ -55,9 +56,12 @@ class _ImageFolderArrays(Dataset):
         return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0, self.images.labels[i]
 
 
-def build_data(config: Config, patch_size: int) -> DataInfo:
-    """Opens the dataset named by config.data and checks that the model's patch size fits it."""
+def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
+    """Opens the dataset named by config.data and checks that the model's patch size (default: that
+    of config.model.name) fits it."""
     d = config.data
+    if patch_size is None:
+        patch_size = DIT_MODELS[config.model.name][1]
     if d.kind == "digits":
         from ..data.digits import DIGITS_NUM_CLASSES, DigitsDataset
         info = DataInfo(DigitsDataset("train"), "digits", 8, 1, DIGITS_NUM_CLASSES, 8, 1,

@@ -1,16 +1,19 @@
 """The periodic work of a training run, as tasks the loop runs when due: EMA sample grids, the
-evaluation (evals.jsonl), checkpoints (with the topology snapshot). Each task reads what it needs
-from the trainer and never draws from the training random streams.
+evaluation (evals.jsonl), checkpoints (with the topology snapshot).
 
-The loop calls, after every optimizer step, `task.maybe_run(trainer)` for each task in order, and
-`task.finish(trainer, stopped)` once at the end.
+Tasks see a `RunContext`, the narrow slice of the run they may use (its folder, config, processes,
+models, objective, progress and a `save` callback), never the trainer itself, and never draw from
+the training random streams. After every optimizer step the loop calls `task.maybe_run(ctx)` for
+each task in order, and `task.finish(ctx, stopped)` once at the end.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -18,11 +21,32 @@ import torch
 from ..errors import UserError
 from ..models import TopologyNotDefined, save_topology_json
 from . import checkpointing as ckpt
+from .config import Config
+from .data import DataInfo
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .trainer import Trainer
 
-QUALITY_PLOT = "quality.png"
+@dataclass
+class TrainProgress:
+    """Where the run stands; the trainer advances it, the tasks read it."""
+    step: int = 0
+    train_seconds: float = 0.0  # time inside optimizer steps, summed over resumes (periodic work excluded)
+    last_saved: int = -1        # step of the newest checkpoint written or resumed from in this launch
+
+
+@dataclass
+class RunContext:
+    """What a periodic task may use of the run it serves."""
+    run_dir: Path
+    config: Config
+    accelerator: Any                # accelerate.Accelerator (process index, device, logging to trackers)
+    data: DataInfo
+    objective: Any                  # ancre_dit.diffusion.Objective
+    raw_model: torch.nn.Module
+    ema_model: torch.nn.Module
+    data_spec: dict[str, Any]       # the checkpoint spec's "data" entry (decoder choice)
+    log: logging.Logger
+    progress: TrainProgress
+    save: Callable[[], Path]        # writes a checkpoint of the current step (collective)
 
 
 class PeriodicTask:
@@ -33,32 +57,26 @@ class PeriodicTask:
         self.every = every
         self.seconds = 0.0
 
-    def due(self, trainer: "Trainer") -> bool:
-        return bool(self.every) and trainer.step % self.every == 0
+    def due(self, ctx: RunContext) -> bool:
+        return bool(self.every) and ctx.progress.step % self.every == 0
 
-    def maybe_run(self, trainer: "Trainer") -> None:
-        if self.due(trainer):
+    def maybe_run(self, ctx: RunContext) -> None:
+        if self.due(ctx):
             start = time.perf_counter()
-            self.run(trainer)
+            self.run(ctx)
             self.seconds += time.perf_counter() - start
 
-    def run(self, trainer: "Trainer") -> None:
+    def run(self, ctx: RunContext) -> None:
         raise NotImplementedError
 
-    def finish(self, trainer: "Trainer", stopped: bool) -> None:
+    def finish(self, ctx: RunContext, stopped: bool) -> None:
         """Work owed at the end of the loop (default: none)."""
 
 
-def _decoder(trainer: "Trainer"):
-    from ..sampling.decode import build_decoder, decode_pixels
-    d = trainer.data
-    if d.kind != "latents":
-        return decode_pixels
-    return build_decoder(trainer.data_spec(), d.in_channels, device=trainer.accelerator.device)
-
-
-def _devices(trainer: "Trainer") -> list:
-    return [trainer.accelerator.device] if trainer.accelerator.device.type == "cuda" else []
+def run_decoder(ctx: RunContext):
+    """Latent runs decode with their VAE; pixel-space runs need none."""
+    from ..sampling.decode import build_decoder
+    return build_decoder(ctx.data_spec, ctx.data.in_channels, device=ctx.accelerator.device)
 
 
 class SampleGridTask(PeriodicTask):
@@ -70,84 +88,78 @@ class SampleGridTask(PeriodicTask):
         self._decoder = None
         self._disabled = False
 
-    def due(self, trainer: "Trainer") -> bool:
-        return super().due(trainer) and trainer.accelerator.is_main_process and not self._disabled
+    def due(self, ctx: RunContext) -> bool:
+        return super().due(ctx) and ctx.accelerator.is_main_process and not self._disabled
 
-    def run(self, trainer: "Trainer") -> Path | None:
+    def run(self, ctx: RunContext) -> Path | None:
         from ..figures import save_image_grid
         from ..sampling.api import sample_images
         from ..sampling.guidance import Guidance
 
-        c, d = trainer.config.train, trainer.data
+        c, d, step = ctx.config.train, ctx.data, ctx.progress.step
         if self._decoder is None:
             try:
-                self._decoder = _decoder(trainer)
+                self._decoder = run_decoder(ctx)
             except UserError as err:
-                trainer.log.warning("no sample grids: %s", err)
+                ctx.log.warning("no sample grids: %s", err)
                 self._disabled = True
                 return None
         n = c.num_sample_images
         labels = (np.arange(n) % d.num_classes if d.num_classes <= 32
                   else np.random.default_rng(c.seed).integers(0, d.num_classes, n))
-        cfg = c.cfg_scale_for_grids if trainer.config.model.class_dropout > 0 else 1.0
-        with torch.random.fork_rng(devices=_devices(trainer)):
-            images = sample_images(trainer.ema.module, trainer.objective, labels, decoder=self._decoder, seed=c.seed,
+        cfg = c.cfg_scale_for_grids if ctx.config.model.class_dropout > 0 else 1.0
+        devices = [ctx.accelerator.device] if ctx.accelerator.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            images = sample_images(ctx.ema_model, ctx.objective, labels, decoder=self._decoder, seed=c.seed,
                                    steps=c.sample_steps, guidance=Guidance(cfg))
         nrow = d.num_classes if d.num_classes <= 32 and n % d.num_classes == 0 else int(math.ceil(math.sqrt(n)))
-        path = save_image_grid(images, trainer.run_dir / "samples" / f"{ckpt.step_name(trainer.step)}.png", nrow=nrow)
-        trainer.log.info("step %d: EMA sample grid (cfg %.1f) saved to %s", trainer.step, cfg, path)
+        path = save_image_grid(images, ctx.run_dir / "samples" / f"{ckpt.step_name(step)}.png", nrow=nrow)
+        ctx.log.info("step %d: EMA sample grid (cfg %.1f) saved to %s", step, cfg, path)
         return path
 
 
 class EvaluationTask(PeriodicTask):
-    """Every train.eval_every steps and at the end: the evaluation of evaluator.py on all processes,
-    appended to RUN/logs/evals.jsonl, TensorBoard and the text log; RUN/quality.png redrawn."""
+    """Every train.eval_every steps and at the end: the run's evaluation (run_evaluation.py) on all
+    processes, recorded in RUN/logs/evals.jsonl, TensorBoard and the text log; RUN/quality.png redrawn."""
     name = "evaluation"
 
-    def __init__(self, trainer: "Trainer"):
-        from ..evaluation.evaluator import Evaluator, evaluated_steps, resolve_metrics
-        from ..evaluation.heldout import build_heldout_set
+    def __init__(self, ctx: RunContext):
+        from ..evaluation.evaluator import resolve_metrics, evaluated_steps
+        from .run_evaluation import build_run_evaluator
 
-        super().__init__(trainer.config.train.eval_every)
-        e, d = trainer.config.eval, trainer.data
-        heldout = None
-        if e.heldout_loss and d.heldout is not None:
-            heldout = build_heldout_set(d.heldout, d.kind, max_examples=e.heldout_max, draws=e.heldout_draws,
-                                        seed=e.seed, objective=trainer.objective)
-        needs_decoder = bool(resolve_metrics(e, d.kind))  # only sample metrics decode images
-        self.evaluator = Evaluator(e, data_kind=d.kind, num_classes=d.num_classes, objective=trainer.objective,
-                                   heldout=heldout,
-                                   decoder=_decoder(trainer) if needs_decoder else None,
-                                   state=trainer.accelerator, log=trainer.log.info)
+        super().__init__(ctx.config.train.eval_every)
+        needs_decoder = bool(resolve_metrics(ctx.config.eval, ctx.data.kind))  # only sample metrics decode images
+        self.evaluator = build_run_evaluator(ctx.config, ctx.data, ctx.objective,
+                                             decoder=run_decoder(ctx) if needs_decoder else None,
+                                             state=ctx.accelerator, log=ctx.log.info)
         # Read once, before anyone writes: every process then agrees on what is left to do.
-        self.done = evaluated_steps(trainer.run_dir, self.evaluator.identity)
+        self.done = evaluated_steps(ctx.run_dir, self.evaluator.identity)
 
-    def due(self, trainer: "Trainer") -> bool:
-        return super().due(trainer) and trainer.step not in self.done
+    def due(self, ctx: RunContext) -> bool:
+        return super().due(ctx) and ctx.progress.step not in self.done
 
-    def run(self, trainer: "Trainer") -> dict[str, Any] | None:
-        from ..evaluation.evaluator import append_eval, format_eval
+    def run(self, ctx: RunContext) -> dict[str, Any] | None:
+        from .run_evaluation import record_evaluation
 
-        result = self.evaluator.evaluate(trainer.ema.module, raw_model=trainer.raw_model)
-        self.done.add(trainer.step)
-        if result is None:
+        step = ctx.progress.step
+        result = self.evaluator.evaluate(ctx.ema_model, raw_model=ctx.raw_model)
+        self.done.add(step)
+        if result is None:  # not the main process
             return None
-        entry = {"step": trainer.step, "images_seen": trainer.step * trainer.config.train.global_batch_size,
-                 "train_seconds": round(trainer.train_seconds, 3), "source": "train", **result,
-                 "settings": self.evaluator.identity}
-        append_eval(trainer.run_dir, entry)
-        trainer.log.info(format_eval(entry))
-        trainer.accelerator.log({f"eval/{k}": v for k, v in entry["metrics"].items()}, step=trainer.step)
-        return entry
+        return record_evaluation(ctx.run_dir, result, self.evaluator.identity, step=step,
+                                 images_seen=step * ctx.config.train.global_batch_size,
+                                 train_seconds=round(ctx.progress.train_seconds, 3), source="train",
+                                 log=ctx.log.info, tracker=ctx.accelerator)
 
-    def finish(self, trainer: "Trainer", stopped: bool) -> None:
+    def finish(self, ctx: RunContext, stopped: bool) -> None:
+        from .run_evaluation import plot_run_quality
+
         start = time.perf_counter()
-        if not stopped and trainer.step == trainer.config.train.max_steps and trainer.step not in self.done:
-            self.run(trainer)
-        if trainer.accelerator.is_main_process:  # drawn once at the end: matplotlib costs seconds per figure
-            from ..evaluation.evaluator import read_evals
-            mine = [e for e in read_evals(trainer.run_dir) if e.get("settings") == self.evaluator.identity]
-            plot_quality(mine, trainer.run_dir / QUALITY_PLOT)
+        step = ctx.progress.step
+        if not stopped and step == ctx.config.train.max_steps and step not in self.done:
+            self.run(ctx)
+        if ctx.accelerator.is_main_process:  # drawn once at the end: matplotlib costs seconds per figure
+            plot_run_quality(ctx.run_dir, self.evaluator.identity)
         self.seconds += time.perf_counter() - start
 
 
@@ -155,22 +167,22 @@ class CheckpointTask(PeriodicTask):
     """A checkpoint every train.ckpt_every steps and at the end (collective)."""
     name = "checkpoints"
 
-    def run(self, trainer: "Trainer") -> None:
-        trainer.save()
+    def run(self, ctx: RunContext) -> None:
+        ctx.save()
 
-    def finish(self, trainer: "Trainer", stopped: bool) -> None:
-        if trainer.last_saved != trainer.step:
+    def finish(self, ctx: RunContext, stopped: bool) -> None:
+        if ctx.progress.last_saved != ctx.progress.step:
             start = time.perf_counter()
-            trainer.save()
+            ctx.save()
             self.seconds += time.perf_counter() - start
 
 
-def build_tasks(trainer: "Trainer") -> list[PeriodicTask]:
+def build_tasks(ctx: RunContext) -> list[PeriodicTask]:
     """In the order they run at a step: grid, evaluation, checkpoint (so a checkpoint follows its evaluation)."""
-    c = trainer.config.train
+    c = ctx.config.train
     tasks: list[PeriodicTask] = [SampleGridTask(c.sample_every)]
     if c.eval_every:
-        tasks.append(EvaluationTask(trainer))
+        tasks.append(EvaluationTask(ctx))
     tasks.append(CheckpointTask(c.ckpt_every))
     return tasks
 
@@ -197,21 +209,3 @@ def topology_matrix(model: torch.nn.Module) -> torch.Tensor | None:
         return model.topology.probabilities().detach().float().cpu()
     except TopologyNotDefined:
         return None
-
-
-def plot_quality(entries: list[dict[str, Any]], path: Path) -> Path | None:
-    """The run's quality-versus-step curve: held-out loss and every sample metric, one panel each
-    (the loss's parts, mse / vb, stay in evals.jsonl)."""
-    from ..figures import plot_panels
-    series: dict[str, tuple[list, list]] = {}
-    for e in sorted(entries, key=lambda e: e["step"]):
-        for k, v in e["metrics"].items():
-            if k.startswith(("heldout_mse", "heldout_vb")):
-                continue
-            steps, values = series.setdefault(k, ([], []))
-            steps.append(e["step"])
-            values.append(v)
-    if not series:
-        return None
-    panels = {k: {"": (np.asarray(steps), np.asarray(values), None)} for k, (steps, values) in series.items()}
-    return plot_panels(panels, path, xlabel="step", title="evaluation (digits_*: digits metric, not FID)")

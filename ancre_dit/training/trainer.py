@@ -22,6 +22,7 @@ from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
 from ..errors import UserError
+from ..files import read_jsonl
 from ..diffusion import build_objective
 from ..models import create_model
 from ..models.topologies.analysis import check_entropy_topology, topology_entropy
@@ -30,7 +31,7 @@ from ..checkpoint import load_safetensors_checked
 from . import checkpointing as ckpt
 from .config import Config, check_batch_layout, diffusion_spec, flat_config, save_config, topology_options_of
 from .guards import NonFiniteGuard
-from .periodic import build_tasks, topology_matrix, write_topology_files
+from .periodic import RunContext, TrainProgress, build_tasks, topology_matrix, write_topology_files
 from .data import DataInfo, GlobalBatchSampler, advance_position, build_data, describe, make_loader, prepare_batch
 
 LOG_FILE = "log.txt"
@@ -114,8 +115,7 @@ class Trainer:
         # Same seed on every rank for the model (DDP also broadcasts rank 0's weights), then a
         # distinct seed per rank for everything random during training.
         set_seed(c.train.seed)
-        patch = int(c.model.name.rsplit("/", 1)[1])
-        self.data: DataInfo = build_data(c, patch)
+        self.data: DataInfo = build_data(c)
         self.model_kwargs = self._model_kwargs()
         self.raw_model = create_model(c.model.name, **self.model_kwargs).to(acc.device)
         self.raw_model.train()
@@ -132,8 +132,8 @@ class Trainer:
         model = torch.compile(self.raw_model) if c.train.compile else self.raw_model
         self.model, self.optimizer = acc.prepare(model, optimizer)
 
-        self.step, self.epoch, self.offset = 0, 0, 0
-        self.train_seconds = 0.0  # time inside optimizer steps, summed over resumes (periodic work excluded)
+        self.progress = TrainProgress()
+        self.epoch, self.offset = 0, 0
         self.resumed_from = ckpt.resolve_resume(resume, self.run_dir, warn=self.log.warning)
         if self.resumed_from is not None:
             self._load(self.resumed_from)
@@ -148,7 +148,18 @@ class Trainer:
         self.entropy_weight = c.model.topology_entropy_weight
         if self.entropy_weight:
             check_entropy_topology(self.raw_model.topology)
-        self.tasks = build_tasks(self)  # sample grids, evaluation, checkpoints (periodic.py)
+        self.context = RunContext(run_dir=self.run_dir, config=c, accelerator=acc, data=self.data,
+                                  objective=self.objective, raw_model=self.raw_model, ema_model=self.ema.module,
+                                  data_spec=self.data_spec(), log=self.log, progress=self.progress, save=self.save)
+        self.tasks = build_tasks(self.context)  # sample grids, evaluation, checkpoints (periodic.py)
+
+    @property
+    def step(self) -> int:
+        return self.progress.step
+
+    @property
+    def train_seconds(self) -> float:
+        return self.progress.train_seconds
 
     # -- setup helpers --------------------------------------------------------------------
     def _model_kwargs(self) -> dict[str, Any]:
@@ -195,7 +206,7 @@ class Trainer:
         path = ckpt.save_checkpoint(self.accelerator, self.run_dir, self.step, self.generator, self._write_files,
                                     state, keep_last=self.config.train.keep_last)
         self.log.info("step %d: checkpoint saved to %s", self.step, path)
-        self.last_saved = self.step
+        self.progress.last_saved = self.step
         return path
 
     def _load(self, folder: Path) -> None:
@@ -205,9 +216,9 @@ class Trainer:
         acc.load_state(str(folder / ckpt.ACCELERATE_DIR))
         ema_state = load_safetensors_checked(folder / WEIGHT_FILES["ema"], device=acc.device)
         self.ema.module.load_state_dict(ema_state)
-        self.step = int(state["step"])
+        self.progress.step = int(state["step"])
         self.epoch, self.offset = int(state["data"]["epoch"]), int(state["data"]["offset"])
-        self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.progress.train_seconds = float(state.get("train_seconds", 0.0))
         if not ckpt.load_generator_state(folder, acc.process_index, self.generator):
             self.generator.manual_seed(_seed(self.config.train.seed, acc.process_index, 1, self.step))
             self.log.warning("%s was written by %d process(es); rank %d starts a fresh random stream, so this "
@@ -259,7 +270,7 @@ class Trainer:
         # (short runs: a 0.999 EMA would still hold ~13% of the initial weights after 2000 steps).
         if not skip:
             self.ema.update(self.raw_model, step=self.step + 1 if c.ema_warmup else None)
-        self.step += 1
+        self.progress.step += 1
         self.epoch, self.offset = advance_position(self.epoch, self.offset, c.global_batch_size, len(self.data.dataset))
         sums["grad_norm"] = torch.as_tensor(grad_norm, device=acc.device).float()
         sums["lr"] = torch.tensor(lr, device=acc.device)
@@ -305,7 +316,7 @@ class Trainer:
                       "accumulation = global batch %d; mixed precision %s", self.config.model.name,
                       self.config.model.topology, n_params / 1e6, describe(self.data), acc.num_processes,
                       self.micro_batch, c.grad_accum, c.global_batch_size, c.mixed_precision)
-        self.last_saved = self.step if self.resumed_from is not None else -1
+        self.progress.last_saved = self.step if self.resumed_from is not None else -1
         self._train_seconds_at_start = self.train_seconds
         last: dict[str, float] = {}
         batches = iter(self._loader())
@@ -324,7 +335,7 @@ class Trainer:
                     progress.close()
                     acc.end_training()
                     raise
-                self.train_seconds += time.perf_counter() - started
+                self.progress.train_seconds += time.perf_counter() - started
                 for k, v in terms.items():
                     running[k] = running.get(k, 0.0) + v
                 count += 1
@@ -337,14 +348,14 @@ class Trainer:
                                   last["steps_per_sec"], last["images_per_sec"])
                     running, count, tick = {}, 0, time.perf_counter()
                 for task in self.tasks:
-                    task.maybe_run(self)
+                    task.maybe_run(self.context)
                 if self._stop_agreed(flag):
                     stopped = True
                     self.log.info("stop requested: saving step %d and exiting", self.step)
                     break
         progress.close()
         for task in self.tasks:
-            task.finish(self, stopped)
+            task.finish(self.context, stopped)
         if acc.is_main_process:
             self._plot_loss()
         self._log_time_shares()
@@ -367,10 +378,9 @@ class Trainer:
         return self.train_seconds - self._train_seconds_at_start
 
     def _plot_loss(self) -> None:
-        path = self.run_dir / "logs" / METRICS_FILE
-        if not path.is_file():
+        rows = read_jsonl(self.run_dir / "logs" / METRICS_FILE)
+        if not rows:
             return
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         from ..figures import plot_loss_curve
         plot_loss_curve([r["step"] for r in rows], [r["loss"] for r in rows], self.run_dir / "loss.png")
 

@@ -2,9 +2,9 @@
 
 A topology module registers a builder with the options (config keys) it takes:
 
-    @register_topology("ancre", options={"tau": TopologyOption(float, 0.01, "softmax temperature")},
-                       check=check_tau)
-    def build_ancre(num_blocks: int, hidden_size: int, tau: float) -> ResidualTopology: ...
+    @register_topology("ancre", options={"tau": TopologyOption(float, 0.01, "softmax temperature", positive=True)},
+                       summary="ANCRe: ingoing softmax over all earlier outputs")
+    def build_ancre(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology: ...
 
 The model (`create_model(..., topology="ancre", tau=0.1)`), the training config (`model.tau=0.1`),
 the trainer and the checkpoint loader all ask this registry; none of them tests names. (timm's

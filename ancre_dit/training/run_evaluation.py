@@ -1,0 +1,148 @@
+"""Evaluating a training run: one builder and one record for both the in-training evaluation
+(periodic.EvaluationTask, every train.eval_every steps) and `evaluate.py --run RUN_DIR`.
+
+Entries go to the run's logs/evals.jsonl (source "train" or "evaluate.py") with the settings of the
+run's config.yaml `eval` section (plus `eval.*` overrides for evaluate.py), so the numbers of a
+checkpoint match the ones training wrote at that step. A checkpoint that already has an entry with
+these settings is skipped, so an interrupted evaluation resumes where it stopped. Runs on one
+process or many (`torchrun ... evaluate.py --run`), sharded as in training.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..errors import UserError
+from . import checkpointing as ckpt
+from .config import Config, load_config
+
+CONFIG_FILE = "config.yaml"
+QUALITY_PLOT = "quality.png"
+
+
+def build_run_evaluator(config: Config, data, objective, decoder, state, log: Callable[[str], Any]):
+    """The Evaluator of a run's `eval` settings: fixed held-out examples (when the data has a held-out
+    split and eval.heldout_loss) and the sample metrics; `decoder` turns samples into images (None
+    when no sample metric is asked for)."""
+    from ..evaluation.evaluator import Evaluator
+    from ..evaluation.heldout import build_heldout_set
+
+    e = config.eval
+    heldout = None
+    if e.heldout_loss and data.heldout is not None:
+        heldout = build_heldout_set(data.heldout, data.kind, max_examples=e.heldout_max, draws=e.heldout_draws,
+                                    seed=e.seed, objective=objective)
+    return Evaluator(e, data_kind=data.kind, num_classes=data.num_classes, objective=objective, heldout=heldout,
+                     decoder=decoder, state=state, log=log)
+
+
+def record_evaluation(run_dir: Path, result: dict[str, Any], identity: dict[str, Any], *, step: int,
+                      images_seen: int, train_seconds: float | None, source: str, log: Callable[[str], Any],
+                      tracker=None) -> dict[str, Any]:
+    """Appends one evaluation to RUN/logs/evals.jsonl, logs it, and sends its metrics to the trackers
+    (an Accelerator) when given; returns the entry."""
+    from ..evaluation.evaluator import append_eval, format_eval
+
+    entry = {"step": step, "images_seen": images_seen, "train_seconds": train_seconds, "source": source, **result,
+             "settings": identity}
+    append_eval(run_dir, entry)
+    log(format_eval(entry))
+    if tracker is not None:
+        tracker.log({f"eval/{k}": v for k, v in entry["metrics"].items()}, step=step)
+    return entry
+
+
+def plot_run_quality(run_dir: Path, identity: dict[str, Any]) -> Path | None:
+    """RUN/quality.png: held-out loss and every sample metric against step, one panel each, for the
+    entries with these settings (the loss's parts, mse / vb, stay in evals.jsonl)."""
+    from ..evaluation.evaluator import read_evals
+    from ..figures import plot_panels
+
+    series: dict[str, tuple[list, list]] = {}
+    entries = [e for e in read_evals(run_dir) if e.get("settings") == identity]
+    for e in sorted(entries, key=lambda e: e["step"]):
+        for k, v in e["metrics"].items():
+            if k.startswith(("heldout_mse", "heldout_vb")):
+                continue
+            steps, values = series.setdefault(k, ([], []))
+            steps.append(e["step"])
+            values.append(v)
+    if not series:
+        return None
+    panels = {k: {"": (np.asarray(steps), np.asarray(values), None)} for k, (steps, values) in series.items()}
+    return plot_panels(panels, Path(run_dir) / QUALITY_PLOT, xlabel="step",
+                       title="evaluation (digits_*: digits metric, not FID)")
+
+
+def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """The run's resolved config with `eval.*` overrides (other sections describe the finished run)."""
+    run_dir = Path(run_dir)
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        raise UserError(f"{run_dir} is not a training run ({CONFIG_FILE} missing); pass the run_dir a training wrote")
+    bad = [o for o in overrides if not o.strip().startswith("eval.")]
+    if bad:
+        raise UserError(f"evaluate.py --run takes eval.* overrides only, got {bad[0]!r} (e.g. eval.num_samples=5000)")
+    return load_config(path, list(overrides))
+
+
+def _select(found: list[tuple[int, Path]], steps: Sequence[int] | None, run_dir: Path) -> list[tuple[int, Path]]:
+    if not found:
+        raise UserError(f"{run_dir} has no complete checkpoint in {ckpt.checkpoints_dir(run_dir)}; train first")
+    if steps is None:
+        return found
+    have = dict(found)
+    missing = [s for s in steps if s not in have]
+    if missing:
+        raise UserError(f"no checkpoint for step(s) {', '.join(map(str, missing))} in {run_dir}; available: "
+                        f"{', '.join(str(s) for s, _ in found)}")
+    return [(s, have[s]) for s in sorted(set(steps))]
+
+
+def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overrides: Sequence[str] = (),
+                 cpu: bool = False, log: Callable[[str], Any] = print) -> list[dict[str, Any]]:
+    """Evaluates the run's checkpoints (all, or `steps`) not yet in evals.jsonl; returns the new entries
+    (on the main process). Collective when launched on several processes."""
+    from ..cli import job_processes
+
+    run_dir = Path(run_dir)
+    config = run_config(run_dir, overrides)
+    selected = _select(ckpt.list_checkpoints(run_dir), steps, run_dir)
+    with job_processes(cpu) as state:
+        return _evaluate(run_dir, config, selected, state, log)
+
+
+def _evaluate(run_dir: Path, config: Config, selected: list[tuple[int, Path]], state, log) -> list[dict[str, Any]]:
+    from ..checkpoint import load_model_spec, load_trained_model
+    from ..diffusion import build_objective
+    from ..evaluation.evaluator import evaluated_steps
+    from ..sampling.decode import build_decoder
+    from .data import build_data
+
+    log = log if state.is_main_process else (lambda *a, **k: None)
+    spec = load_model_spec(selected[-1][1])
+    data = build_data(config)
+    objective = build_objective(spec["diffusion"])  # old specs (no objective) build DDPM
+    decoder = build_decoder(spec["data"], data.in_channels, config.data.vae, state.device)
+    evaluator = build_run_evaluator(config, data, objective, decoder, state, log)
+    done = evaluated_steps(run_dir, evaluator.identity)
+    todo = [(s, p) for s, p in selected if s not in done]
+    log(f"evaluating {len(todo)} checkpoint(s) of {run_dir} ({len(selected) - len(todo)} already in evals.jsonl)")
+    new = []
+    for step, folder in todo:
+        ema, _ = load_trained_model(folder, "ema", state.device)
+        raw, _ = load_trained_model(folder, "model", state.device)
+        result = evaluator.evaluate(ema, raw_model=raw)
+        state.wait_for_everyone()
+        if result is None:
+            continue
+        trainer_state = ckpt.read_trainer_state(folder)
+        batch = int(trainer_state.get("global_batch_size", config.train.global_batch_size))
+        new.append(record_evaluation(run_dir, result, evaluator.identity, step=step, images_seen=step * batch,
+                                     train_seconds=trainer_state.get("train_seconds"), source="evaluate.py", log=log))
+    if state.is_main_process and new:
+        plot_run_quality(run_dir, evaluator.identity)
+    state.wait_for_everyone()
+    return new
