@@ -1,4 +1,4 @@
-"""Evaluation during training (issue 12): entries match `evaluate.py --run` on the same checkpoint,
+"""Evaluation during training: entries match `evaluate.py --run` on the same checkpoint,
 runs with evaluation on train the same weights and resume bitwise, 1 and 2 processes give the same
 numbers, the digits metric separates real digits from noise, and compare_runs' steps to target and
 speedups are exact on hand-made metric files."""

@@ -1,4 +1,4 @@
-"""Fault injection (issue 14): kill -9 a tiny training run (at random moments and during checkpoint
+"""Fault injection: kill -9 a tiny training run (at random moments and during checkpoint
 writes), a sampling job and a latent extraction, several times each, rerunning the same command
 after each kill; the final outputs must be bitwise identical to an uninterrupted run, and what a
 kill leaves behind is never taken for complete (every checkpoint --resume auto could pick loads).

@@ -1,4 +1,4 @@
-"""Issue 15, parts 2 and 3: activation checkpointing per block, the fused ANCRe aggregation, and
+"""Activation checkpointing per block, the fused ANCRe aggregation, and
 torch.compile of every topology family (graph breaks counted with torch._dynamo.explain)."""
 from __future__ import annotations
 

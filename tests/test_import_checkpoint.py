@@ -1,4 +1,4 @@
-"""Issue 13, importing published checkpoints: files written here in the official layouts (DiT
+"""Importing published checkpoints: files written here in the official layouts (DiT
 release, ANCRe training checkpoint, per-source outgoing ablation) import into checkpoint folders
 whose model gives the saved model's output exactly; a pickle that would run code is refused."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Latent extraction (issue 4): a generated image folder + a tiny random AutoencoderKL.
+"""Latent extraction: a generated image folder + a tiny random AutoencoderKL.
 
 The reference extraction runs in this process with one torch thread: torchrun gives each of its
 processes OMP_NUM_THREADS=1, and CPU convolutions round differently with other thread counts, so

@@ -1,4 +1,4 @@
-"""The batched latent reader (issue 15, part 1): the same batches as the per-sample path."""
+"""The batched latent reader: the same batches as the per-sample path."""
 from __future__ import annotations
 
 import importlib.util

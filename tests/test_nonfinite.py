@@ -1,4 +1,4 @@
-"""The non-finite guard (issue 14): a NaN / inf loss never reaches the weights, the optimizer, the EMA
+"""The non-finite guard: a NaN / inf loss never reaches the weights, the optimizer, the EMA
 or a checkpoint; `skip` drops up to N updates in a row and then stops, `stop` stops at once, and
 the run says which step, which terms and which checkpoint is the last good one."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 13, the paper's evaluation protocol: `sample.py --protocol dit` sets exactly random labels,
+"""The paper's evaluation protocol: `sample.py --protocol dit` sets exactly random labels,
 DDPM-250, guidance on the first 3 channels and fp32; contradicting flags are refused; the sampling
 settings travel next to the npz and into evaluate.py's JSON."""
 from __future__ import annotations

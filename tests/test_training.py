@@ -177,7 +177,7 @@ def test_trains_on_latent_shards(tmp_path):
 
 @pytest.mark.parametrize("topology", ["denseformer", "hc", "mhc"])
 def test_peer_topologies_train_checkpoint_and_sample(tmp_path, topology):
-    """Issue 7: the peer schemes go through training, EMA, checkpoints and sampling; HC / mHC have
+    """The peer schemes go through training, EMA, checkpoints and sampling; HC / mHC have
     no (K, K) matrix, so no topology heatmap is drawn for them."""
     from ancre_dit.sampling.api import sample_images
 
