@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pickletools
 import zipfile
@@ -11,6 +12,7 @@ from pathlib import Path
 from safetensors import SafetensorError, safe_open
 
 _CHUNK = 1 << 22
+_log = logging.getLogger("ancre_dit")
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -34,18 +36,58 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The JSON objects of a .jsonl file in file order; a torn line (a process killed mid-write)
-    is skipped; a missing file is an empty list."""
+    """The JSON objects of a .jsonl file in file order; a missing file is an empty list. A line that
+    does not parse (a writer killed mid-record) is skipped and reported in one warning naming the
+    file and its line numbers, never merged with its neighbours."""
     path = Path(path)
     if not path.is_file():
         return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+    rows, bad = [], []
+    for number, line in enumerate(path.read_bytes().split(b"\n"), start=1):
+        if not line.strip():
             continue
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            bad.append(number)
+    if bad:
+        _log.warning("%s: skipped %d line(s) that are not complete JSON records (line %s)", path, len(bad),
+                     ", ".join(map(str, bad[:10])) + (", ..." if len(bad) > 10 else ""))
     return rows
+
+
+def append_jsonl(path: str | os.PathLike, record: dict) -> None:
+    """Appends `record` as one line, in one write, to an append-only log (metrics, evaluations,
+    studies). A torn last line left by a writer killed mid-record is cut off first (with a warning
+    naming the file and the line), so the new record starts on a line of its own instead of being
+    glued to the fragment and lost with it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(record) + "\n").encode()
+    with open(path, "a+b", buffering=0) as f:
+        end = f.seek(0, os.SEEK_END)
+        if end:
+            f.seek(end - 1)
+            if f.read(1) != b"\n":
+                _cut_torn_tail(f, path, end)
+        f.write(data)  # O_APPEND, unbuffered: one write call per record
+
+
+def _cut_torn_tail(f, path: Path, end: int) -> None:
+    """Truncates `f` after its last newline (the partial line after it is no record)."""
+    start = max(0, end - (1 << 20))
+    f.seek(start)
+    tail = f.read()
+    cut = start + tail.rfind(b"\n") + 1 if b"\n" in tail else 0
+    f.seek(0)
+    line = f.read(cut).count(b"\n") + 1
+    f.truncate(cut)
+    _log.warning("%s: line %d was torn (a writer stopped mid-record) and is dropped; the records before it "
+                 "are kept", path, line)
 
 
 def file_problem(path: Path) -> str | None:

@@ -7,7 +7,6 @@ and the model's label dropout uses the global RNG, which Accelerate saves and re
 """
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
@@ -22,7 +21,7 @@ from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
 from ..errors import UserError
-from ..files import read_jsonl
+from ..files import append_jsonl, read_jsonl
 from ..diffusion import build_objective
 from ..models import create_model
 from ..models.topologies.analysis import check_entropy_topology, topology_entropy
@@ -294,8 +293,7 @@ class Trainer:
         metrics["images_per_sec"] = images / elapsed
         metrics["train_seconds"] = round(self.train_seconds, 3)
         if acc.is_main_process:
-            with open(self.run_dir / "logs" / METRICS_FILE, "a") as f:
-                f.write(json.dumps({"step": self.step, **metrics}) + "\n")
+            append_jsonl(self.run_dir / "logs" / METRICS_FILE, {"step": self.step, **metrics})
             tracked = {f"train/{k}": v for k, v in metrics.items()}
             P = topology_matrix(self.raw_model) if self.learnable_topology else None
             if P is not None:
