@@ -21,14 +21,14 @@ import os
 import sys
 from pathlib import Path
 
-from ancre_dit.cli import run_cli
+from ancre_dit.cli import CommandParser, output_file, run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.evaluation.metrics import FID_METHODS
 from ancre_dit.evaluation.pipeline import DEFAULT_METRICS
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = CommandParser(description=__doc__.split("\n")[0])
     p.add_argument("--samples", help="sample .npz (ADM layout) or a folder of images")
     p.add_argument("--ref", help="reference: ADM .npz (images and/or statistics), folder of images, or sample .npz")
     p.add_argument("--inception-weights", default=os.environ.get("ANCRE_INCEPTION_WEIGHTS"),
@@ -131,6 +131,10 @@ def _write_json(path: str, payload: dict) -> None:
 
 def main() -> int:
     args = build_parser().parse_args()
+    if args.json:
+        output_file(args.json, (".json",), "--json")
+    if args.save_ref_stats:
+        output_file(args.save_ref_stats, (".npz",), "--save-ref-stats")
     _check_positive(batch_size=args.batch_size, is_split_size=args.is_split_size, pr_k=args.pr_k,
                     kid_subsets=args.kid_subsets, kid_subset_size=args.kid_subset_size, image_size=args.image_size,
                     max_images=args.max_images)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from ancre_dit.cli import run_cli
+from ancre_dit.cli import CommandParser, output_file, output_folder, run_cli
 from ancre_dit.diffusion import ALL_SAMPLERS, LAST_STEPS
 from ancre_dit.sampling import JobSettings, run_job
 from ancre_dit.sampling.guidance import PRECISIONS, parse_interval
@@ -25,7 +25,7 @@ def _classes(text: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = CommandParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", required=True, help="checkpoint folder RUN/checkpoints/<step>")
     p.add_argument("--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights")
     p.add_argument("--num-samples", type=int, default=16)
@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    output_file(a.out, (".npz",))
+    if a.grid:
+        output_file(a.grid, (".png",), "--grid")
+    if a.png_dir:
+        output_folder(a.png_dir, "sample PNG folder", "000000.png", "--png-dir")
     run_job(apply_protocol(JobSettings(
         ckpt=a.ckpt, out=a.out, num_samples=a.num_samples, weights=a.weights, batch_size=a.batch_size,
         sampler=a.sampler, steps=a.steps, cfg_scale=a.cfg_scale, cfg_channels=a.cfg_channels,

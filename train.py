@@ -4,13 +4,12 @@
 """
 from __future__ import annotations
 
-import argparse
 
-from ancre_dit.cli import run_cli
+from ancre_dit.cli import CommandParser, run_cli
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = CommandParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML config (configs/*.yaml)")
     parser.add_argument("--resume", default=None, metavar="auto|PATH",
                         help="'auto': newest complete checkpoint of run_dir (fresh start if none); or a checkpoint folder")

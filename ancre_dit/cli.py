@@ -2,16 +2,68 @@
 mistake, a traceback for a bug; the processes of a launched job."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
 import traceback
-from typing import Callable, Iterator
+from pathlib import Path
+from typing import Callable, Iterator, NoReturn, Sequence
 
 from .errors import UserError
 
 BUG_REPORT = ("this is a bug in ancre-dit, not a problem with your input; please report it to the ancre-dit "
               "issue tracker with the traceback above and the command you ran")
+
+
+# -- where a command writes (one rule for every --out; README, "Where outputs go") ------------------
+def output_file(path: str | os.PathLike, suffixes: Sequence[str], flag: str = "--out") -> Path:
+    """A file a command writes: it must end in a suffix the command can write, must not be a folder,
+    and its parent folders (created by the writer) must not be files. An existing file of that name
+    is replaced: files are derived outputs (figures, reports, sample sets) that a rerun regenerates."""
+    path = Path(path)
+    if path.suffix.lower() not in suffixes:
+        raise UserError(f"{flag} {path}: this command writes a {' or '.join(suffixes)} file; give a name ending in "
+                        f"{suffixes[0]}")
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; give a file name ending in {suffixes[0]}")
+    _check_parents(path, flag)
+    return path
+
+
+def output_folder(path: str | os.PathLike, kind: str, marker: str, flag: str = "--out",
+                  replace_own: bool = True, overwrite: bool = False) -> Path:
+    """A folder a command fills: a new or empty one, or one of its own kind (it holds `marker`, a file
+    the command writes there), which is updated when `replace_own`, else only with --overwrite. A file
+    in its place, or a non-empty folder of another kind (a run folder, say), is refused, so that no
+    command mixes its files into someone else's folder."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} {path} is a file; give a folder for the {kind}")
+    _check_parents(path, flag)
+    if path.is_dir() and any(path.iterdir()):
+        if not (path / marker).is_file():
+            raise UserError(f"{flag} {path} is a non-empty folder that holds no {kind} ({marker} missing); give a new "
+                            f"or empty folder")
+        if not (replace_own or overwrite):
+            raise UserError(f"{flag} {path} already holds a {kind}; give another folder, or pass --overwrite to "
+                            f"replace it")
+    return path
+
+
+def _check_parents(path: Path, flag: str) -> None:
+    for parent in path.parents:
+        if parent.exists() and not parent.is_dir():
+            raise UserError(f"{flag} {path}: {parent} is a file, not a folder")
+
+
+class CommandParser(argparse.ArgumentParser):
+    """argparse for every command: a usage mistake (unknown flag, bad choice, missing argument) is a
+    UserError, so it prints as the same one `error:` line as any other input mistake, pointing to
+    --help instead of printing the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{message}; see {self.prog} --help")
 
 
 def run_cli(main: Callable[[], int | None]) -> None:

@@ -11,10 +11,9 @@ choose the groups instead.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from ancre_dit.cli import run_cli
+from ancre_dit.cli import CommandParser, output_folder, run_cli
 from ancre_dit.errors import UserError
 
 
@@ -32,7 +31,7 @@ def _targets(items: list[str]) -> dict[str, float]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = CommandParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="run directories (train.py's run_dir)")
     p.add_argument("--out", required=True, help="report directory")
     p.add_argument("--group", action="append", default=[], metavar="PATTERN",
@@ -40,6 +39,7 @@ def main() -> int:
     p.add_argument("--target", action="append", default=[], metavar="METRIC=VALUE",
                    help="target of a metric (default: the first group's final value); repeatable")
     args = p.parse_args()
+    output_folder(args.out, "comparison report", "report.md")
     from ancre_dit.evaluation.compare import write_report
 
     write_report(args.runs, args.out, args.group, _targets(args.target))

@@ -12,12 +12,12 @@ import argparse
 import os
 import sys
 
-from ancre_dit.cli import run_cli
+from ancre_dit.cli import CommandParser, run_cli
 from ancre_dit.errors import UserError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data-path", help="folder with one subfolder of images per class (labels: sorted folder order)")
     p.add_argument("--vae", help="local diffusers AutoencoderKL folder (or a hub id, if you have network)")
     p.add_argument("--out", help="output folder for manifest.json + shard-XXXXX.safetensors")

@@ -10,16 +10,15 @@ The file is loaded with torch.load(weights_only=True): a file that wants to run 
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from ancre_dit.cli import run_cli
-from ancre_dit.checkpoint import import_checkpoint
+from ancre_dit.checkpoint import SPEC_FILE, import_checkpoint
+from ancre_dit.cli import CommandParser, output_folder, run_cli
 from ancre_dit.models import TOPOLOGIES
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = CommandParser(description=__doc__.splitlines()[0])
     p.add_argument("src", type=Path, help="the .pt file: a bare state dict or a {model, ema, opt, args} checkpoint")
     p.add_argument("--model", default=None, help="e.g. DiT-XL/2 (default: the file's args.model)")
     p.add_argument("--image-size", type=int, default=None, help="pixels (default: the file's args.image_size, else 256)")
@@ -29,10 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tau", type=float, default=None, help="ANCRe temperature if the file does not store it (0.01)")
     p.add_argument("--weights", choices=("ema", "model"), default=None,
                    help="which weights of a training checkpoint to import (default: ema when present)")
-    p.add_argument("--out", type=Path, required=True, help="checkpoint folder to write")
+    p.add_argument("--out", type=Path, required=True, help="checkpoint folder to write (new or empty)")
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint folder an earlier import wrote")
     a = p.parse_args(argv)
+    output_folder(a.out, "checkpoint folder", SPEC_FILE, replace_own=False, overwrite=a.overwrite)
     spec = import_checkpoint(a.src, a.out, model=a.model, image_size=a.image_size, topology=a.topology, tau=a.tau,
-                             weights=a.weights)
+                             weights=a.weights, overwrite=a.overwrite)
     kw = spec["model"]["kwargs"]
     print(f"imported {spec['model']['name']} ({kw['topology']}, {spec['imported']['weights']} weights, "
           f"{spec['data']['image_size']} px, {kw['num_classes']} classes) to {a.out}")

@@ -16,9 +16,11 @@ from __future__ import annotations
 import argparse
 import pickle
 import re
+import zipfile
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 
 from ..diffusion.gaussian import DDPM_SCHEDULE
@@ -36,11 +38,29 @@ SD_VAE_SCALING = 0.18215
 DEFAULT_TOPOLOGY = {None: "cascaded", "per-target": "ancre", "per-source": "ancre-outgoing"}
 
 
+def _reason(path: Path, err: BaseException) -> str:
+    """Why torch.load failed, in one short line. Never its advice to retry with weights_only=False:
+    that would run code from an untrusted file."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if head == b"PK" and not zipfile.is_zipfile(path):
+        return "a torch archive without its zip directory: truncated or damaged"
+    if not zipfile.is_zipfile(path) and head[:1] != b"\x80":  # neither torch.save's zip nor a pickle
+        return "neither a torch archive nor a pickle: a text, YAML or other file?"
+    text = " ".join(str(err).split())
+    text = text.split("WeightsUnpickler error:")[-1]
+    sentences = [x for x in re.split(r"(?<=\.)\s+", text) if "weights_only" not in x and "trust" not in x]
+    return (sentences[0].strip() if sentences else type(err).__name__)[:160]
+
+
 def safe_torch_load(path: str | Path) -> Any:
-    """torch.load that never runs code from the file: weights_only, Namespace allowed, else refused."""
+    """torch.load that never runs code from the file: weights_only, Namespace allowed, else refused.
+    Anything torch.load cannot read (a text or YAML file, a truncated archive) is one UserError."""
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"{path} not found; pass the .pt file to import")
+    unreadable = (f"{path} is not a readable PyTorch checkpoint ({{}}); pass a .pt file written by torch.save "
+                  f"(the DiT release or an official ANCRe training checkpoint)")
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -50,9 +70,9 @@ def safe_torch_load(path: str | Path) -> Any:
             what = f" ({wanted.group(1)})" if wanted else ""
             raise UserError(f"{path} wants to run code when unpickled{what} and was not loaded; only tensors, "
                             f"plain containers and argparse.Namespace are accepted") from None
-        raise UserError(f"{path} is not a readable PyTorch checkpoint ({' '.join(str(err).split())[:200]})") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as err:
-        raise UserError(f"{path} is not a readable PyTorch checkpoint ({' '.join(str(err).split())[:200]})") from None
+        raise UserError(unreadable.format(_reason(path, err))) from None
+    except Exception as err:  # noqa: BLE001 - a foreign file makes the legacy unpickler raise anything (KeyError, IndexError, ...)
+        raise UserError(unreadable.format(_reason(path, err))) from None
 
 
 def _select_weights(raw: Mapping[str, Any], weights: str | None) -> tuple[Mapping[str, Any], str]:
@@ -74,8 +94,11 @@ def _select_weights(raw: Mapping[str, Any], weights: str | None) -> tuple[Mappin
 
 
 def _pick(name: str, given: Any, from_file: Any, default: Any = None) -> Any:
-    """A setting from the caller or the file's args; both given and different is an error."""
-    if given is not None and from_file is not None and given != from_file:
+    """A setting from the caller or the file's args; both given and different is an error. Floats are
+    compared at float32, the precision files store them in (0.01 is stored as 0.0099999998)."""
+    same = (np.float32(given) == np.float32(from_file)) if isinstance(from_file, float) or isinstance(given, float) \
+        else given == from_file
+    if given is not None and from_file is not None and not same:
         raise UserError(f"--{name.replace('_', '-')} {given} contradicts the file, which was trained with "
                         f"{name} {from_file}; drop the flag or pass the file's value")
     return given if given is not None else (from_file if from_file is not None else default)
@@ -83,14 +106,15 @@ def _pick(name: str, given: Any, from_file: Any, default: Any = None) -> Any:
 
 def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = None, image_size: int | None = None,
                       topology: str | None = None, tau: float | None = None, weights: str | None = None,
-                      overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                      overrides: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Writes OUT/model_spec.json + ema/model.safetensors (both hold the imported weights; the spec's
     "imported" entry says which) and OUT/topology.json for ANCRe; returns the spec.
 
-    `overrides`: extra create_model arguments (depth, hidden_size, num_heads) for non-standard sizes."""
+    `overrides`: extra create_model arguments (depth, hidden_size, num_heads) for non-standard sizes;
+    `overwrite`: replace the checkpoint an earlier import wrote to OUT."""
     src, out = Path(src), Path(out)
-    if (out / SPEC_FILE).exists():
-        raise UserError(f"{out} already holds a checkpoint; choose another --out or delete it first")
+    if (out / SPEC_FILE).exists() and not overwrite:
+        raise UserError(f"{out} already holds a checkpoint; choose another --out, or pass --overwrite to replace it")
     raw = safe_torch_load(src)
     if not isinstance(raw, Mapping):
         raise UserError(f"{src} holds a {type(raw).__name__}, not a state dict or a training checkpoint")
@@ -104,8 +128,9 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
     if name is None:
         raise UserError(f"{src} does not say which model it holds; pass --model (e.g. --model DiT-XL/2)")
     image_size = int(_pick("image_size", image_size, args.get("image_size"), 256))
-    if image_size % VAE_DOWNSAMPLE:
-        raise UserError(f"--image-size {image_size} is not a multiple of {VAE_DOWNSAMPLE} (the VAE's downsampling)")
+    if image_size < VAE_DOWNSAMPLE or image_size % VAE_DOWNSAMPLE:
+        raise UserError(f"--image-size {image_size} must be a positive multiple of {VAE_DOWNSAMPLE} (the VAE's "
+                        f"downsampling), e.g. 256")
     topology = topology or DEFAULT_TOPOLOGY[layout]
     if layout == "per-source" and topology != "ancre-outgoing":
         raise UserError(f"{src} stores its logits per source (the outgoing-normalisation ablation); import it with "
@@ -139,6 +164,7 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
     spec["imported"] = {"source": str(src.resolve()), "sha256": sha256_file(src), "weights": which,
                         "logit_layout": layout}
     weights_state = net.state_dict()
+    (out / "topology.json").unlink(missing_ok=True)  # an overwritten import's, which may not apply any more
     write_model_files(out, spec, weights_state, weights_state)
     if any(True for _ in net.topology.parameters()):  # a learned topology: for scripts/topology.py
         save_topology_json(out / "topology.json", net.topology.probabilities(), topology=topology, weights=which)

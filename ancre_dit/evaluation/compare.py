@@ -57,7 +57,13 @@ def load_run(path: str | Path) -> Run:
     """A run directory's curves; a UserError when it holds neither metrics.jsonl nor evals.jsonl."""
     path = Path(path)
     config_file = path / "config.yaml"
-    config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
+    try:
+        config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise UserError(f"{config_file} is not valid YAML ({' '.join(str(err).split())[:120]}); repair it or leave "
+                        f"that run out") from None
+    if config is not None and not isinstance(config, dict):
+        raise UserError(f"{config_file} holds no config mapping; repair it or leave that run out")
     batch = int(((config or {}).get("train") or {}).get("global_batch_size") or 0)
     run = Run(path.name, path, config or {})
 
@@ -209,7 +215,16 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path, patterns: Sequ
     missing = [str(p) for p in run_dirs if not Path(p).is_dir()]
     if missing:
         raise UserError(f"run directory {missing[0]} does not exist")
+    seen: dict[Path, str] = {}
+    for p in run_dirs:  # the same run twice would pass for a two-seed group with zero spread
+        if Path(p).resolve() in seen:
+            raise UserError(f"run {p} is given twice (also as {seen[Path(p).resolve()]}); pass each run once")
+        seen[Path(p).resolve()] = str(p)
     runs = [load_run(p) for p in run_dirs]
+    known = sorted({m for run in runs for m in run.series})
+    unknown = sorted(set(targets or {}) - set(known))
+    if unknown:
+        raise UserError(f"--target {unknown[0]}: no run has that metric; the runs have {', '.join(known)}")
     groups = group_runs(runs, patterns)
     summary = summarize(groups, targets)
     out = Path(out)

@@ -30,7 +30,7 @@ from .api import SamplingPlan, plan_sampling
 from .decode import Decoder, build_decoder
 from .guidance import Guidance
 from .labels import assign_labels, check_classes
-from .protocols import write_sampling_record
+from .protocols import check_protocol_fits, write_sampling_record
 
 JOB_FILE = "job.json"
 
@@ -178,6 +178,7 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
     is_main, rank, world = state.is_main_process, state.process_index, state.num_processes
     log = print if is_main else (lambda *a, **k: None)
     num_classes = int(model.num_classes)
+    check_protocol_fits(s.protocol, spec, int(model.in_channels))
     plan = plan_sampling(model, spec["diffusion"], sampler=s.sampler, steps=s.steps, guidance=guidance,
                          precision=s.precision, sde=sde_options(s))
     s = replace(s, sampler=plan.sampler, steps=plan.steps)  # the defaults resolved, for the log and the job identity

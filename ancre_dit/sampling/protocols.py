@@ -19,6 +19,11 @@ PROTOCOLS: dict[str, dict[str, Any]] = {
     "dit": {"sampler": "ddpm", "steps": 250, "cfg_channels": 3, "label_mode": "random", "precision": "fp32",
             "guidance_interval": None},
 }
+# What a checkpoint must be for a protocol to apply to it, and why (said when it is not).
+PROTOCOL_NEEDS: dict[str, dict[str, Any]] = {
+    "dit": {"objective": "ddpm", "min_channels": 3,
+            "why": "DiT's DDPM-250 protocol for 4-channel latent models (guidance on the first 3 channels)"},
+}
 FLAG_OF = {"sampler": "--sampler", "steps": "--steps", "cfg_channels": "--cfg-channels",
            "label_mode": "--random-classes / --classes", "precision": "--precision",
            "guidance_interval": "--guidance-interval"}
@@ -63,3 +68,18 @@ def read_sampling_record(samples: str | Path) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise UserError(f"{path} is not valid JSON ({err}); delete it or rewrite it with sample.py") from None
+
+
+def check_protocol_fits(name: str | None, spec: dict[str, Any], in_channels: int) -> None:
+    """A protocol asked of a checkpoint it does not describe is one line naming the protocol and
+    what it needs, not an error about a flag the user never passed."""
+    if name is None:
+        return
+    needs = PROTOCOL_NEEDS[name]
+    objective = spec.get("diffusion", {}).get("objective", "ddpm")  # folders from before objectives: DDPM
+    if objective != needs["objective"]:
+        raise UserError(f"--protocol {name} is {needs['why']}; this checkpoint was trained with the {objective} "
+                        f"objective: drop --protocol and choose a {objective} sampler with --sampler")
+    if in_channels < needs["min_channels"]:
+        raise UserError(f"--protocol {name} is {needs['why']}; this model has {in_channels} channel(s) "
+                        f"(a pixel-space model?): drop --protocol")
