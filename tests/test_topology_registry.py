@@ -86,7 +86,8 @@ def test_topology_options_are_typed_and_checked_by_their_entry(tmp_path, gain_to
 def test_registry_holds_every_builtin_with_its_options():
     assert list(TOPOLOGIES)[:2] == ["cascaded", "ancre"]
     assert {"ancre-outgoing", "frozen", "denseformer", "hc", "hc-dynamic", "mhc"} <= set(TOPOLOGIES)
-    assert resolve_options("ancre", {"tau": 0.1, "hc_streams": 3}) == {"tau": 0.1}  # others' options ignored
+    assert resolve_options("ancre", {"tau": 0.1, "hc_streams": 3}) == {  # others' options ignored
+        "tau": 0.1, "ancre_mode": "add", "topology_init": "uniform", "topology_init_gap": 4.0}
     assert resolve_options("mhc", {}) == {"hc_streams": 4, "sinkhorn_iters": 20}
     with pytest.raises(UserError, match="tau must be positive"):
         resolve_options("ancre", {"tau": 0.0})

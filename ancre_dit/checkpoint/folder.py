@@ -67,7 +67,7 @@ def load_trained_model(folder: str | Path, weights: str = "ema", device: str | t
     kwargs = dict(spec["model"]["kwargs"])
     # Topologies that carry their own weights (e.g. frozen: the JSON they came from may be gone)
     # rebuild from the state dict; the others from their options.
-    topology = restore_topology(kwargs.get("topology", "cascaded"), state)
+    topology = restore_topology(kwargs.get("topology", "cascaded"), state, kwargs)
     if topology is not None:
         kwargs["topology"] = topology
     model = create_model(spec["model"]["name"], **kwargs)

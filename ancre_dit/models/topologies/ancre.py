@@ -18,12 +18,25 @@ from .base import CascadedTopology, FixedTopology, ResidualTopology, WeightedHis
 from .registry import TopologyOption, register_topology
 
 
+# The ANCRe family's options, the only place their defaults are written (the training config gets
+# them from the registry). tau divides the logits: 0 would train NaN.
+TAU = {"tau": TopologyOption(float, 0.01, "softmax temperature of the logits (0.01 in the paper)", positive=True)}
+MODE = {"ancre_mode": TopologyOption(str, "add", "add: the skip sum on top of each block's own residual (the "
+                                     "official form); replace: the convex mix in place of it", choices=("add", "replace"))}
+INITS = ("uniform", "first", "previous")
+START = {"topology_init": TopologyOption(str, "uniform", "starting topology: uniform (zero logits, the official "
+                                         "start), first (favours h_0, the anchor) or previous (favours h_{j-1})",
+                                         choices=INITS),
+         "topology_init_gap": TopologyOption(float, 4.0, "logit gap of the favoured source, in units of tau "
+                                             "(its weight is e^gap times each other source's)", minimum=0.0)}
+
+
 class _PerBlockLogits(WeightedHistoryTopology):
     """Stores block j+1's j+1 incoming coefficients as `logits.j`: K(K+1)/2 scalars in all,
     the layout of the official ANCRe code (`ancre.shortcut_params.j`)."""
 
-    def __init__(self, num_blocks: int, init: float = 0.0, frozen_block: int | None = None):
-        super().__init__(num_blocks)
+    def __init__(self, num_blocks: int, init: float = 0.0, frozen_block: int | None = None, mode: str = "add"):
+        super().__init__(num_blocks, mode=mode)
         self.logits = nn.ParameterList(
             [nn.Parameter(torch.full((j + 1,), float(init))) for j in range(num_blocks)]
         )
@@ -40,16 +53,25 @@ class _PerBlockLogits(WeightedHistoryTopology):
 class ANCReTopology(_PerBlockLogits):
     """ANCRe: p_{.j} = softmax_i(c_ij / tau) over the incoming edges of each block (rows sum to 1).
 
-    Logits start at zero (uniform 1/j); block 1's single logit is frozen since its softmax is 1
-    whatever it holds. tau is stored as a buffer so a checkpoint carries the value it was trained with.
+    Logits start at zero (uniform 1/j) or, with `init` first / previous, with source 0 / source j-1
+    favoured by `init_gap` (in units of tau: e^gap times the weight of each other source). Block 1's
+    single logit is frozen since its softmax is 1 whatever it holds. tau is stored as a buffer so a
+    checkpoint carries the value it was trained with.
     """
 
     softmax_dim = 1  # over sources i: the incoming edges of each block
     frozen_block: int | None = 0
 
-    def __init__(self, num_blocks: int, tau: float = 0.01):
-        super().__init__(num_blocks, init=0.0, frozen_block=self.frozen_block)
+    def __init__(self, num_blocks: int, tau: float = TAU["tau"].default, mode: str = "add", init: str = "uniform",
+                 init_gap: float = START["topology_init_gap"].default):
+        super().__init__(num_blocks, init=0.0, frozen_block=self.frozen_block, mode=mode)
         self.register_buffer("tau", torch.tensor(float(tau)))
+        if init not in INITS:
+            raise UserError(f"unknown topology_init {init!r}; choose one of {', '.join(INITS)}")
+        if init != "uniform":
+            with torch.no_grad():
+                for j, logits in enumerate(self.logits):
+                    logits[0 if init == "first" else j] = init_gap * float(tau)
 
     def probabilities(self) -> torch.Tensor:
         return torch.softmax(self.logit_matrix(float("-inf")) / self.tau, dim=self.softmax_dim)
@@ -111,14 +133,13 @@ def first_previous_weights(num_blocks: int) -> torch.Tensor:
 
 # -- registry entries (in the order users see them listed) ---------------------------------------
 register_topology("cascaded", summary="plain DiT")(lambda num_blocks, hidden_size: CascadedTopology(num_blocks))
-# tau divides the logits: 0 would train NaN.
-TAU = {"tau": TopologyOption(float, 0.01, "softmax temperature of the logits (0.01 in the paper)", positive=True)}
 
 
-@register_topology("ancre", options=TAU,
+@register_topology("ancre", options={**TAU, **MODE, **START},
                    summary="ANCRe: ingoing softmax over all earlier outputs, block 1's logit frozen")
-def build_ancre(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology:
-    return ANCReTopology(num_blocks, tau)
+def build_ancre(num_blocks: int, hidden_size: int | None, tau: float, ancre_mode: str, topology_init: str,
+                topology_init_gap: float) -> ResidualTopology:
+    return ANCReTopology(num_blocks, tau, ancre_mode, topology_init, topology_init_gap)
 
 
 @register_topology("ancre-outgoing", options=TAU,
@@ -130,12 +151,18 @@ def build_ancre_outgoing(num_blocks: int, hidden_size: int | None, tau: float) -
 # Topologies with no options: name -> (constructor from the number of blocks, summary).
 _PLAIN = {
     "ancre-unnormalized": (UnnormalizedTopology, "ablation: free coefficients, initialised to 1/j"),
-    "fixed-dense": (lambda K: FixedTopology(fixed_dense_weights(K)), "ablation: frozen uniform 1/j"),
     "learnable-scalars": (LearnableScalarsTopology, "ablation: h_j = B_j(h_{j-1}) + a_j h_{j-1}, a_j = 1 at init"),
-    "first-previous": (lambda K: FixedTopology(first_previous_weights(K)), "ablation: fixed 1/2 on h_0 -> j and h_{j-1} -> j"),
 }
 for _name, (_make, _summary) in _PLAIN.items():
     register_topology(_name, summary=_summary)(lambda num_blocks, hidden_size, make=_make: make(num_blocks))
+# Frozen convex topologies: their mix is added (official) or replaces each block's residual.
+_FIXED = {
+    "fixed-dense": (fixed_dense_weights, "ablation: frozen uniform 1/j (ANCRe's start, never trained)"),
+    "first-previous": (first_previous_weights, "ablation: fixed 1/2 on h_0 -> j and h_{j-1} -> j"),
+}
+for _name, (_weights, _summary) in _FIXED.items():
+    register_topology(_name, options=MODE, summary=_summary)(
+        lambda num_blocks, hidden_size, ancre_mode, weights=_weights: FixedTopology(weights(num_blocks), ancre_mode))
 
 
 def check_frozen(options: dict[str, Any]) -> None:
@@ -146,11 +173,17 @@ def check_frozen(options: dict[str, Any]) -> None:
         raise MissingFileError(f"topology file {path} not found; pass the topology.json written at a checkpoint")
 
 
-@register_topology("frozen", check=check_frozen, restore=FixedTopology.from_state_dict,
-                   options={"topology_path": TopologyOption(str, None, "topology.json of a trained run", optional=True)},
+def restore_frozen(state, ancre_mode: str = "add", **_) -> ResidualTopology:
+    """The frozen matrix travels in the state dict (its JSON may be gone); the mode in the options."""
+    return FixedTopology.from_state_dict(state, ancre_mode)
+
+
+@register_topology("frozen", check=check_frozen, restore=restore_frozen,
+                   options={"topology_path": TopologyOption(str, None, "topology.json of a trained run", optional=True),
+                            **MODE},
                    summary="a topology loaded from a topology.json, never trained")
-def build_frozen(num_blocks: int, hidden_size: int | None, topology_path: str) -> ResidualTopology:
+def build_frozen(num_blocks: int, hidden_size: int | None, topology_path: str, ancre_mode: str) -> ResidualTopology:
     weights = load_topology_json(topology_path)
     if weights.shape[0] != num_blocks:
         raise UserError(f"{topology_path} holds a {weights.shape[0]}-block topology, the model has {num_blocks} blocks")
-    return FixedTopology(weights)
+    return FixedTopology(weights, ancre_mode)

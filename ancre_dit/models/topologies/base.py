@@ -4,8 +4,14 @@ Every topology implements `trunk(h0, blocks, c) -> hK` (its `forward`) and `prob
 the (K, K) matrix whose row j holds the weights of block j+1's incoming edges over sources
 i = 0..j (source 0 is the embedding h_0, source i the output of block i), zeros above the
 diagonal. These are the weights of the skip sum added to each block's output *on top of* the
-block's own two residual adds (PAPER.md), so a plain DiT ("cascaded") is the zero matrix, and a
-one-hot "previous node" matrix gives h_j = B_j(h_{j-1}) + h_{j-1}.
+block's own two residual adds (the official form, `mode="add"`), so a plain DiT ("cascaded") is the
+zero matrix, and a one-hot "previous node" matrix gives h_j = B_j(h_{j-1}) + h_{j-1}. In the
+`mode="replace"` form the convex mix takes the place of the block's own residual,
+h_j = (B_j(h_{j-1}) - h_{j-1}) + sum_i P[j-1, i] h_i, so that one-hot "previous" is the plain DiT.
+
+A topology also declares its routing parameters (`routing_parameters()`: what the trainer's
+topology learning-rate multiplier, warmup and weight decay apply to) and reports the state it feeds
+each next block to an optional `state_hook` (training diagnostics, representation alignment).
 
 This module holds the interface and the topologies with no learned weights (cascaded, a fixed
 matrix); ANCRe and its ablations live in `ancre.py`, the peer schemes in `peers.py`, and the
@@ -41,6 +47,18 @@ class ResidualTopology(nn.Module):
         super().__init__()
         self.num_blocks = num_blocks
         self.grad_checkpointing = False
+        # Called as state_hook(k, z_k) with z_0 = h_0 and z_k the state after block k (the input of
+        # block k + 1; the trunk's output for k = K). None in training: no cost, no graph break.
+        self.state_hook: Callable[[int, torch.Tensor], None] | None = None
+
+    def routing_parameters(self) -> list[nn.Parameter]:
+        """The parameters that route information across depth (default: all of the topology's own);
+        a topology that also holds other weights overrides this."""
+        return list(self.parameters())
+
+    def emit_state(self, k: int, z: torch.Tensor) -> None:
+        if self.state_hook is not None:
+            self.state_hook(k, z)
 
     def run_block(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         """`fn(*args)`; with gradient checkpointing on (and autograd recording), its activations
@@ -65,8 +83,10 @@ class CascadedTopology(ResidualTopology):
 
     def forward(self, h0, blocks, c):
         h = h0
-        for block in blocks:
+        self.emit_state(0, h)
+        for k, block in enumerate(blocks, start=1):
             h = self.run_block(block, h, c)
+            self.emit_state(k, h)
         return h
 
     def probabilities(self) -> torch.Tensor:
@@ -86,24 +106,39 @@ class WeightedHistoryTopology(ResidualTopology):
 
     fused_aggregation = True  # False: the addcmul chain in eager mode too (benchmarks and pinned tests compare both)
     route_gradients = True  # False: each edge hands its source its own gradient (the form before routing; benchmarks)
+    MODES = ("add", "replace")
 
-    def __init__(self, num_blocks: int, edges: list[list[int]] | None = None):
+    def __init__(self, num_blocks: int, edges: list[list[int]] | None = None, mode: str = "add"):
         super().__init__(num_blocks)
+        if mode not in self.MODES:
+            raise UserError(f"unknown ancre_mode {mode!r}; choose add (the official form) or replace")
+        self.mode = mode
         self.edges = edges if edges is not None else [list(range(j + 1)) for j in range(num_blocks)]
+        if mode == "replace":  # every block subtracts its own input: the previous source is always an edge
+            self.edges = [sorted(set(e) | {j}) for j, e in enumerate(self.edges)]
         # How each block's weights are read from its row of P, decided once: a contiguous run of
         # sources is a slice (a view), anything else an index list (a gather).
         self._row_selectors = [None if not e else slice(e[0], e[-1] + 1) if e == list(range(e[0], e[-1] + 1)) else e
                                for e in self.edges]
         self._routing_plan = RoutingPlan(self.edges)
 
+    def mixing_weights(self) -> torch.Tensor:
+        """The weights the skip sums use: P (add), or P minus the identity (replace: the block's own
+        residual, its input h_{j-1} = source j of row j, is taken back out)."""
+        weights = self.probabilities()
+        if self.mode == "replace":
+            weights = weights - torch.eye(self.num_blocks, dtype=weights.dtype, device=weights.device)
+        return weights
+
     def forward(self, h0, blocks, c):
         self.check_blocks(blocks)
-        weights = self.probabilities()
+        weights = self.mixing_weights()
         fused = self.fused_aggregation and not torch.compiler.is_compiling()
         routing = (GradientRouting(self._routing_plan) if fused and self.route_gradients and torch.is_grad_enabled()
                    else None)
         history = [h0]
         h = h0
+        self.emit_state(0, h)
         for j, block in enumerate(blocks):
             out = self.run_block(block, h, c)
             edges = self.edges[j]
@@ -114,25 +149,26 @@ class WeightedHistoryTopology(ResidualTopology):
                     out = torch.addcmul(out, history[i], weights[j, i])
             h = out
             history.append(h)
+            self.emit_state(j + 1, h)
         return h
 
 
 class FixedTopology(WeightedHistoryTopology):
     """A frozen matrix of edge weights (a buffer, never trained); zero edges are skipped."""
 
-    def __init__(self, weights: torch.Tensor):
+    def __init__(self, weights: torch.Tensor, mode: str = "add"):
         weights = torch.as_tensor(weights, dtype=torch.float32)
         K = weights.shape[0]
         if weights.shape != (K, K) or torch.triu(weights, diagonal=1).abs().sum() > 0:
             raise UserError(f"a fixed topology needs a lower-triangular (K, K) matrix, got shape {tuple(weights.shape)}")
         edges = [[i for i in range(j + 1) if weights[j, i] != 0] for j in range(K)]
-        super().__init__(K, edges)
+        super().__init__(K, edges, mode)
         self.register_buffer("weights", weights.clone())
 
     @classmethod
-    def from_state_dict(cls, state: Mapping[str, torch.Tensor]) -> "FixedTopology":
+    def from_state_dict(cls, state: Mapping[str, torch.Tensor], mode: str = "add") -> "FixedTopology":
         """Rebuilds the topology from its own state dict (the matrix travels in `weights`)."""
-        return cls(state["weights"])
+        return cls(state["weights"], mode)
 
     def probabilities(self) -> torch.Tensor:
         return self.weights

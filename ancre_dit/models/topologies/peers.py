@@ -66,12 +66,14 @@ class DenseFormerTopology(ResidualTopology):
         self.check_blocks(blocks)
         history = [h0]
         y = h0
+        self.emit_state(0, y)
         for j, block in enumerate(blocks):
             history.append(self.run_block(block, y, c))
             alpha = self.alphas[j]
             y = history[-1] * alpha[-1]
             for i in range(j + 1):  # running sum, as ANCRe: no stacked history tensor
                 y = torch.addcmul(y, history[i], alpha[i])
+            self.emit_state(j + 1, y)
         return y
 
     def probabilities(self) -> torch.Tensor:
@@ -103,8 +105,11 @@ class _StreamTopology(ResidualTopology):
         self.check_blocks(blocks)
         h0 = h0.float() if self.fp32_streams else h0
         H = repeat(h0, "... d -> ... n d", n=self.streams)  # n copies of h_0 (a view, no memory)
+        self.emit_state(0, h0)
         for k, block in enumerate(blocks):  # a checkpointed unit = the block and its stream wiring
             H = self.run_block(partial(_wired_block, self._sublayer, k, block), H, c)
+            if self.state_hook is not None:  # a block's output is the sum of the streams
+                self.emit_state(k + 1, reduce(H, "... n d -> ... d", "sum"))
         return reduce(H, "... n d -> ... d", "sum")
 
     def probabilities(self) -> torch.Tensor:

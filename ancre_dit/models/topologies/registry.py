@@ -33,9 +33,12 @@ class TopologyOption:
     optional: bool = False  # None is allowed (e.g. a path that only some uses need)
     minimum: float | None = None  # smallest valid value (numbers)
     positive: bool = False        # must be > 0 (numbers)
+    choices: tuple[str, ...] | None = None  # the valid values (strings)
 
     def check(self, name: str, value: Any) -> None:
         """A UserError naming `name` if `value` is out of this option's range."""
+        if self.choices is not None and value is not None and value not in self.choices:
+            raise UserError(f"{name} must be one of {', '.join(self.choices)}, got {value!r}")
         if value is None or not isinstance(value, (int, float)) or isinstance(value, bool):
             return
         if not math.isfinite(value):
@@ -52,9 +55,9 @@ class TopologyEntry:
     build: Callable[..., "ResidualTopology"]  # build(num_blocks, hidden_size, **options)
     options: Mapping[str, TopologyOption] = field(default_factory=dict)
     check: Callable[[dict[str, Any]], None] | None = None  # raises UserError on bad option values
-    # Rebuilds the module from its own state dict (keys without the "topology." prefix) when the
-    # options it was built from are not enough, e.g. a frozen topology whose JSON is gone.
-    restore: Callable[[Mapping[str, "torch.Tensor"]], "ResidualTopology"] | None = None
+    # Rebuilds the module from its own state dict (keys without the "topology." prefix) and its
+    # options when the options alone are not enough, e.g. a frozen topology whose JSON is gone.
+    restore: Callable[..., "ResidualTopology"] | None = None
     summary: str = ""
 
 
@@ -63,7 +66,7 @@ TOPOLOGIES: dict[str, TopologyEntry] = {}
 
 def register_topology(name: str, *, options: Mapping[str, TopologyOption] | None = None,
                       check: Callable[[dict[str, Any]], None] | None = None,
-                      restore: Callable[[Mapping[str, "torch.Tensor"]], "ResidualTopology"] | None = None,
+                      restore: Callable[..., "ResidualTopology"] | None = None,
                       summary: str = "") -> Callable:
     """Decorator: registers `build(num_blocks, hidden_size, **options)` under `name`."""
     def decorator(build: Callable[..., "ResidualTopology"]) -> Callable[..., "ResidualTopology"]:
@@ -122,11 +125,12 @@ def build_topology(name: str, num_blocks: int, hidden_size: int | None = None, *
     return topology_entry(name).build(num_blocks, hidden_size, **resolve_options(name, options))
 
 
-def restore_topology(name: str, state: Mapping[str, "torch.Tensor"]) -> "ResidualTopology | None":
-    """The topology rebuilt from a model state dict (keys `topology.*`) if `name` needs its
-    weights to rebuild itself, else None (build it from its options as usual)."""
+def restore_topology(name: str, state: Mapping[str, "torch.Tensor"],
+                     options: Mapping[str, Any] | None = None) -> "ResidualTopology | None":
+    """The topology rebuilt from a model state dict (keys `topology.*`) and the options it was built
+    with, if `name` needs its weights to rebuild itself, else None (build it from its options as usual)."""
     entry = topology_entry(name)
     if entry.restore is None:
         return None
     own = {key[len("topology."):]: value for key, value in state.items() if key.startswith("topology.")}
-    return entry.restore(own)
+    return entry.restore(own, **{k: v for k, v in (options or {}).items() if k in entry.options})
