@@ -121,8 +121,12 @@ class DiT(nn.Module):
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
-        self.topology = (topology if isinstance(topology, ResidualTopology)
-                         else build_topology(topology, depth, hidden_size, **topology_options))
+        # Built on a fork of the random state, and registered last so that initialize_weights reaches
+        # its layers last: the backbone's weights are the same whatever the topology draws, and runs
+        # that differ only in topology start from the same network (paired seeds).
+        with torch.random.fork_rng(devices=[]):
+            self.topology = (topology if isinstance(topology, ResidualTopology)
+                             else build_topology(topology, depth, hidden_size, **topology_options))
         self.initialize_weights()
 
     def initialize_weights(self) -> None:
