@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""Learned topologies: compare runs, prune to a sparse frozen topology, watch one evolve.
+"""Learned topologies: draw one, compare runs, prune to a sparse frozen topology, watch one evolve.
 
+    python scripts/topology.py show RUN_OR_JSON [--out heatmap.png] [--title T] [--summary-json F]
     python scripts/topology.py compare RUN_A RUN_B RUN_C [--out compare.png] [--json compare.json]
     python scripts/topology.py prune RUN_OR_JSON --top-k 2 --out sparse.json   (or --threshold 0.1)
     python scripts/topology.py evolution RUN [--out evolution.png] [--gif evolution.gif]
 
-A RUN_OR_JSON is a run directory (its newest topology.json) or a topology.json file. `compare`
-reports the Pearson correlation of the learned edge weights (blocks 2..K; block 1's single edge is
-always 1) and how often the strongest incoming edge of a block comes from the same source; a
-pruned file trains with `model.topology=frozen model.topology_path=sparse.json`.
+A RUN_OR_JSON is a run directory (its newest topology.json) or a topology.json file. `show` draws
+the heatmap (default: next to the JSON) and prints the per-block summary (strongest sources,
+anchors, entropy). `compare` reports the Pearson correlation of the learned edge weights (blocks
+2..K; block 1's single edge is always 1) and how often the strongest incoming edge of a block comes
+from the same source; a pruned file trains with `model.topology=frozen model.topology_path=sparse.json`.
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import json
 from pathlib import Path
 
 from ancre_dit.cli import run_cli
-from ancre_dit.errors import UserError
-from ancre_dit.models.topologies.analysis import (checkpoint_topologies, compare_topologies, format_comparison, load_topology,
-                                      prune_topology, write_topology)
+from ancre_dit.errors import MissingFileError, UserError
+from ancre_dit.models import load_topology_json
+from ancre_dit.models.topologies.analysis import (checkpoint_topologies, compare_topologies, format_comparison,
+                                                  format_topology_summary, load_topology, prune_topology,
+                                                  topology_summary, write_topology)
 
 
 def _names(paths: list[Path]) -> list[str]:
@@ -29,6 +33,35 @@ def _names(paths: list[Path]) -> list[str]:
     if len(set(names)) < len(names):
         names = [str(p) for p in paths]
     return names
+
+
+def show(args) -> None:
+    from ancre_dit.figures import plot_topology_heatmap
+
+    path = args.topology
+    if path.is_dir():
+        if not (path / "topology.json").is_file():
+            raise MissingFileError(f"{path} holds no topology.json; pass a run directory of a topology with "
+                                   f"learned weights, or a topology.json")
+        path = path / "topology.json"
+    try:
+        P = load_topology_json(path)
+    except (ValueError, TypeError) as err:  # a ragged or non-numeric matrix (UserErrors pass through)
+        if isinstance(err, UserError):
+            raise
+        raise UserError(f"{path} is not a topology JSON with a square 'probabilities' matrix ({err})") from None
+    if P.ndim != 2 or P.shape[0] != P.shape[1]:
+        raise UserError(f"{path} holds a {tuple(P.shape)} 'probabilities' array; a topology is a square "
+                        "(K, K) matrix, as written at each checkpoint")
+    out = args.out or path.with_suffix(".png")
+    plot_topology_heatmap(P, out, title=args.title)
+    summary = topology_summary(P)
+    print(format_topology_summary(summary))
+    if args.summary_json:
+        args.summary_json.parent.mkdir(parents=True, exist_ok=True)
+        args.summary_json.write_text(json.dumps(summary, indent=1))
+        print(f"summary written to {args.summary_json}")
+    print(f"heatmap written to {out}")
 
 
 def compare(args) -> None:
@@ -70,6 +103,14 @@ def evolution(args) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("show", help="heatmap PNG of one topology, and its per-block summary")
+    s.add_argument("topology", type=Path, metavar="RUN_OR_JSON",
+                   help="a run directory or a topology.json (a 'probabilities' (K, K) matrix)")
+    s.add_argument("--out", type=Path, default=None, help="heatmap PNG (default: next to the JSON)")
+    s.add_argument("--title", default=None)
+    s.add_argument("--summary-json", type=Path, default=None,
+                   help="also write the topology analysis (strongest sources, anchors, entropy) here")
+    s.set_defaults(func=show)
     c = sub.add_parser("compare", help="Pearson correlation and strongest-edge agreement between runs")
     c.add_argument("topologies", type=Path, nargs="+", metavar="RUN_OR_JSON")
     c.add_argument("--out", type=Path, default=Path("topology_compare.png"), help="side-by-side heatmaps (PNG)")

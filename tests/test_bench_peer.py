@@ -1,15 +1,16 @@
-"""scripts/bench_peer.py runs (so it cannot rot) and times models that are not at their zero init."""
+"""The benchmark harnesses bench_peer and bench_aggregation run (so they cannot rot), bench_peer times
+models that are not at their zero init, and it prints the paired statistics of ancre_dit.evaluation.stats."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import ROOT, load_script
+from benchmarks import bench_aggregation, bench_peer
 
 
 @pytest.mark.slow
 def test_bench_peer_runs_every_variant_and_mode(capsys):
-    bench = load_script(ROOT / "scripts" / "bench_peer.py")
+    bench = bench_peer
     args = bench.parse_args(["--models", "DiT-S/2", "--batch-sizes", "1", "--input-size", "8", "--rounds", "1",
                              "--steps", "1", "--warmup", "0", "--threads", "1", "--variants", "cascaded", "ancre",
                              "diffusers", "--share", "1"])
@@ -25,16 +26,15 @@ def test_bench_peer_runs_every_variant_and_mode(capsys):
 def test_timed_models_have_no_all_zero_tensors_and_every_gradient_moves():
     """At DiT's adaLN-Zero init most gradients are exactly zero (AdamW's CPU step is slower on
     those); the benchmark's models get small random values there first."""
-    bench = load_script(ROOT / "scripts" / "bench_peer.py")
     torch.manual_seed(0)
-    model = bench.build("cascaded", "DiT-S/2", 8, compile_=False).train()
+    model = bench_peer.build("cascaded", "DiT-S/2", 8, compile_=False).train()
     assert all(p.any() for p in model.parameters() if p.requires_grad)
     model(torch.randn(2, 4, 8, 8), torch.tensor([3, 500]), torch.tensor([1, 2])).square().mean().backward()
     assert all(p.grad is not None and p.grad.any() for p in model.parameters() if p.requires_grad)
 
 
 def test_bench_aggregation_times_every_form_after_checking_they_agree(capsys):
-    bench = load_script(ROOT / "scripts" / "bench_aggregation.py")
+    bench = bench_aggregation
     args = bench.parse_args(["--depth", "4", "--tokens", "4", "--width", "8", "--rounds", "2", "--steps", "1",
                              "--threads", "1"])
     times = bench.measure(args)
@@ -48,11 +48,9 @@ def test_bench_aggregation_times_every_form_after_checking_they_agree(capsys):
     assert read_ms > 0 and bandwidth == pytest.approx(4 * 64 * 1024 * 4 / (read_ms / 1e3) / 1e9)
 
 
-def test_median_interval_is_the_binomial_order_statistics():
-    """n=10: x_(2)..x_(9) covers the median with 97.9% (x_(3)..x_(8) only 89%); n=6: x_(1)..x_(6)
-    (96.9%); five values cannot reach 95% (two-sided 1/16 > 5%)."""
-    bench = load_script(ROOT / "scripts" / "bench_peer.py")
-    assert bench.median_confidence_interval([float(v) for v in range(10, 0, -1)]) == (2.0, 9.0)
-    assert bench.median_confidence_interval([3.0, 1.0, 2.0, 6.0, 5.0, 4.0]) == (1.0, 6.0)
-    assert bench.median_confidence_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
-    assert bench.paired_interval([2.0] * 5, [1.0] * 5) == ""
+def test_paired_columns_print_the_median_quartiles_and_interval():
+    times, reference = [2.0, 3.0, 4.0, 9.0, 5.0, 6.0], [1.0, 2.0, 2.0, 3.0, 5.0, 4.0]  # ratios 1, 1.5, 1.5, 2, 2, 3
+    assert bench_peer.paired_ratio(times, reference) == "1.750 [1.375..2.250]"
+    assert bench_peer.paired_interval(times, reference) == "1.000..3.000"
+    assert bench_peer.paired_ratio([2.0, 3.0], [1.0, 1.0]) == "2.500"
+    assert bench_peer.paired_interval([2.0] * 5, [1.0] * 5) == ""  # five rounds cannot reach 95%

@@ -1,4 +1,4 @@
-"""scripts/bench_quickstart.py (issue 15, part 4) times the quickstart's steps and reads the accuracy back."""
+"""`python -m benchmarks.bench_quickstart` times the quickstart's three steps and reads the digits accuracy back."""
 from __future__ import annotations
 
 import json
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_times_train_sample_evaluate_and_reports_accuracy(tmp_path):
     run = tmp_path / "qs"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_quickstart.py"), "--run-dir", str(run), "--num-samples", "20",
+    cmd = [sys.executable, "-m", "benchmarks.bench_quickstart", "--run-dir", str(run), "--num-samples", "20",
            "--sample-batch", "20", "--sampler", "euler", "--steps", "3", "--",
            "train.max_steps=3", "train.ckpt_every=3", "train.sample_every=0", "train.eval_every=0", "model.depth=2",
            "log.tensorboard=false"]

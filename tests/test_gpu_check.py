@@ -1,4 +1,5 @@
-"""scripts/gpu_check.py (issue 15, part 5) runs end to end on the CPU in its smoke mode, so it cannot rot."""
+"""benchmarks/gpu_check.py runs end to end on the CPU in its smoke mode, so it cannot rot; its FLOP count
+matches the DiT paper's, and one failing item does not cost the others."""
 from __future__ import annotations
 
 import json
@@ -9,13 +10,11 @@ import torch
 
 from ancre_dit.cli import run_cli
 from ancre_dit.models import create_model
-from helpers import ROOT, load_script, subprocess_env
-
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
+from benchmarks import gpu_check
+from helpers import ROOT, subprocess_env
 
 
 def test_refuses_to_measure_a_gpu_on_the_cpu(tmp_path, capsys):
-    gpu_check = load_script(SCRIPT)
     with pytest.raises(SystemExit) as exit_info:
         run_cli(lambda: gpu_check.main(["--out", str(tmp_path), "--device", "cpu"]))
     err = capsys.readouterr().err
@@ -23,9 +22,8 @@ def test_refuses_to_measure_a_gpu_on_the_cpu(tmp_path, capsys):
 
 
 def test_a_failing_item_is_recorded_and_the_files_are_written_after_every_item(tmp_path, monkeypatch):
-    """On a lent GPU every minute counts: one broken measurement must not lose the others, and a run
-    killed at its time limit must leave the report so far on disk."""
-    gpu_check = load_script(SCRIPT)
+    """GPU time is costly: one broken measurement must not lose the others, and a run killed at a
+    time limit must leave the report so far on disk."""
 
     def fake_training(name, overrides, topology, compiled, cfg, device):
         if topology == "hc" and not compiled:
@@ -67,11 +65,12 @@ def test_a_failing_item_is_recorded_and_the_files_are_written_after_every_item(t
 
 @pytest.mark.slow
 def test_smoke_run_through_the_device_wrapper_writes_every_measurement(tmp_path):
-    """scripts/gpu_check_device.sh is the command for a lent GPU machine (no install there): here it
-    runs gpu_check.py --smoke through PYTHONPATH, with no wheels folder, and leaves the three files."""
+    """benchmarks/gpu_check_device.sh is the command for a GPU machine without network (nothing
+    installed there): here it runs gpu_check --smoke through PYTHONPATH, with no wheels folder, and
+    leaves the three files."""
     env = {**subprocess_env(), "ANCRE_WHEELS": str(tmp_path / "no-wheels")}
     out = tmp_path / "out"
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check_device.sh"), str(out), "--smoke"],
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check_device.sh"), str(out), "--smoke"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = (out / "gpu_check.log").read_text()
@@ -97,7 +96,6 @@ def test_training_flops_match_the_dit_papers_count_attention_included():
     """MFU's numerator: DiT-S/2 at 256 px is 6.06 G multiply-adds a forward (DiT paper, Table 1), so
     a training image costs 3 x 2 x 6.06 = 36.4 GFLOP. Without the attention products (what the
     counter sees of SDPA's fused CPU kernel) it would be 32.7."""
-    gpu_check = load_script(SCRIPT)
     torch.manual_seed(0)
     model = create_model("DiT-S/2", input_size=32, in_channels=4, num_classes=1000).train()
     x, t, y = torch.randn(1, 4, 32, 32), torch.tensor([500]), torch.tensor([3])

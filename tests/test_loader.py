@@ -1,7 +1,6 @@
 """The batched latent reader: the same batches as the per-sample path."""
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from pathlib import Path
 
@@ -11,21 +10,13 @@ import torch
 
 from ancre_dit.data.latents import LatentShardDataset
 from ancre_dit.training.data import DataInfo, GlobalBatchSampler, collate, make_loader
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench_script():
-    spec = importlib.util.spec_from_file_location("bench_loader", ROOT / "scripts" / "bench_loader.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import bench_loader
 
 
 @pytest.fixture(scope="module")
 def latent_dir(tmp_path_factory) -> Path:
     """7 shards x 13 images of 4x4x4 moments, written with the real shard writer."""
-    return _bench_script().write_synthetic_latents(tmp_path_factory.mktemp("latents"), 7, 13, (4, 4, 4), num_classes=5)
+    return bench_loader.write_synthetic_latents(tmp_path_factory.mktemp("latents"), 7, 13, (4, 4, 4), num_classes=5)
 
 
 def _info(ds: LatentShardDataset) -> DataInfo:
@@ -165,7 +156,7 @@ def test_a_worker_buffer_crosses_once_then_batches_travel_as_slot_numbers(latent
 
 
 def test_bench_loader_runs(latent_dir, capsys):
-    bench = _bench_script()
+    bench = bench_loader
     args = bench.parse_args(["--dir", str(latent_dir), "--shards", "7", "--per-shard", "13", "--latent-side", "4",
                              "--batch-size", "8", "--workers", "0", "--batches", "2", "--warmup", "1", "--rounds", "1"])
     medians = bench.measure(args)

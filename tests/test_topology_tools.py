@@ -1,6 +1,6 @@
-"""Issue 13, topology tools: compare (Pearson, strongest-edge agreement), prune to a frozen sparse
-topology that trains and samples with its zero edges skipped, evolution strips, and the
-Tsallis-entropy regulariser."""
+"""Topology tools: show (heatmap + per-block summary), compare (Pearson, strongest-edge agreement),
+prune to a frozen sparse topology that trains and samples with its zero edges skipped, evolution
+strips, and the Tsallis-entropy regulariser."""
 from __future__ import annotations
 
 import importlib.util
@@ -20,8 +20,9 @@ from ancre_dit.errors import UserError
 from ancre_dit.models import create_model, load_topology_json
 from ancre_dit.models.topologies import ANCReTopology, CascadedTopology, FixedTopology, OutgoingANCReTopology
 from ancre_dit.models.topologies.base import WeightedHistoryTopology
-from ancre_dit.models.topologies.analysis import (compare_topologies, learned_edges, pearson, prune_topology,
-                                      strongest_edge_agreement, topology_entropy, tsallis_entropy, write_topology)
+from ancre_dit.models.topologies.analysis import (compare_topologies, format_topology_summary, learned_edges, pearson,
+                                                  prune_topology, strongest_edge_agreement, topology_entropy,
+                                                  topology_summary, tsallis_entropy, write_topology)
 
 SCRIPT = ROOT / "scripts" / "topology.py"
 
@@ -150,6 +151,22 @@ def test_tsallis_entropy_values_and_gradient():
     for other in (CascadedTopology(4), OutgoingANCReTopology(4)):
         with pytest.raises(UserError, match="needs the ancre topology"):
             topology_entropy(other)
+
+
+def test_show_draws_the_heatmap_and_prints_the_summary_of_a_file_or_a_run(tmp_path):
+    path = write_topology(tmp_path / "topology.json", _random_topology(4, 3))
+    P = load_topology_json(path)  # what the command reads
+    out = _run_script("show", str(path), "--summary-json", str(tmp_path / "sub" / "summary.json"), "--title", "t")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "topology.png").stat().st_size > 0  # default: next to the JSON
+    summary = json.loads((tmp_path / "sub" / "summary.json").read_text())
+    assert summary == json.loads(json.dumps(topology_summary(P)))
+    assert out.stdout.endswith(f"heatmap written to {tmp_path / 'topology.png'}\n") and "summary written to" in out.stdout
+    run_out = _run_script("show", str(tmp_path), "--out", str(tmp_path / "run.png"))  # a run dir: its topology.json
+    assert run_out.returncode == 0, run_out.stderr
+    assert (tmp_path / "run.png").stat().st_size > 0 and format_topology_summary(topology_summary(P)) in run_out.stdout
+    bad = _run_script("show", str(tmp_path / "sub"))
+    assert bad.returncode == 2 and "holds no topology.json" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_compare_and_prune_commands(tmp_path):

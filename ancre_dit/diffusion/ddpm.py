@@ -86,7 +86,7 @@ class DDPMObjective(Objective):
         return float(t) / (self.num_timesteps - 1)
 
     def evaluation_times(self, count: int) -> torch.Tensor:
-        # Bin centres: 50, 150, ..., 950 for 10 of 1000 (bench_convergence's held-out timesteps).
+        # Bin centres: 50, 150, ..., 950 for 10 of 1000, spread over the whole process like the training loss.
         return torch.tensor([int((2 * k + 1) * self.num_timesteps / (2 * count)) for k in range(count)])
 
     def default_steps(self, sampler: str) -> int:

@@ -8,9 +8,9 @@ Reports wall and CPU seconds per step (CPU = user + system of the step's process
 box it shows what the step would take alone with one thread) and the held-out classifier's
 accuracy on the samples. Writes RUN/bench_quickstart.json.
 
-    python scripts/bench_quickstart.py                                   # the quickstart as it is
-    python scripts/bench_quickstart.py --config configs/digits-ancre.yaml --sampler ddpm --steps 50 --sample-batch 100  # the old one
-    python scripts/bench_quickstart.py --threads 2 -- train.max_steps=400 train.global_batch_size=128
+    python -m benchmarks.bench_quickstart                                   # the quickstart as it is
+    python -m benchmarks.bench_quickstart --config configs/digits-ancre.yaml --sampler ddpm --steps 50 --sample-batch 100  # the old one
+    python -m benchmarks.bench_quickstart --threads 2 -- train.max_steps=400 train.global_batch_size=128
 """
 from __future__ import annotations
 

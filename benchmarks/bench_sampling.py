@@ -8,8 +8,8 @@
    offline digits metric (class accuracy of an independent classifier + pixel Frechet distance).
    Needs a trained digits checkpoint (default: the newest of results/quickstart/checkpoints/).
 
-    python scripts/bench_sampling.py --num-images 2 --ddpm-steps 25 --digits-samples 200   # CPU
-    python scripts/bench_sampling.py --num-images 64 --precision bf16                      # GPU
+    python -m benchmarks.bench_sampling --num-images 2 --ddpm-steps 25 --digits-samples 200   # CPU
+    python -m benchmarks.bench_sampling --num-images 64 --precision bf16                      # GPU
 """
 from __future__ import annotations
 

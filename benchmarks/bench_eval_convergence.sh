@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Convergence through the product itself (issue 12): cascaded against ANCRe on the digits default,
+# Convergence through the product itself: cascaded against ANCRe on the digits default,
 # depth 12 and depth 24, 3 seeds each, with the in-training evaluation on (held-out loss + the digits
 # metric every EVAL_EVERY steps), then one compare_runs.py report per depth.
-#   bash scripts/bench_eval_convergence.sh [RUNS_DIR] [REPORT_DIR]
+#   bash benchmarks/bench_eval_convergence.sh [RUNS_DIR] [REPORT_DIR]
 # Knobs (environment): STEPS12, STEPS24 (training steps per depth), EVAL_EVERY, OBJECTIVE (flow or
 # ddpm), CFGS (the evaluation's guidance scales). The two topologies of a depth run side by side (one
 # torch thread each, seeds in turn), so they share the machine's load alike; the depths run in turn.

@@ -1,4 +1,4 @@
-"""Measurements shared by the benchmark scripts (not used in training)."""
+"""Measurements the benchmark harnesses share (not used in training; the library never imports benchmarks/)."""
 from __future__ import annotations
 
 import contextlib

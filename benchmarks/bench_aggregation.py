@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """ANCRe's aggregation alone: the trunk of K blocks with the blocks reduced to a scalar multiply,
-so nearly all of the time is the weighted history sums, forward + backward (issue 15, part 3).
+so nearly all of the time is the weighted history sums, forward + backward.
 
 Forms, all of one `ANCReTopology` (same logits, same inputs), interleaved round by round:
 
@@ -15,10 +15,10 @@ A whole-model ratio moves by +-7% between rounds on a shared 2-core box; this tr
 of milliseconds, so the forms can be told apart to a few percent. Minor page faults per step are
 counted too: on Linux every fresh multi-MiB tensor is new memory from the kernel.
 
-    python scripts/bench_aggregation.py                          # DiT-S/2 shape, batch 4
-    python scripts/bench_aggregation.py --depth 12 --tokens 256 --width 768 --batch-size 2   # DiT-B/2
-    python scripts/bench_aggregation.py --compile
-    python scripts/bench_aggregation.py --compile --block linear      # graphs split at every block
+    python -m benchmarks.bench_aggregation                          # DiT-S/2 shape, batch 4
+    python -m benchmarks.bench_aggregation --depth 12 --tokens 256 --width 768 --batch-size 2   # DiT-B/2
+    python -m benchmarks.bench_aggregation --compile
+    python -m benchmarks.bench_aggregation --compile --block linear      # graphs split at every block
 """
 from __future__ import annotations
 

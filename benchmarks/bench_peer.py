@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""ANCRe's aggregation cost and a peer side by side (issue 15, parts 2 and 3).
+"""ANCRe's aggregation cost and a peer (diffusers' DiT) side by side, on the same DiT shapes.
 
 Variants, all at the same DiT shape (32x32x4 latents, 1000 classes, learn_sigma):
 
@@ -24,18 +24,17 @@ with random ones), which would charge our model for its initialisation, not for 
 Every round runs every (variant, mode) in a rotated order; the median over rounds of the mean
 step time is reported, and ratios are taken between medians of the same run ("x cascaded") and,
 less sensitive to a shared machine's drifts, as the median of the per-round ratios ("paired",
-with its quartiles). `--share N` also profiles N eager ANCRe steps and prints the share of the
-step spent in the aggregation (ancre_dit.profiling.aggregation_share), an estimate of
-ANCRe / cascaded - 1 taken within the same steps. Memory: bytes of
-the tensors autograd saves in one forward (activations; parameters excluded), as
-scripts/bench_overhead.py counts them on the CPU.
+with its quartiles and the median's distribution-free 95% interval: ancre_dit.evaluation.stats).
+`--share N` also profiles N eager ANCRe steps and prints the share of the step spent in the
+aggregation (benchmarks.profiling.aggregation_share), an estimate of ANCRe / cascaded - 1 taken
+within the same steps. Memory: bytes of the tensors autograd saves in one forward (activations;
+parameters excluded), as benchmarks/bench_overhead.py counts them on the CPU.
 
-    python scripts/bench_peer.py --models DiT-S/2 DiT-B/2 --batch-sizes 4 2 --threads 2
+    python -m benchmarks.bench_peer --models DiT-S/2 DiT-B/2 --batch-sizes 4 2 --threads 2
 """
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import statistics
@@ -46,9 +45,10 @@ import torch
 
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
+from ancre_dit.evaluation.stats import paired_ratio as paired_stats
 from ancre_dit.models import create_model
 from ancre_dit.models.dit import DIT_MODELS, DIT_SIZES
-from ancre_dit.profiling import aggregation_share, saved_activation_bytes
+from benchmarks.profiling import aggregation_share, saved_activation_bytes
 
 MODES = ("fwd+bwd", "train", "sample")
 VARIANTS = ("cascaded", "ancre", "ancre-chain", "diffusers")
@@ -83,37 +83,17 @@ def leave_zero_init(model: torch.nn.Module, std: float = 0.02, seed: int = 0) ->
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
-def median_confidence_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
-    """Distribution-free interval for the median: order statistics x_(l) and x_(n+1-l), with l the
-    largest rank whose binomial(n, 1/2) tail stays within (1 - level) / 2; None below 6 values."""
-    xs, n = sorted(values), len(values)
-    tail, rank = 0.0, 0
-    while True:
-        tail += math.comb(n, rank) / 2**n  # P(fewer than rank + 1 of the n values below the median)
-        if tail > (1 - level) / 2:
-            break
-        rank += 1
-    return (xs[rank - 1], xs[n - rank]) if rank >= 1 else None
-
-
-def per_round_ratios(times: list[float], reference: list[float]) -> list[float]:
-    """Both were timed in the same round, minutes apart at most, so slow drifts of a shared machine
-    cancel out of each ratio."""
-    return sorted(a / b for a, b in zip(times, reference))
-
-
 def paired_ratio(times: list[float], reference: list[float]) -> str:
-    """Median and quartiles of the per-round ratios."""
-    ratios = per_round_ratios(times, reference)
-    if len(ratios) < 4:
-        return f"{statistics.median(ratios):.3f}"
-    q1, _, q3 = statistics.quantiles(ratios, n=4)
-    return f"{statistics.median(ratios):.3f} [{q1:.3f}..{q3:.3f}]"
+    """Median and quartiles of the per-round ratios, as printed."""
+    stats = paired_stats(times, reference)
+    if stats.quartiles is None:
+        return f"{stats.median:.3f}"
+    return f"{stats.median:.3f} [{stats.quartiles[0]:.3f}..{stats.quartiles[1]:.3f}]"
 
 
 def paired_interval(times: list[float], reference: list[float]) -> str:
-    """95% interval of the median per-round ratio ("" with too few rounds to have one)."""
-    interval = median_confidence_interval(per_round_ratios(times, reference))
+    """95% interval of the median per-round ratio, as printed ("" with too few rounds to have one)."""
+    interval = paired_stats(times, reference).interval
     return "" if interval is None else f"{interval[0]:.3f}..{interval[1]:.3f}"
 
 

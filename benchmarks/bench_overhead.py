@@ -12,8 +12,8 @@ Memory: on CUDA, torch.cuda.max_memory_allocated during a step (weights, gradien
 and activations); on CPU, the bytes of the tensors autograd saves for backward in one eager
 forward (activations; parameters excluded, storages counted once), via saved_tensors_hooks.
 
-    python scripts/bench_overhead.py                                    # CPU, fp32, eager
-    python scripts/bench_overhead.py --device cuda --dtype bf16 --compile --batch-size 32
+    python -m benchmarks.bench_overhead                                    # CPU, fp32, eager
+    python -m benchmarks.bench_overhead --device cuda --dtype bf16 --compile --batch-size 32
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from tqdm import tqdm
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.models import TOPOLOGIES, create_model
-from ancre_dit.profiling import saved_activation_bytes
+from benchmarks.profiling import saved_activation_bytes
 
 DEFAULT_TOPOLOGIES = ("cascaded", "ancre", "denseformer", "hc", "hc-dynamic", "mhc")
 SHARED = ("x_embedder", "t_embedder", "y_embedder", "blocks", "final_layer")

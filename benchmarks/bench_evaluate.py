@@ -1,6 +1,6 @@
 """Evaluation cost: Inception feature throughput and the cost of each metric on 2048-d features.
 
-    python scripts/bench_evaluate.py [--images 64] [--image-size 256] [--batch-size 32] [--features 4096] [--device cpu]
+    python -m benchmarks.bench_evaluate [--images 64] [--image-size 256] [--batch-size 32] [--features 4096] [--device cpu]
 
 Uses a RANDOMLY INITIALISED weights file (timing only: the network's cost does not depend on its
 weights); the metric timings use random Gaussian features of the real dimensions (2048 pool,

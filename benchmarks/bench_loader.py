@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Images/s of the training input pipeline on latent shards (issue 15, part 1).
+"""Images/s of the training input pipeline on latent shards (the trainer's own loader).
 
 Writes synthetic shards in our format with the real shard writer (default: 100 shards x 1,000
 images at the ImageNet-256 latent shape 4x32x32, about 3.3 GB; reused when already there), then
@@ -17,8 +17,8 @@ The 256 rows of a shuffled batch come from nearly every shard, more than the 64 
 process keeps open. Rounds are interleaved (every configuration once per round); the median over
 rounds is reported.
 
-    python scripts/bench_loader.py                          # the issue's setup
-    python scripts/bench_loader.py --workers 8 --paths batched --batches 200
+    python -m benchmarks.bench_loader                          # 100 shards x 1,000 images, batch 256
+    python -m benchmarks.bench_loader --workers 8 --paths batched --batches 200
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ weights: the tiny test VAE and the real SD-VAE architecture (sd-vae-ft-ema's con
 prints three rates: decoding + ADM crop alone, VAE encoding alone (each image = itself + its flip),
 and the whole extraction (scripts/extract_latents.py's code path, shards written).
 
-    python scripts/bench_extract.py                                  # CPU, a few images
-    python scripts/bench_extract.py --device cuda --vae-dtype bf16 --sd-images 512 --batch-size 64 --num-workers 8
+    python -m benchmarks.bench_extract                                  # CPU, a few images
+    python -m benchmarks.bench_extract --device cuda --vae-dtype bf16 --sd-images 512 --batch-size 64 --num-workers 8
 
 The tiny VAE runs at 32 px by default: its attention block works at half the crop size, so at
 256 px it attends over 128x128 positions and is slower than the real SD-VAE.

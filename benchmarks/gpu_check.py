@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One prepared GPU check (issue 15, part 5): what a user's GPU will see, in one run of about 8 minutes.
+"""One prepared GPU check: what a user's GPU will see, in one run of about 8 minutes.
 
 Measures, and writes to OUT/gpu_check.json and OUT/gpu_check.md:
 
@@ -21,13 +21,13 @@ on stderr) and the run goes on; both files are rewritten after every item, so a 
 time limit still leaves what it measured. Targets (BENCHMARKS.md): ancre at most 1% slower than cascaded
 in bf16 with compile, DiT-B/2 training at 40% MFU or more.
 
-    python scripts/gpu_check.py --out results/gpu_check
-    python scripts/gpu_check.py --smoke --out /tmp/gpu_check    # CPU, tiny sizes, seconds (a test runs this)
+    python -m benchmarks.gpu_check --out results/gpu_check
+    python -m benchmarks.gpu_check --smoke --out /tmp/gpu_check    # CPU, tiny sizes, seconds (a test runs this)
+    bash benchmarks/gpu_check_device.sh OUT_DIR                     # a GPU machine without network (see there)
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -169,15 +169,9 @@ def training_run(name: str, overrides: dict, topology: str, compiled: bool, cfg:
             "warmup_and_compile_s": warmup_s}
 
 
-def load_bench_loader():
-    spec = importlib.util.spec_from_file_location("bench_loader", Path(__file__).with_name("bench_loader.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def loader_run(cfg: dict) -> dict:
-    bench = load_bench_loader()
+    from benchmarks import bench_loader as bench  # the loader's own benchmark: synthetic shards, timed reads
+
     c = cfg["loader"]
     with tempfile.TemporaryDirectory(prefix="gpu_check_latents_") as tmp:
         start = time.perf_counter()
@@ -321,7 +315,7 @@ def main(argv=None) -> None:
               "training": [], "sampling": []}
 
     def guarded(label: str, fn):
-        """Runs one item; a failure is recorded and the run goes on (device time is scarce: one
+        """Runs one item; a failure is recorded and the run goes on (GPU time is costly: one
         broken item, an out-of-memory say, must not cost the others)."""
         if budget.left() <= 0:
             print(f"skip {label}: budget spent", flush=True)
