@@ -1,4 +1,4 @@
-"""Malformed inputs across every command (issue 14): each one ends with exit code 2 and exactly one
+"""Malformed inputs across every command: each one ends with exit code 2 and exactly one
 `error:` line on stderr (no traceback), and no existing output is modified: the whole folder of
 inputs and outputs is hashed before and after each command.
 
@@ -27,7 +27,7 @@ from ancre_dit.data.adm_npz import save_adm_npz  # noqa: E402
 from ancre_dit.training import train  # noqa: E402
 
 SCRIPTS = {"train": ROOT / "train.py", "sample": ROOT / "sample.py", "evaluate": ROOT / "evaluate.py",
-           "extract": ROOT / "scripts" / "extract_latents.py", "plot": ROOT / "scripts" / "plot_topology.py"}
+           "extract": ROOT / "scripts" / "extract_latents.py", "topology": ROOT / "scripts" / "topology.py"}
 LOG_FILES = {"log.txt"}  # a run's text log may grow (e.g. a warning), never change
 
 
@@ -186,6 +186,25 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("heads do not divide width", "train", lambda w: [*_cfg(w), _fresh(w), "model.num_heads=3"], "not divisible"),
     ("batch not divisible by accumulation", "train", lambda w: [*_cfg(w), _fresh(w), "train.grad_accum=3"],
      "not divisible"),
+    ("value of the wrong shape", "train", lambda w: [*_cfg(w), _fresh(w), "train.lr=[1]"],
+     "config key train.lr must be float"),
+    ("eval section not a mapping", "train", lambda w: [*_cfg(w), _fresh(w), "eval=5"],
+     "the eval section must be a mapping"),
+    ("eval seed negative", "train", lambda w: [*_cfg(w), _fresh(w), "eval.seed=-1"], "eval.seed must be >= 0"),
+    ("eval cfg scale negative", "train", lambda w: [*_cfg(w), _fresh(w), "eval.cfg_scales=[2,-1]"],
+     "eval.cfg_scales -1.0 is negative"),
+    ("eval sampler unknown", "train", lambda w: [*_cfg(w), _fresh(w), "eval.sampler=bogus"],
+     "unknown sampler 'bogus' in eval.sampler"),
+    ("eval steps beyond the schedule", "train", lambda w: [*_cfg(w), _fresh(w), "eval.sampler=ddpm", "eval.steps=5000"],
+     "eval.steps 5000 must be between 1 and"),
+    ("eval fid without a reference", "train", lambda w: [*_cfg(w), _fresh(w), "eval.metrics=[fid]"],
+     "need eval.ref"),
+    ("eval reference missing", "train",
+     lambda w: [*_cfg(w), _fresh(w), "eval.metrics=[fid]", f"eval.ref={w / 'nope.npz'}",
+                f"eval.inception_weights={w / 'no.pth'}"], "nope.npz does not exist"),
+    ("eval inception weights missing", "train",
+     lambda w: [*_cfg(w), _fresh(w), "eval.metrics=[fid]", f"eval.ref={w / 'big.npz'}",
+                f"eval.inception_weights={w / 'no.pth'}"], "eval.inception_weights"),
     # -- train.py: the data ----------------------------------------------------------------------
     ("latent dir missing", "train", lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", f"data.path={w / 'none'}"],
      "does not exist"),
@@ -239,7 +258,7 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
      "out of range"),
     ("zero samples", "sample", lambda w: ["--ckpt", _ck(w), "--num-samples", "0", "--out", str(w / "o.npz")],
      "at least 1"),
-    ("out not .npz", "sample", lambda w: ["--ckpt", _ck(w), "--out", str(w / "o.png")], "must name an .npz"),
+    ("out not .npz", "sample", lambda w: ["--ckpt", _ck(w), "--out", str(w / "o.png")], "writes a .npz file"),
     ("guidance interval malformed", "sample",
      lambda w: ["--ckpt", _ck(w), "--guidance-interval", "5", "--out", str(w / "o.npz")], "must be LO,HI"),
     ("guidance interval nan", "sample",
@@ -301,11 +320,13 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("extract into a different extraction", "extract",
      lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "extracted"),
                 "--image-size", "16", "--shard-size", "4", "--batch-size", "4", "--min-side", "4"], "different extraction"),
-    # -- scripts/plot_topology.py -----------------------------------------------------------------
-    ("topology missing", "plot", lambda w: [str(w / "nope.json")], "not found"),
-    ("topology not JSON", "plot", lambda w: [str(w / "topology_broken.json")], "is not a topology JSON"),
-    ("topology without probabilities", "plot", lambda w: [str(w / "topology_nokey.json")], "is not a topology JSON"),
-    ("topology not a square matrix", "plot", lambda w: [str(w / "topology_ragged.json")], "topology_ragged.json"),
+    # -- scripts/topology.py show ------------------------------------------------------------------
+    ("topology missing", "topology", lambda w: ["show", str(w / "nope.json")], "not found"),
+    ("topology not JSON", "topology", lambda w: ["show", str(w / "topology_broken.json")], "is not a topology JSON"),
+    ("topology without probabilities", "topology", lambda w: ["show", str(w / "topology_nokey.json")],
+     "is not a topology JSON"),
+    ("topology not a square matrix", "topology", lambda w: ["show", str(w / "topology_ragged.json")],
+     "topology_ragged.json"),
 ]
 
 

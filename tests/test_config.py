@@ -1,6 +1,10 @@
 """Config: YAML + overrides into typed sections; every mistake is one clear line."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
+import re
+import runpy
 import subprocess
 import sys
 
@@ -9,6 +13,7 @@ import yaml
 from helpers import ROOT, subprocess_env
 
 from ancre_dit.errors import UserError
+from ancre_dit.models.topologies import resolve_options
 from ancre_dit.training.config import check_batch_layout, load_config, save_config
 from ancre_dit.training.data import GlobalBatchSampler, advance_position, build_data
 
@@ -25,7 +30,7 @@ def test_shipped_configs_load(tmp_path):
             c = load_config(path, [f"data.path={tmp_path / 'lat'}"])
             assert (c.train.global_batch_size, c.train.max_steps, c.train.lr, c.train.ema_decay) == (256, 400000, 1e-4, 0.9999)
             # learn_sigma: on for DiT's DDPM, off for SiT's flow objective (sit-*.yaml).
-            assert (c.train.mixed_precision, c.train.ckpt_every, c.model.tau, c.model.learn_sigma, c.model.class_dropout) == \
+            assert (c.train.mixed_precision, c.train.ckpt_every, c.model.topology_options["tau"], c.model.learn_sigma, c.model.class_dropout) == \
                 ("bf16", 50000, 0.01, c.diffusion.objective == "ddpm", 0.1)
             assert c.diffusion.objective == ("flow" if path.stem.startswith("sit-") else "ddpm")
         else:
@@ -117,3 +122,228 @@ def test_bad_configs_from_the_command_line(tmp_path):
         lines = err.strip().splitlines()
         assert proc.returncode == 2, (key, err)
         assert len(lines) == 1 and lines[0].startswith("error:") and key in lines[0], (key, err)
+
+
+# -- round trip, old files, declared ranges, error lines ---------------------------------------------
+TINY = ["data.kind=digits", "data.image_size=8", "model.name=DiT-T/2", "model.depth=2", "model.hidden_size=32",
+        "model.num_heads=2", "train.mixed_precision=no"]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["model.tau=0.05", "eval.cfg_scales=1.5", "eval.metrics=digits", "train.lr=1e-4"],
+    ["model.topology=hc", "model.hc_streams=3"],
+    ["model.topology=mhc", "model.sinkhorn_iters=5", "model.tau=0.2"],  # tau: not mhc's, kept as given
+    ["model.topology=cascaded", "diffusion.objective=flow", "model.learn_sigma=false", "eval.sampler=euler"],
+])
+def test_save_then_load_is_exact(tmp_path, overrides):
+    c = load_config(None, [*TINY, *overrides])
+    save_config(c, tmp_path / "a.yaml")
+    again = load_config(tmp_path / "a.yaml")
+    assert again == c
+    save_config(again, tmp_path / "b.yaml")
+    assert (tmp_path / "a.yaml").read_bytes() == (tmp_path / "b.yaml").read_bytes()
+    model = yaml.safe_load((tmp_path / "a.yaml").read_text())["model"]
+    assert "topology_options" not in model  # options are written flat, as they are given
+    assert {k: model[k] for k in c.model.topology_options} == c.model.topology_options
+
+
+def test_the_chosen_topology_options_and_their_defaults(tmp_path):
+    from ancre_dit.models.topologies import ANCReTopology, all_topology_options
+    from ancre_dit.training.config import ModelConfig, topology_options_of
+
+    default_tau = all_topology_options()["tau"].default
+    recorded = load_config(None, TINY).model.topology_options  # ancre's options, defaults included
+    assert recorded == resolve_options("ancre", {}) and recorded["tau"] == default_tau
+    assert inspect.signature(ANCReTopology).parameters["tau"].default == default_tau  # one default, the registry's
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert not {"tau", "hc_streams", "sinkhorn_iters", "topology_path"} & fields  # one way in: model.<option>
+    c = load_config(None, [*TINY, "model.topology=mhc", "model.hc_streams=2"])
+    assert topology_options_of(c.model) == c.model.topology_options == resolve_options("mhc", {"hc_streams": 2})
+    assert c.model.topology_options["hc_streams"] == 2
+    assert topology_options_of(ModelConfig(topology="hc")) == resolve_options("hc", {})  # built in code: defaults
+
+
+def test_config_files_of_older_runs_still_load(tmp_path):
+    """Run folders written before the options were flat: every option as a plain model key and an
+    empty topology_options mapping, or the options inside that mapping."""
+    from ancre_dit.training.config import topology_options_of
+
+    now = load_config(None, [*TINY, "model.tau=0.05"])
+    old = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(now)))
+    old["model"].pop("topology_options")
+    old["model"].update(tau=0.05, topology_path=None, hc_streams=4, sinkhorn_iters=20, topology_options={})
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    loaded = load_config(tmp_path / "old.yaml")
+    assert topology_options_of(loaded.model) == resolve_options("ancre", {"tau": 0.05})
+    assert dataclasses.replace(loaded, model=dataclasses.replace(loaded.model, topology_options={})) == \
+        dataclasses.replace(now, model=dataclasses.replace(now.model, topology_options={}))
+    save_config(loaded, tmp_path / "resaved.yaml")  # a resumed run rewrites it in today's form
+    assert load_config(tmp_path / "resaved.yaml") == loaded
+
+    old["model"].update(topology="mhc", topology_options={"sinkhorn_iters": 7})
+    for key in ("tau", "topology_path", "hc_streams", "sinkhorn_iters"):
+        old["model"].pop(key)
+    (tmp_path / "mapping.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    assert topology_options_of(load_config(tmp_path / "mapping.yaml").model) == \
+        resolve_options("mhc", {"sinkhorn_iters": 7})
+
+
+def test_yaml_quirks_users_rely_on(tmp_path):
+    (tmp_path / "c.yaml").write_text("train: {mixed_precision: no, lr: 1e-4, grad_clip: 2}\n"
+                                     "eval: {cfg_scales: 1.5, metrics: digits}\n"
+                                     "data: {kind: digits, image_size: 8}\n")
+    c = load_config(tmp_path / "c.yaml")
+    assert c.train.mixed_precision == "no"  # YAML 1.1 reads an unquoted no as false
+    assert c.train.lr == 1e-4 and isinstance(c.train.lr, float)  # PyYAML reads 1e-4 (no dot) as a string
+    assert c.train.grad_clip == 2.0 and isinstance(c.train.grad_clip, float)
+    assert c.eval.cfg_scales == [1.5] and c.eval.metrics == ["digits"]  # a scalar where a list goes
+    assert load_config(None, [*TINY, "eval.cfg_scales=2", "train.mixed_precision=false"]).eval.cfg_scales == [2.0]
+
+
+def test_every_number_declares_its_range():
+    from ancre_dit.training.config import _RULE, Config
+
+    finite_only = {"diffusion.logit_mean"}  # any finite location is valid
+    numbers = 0
+    for section in dataclasses.fields(Config):
+        if section.name == "run_dir":
+            continue
+        for f in dataclasses.fields(getattr(Config(), section.name)):
+            if any(t in str(f.type) for t in ("int", "float")) and f"{section.name}.{f.name}" not in finite_only:
+                assert _RULE in f.metadata, f"{section.name}.{f.name} declares no range"
+                numbers += 1
+    assert numbers >= 35
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=0", "train.lr must be positive"),
+    ("train.lr=.inf", "train.lr must be a finite number"),
+    ("train.seed=-1", "train.seed must be >= 0"),
+    ("eval.seed=-1", "eval.seed must be >= 0"),
+    ("eval.steps=0", "eval.steps must be at least 1"),
+    ("eval.heldout_max=0", "eval.heldout_max must be at least 1"),
+    ("data.num_workers=-1", "data.num_workers must be >= 0"),
+    ("data.image_size=0", "data.image_size must be at least 1"),
+    ("train.adam_beta1=1", "train.adam_beta1 must be in [0, 1)"),
+    ("train.ema_decay=-0.5", "train.ema_decay must be in [0, 1]"),
+    ("train.nonfinite_max_skips=-1", "train.nonfinite_max_skips must be >= 0"),
+    ("train.sample_steps=0", "train.sample_steps must be at least 1"),
+    ("model.hidden_size=0", "model.hidden_size must be at least 1"),
+    ("diffusion.logit_std=0", "diffusion.logit_std must be positive"),
+    ("diffusion.logit_mean=.nan", "diffusion.logit_mean must be a finite number"),
+    ("model.tau=-1", "model.tau must be positive"),
+    ("model.sinkhorn_iters=0", "model.sinkhorn_iters must be at least 1"),
+    ("data.kind=video", "unknown data kind 'video' in data.kind"),
+    ("train.nonfinite=ignore", "train.nonfinite must be one of skip or stop"),
+    ("diffusion.time_sampling=beta", "unknown time sampling 'beta' in diffusion.time_sampling"),
+    ("eval.metrics=[digits,fidd]", "unknown metric 'fidd' in eval.metrics"),
+    ("eval.sampler=bogus", "unknown sampler 'bogus' in eval.sampler"),
+])
+def test_declared_ranges_and_choices(override, message):
+    with pytest.raises(UserError, match=re.escape(message)) as err:
+        load_config(None, [*TINY, override])
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["eval.sampler=heun"], "eval.sampler=heun does not fit diffusion.objective=ddpm; choose ddpm, ddim or dpm-solver"),
+    (["eval.steps=5000"], "eval.steps 5000 must be between 1 and the model's 1000 training timesteps"),
+    (["eval.metrics=[fid]"], "eval.metrics fid need eval.ref"),
+    (["eval.metrics=[fid,is]", "eval.ref=/nonexistent/ref.npz"], "eval.ref /nonexistent/ref.npz does not exist"),
+    (["data.kind=images", "data.path=.", "eval.metrics=[digits]"], "eval.metrics=digits scores 8x8 digits"),
+    (["eval.cfg_scales=[1.5,-1]"], "eval.cfg_scales -1.0 is negative"),
+    (["train.cfg_scale_for_grids=-2"], "train.cfg_scale_for_grids -2.0 is negative"),
+    (["eval=5"], "the eval section must be a mapping of its keys (eval: {key: value, ...}), got 5"),
+])
+def test_eval_settings_are_checked_at_load(overrides, message):
+    """What the evaluator would refuse once the run folder exists is refused by load_config."""
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_config(None, [*TINY, *overrides])
+
+
+def test_eval_files_are_checked_at_load(tmp_path):
+    ref, weights = tmp_path / "ref.npz", tmp_path / "inception.pth"
+    ref.write_bytes(b"")
+    fid = [*TINY, "eval.metrics=[fid]"]
+    with pytest.raises(UserError, match="eval.ref .*missing.npz does not exist") as err:
+        load_config(None, [*fid, f"eval.ref={tmp_path / 'missing.npz'}",
+                           f"eval.inception_weights={tmp_path / 'no.pth'}"])
+    assert "Inception" not in str(err.value)  # the missing reference is named, not the weights
+    with pytest.raises(UserError, match="eval.inception_weights is not set"):
+        load_config(None, [*fid, f"eval.ref={ref}"])
+    with pytest.raises(UserError, match="eval.inception_weights .*no.pth does not exist"):
+        load_config(None, [*fid, f"eval.ref={ref}", f"eval.inception_weights={tmp_path / 'no.pth'}"])
+    weights.write_bytes(b"")
+    assert load_config(None, [*fid, f"eval.ref={ref}", f"eval.inception_weights={weights}"]).eval.metrics == ["fid"]
+    # eval.ref alone asks for FID on latents (eval.metrics null), so the weights are needed too
+    with pytest.raises(UserError, match="eval.inception_weights is not set"):
+        load_config(None, [*TINY, "data.kind=latents", f"data.path={tmp_path}", f"eval.ref={ref}"])
+
+
+def test_one_guidance_scale_rule():
+    from ancre_dit.sampling.guidance import Guidance
+
+    for bad, message in ((-1.0, "is negative"), (float("nan"), "not a finite number")):
+        with pytest.raises(UserError, match=message):
+            Guidance(bad)
+    assert Guidance(0.0).scale == 0.0  # 0 = the unconditional model, 1 = no guidance
+    c = load_config(None, [*TINY, "eval.cfg_scales=[0,1,4]", "train.cfg_scale_for_grids=0"])
+    assert c.eval.cfg_scales == [0.0, 1.0, 4.0] and c.train.cfg_scale_for_grids == 0.0
+
+
+def test_metric_names_come_from_the_evaluation_package():
+    from ancre_dit.evaluation.evaluator import EVAL_METRICS
+    from ancre_dit.evaluation.pipeline import ADM_METRICS, DEFAULT_METRICS, METRICS
+
+    assert EVAL_METRICS == ("digits", *ADM_METRICS) and DEFAULT_METRICS == ADM_METRICS
+    assert set(ADM_METRICS) < set(METRICS)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.foo=1"], "unknown config key train.foo; valid keys of train: global_batch_size, max_steps"),
+    (["model.gian=1"], "unknown config key model.gian; valid keys of model: name, topology"),
+    (["eval.bogus.x=1"], "unknown config key eval.bogus; valid keys of eval: num_samples"),
+    (["train.max_steps=abc"], "config key train.max_steps must be int, got 'abc'"),
+    (["train.lr=fast"], "config key train.lr must be float, got 'fast'"),
+    (["model.tau=abc"], "config key model.tau must be float, got 'abc'"),
+    (["model.hc_streams=2.5"], "config key model.hc_streams must be int, got 2.5"),
+    (["run_dir={a: 1}"], "config key run_dir must be str, got {'a': 1}"),
+    (["model.name.x=1"], "config key model.name must be str"),
+    (["run_dir="], "config key run_dir must be str, got null"),
+    (["eval.cfg_scales=[a]"], "config key eval.cfg_scales must be a list of float, got ['a']"),
+    (["eval.cfg_scales={a: 1}"], "config key eval.cfg_scales must be a list of float"),
+    (["eval.metrics=[]"], "config key eval.metrics must not be an empty list"),
+    (["data.vae=false"], "config key data.vae must be str or null, got False"),
+    (["train.mixed_precision=true"], "config key train.mixed_precision must be str, got True"),
+    (["model=3"], "the model section must be a mapping of its keys"),
+    (["run_dir=${nope}"], "config key run_dir: "),
+    (["model.topology_options=5"], "config key model.topology_options must be a mapping of topology options"),
+])
+def test_omegaconf_errors_become_one_user_error_line(overrides, message):
+    with pytest.raises(UserError, match=re.escape(message)) as err:
+        load_config(None, [*TINY, *overrides])
+    assert "\n" not in str(err.value) and type(err.value).__module__.startswith("ancre_dit")
+
+
+def test_errors_in_a_config_file_name_the_key(tmp_path):
+    (tmp_path / "c.yaml").write_text("train: {max_steps: many}\n")
+    with pytest.raises(UserError, match="config key train.max_steps must be int, got 'many'"):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "c.yaml").write_text("train: {max_stepz: 3}\n")
+    with pytest.raises(UserError, match="unknown config key train.max_stepz"):
+        load_config(tmp_path / "c.yaml", ["train.max_steps=4"])
+    (tmp_path / "c.yaml").write_text("train: {max_steps: 3}\n")  # a later override wins, and names its value
+    with pytest.raises(UserError, match="got 'x'"):
+        load_config(tmp_path / "c.yaml", ["train.max_steps=x"])
+
+
+def test_bad_eval_settings_stop_train_py_before_the_run_folder(tmp_path, monkeypatch):
+    """train.py builds the Trainer (which makes the run folder) only from a config that passed."""
+    main = runpy.run_path(str(ROOT / "train.py"), run_name="config_test")["main"]
+    run = tmp_path / "run"
+    for bad in ("eval.sampler=bogus", "eval.steps=5000", "eval.metrics=[fid]", "eval.seed=-1", "eval=5"):
+        monkeypatch.setattr(sys, "argv", ["train.py", "--config", str(ROOT / "configs" / "digits-ancre.yaml"),
+                                          f"run_dir={run}", bad])
+        with pytest.raises(UserError):
+            main()
+        assert not run.exists(), bad

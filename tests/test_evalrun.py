@@ -148,7 +148,7 @@ def test_heldout_set_is_fixed_and_spreads_times():
 
 @pytest.mark.parametrize("override, message", [
     ("eval.metrics=[fidd]", "unknown metric 'fidd'"),
-    ("eval.cfg_scales=[0.0]", "eval.cfg_scales must be positive"),
+    ("eval.cfg_scales=[-1.0]", "eval.cfg_scales -1.0 is negative"),
     ("eval.val_path=/nowhere", "apply to data.kind=latents only"),
     ("train.eval_every=-1", "train.eval_every must be >= 0"),
     ("eval.num_samples=0", "eval.num_samples must be at least 1"),

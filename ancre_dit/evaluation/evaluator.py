@@ -13,7 +13,6 @@ random streams are untouched, so a run with evaluation on trains the same weight
 """
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
@@ -24,11 +23,12 @@ import torch
 
 from ..diffusion import Objective
 from ..errors import UserError
-from ..files import read_jsonl
+from ..files import append_jsonl, read_jsonl
 from .heldout import HeldOutSet, heldout_terms
+from .pipeline import ADM_METRICS
 
 EVALS_FILE = "evals.jsonl"
-INCEPTION_METRICS = ("fid", "sfid", "is", "precision", "recall")
+EVAL_METRICS = ("digits", *ADM_METRICS)  # what eval.metrics accepts
 LOWER_IS_BETTER = ("loss", "mse", "fd", "fid", "sfid", "kid", "vb")  # substrings of metric names
 
 
@@ -83,24 +83,13 @@ class Evaluator:
         self.decoder, self.state, self.log = decoder, state, log
         self.metrics = resolve_metrics(settings, data_kind)
         self.identity = evaluation_identity(settings, data_kind)
-        if "digits" in self.metrics and data_kind != "digits":
-            raise UserError(f"eval.metrics=digits scores 8x8 digits, but data.kind={data_kind}; use fid (with eval.ref)")
-        self.inception = [m for m in self.metrics if m in INCEPTION_METRICS]
-        if self.inception and not settings.ref:
-            raise UserError(f"eval.metrics {', '.join(self.inception)} need eval.ref (an ADM reference npz or one "
-                            f"written by evaluate.py --save-ref-stats)")
-        if self.metrics:
-            objective.check_sampler(self.sampler, self.steps)
-            if decoder is None:
-                raise UserError("the evaluation samples images but no decoder is available; set data.vae")
+        # The settings themselves (metrics that fit the data, reference and weights files, a sampler
+        # and step count the objective has) were checked with the config, before the run folder existed.
+        self.inception = [m for m in self.metrics if m in ADM_METRICS]
+        if self.metrics and decoder is None:
+            raise UserError("the evaluation samples images but no decoder is available; set data.vae")
         self._extractor = None
         self._ref_side = None
-        if self.inception:
-            from .inception import check_weights
-            check_weights(settings.inception_weights)  # the clear error now, not at the first evaluation
-            if not Path(settings.ref).exists():
-                raise UserError(f"eval.ref {settings.ref} does not exist; pass an ADM reference npz or a "
-                                f"file written by evaluate.py --save-ref-stats")
 
     # -- public -----------------------------------------------------------------------------
     def evaluate(self, model: torch.nn.Module, raw_model: torch.nn.Module | None = None) -> dict[str, Any] | None:
@@ -212,15 +201,12 @@ def evals_path(run_dir: str | Path) -> Path:
 
 
 def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Entries of RUN/logs/evals.jsonl in file order (a torn last line, from a kill, is skipped)."""
+    """Entries of RUN/logs/evals.jsonl in file order (a torn line, from a kill, is skipped and reported)."""
     return read_jsonl(evals_path(run_dir))
 
 
 def append_eval(run_dir: str | Path, entry: dict[str, Any]) -> None:
-    path = evals_path(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(entry) + "\n")
+    append_jsonl(evals_path(run_dir), entry)
 
 
 def evaluated_steps(run_dir: str | Path, identity: dict[str, Any]) -> set[int]:

@@ -36,8 +36,11 @@ from .precision_recall import precision_recall
 from .sources import ImageFolderBatches, open_adm_npz
 from ..errors import UserError
 
-METRICS = ("fid", "sfid", "is", "precision", "recall", "kid")
-DEFAULT_METRICS = ("fid", "sfid", "is", "precision", "recall")  # ADM's set
+# The metric names, defined here only. ADM's set: evaluate.py's default, and the Inception metrics the
+# in-training evaluation takes (evaluator.py's EVAL_METRICS adds "digits"); KID is evaluate.py's alone.
+ADM_METRICS = ("fid", "sfid", "is", "precision", "recall")
+METRICS = (*ADM_METRICS, "kid")
+DEFAULT_METRICS = ADM_METRICS
 
 
 @dataclass

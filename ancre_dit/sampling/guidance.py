@@ -19,6 +19,16 @@ from ..errors import UserError
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def check_guidance_scale(name: str, scale: float) -> None:
+    """The one rule for a classifier-free guidance scale wherever it is given (sample.py's --cfg-scale,
+    train.cfg_scale_for_grids, eval.cfg_scales): finite and >= 0. 1 is the plain conditional model,
+    0 the unconditional one; a UserError naming `name` otherwise."""
+    if not math.isfinite(scale):
+        raise UserError(f"{name} {scale} is not a finite number; use 1 for no guidance or a value > 1 (e.g. 1.5)")
+    if scale < 0:
+        raise UserError(f"{name} {scale} is negative; use 1 for no guidance or a value > 1 (e.g. 1.5)")
+
+
 @dataclass(frozen=True)
 class Guidance:
     """scale: 1 = plain conditional model. channels: guide only the first `channels` epsilon
@@ -30,11 +40,7 @@ class Guidance:
     interval: tuple[float, float] | None = None
 
     def __post_init__(self):
-        if not math.isfinite(self.scale):
-            raise UserError(f"--cfg-scale {self.scale} is not a finite number; use 1 for no guidance or a value > 1 "
-                            "(e.g. 1.5)")
-        if self.scale < 0:
-            raise UserError(f"--cfg-scale {self.scale} is negative; use 1 for no guidance or a value > 1 (e.g. 1.5)")
+        check_guidance_scale("--cfg-scale", self.scale)
         if self.channels is not None and self.channels < 1:
             raise UserError(f"--cfg-channels {self.channels} must be at least 1 (or omitted for all channels)")
         if self.interval is not None:

@@ -1,0 +1,91 @@
+"""Append-only logs (metrics.jsonl, evals.jsonl) survive a writer killed mid-record: the torn line
+is cut off with a warning, no complete record is lost, the next record is kept, and the reader skips
+and reports a line that does not parse instead of failing or merging it."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ancre_dit.evaluation.evaluator import append_eval, evals_path, read_evals
+from ancre_dit.files import append_jsonl, read_jsonl
+
+from helpers import ROOT
+
+# A writer that appends complete records, then starts one more and is killed before finishing it.
+KILLED_WRITER = """
+import os, sys, time, json
+sys.path.insert(0, {root!r})
+from ancre_dit.files import append_jsonl
+path = sys.argv[1]
+for step in range(3):
+    append_jsonl(path, {{"step": step, "loss": 1.0 / (step + 1)}})
+with open(path, "ab", buffering=0) as f:
+    f.write(json.dumps({{"step": 3, "loss": 0.25, "padding": "x" * 100}}).encode()[:40])  # half a record
+print("torn", flush=True)
+time.sleep(60)
+"""
+
+
+def kill_mid_record(path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER.format(root=str(ROOT)), str(path)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "torn"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert not path.read_bytes().endswith(b"\n")  # the kill really left a torn line
+
+
+@pytest.mark.parametrize("log", ["metrics", "evals"])
+def test_a_writer_killed_mid_record_loses_nothing_complete(tmp_path, caplog, log):
+    run = tmp_path / "run"
+    path = run / "logs" / f"{log}.jsonl"
+    path.parent.mkdir(parents=True)
+    kill_mid_record(path if log == "metrics" else evals_path(run))
+    entry = {"step": 4, "loss": 0.2}
+    with caplog.at_level(logging.WARNING, logger="ancre_dit"):
+        if log == "evals":
+            append_eval(run, entry)  # what training and evaluate.py --run call
+        else:
+            append_jsonl(path, entry)  # what the trainer calls for each logged interval
+    assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2, 4]  # the complete ones and the new one
+    assert f"{path}: line 4 was torn" in caplog.text
+    if log == "evals":
+        assert read_evals(run)[-1] == entry
+    assert path.read_bytes().endswith(b"\n") and len(path.read_text().splitlines()) == 4
+
+
+def test_appending_to_a_clean_log_neither_warns_nor_changes_earlier_bytes(tmp_path, caplog):
+    path = tmp_path / "log.jsonl"
+    append_jsonl(path, {"a": 1})
+    before = path.read_bytes()
+    with caplog.at_level(logging.WARNING, logger="ancre_dit"):
+        append_jsonl(path, {"b": 2})
+    assert path.read_bytes().startswith(before) and caplog.text == ""
+    assert read_jsonl(path) == [{"a": 1}, {"b": 2}]
+
+
+def test_reader_skips_and_reports_lines_that_do_not_parse(tmp_path, caplog):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b'{"step": 1}\n{"step": 2, "lo\n[1, 2]\n\n{"step": 3}\n\xff\xfe\n')
+    with caplog.at_level(logging.WARNING, logger="ancre_dit"):
+        rows = read_jsonl(path)
+    assert rows == [{"step": 1}, {"step": 3}]
+    assert f"{path}: skipped 3 line(s)" in caplog.text and "(line 2, 3, 6)" in caplog.text
+
+
+def test_a_torn_first_line_is_dropped_whole(tmp_path, caplog):
+    path = tmp_path / "log.jsonl"
+    path.write_bytes(b'{"step": 0, "lo')
+    with caplog.at_level(logging.WARNING, logger="ancre_dit"):
+        append_jsonl(path, {"step": 1})
+    assert path.read_text() == json.dumps({"step": 1}) + "\n"
+    assert "line 1 was torn" in caplog.text
