@@ -156,6 +156,13 @@ class TrainConfig:
     adam_beta1: float = ranged(0.9, ge=0, lt=1)
     adam_beta2: float = ranged(0.999, ge=0, lt=1)
     warmup_steps: int = ranged(0, ge=0)
+    # The routing parameters' own optimizer settings (each topology declares which of its parameters
+    # route across depth): their lr is lr x topology_lr_mult (under Adam, tau acts as one more such
+    # multiplier on the logits), they are held at their initial values for the first
+    # topology_warmup_steps steps, and decay by topology_weight_decay (0: the logits never decay).
+    topology_lr_mult: float = ranged(1.0, ge=0, hint="0 = routing held at its initial values")
+    topology_warmup_steps: int = ranged(0, ge=0, hint="steps with the routing held at its initial values")
+    topology_weight_decay: float = ranged(0.0, ge=0)
     grad_clip: float = ranged(0.0, ge=0, hint="max global grad norm; 0 = off")
     ema_decay: float = ranged(0.9999, ge=0, le=1)
     ema_warmup: bool = False          # ramp the decay up from 0 (timm's warmup), for short runs

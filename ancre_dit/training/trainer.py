@@ -172,12 +172,25 @@ class Trainer:
         return kwargs  # width / heads were checked with the config
 
     def _param_groups(self) -> list[dict[str, Any]]:
-        """Trainable parameters only; the topology logits never get weight decay."""
-        topo = {id(p) for p in self.raw_model.topology.parameters()}
-        trainable = [(n, p) for n, p in self.raw_model.named_parameters() if p.requires_grad]
-        groups = [{"params": [p for _, p in trainable if id(p) not in topo]},
-                  {"params": [p for _, p in trainable if id(p) in topo], "weight_decay": 0.0}]
+        """Trainable parameters only, in two groups: the backbone, and the routing parameters the
+        topology declares (their own weight decay, 0 by default, and their own lr schedule: see
+        `_group_lrs`). `self.routing_group` is the index of the second (None when it is empty)."""
+        c = self.config.train
+        routing = {id(p) for p in self.raw_model.topology.routing_parameters()}
+        trainable = [p for p in self.raw_model.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in trainable if id(p) not in routing]},
+                  {"params": [p for p in trainable if id(p) in routing], "weight_decay": c.topology_weight_decay}]
+        self.routing_group = 1 if groups[0]["params"] and groups[1]["params"] else (0 if groups[1]["params"] else None)
         return [g for g in groups if g["params"]]
+
+    def _group_lrs(self, lr: float) -> list[float]:
+        """Each group's lr at this step: the routing group's is lr x train.topology_lr_mult, and 0 for
+        its first train.topology_warmup_steps steps. A zero lr leaves AdamW's parameters exactly where
+        they are (its decay is lr x weight decay) while its moment estimates keep accumulating, so
+        the routing starts moving from its initial values with warmed-up moments."""
+        c = self.config.train
+        routing_lr = lr * c.topology_lr_mult if self.step >= c.topology_warmup_steps else 0.0
+        return [routing_lr if k == self.routing_group else lr for k in range(len(self.optimizer.param_groups))]
 
     def data_spec(self) -> dict[str, Any]:
         d = self.data
@@ -239,8 +252,9 @@ class Trainer:
         """One optimizer step over grad_accum micro-batches; returns this rank's mean terms."""
         acc, c = self.accelerator, self.config.train
         lr = c.lr * min(1.0, (self.step + 1) / c.warmup_steps) if c.warmup_steps else c.lr
-        for group in self.optimizer.param_groups:  # lr by hand: Accelerate steps prepared schedulers once per process
-            group["lr"] = lr
+        # lr by hand: Accelerate steps prepared schedulers once per process
+        for group, group_lr in zip(self.optimizer.param_groups, self._group_lrs(lr)):
+            group["lr"] = group_lr
         sums: dict[str, torch.Tensor] = {}
         grad_norm = torch.zeros((), device=acc.device)
         for _ in range(c.grad_accum):
