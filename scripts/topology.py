@@ -1,16 +1,23 @@
 #!/usr/bin/env python3
-"""Learned topologies: draw one, compare runs, prune to a sparse frozen topology, watch one evolve.
+"""Learned topologies: draw one, compare runs, prune to a sparse frozen topology, watch one evolve,
+and diagnose how any checkpoint moves information through depth.
 
     python scripts/topology.py show RUN_OR_JSON [--out heatmap.png] [--title T] [--summary-json F]
     python scripts/topology.py compare RUN_A RUN_B RUN_C [--out compare.png] [--json compare.json]
     python scripts/topology.py prune RUN_OR_JSON --top-k 2 --out sparse.json   (or --threshold 0.1)
     python scripts/topology.py evolution RUN [--out evolution.png] [--gif evolution.gif]
+    python scripts/topology.py diagnose RUN_OR_CKPT [--t 0.1 0.5 0.9] --out DIR
 
 A RUN_OR_JSON is a run directory (its newest topology.json) or a topology.json file. `show` draws
 the heatmap (default: next to the JSON) and prints the per-block summary (strongest sources,
 anchors, entropy). `compare` reports the Pearson correlation of the learned edge weights (blocks
 2..K; block 1's single edge is always 1) and how often the strongest incoming edge of a block comes
 from the same source; a pruned file trains with `model.topology=frozen model.topology_path=sparse.json`.
+A plain DiT (all-zero topology) has no routing to compare, prune or follow, and is refused.
+`diagnose` works for every topology (HC and mHC included): on a fixed batch at each normalised time
+t (0 = data, 1 = noise) it measures forward inflation (RMS of the state after each block), backward
+decay (RMS of the loss gradient there), redundancy (cosine of adjacent states) and how linearly t
+can be read from each state, into DIR/diagnose.json and DIR/diagnose.png.
 """
 from __future__ import annotations
 
@@ -18,12 +25,12 @@ import argparse
 import json
 from pathlib import Path
 
-from ancre_dit.cli import run_cli
+from ancre_dit.cli import CommandParser, output_file, output_folder, run_cli
 from ancre_dit.errors import MissingFileError, UserError
 from ancre_dit.models import load_topology_json
 from ancre_dit.models.topologies.analysis import (checkpoint_topologies, compare_topologies, format_comparison,
                                                   format_topology_summary, load_topology, prune_topology,
-                                                  topology_summary, write_topology)
+                                                  topology_file, topology_summary, write_topology)
 
 
 def _names(paths: list[Path]) -> list[str]:
@@ -38,12 +45,7 @@ def _names(paths: list[Path]) -> list[str]:
 def show(args) -> None:
     from ancre_dit.figures import plot_topology_heatmap
 
-    path = args.topology
-    if path.is_dir():
-        if not (path / "topology.json").is_file():
-            raise MissingFileError(f"{path} holds no topology.json; pass a run directory of a topology with "
-                                   f"learned weights, or a topology.json")
-        path = path / "topology.json"
+    path = topology_file(args.topology)
     try:
         P = load_topology_json(path)
     except (ValueError, TypeError) as err:  # a ragged or non-numeric matrix (UserErrors pass through)
@@ -53,7 +55,9 @@ def show(args) -> None:
     if P.ndim != 2 or P.shape[0] != P.shape[1]:
         raise UserError(f"{path} holds a {tuple(P.shape)} 'probabilities' array; a topology is a square "
                         "(K, K) matrix, as written at each checkpoint")
-    out = args.out or path.with_suffix(".png")
+    out = output_file(args.out or path.with_suffix(".png"), (".png",))
+    if args.summary_json:
+        output_file(args.summary_json, (".json",), "--summary-json")
     plot_topology_heatmap(P, out, title=args.title)
     summary = topology_summary(P)
     print(format_topology_summary(summary))
@@ -67,6 +71,9 @@ def show(args) -> None:
 def compare(args) -> None:
     from ancre_dit.figures import plot_topology_panels
 
+    output_file(args.out, (".png",))
+    if args.json:
+        output_file(args.json, (".json",), "--json")
     topologies = {name: load_topology(p) for name, p in zip(_names(args.topologies), args.topologies)}
     result = compare_topologies(topologies)
     print(format_comparison(result))
@@ -79,6 +86,7 @@ def compare(args) -> None:
 
 
 def prune(args) -> None:
+    output_file(args.out, (".json",))
     P = load_topology(args.topology)
     pruned = prune_topology(P, top_k=args.top_k, threshold=args.threshold)
     rule = f"top-{args.top_k}" if args.top_k is not None else f"threshold {args.threshold:g}"
@@ -91,8 +99,10 @@ def prune(args) -> None:
 def evolution(args) -> None:
     from ancre_dit.figures import plot_topology_panels, save_topology_gif
 
+    out = output_file(args.out or args.run / "topology_evolution.png", (".png",))
+    if args.gif:
+        output_file(args.gif, (".gif",), "--gif")
     frames = {f"step {step}": P for step, P in checkpoint_topologies(args.run)}
-    out = args.out or args.run / "topology_evolution.png"
     plot_topology_panels(frames, out, title=f"{args.run.name}: topology (EMA) at each checkpoint")
     print(f"{len(frames)} checkpoints drawn to {out}")
     if args.gif:
@@ -100,8 +110,62 @@ def evolution(args) -> None:
         print(f"animation written to {args.gif}")
 
 
+def diagnose(args) -> None:
+    from ancre_dit.checkpoint import load_trained_model
+    from ancre_dit.diffusion import build_objective
+    from ancre_dit.evaluation.diagnostics import diagnose as measure
+    from ancre_dit.figures import plot_diagnosis
+    from ancre_dit.training.checkpointing import list_checkpoints
+
+    out = output_folder(args.out, "diagnosis", "diagnose.json")
+    if not all(0.0 <= t <= 1.0 for t in args.t):
+        raise UserError(f"--t takes normalised times in [0, 1] (0 = data, 1 = noise), got {args.t}")
+    folder = args.checkpoint
+    if not (folder / "model_spec.json").is_file():
+        found = list_checkpoints(folder) if folder.is_dir() else []
+        if not found:
+            raise MissingFileError(f"{folder} is neither a checkpoint folder nor a run with a complete checkpoint; "
+                                   f"pass RUN or RUN/checkpoints/<step>")
+        folder = found[-1][1]
+    model, spec = load_trained_model(folder, args.weights)
+    objective = build_objective(spec["diffusion"])
+    x, y, source = _probe_batch(spec, model, args.samples, args.seed)
+    result = {"checkpoint": str(folder), "step": spec.get("step"), "weights": args.weights, "inputs": source,
+              "topology": spec["model"]["kwargs"].get("topology", "cascaded"),
+              **measure(model, objective, x, y, list(args.t), seed=args.seed)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "diagnose.json").write_text(json.dumps(result, indent=1))
+    plot_diagnosis(result, out / "diagnose.png")
+    for t, profile in result["profiles"].items():
+        print(f"t={t}: RMS z_0 {profile['rms'][0]:.3g} -> z_K {profile['rms'][-1]:.3g} "
+              f"(x{profile['rms'][-1] / profile['rms'][0]:.3g}), gradient RMS z_0/z_K "
+              f"{profile['grad_rms'][0] / max(profile['grad_rms'][-1], 1e-30):.3g}, "
+              f"mean adjacent cosine {sum(profile['cosine']) / len(profile['cosine']):.3f}")
+    if result["time_probe_r2"] is not None:
+        print("time probe R^2 by depth: " + " ".join(f"{r:.2f}" for r in result["time_probe_r2"]))
+    print(f"diagnosis of {folder} ({source}) written to {out}/diagnose.json and diagnose.png")
+
+
+def _probe_batch(spec: dict, model, count: int, seed: int):
+    """The digits' held-out images for digits models; for others, N(0, 1) stand-ins of the model's
+    input shape (the diagnostics need no real data to compare depth profiles)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    if spec.get("data", {}).get("kind") == "digits":
+        from ancre_dit.data.digits import DigitsDataset
+
+        held = DigitsDataset("heldout")
+        items = [held[i] for i in range(min(count, len(held)))]
+        return (torch.stack([torch.as_tensor(i[0]) for i in items]).float(),
+                torch.tensor([int(i[1]) for i in items]), "held-out digits")
+    size = model.input_size
+    x = torch.randn(count, model.in_channels, size, size, generator=g)
+    return x, torch.randint(0, model.num_classes, (count,), generator=g), "N(0, 1) stand-in inputs"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = CommandParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("show", help="heatmap PNG of one topology, and its per-block summary")
     s.add_argument("topology", type=Path, metavar="RUN_OR_JSON",
@@ -127,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", type=Path, default=None, help="PNG strip (default RUN/topology_evolution.png)")
     e.add_argument("--gif", type=Path, default=None, help="also write an animated GIF here")
     e.set_defaults(func=evolution)
+    d = sub.add_parser("diagnose", help="forward inflation, gradient decay, redundancy and a time probe, any topology")
+    d.add_argument("checkpoint", type=Path, metavar="RUN_OR_CKPT", help="a run (its newest checkpoint) or a checkpoint")
+    d.add_argument("--t", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="normalised times (0 = data, 1 = noise)")
+    d.add_argument("--samples", type=int, default=32, help="examples in the fixed batch")
+    d.add_argument("--weights", choices=("ema", "model"), default="ema")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--out", type=Path, required=True, help="folder for diagnose.json and diagnose.png")
+    d.set_defaults(func=diagnose)
     return p
 
 

@@ -79,6 +79,10 @@ class Objective(ABC):
         """Model time -> u in [0, 1], 0 = data, 1 = pure noise."""
 
     @abstractmethod
+    def times_at(self, u: float, count: int) -> torch.Tensor:
+        """`count` copies of the model time at normalised time u (0 = data, 1 = noise)."""
+
+    @abstractmethod
     def evaluation_times(self, count: int) -> torch.Tensor:
         """`count` model times spread evenly over the process (fixed held-out scores)."""
 

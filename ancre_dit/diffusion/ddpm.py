@@ -85,6 +85,9 @@ class DDPMObjective(Objective):
     def normalized_time(self, t: float) -> float:
         return float(t) / (self.num_timesteps - 1)
 
+    def times_at(self, u: float, count: int) -> torch.Tensor:
+        return torch.full((count,), round(float(u) * (self.num_timesteps - 1)), dtype=torch.long)
+
     def evaluation_times(self, count: int) -> torch.Tensor:
         # Bin centres: 50, 150, ..., 950 for 10 of 1000, spread over the whole process like the training loss.
         return torch.tensor([int((2 * k + 1) * self.num_timesteps / (2 * count)) for k in range(count)])

@@ -81,6 +81,9 @@ class FlowObjective(Objective):
     def normalized_time(self, t: float) -> float:
         return 1.0 - float(t)
 
+    def times_at(self, u: float, count: int) -> torch.Tensor:
+        return torch.full((count,), 1.0 - float(u))
+
     def evaluation_times(self, count: int) -> torch.Tensor:
         return (torch.arange(count, dtype=torch.float32) + 0.5) / count
 

@@ -54,7 +54,7 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 def checkpoint_problem(folder: Path) -> str | None:
     """Why a complete-looking checkpoint cannot be resumed from (a file missing, or one whose
-    structure is broken: see ancre_dit.weights.file_problem), or None when it looks sound."""
+    structure is broken: see ancre_dit.files.file_problem), or None when it looks sound."""
     required = [folder / STATE_FILE, folder / SPEC_FILE, *(folder / name for name in WEIGHT_FILES.values())]
     for path in required:
         if not path.is_file():

@@ -171,6 +171,9 @@ class TrainConfig:
     ckpt_every: int = ranged(50_000, ge=1)
     keep_last: int = ranged(0, ge=0, hint="keep the newest N checkpoints; 0 = keep all")
     log_every: int = ranged(100, ge=1)
+    # Depth diagnostics (forward inflation, backward decay, redundancy, routing) of a fixed batch
+    # every log_every steps: logs/diagnostics.jsonl, TensorBoard, diagnostics.png.
+    diagnostics: bool = True
     sample_every: int = ranged(10_000, ge=0, hint="EMA sample grid every N steps; 0 = never")
     num_sample_images: int = ranged(16, ge=0)
     cfg_scale_for_grids: float = checked(4.0, check_guidance_scale)

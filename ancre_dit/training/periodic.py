@@ -1,5 +1,5 @@
-"""The periodic work of a training run, as tasks the loop runs when due: EMA sample grids, the
-evaluation (evals.jsonl), checkpoints (with the topology snapshot).
+"""The periodic work of a training run, as tasks the loop runs when due: EMA sample grids, depth
+diagnostics (diagnostics.jsonl), the evaluation (evals.jsonl), checkpoints (with the topology snapshot).
 
 Tasks see a `RunContext`, the narrow slice of the run they may use (its folder, config, processes,
 models, objective, progress and a `save` callback), never the trainer itself, and never draw from
@@ -163,6 +163,60 @@ class EvaluationTask(PeriodicTask):
         self.seconds += time.perf_counter() - start
 
 
+DIAGNOSTICS_FILE = "diagnostics.jsonl"
+DIAGNOSTICS_PLOT = "diagnostics.png"
+
+
+class DiagnosticsTask(PeriodicTask):
+    """Every train.log_every steps on the main process: the depth diagnostics of the raw model on a
+    fixed probe batch (16 held-out examples, fixed noise and times) and the routing's own, to
+    RUN/logs/diagnostics.jsonl and TensorBoard; RUN/diagnostics.png drawn at the end."""
+    name = "diagnostics"
+    PROBE_SIZE = 16
+
+    def __init__(self, ctx: RunContext):
+        from ..evaluation.diagnostics import RoutingWatch
+
+        c = ctx.config.train
+        super().__init__(c.log_every if c.diagnostics else 0)
+        self.watch = RoutingWatch()
+        self.probe = None
+
+    def due(self, ctx: RunContext) -> bool:
+        return super().due(ctx) and ctx.accelerator.is_main_process
+
+    def run(self, ctx: RunContext) -> dict[str, Any]:
+        from ..evaluation.diagnostics import depth_profile
+        from ..evaluation.heldout import build_heldout_set
+        from ..files import append_jsonl
+
+        d, device, step = ctx.data, ctx.accelerator.device, ctx.progress.step
+        if self.probe is None:
+            held = build_heldout_set(d.heldout if d.heldout is not None else d.dataset, d.kind,
+                                     max_examples=self.PROBE_SIZE, draws=1, seed=ctx.config.train.seed,
+                                     objective=ctx.objective)
+            self.probe = [v.to(device) for v in (held.x, held.y, held.t, held.noise)]
+        x, y, t, noise = self.probe
+        record = {"step": step, **depth_profile(ctx.raw_model, ctx.objective, x, y, (t, noise)),
+                  **self.watch.look(ctx.ema_model, ctx.raw_model)}
+        append_jsonl(ctx.run_dir / "logs" / DIAGNOSTICS_FILE, record)
+        tracked = {f"diagnostics/{name}": value for name, value in record.items() if not isinstance(value, list)}
+        for name in ("rms", "grad_rms", "cosine"):
+            tracked.update({f"diagnostics/{name}_{k}": v for k, v in enumerate(record[name])})
+        tracked.pop("diagnostics/step")
+        ctx.accelerator.log(tracked, step=step)
+        return record
+
+    def finish(self, ctx: RunContext, stopped: bool) -> None:
+        if self.every and ctx.accelerator.is_main_process:
+            from ..figures import plot_diagnostics
+            from ..files import read_jsonl
+
+            start = time.perf_counter()
+            plot_diagnostics(read_jsonl(ctx.run_dir / "logs" / DIAGNOSTICS_FILE), ctx.run_dir / DIAGNOSTICS_PLOT)
+            self.seconds += time.perf_counter() - start
+
+
 class CheckpointTask(PeriodicTask):
     """A checkpoint every train.ckpt_every steps and at the end (collective)."""
     name = "checkpoints"
@@ -180,7 +234,7 @@ class CheckpointTask(PeriodicTask):
 def build_tasks(ctx: RunContext) -> list[PeriodicTask]:
     """In the order they run at a step: grid, evaluation, checkpoint (so a checkpoint follows its evaluation)."""
     c = ctx.config.train
-    tasks: list[PeriodicTask] = [SampleGridTask(c.sample_every)]
+    tasks: list[PeriodicTask] = [SampleGridTask(c.sample_every), DiagnosticsTask(ctx)]
     if c.eval_every:
         tasks.append(EvaluationTask(ctx))
     tasks.append(CheckpointTask(c.ckpt_every))

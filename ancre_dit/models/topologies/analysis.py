@@ -24,15 +24,22 @@ from .base import ResidualTopology, load_topology_json, save_topology_json
 
 
 # -- reading topologies ---------------------------------------------------------------------
-def load_topology(path: str | Path) -> np.ndarray:
-    """P from a topology.json, or from a run directory (its newest RUN/topology.json)."""
+def topology_file(path: str | Path) -> Path:
+    """The topology.json a path names: the file itself, or a run directory's newest one."""
     path = Path(path)
     if path.is_dir():
         if not (path / "topology.json").is_file():
             raise MissingFileError(f"{path} holds no topology.json; pass a run directory of a topology with learned "
                                    f"weights, or a topology.json")
         path = path / "topology.json"
-    return load_topology_json(path).double().numpy()
+    return path
+
+
+def load_topology(path: str | Path) -> np.ndarray:
+    """P from a topology.json, or from a run directory (its newest RUN/topology.json); a topology
+    without routing (all zeros: a plain DiT) is refused, as the comparisons and pruning mean nothing there."""
+    path = topology_file(path)
+    return require_routing(load_topology_json(path).double().numpy(), path)
 
 
 def checkpoint_topologies(run_dir: str | Path) -> list[tuple[int, np.ndarray]]:
@@ -42,7 +49,14 @@ def checkpoint_topologies(run_dir: str | Path) -> list[tuple[int, np.ndarray]]:
     if not found:
         raise MissingFileError(f"no checkpoints/<step>/topology.json under {run_dir}; pass a run directory whose "
                                f"topology has learned weights (e.g. model.topology=ancre)")
-    return [(step, load_topology_json(p).double().numpy()) for step, p in found]
+    return [(step, require_routing(load_topology_json(p).double().numpy(), p)) for step, p in found]
+
+
+def require_routing(P: np.ndarray, source: str | Path) -> np.ndarray:
+    if not np.any(P):
+        raise UserError(f"{source} is all zeros: a plain DiT (cascaded) has no routing to compare, prune or "
+                        f"follow; pass a run of a topology with learned routing (e.g. model.topology=ancre)")
+    return P
 
 
 def square_topology(P, min_blocks: int = 2) -> np.ndarray:

@@ -1,0 +1,75 @@
+"""diagnostics.png: how the depth profile of a run evolved (evaluation/diagnostics.py's records)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .canvas import plt, save_figure
+
+PROFILES = (("rms", "forward: RMS of z_k", True), ("grad_rms", "backward: RMS of dL/dz_k", True),
+            ("cosine", "redundancy: cos(z_k, z_k+1)", False))
+ROUTING = (("routing_entropy", "routing: mean row entropy / log j"), ("strongest_changed", "blocks whose strongest source changed"),
+           ("ema_raw_gap", "largest |P_ema - P_raw|"))
+
+
+def plot_diagnostics(records: Sequence[dict[str, Any]], path: str | Path, snapshots: int = 4) -> Path | None:
+    """Top row: the depth profiles at a few steps spread over the run (darker = later); bottom
+    row, for learned routings: their statistics against step. None when there are no records."""
+    records = sorted(records, key=lambda r: r["step"])
+    if not records:
+        return None
+    routed = [key for key, _ in ROUTING if key in records[-1]]
+    rows = 2 if routed else 1
+    fig, axes = plt.subplots(rows, 3, figsize=(13.5, 3.6 * rows), squeeze=False)
+    picks = sorted({int(i) for i in np.linspace(0, len(records) - 1, min(snapshots, len(records)))})
+    colours = plt.cm.viridis(np.linspace(0.85, 0.0, len(picks)))
+    for ax, (key, title, log_y) in zip(axes[0], PROFILES):
+        for colour, i in zip(colours, picks):
+            values = records[i][key]
+            start = 1 if key == "cosine" else 0
+            ax.plot(range(start, start + len(values)), values, marker="o", markersize=3, color=colour,
+                    label=f"step {records[i]['step']}")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("k (cosine: between k-1 and k)" if key == "cosine" else "k (0 = embedding)")
+        if log_y:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    if routed:
+        steps = [r["step"] for r in records]
+        for ax, (key, title) in zip(axes[1], ROUTING):
+            ax.plot(steps, [r.get(key, np.nan) for r in records], marker="o", markersize=3)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=110)
+
+
+def plot_diagnosis(result: dict[str, Any], path: str | Path) -> Path:
+    """`scripts/topology.py diagnose`: the depth profiles, one line per normalised time t, and the
+    time probe's R^2 against depth."""
+    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8), squeeze=False)
+    colours = plt.cm.plasma(np.linspace(0.0, 0.85, len(result["profiles"])))
+    for ax, (key, title, log_y) in zip(axes[0], PROFILES):
+        for colour, (t, profile) in zip(colours, result["profiles"].items()):
+            values = profile[key]
+            start = 1 if key == "cosine" else 0
+            ax.plot(range(start, start + len(values)), values, marker="o", markersize=3, color=colour, label=f"t={t}")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("k (0 = embedding)")
+        if log_y:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    probe = axes[0, 3]
+    if result.get("time_probe_r2") is not None:
+        probe.plot(range(len(result["time_probe_r2"])), result["time_probe_r2"], marker="o", markersize=3)
+    probe.set_title("linear probe of t: held-out R^2", fontsize=10)
+    probe.set_xlabel("k (0 = embedding)")
+    probe.grid(alpha=0.3)
+    fig.suptitle(f"{result.get('topology', '')} step {result.get('step')} ({result.get('inputs', '')})", fontsize=10)
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=110)
