@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -69,6 +69,11 @@ def _in_order(parts: list[tuple[int, Any]]) -> list[Any]:
     return [payload for _, payload in sorted(parts, key=lambda p: p[0])]
 
 
+class EvaluationAbandoned(Exception):
+    """A stop was requested (SIGTERM, Ctrl-C) during an evaluation: it is dropped unrecorded, so the
+    run can checkpoint within a cluster's grace period, and is done again on resume."""
+
+
 class Evaluator:
     """Built once per run (checks settings, loads the classifier / Inception and the reference);
     `evaluate(model, ...)` is collective: every process calls it, the main one gets the results."""
@@ -92,9 +97,13 @@ class Evaluator:
         self._ref_side = None
 
     # -- public -----------------------------------------------------------------------------
-    def evaluate(self, model: torch.nn.Module, raw_model: torch.nn.Module | None = None) -> dict[str, Any] | None:
+    def evaluate(self, model: torch.nn.Module, raw_model: torch.nn.Module | None = None,
+                 should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
         """{"metrics": {...}, "reference": {...}, "seconds": s} on the main process, None elsewhere.
-        `model`: the weights sampled from (EMA); `raw_model`: also scored on the held-out loss."""
+        `model`: the weights sampled from (EMA); `raw_model`: also scored on the held-out loss.
+        `should_stop` (collective when several processes run) is asked between sampling parts;
+        when it answers True the evaluation raises EvaluationAbandoned."""
+        self._should_stop = should_stop
         start = time.perf_counter()
         devices = [self.state.device] if torch.device(self.state.device).type == "cuda" else []
         np_state, py_state = np.random.get_state(), random.getstate()
@@ -139,10 +148,14 @@ class Evaluator:
 
         s, state = self.settings, self.state
         mine = _ranks_parts(len(labels), s.batch_size, state.process_index, state.num_processes)
+        # Every process draws at least this many parts: the stop check after each of them is collective.
+        shared = len(_ranks_parts(len(labels), s.batch_size, 0, 1)) // state.num_processes
         plan = plan_sampling(model, self.objective, sampler=self.sampler, steps=self.steps, guidance=Guidance(float(cfg)))
         local = []
-        for start, _end, images in sample_parts(plan, labels, mine, decoder=self.decoder, seed=s.seed):
+        for k, (start, _end, images) in enumerate(sample_parts(plan, labels, mine, decoder=self.decoder, seed=s.seed)):
             local.append((start, self._features(images)))
+            if k < shared and self._should_stop is not None and self._should_stop():
+                raise EvaluationAbandoned
         features = _in_order(_gather(state, local))
         if not state.is_main_process:
             return {}

@@ -47,6 +47,7 @@ class RunContext:
     log: logging.Logger
     progress: TrainProgress
     save: Callable[[], Path]        # writes a checkpoint of the current step (collective)
+    stop_requested: Callable[[], bool] = lambda: False  # a stop signal arrived (agreed by all processes)
 
 
 class PeriodicTask:
@@ -68,6 +69,9 @@ class PeriodicTask:
 
     def run(self, ctx: RunContext) -> None:
         raise NotImplementedError
+
+    def start(self, ctx: RunContext) -> None:
+        """Work owed before the first step of this launch (default: none)."""
 
     def finish(self, ctx: RunContext, stopped: bool) -> None:
         """Work owed at the end of the loop (default: none)."""
@@ -138,11 +142,24 @@ class EvaluationTask(PeriodicTask):
     def due(self, ctx: RunContext) -> bool:
         return super().due(ctx) and ctx.progress.step not in self.done
 
+    def start(self, ctx: RunContext) -> None:
+        """A resumed run whose checkpoint step is due but unevaluated (a stop abandoned that
+        evaluation) evaluates it before training on."""
+        step = ctx.progress.step
+        if step and super().due(ctx) and step not in self.done:
+            ctx.log.info("step %d: the evaluation a stop abandoned runs now", step)
+            self.maybe_run(ctx)
+
     def run(self, ctx: RunContext) -> dict[str, Any] | None:
+        from ..evaluation.evaluator import EvaluationAbandoned
         from .run_evaluation import record_evaluation
 
         step = ctx.progress.step
-        result = self.evaluator.evaluate(ctx.ema_model, raw_model=ctx.raw_model)
+        try:
+            result = self.evaluator.evaluate(ctx.ema_model, raw_model=ctx.raw_model, should_stop=ctx.stop_requested)
+        except EvaluationAbandoned:
+            ctx.log.info("step %d: stop requested during the evaluation: abandoned, it runs again on resume", step)
+            return None
         self.done.add(step)
         if result is None:  # not the main process
             return None

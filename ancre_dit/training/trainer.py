@@ -149,7 +149,9 @@ class Trainer:
             check_entropy_topology(self.raw_model.topology)
         self.context = RunContext(run_dir=self.run_dir, config=c, accelerator=acc, data=self.data,
                                   objective=self.objective, raw_model=self.raw_model, ema_model=self.ema.module,
-                                  data_spec=self.data_spec(), log=self.log, progress=self.progress, save=self.save)
+                                  data_spec=self.data_spec(), log=self.log, progress=self.progress, save=self.save,
+                                  stop_requested=self._stop_requested)
+        self._stop_flag: _StopFlag | None = None
         self.tasks = build_tasks(self.context)  # sample grids, evaluation, checkpoints (periodic.py)
 
     @property
@@ -290,6 +292,10 @@ class Trainer:
         sums["skipped"] = torch.tensor(float(skip), device=acc.device)  # logged: the fraction of skipped steps
         return sums
 
+    def _stop_requested(self) -> bool:
+        """Whether a stop signal arrived during this launch (agreed by all processes: collective)."""
+        return self._stop_flag is not None and self._stop_agreed(self._stop_flag)
+
     def _stop_agreed(self, flag: _StopFlag) -> bool:
         """All ranks stop at the same step even if the signal reached them at different times."""
         if self.accelerator.num_processes == 1:
@@ -338,7 +344,11 @@ class Trainer:
         count, tick = 0, time.perf_counter()
         stopped = False
         with _StopFlag() as flag:
-            while self.step < c.max_steps:
+            self._stop_flag = flag
+            for task in self.tasks:
+                task.start(self.context)
+            stopped = self._stop_agreed(flag)  # a stop during that work: checkpoint without another step
+            while not stopped and self.step < c.max_steps:
                 started = time.perf_counter()
                 try:
                     terms = self.train_step(batches)
