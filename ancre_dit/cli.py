@@ -22,11 +22,11 @@ def output_file(path: str | os.PathLike, suffixes: Sequence[str], flag: str = "-
     and its parent folders (created by the writer) must not be files. An existing file of that name
     is replaced: files are derived outputs (figures, reports, sample sets) that a rerun regenerates."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a folder; give a file name ending in {suffixes[0]}")
     if path.suffix.lower() not in suffixes:
         raise UserError(f"{flag} {path}: this command writes a {' or '.join(suffixes)} file; give a name ending in "
                         f"{suffixes[0]}")
-    if path.is_dir():
-        raise UserError(f"{flag} {path} is a folder; give a file name ending in {suffixes[0]}")
     _check_parents(path, flag)
     return path
 

@@ -24,10 +24,12 @@ from helpers import ROOT, reset_accelerate, tiny_config
 
 from ancre_dit.cli import run_cli  # noqa: E402
 from ancre_dit.data.adm_npz import save_adm_npz  # noqa: E402
+from ancre_dit.models.topologies import save_topology_json  # noqa: E402
 from ancre_dit.training import train  # noqa: E402
 
 SCRIPTS = {"train": ROOT / "train.py", "sample": ROOT / "sample.py", "evaluate": ROOT / "evaluate.py",
-           "extract": ROOT / "scripts" / "extract_latents.py", "topology": ROOT / "scripts" / "topology.py"}
+           "extract": ROOT / "scripts" / "extract_latents.py", "topology": ROOT / "scripts" / "topology.py",
+           "import": ROOT / "scripts" / "import_checkpoint.py", "compare": ROOT / "scripts" / "compare_runs.py"}
 LOG_FILES = {"log.txt"}  # a run's text log may grow (e.g. a warning), never change
 
 
@@ -136,6 +138,21 @@ def world(tmp_path_factory) -> Path:
         (w / "topology_broken.json").write_text('{"probabilities": [[1.0, ')
         (w / "topology_nokey.json").write_text('{"matrix": [[1.0]]}')
         (w / "topology_ragged.json").write_text('{"probabilities": [[1.0], [0.5, 0.5, 0.1, 0.2]]}')
+        # A plain DiT's all-zero topology; a run whose config.yaml is torn; a flow-matching checkpoint.
+        (w / "cascaded_run").mkdir()
+        save_topology_json(w / "cascaded_run" / "topology.json", torch.zeros(2, 2), topology="cascaded")
+        _copy(w / "run", w / "run_bad_config", lambda p: p.write_text("model: {name: [\n"), "config.yaml")
+        from ancre_dit.checkpoint import make_model_spec, write_model_files
+        from ancre_dit.models import create_model
+        flow_kwargs = dict(depth=2, hidden_size=32, num_heads=2, input_size=8, in_channels=4, num_classes=10,
+                           learn_sigma=False, topology="cascaded")
+        flow = create_model("DiT-T/2", **flow_kwargs)
+        write_model_files(w / "ck_flow", make_model_spec("DiT-T/2", flow_kwargs, {"objective": "flow", "learn_sigma": False},
+                                                          {"kind": "latents", "image_size": 64, "image_channels": 3,
+                                                           "num_classes": 10, "vae": None, "scaling_factor": 0.18215},
+                                                          1), flow.state_dict(), flow.state_dict())
+        (w / "notes.txt").write_text("not a checkpoint\n")
+        (w / "a_file").write_text("x")
     finally:
         torch.set_num_threads(threads)
     return w
@@ -327,6 +344,69 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
      "is not a topology JSON"),
     ("topology not a square matrix", "topology", lambda w: ["show", str(w / "topology_ragged.json")],
      "topology_ragged.json"),
+    ("topology compare of a plain DiT", "topology", lambda w: ["compare", str(w / "run"), str(w / "cascaded_run"),
+                                                               "--out", str(w / "c.png")], "is all zeros"),
+    ("topology prune of a plain DiT", "topology",
+     lambda w: ["prune", str(w / "cascaded_run"), "--top-k", "1", "--out", str(w / "p.json")], "is all zeros"),
+    ("topology compare into a text file", "topology",
+     lambda w: ["compare", str(w / "run"), str(w / "run"), "--out", str(w / "x.txt")], "writes a .png file"),
+    ("topology compare into a folder", "topology",
+     lambda w: ["compare", str(w / "run"), str(w / "run"), "--out", str(w / "images")], "is a folder"),
+    ("topology prune into a folder", "topology",
+     lambda w: ["prune", str(w / "run"), "--top-k", "1", "--out", str(w / "images")], "is a folder"),
+    ("topology evolution into a text file", "topology", lambda w: ["evolution", str(w / "run"), "--out", str(w / "e.txt")],
+     "writes a .png file"),
+    ("topology show under a file", "topology", lambda w: ["show", str(w / "run"), "--out", str(w / "a_file" / "h.png")],
+     "is a file, not a folder"),
+    ("topology unknown command", "topology", lambda w: ["draw", str(w / "run")], "invalid choice: 'draw'"),
+    # -- scripts/import_checkpoint.py ---------------------------------------------------------------
+    ("import a text file", "import", lambda w: [str(w / "notes.txt"), "--model", "DiT-T/2", "--out", str(w / "imp")],
+     "neither a torch archive nor a pickle"),
+    ("import a YAML file", "import",
+     lambda w: [str(w / "bad_config.yaml"), "--model", "DiT-T/2", "--out", str(w / "imp")], "not a readable PyTorch"),
+    ("import a damaged file", "import", lambda w: [str(w / "corrupt.pth"), "--model", "DiT-T/2", "--out", str(w / "imp")],
+     "not a readable PyTorch"),
+    ("import into a run folder", "import", lambda w: [str(w / "corrupt.pth"), "--out", str(w / "run")],
+     "holds no checkpoint folder"),
+    ("import into a file", "import", lambda w: [str(w / "corrupt.pth"), "--out", str(w / "a_file")], "is a file"),
+    ("import over an imported checkpoint", "import", lambda w: [str(w / "corrupt.pth"), "--out", _ck(w)],
+     "pass --overwrite to replace it"),
+    ("import negative image size", "import",
+     lambda w: [str(w / "big.npz"), "--image-size", "-8", "--out", str(w / "imp")], "not a readable PyTorch"),
+    ("import unknown flag", "import", lambda w: [str(w / "notes.txt"), "--out", str(w / "imp"), "--bogus"],
+     "unrecognized arguments: --bogus"),
+    # -- scripts/compare_runs.py --------------------------------------------------------------------
+    ("compare the same run twice", "compare", lambda w: [str(w / "run"), str(w / "run"), "--out", str(w / "cmp")],
+     "is given twice"),
+    ("compare a target no run has", "compare",
+     lambda w: [str(w / "run"), "--target", "fid/cfg1=3", "--out", str(w / "cmp")], "no run has that metric"),
+    ("compare a run with a torn config", "compare",
+     lambda w: [str(w / "run"), str(w / "run_bad_config"), "--out", str(w / "cmp")], "is not valid YAML"),
+    ("compare into a file", "compare", lambda w: [str(w / "run"), "--out", str(w / "a_file")], "is a file"),
+    ("compare under a file", "compare", lambda w: [str(w / "run"), "--out", str(w / "a_file" / "sub")],
+     "is a file, not a folder"),
+    ("compare into another folder", "compare", lambda w: [str(w / "run"), "--out", str(w / "images")],
+     "holds no comparison report"),
+    ("compare unknown flag", "compare", lambda w: [str(w / "run"), "--out", str(w / "cmp"), "--bogus"],
+     "unrecognized arguments: --bogus"),
+    # -- the one parser rule and the protocol -------------------------------------------------------
+    ("train unknown flag", "train", lambda w: [*_cfg(w), "--bogus"], "unrecognized arguments: --bogus"),
+    ("sample unknown protocol", "sample", lambda w: ["--ckpt", _ck(w), "--protocol", "adm", "--out", str(w / "o.npz")],
+     "invalid choice: 'adm'"),
+    ("evaluate unknown flag", "evaluate", lambda w: ["--samples", str(w / "digits.npz"), "--bogus"],
+     "unrecognized arguments: --bogus"),
+    ("extract unknown flag", "extract", lambda w: ["--bogus"], "unrecognized arguments: --bogus"),
+    ("protocol dit on a flow checkpoint", "sample",
+     lambda w: ["--ckpt", str(w / "ck_flow"), "--protocol", "dit", "--out", str(w / "o.npz")],
+     "--protocol dit is DiT's DDPM-250 protocol"),
+    ("protocol dit on a pixel model", "sample", lambda w: ["--ckpt", _ck(w), "--protocol", "dit", "--out", str(w / "o.npz")],
+     "this model has 1 channel(s)"),
+    ("sample grid into a folder", "sample",
+     lambda w: ["--ckpt", _ck(w), "--out", str(w / "o.npz"), "--grid", str(w / "images")], "is a folder"),
+    ("sample pngs into another folder", "sample",
+     lambda w: ["--ckpt", _ck(w), "--out", str(w / "o.npz"), "--png-dir", str(w / "images")], "holds no sample PNG"),
+    ("evaluate json into a folder", "evaluate",
+     lambda w: ["--samples", str(w / "digits.npz"), "--digits", "--json", str(w / "images")], "is a folder"),
 ]
 
 
