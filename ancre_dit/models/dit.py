@@ -136,7 +136,9 @@ class DiT(nn.Module):
                 torch.nn.init.xavier_uniform_(module.weight)
                 if module.bias is not None:
                     nn.init.constant_(module.bias, 0)
-        self.apply(_basic_init)
+        for name, child in self.named_children():  # a topology initialises its own layers
+            if name != "topology":
+                child.apply(_basic_init)
 
         grid_size = int(self.x_embedder.num_patches ** 0.5)
         pos_embed = get_2d_sincos_pos_embed(self.pos_embed.shape[-1], grid_size)
@@ -174,17 +176,24 @@ class DiT(nn.Module):
 
     def embed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens h_0 and the conditioning vector c = t-embedding + y-embedding."""
+        h0, c, _ = self._embed(x, t, y)
+        return h0, c
+
+    def _embed(self, x, t, y) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Contiguous: PatchEmbed returns a transposed view (N, T, D over an (N, D, T) buffer) and
         # every residual add would keep that layout, so each flattening of a history tensor (the
         # fused aggregation's logit gradients) would copy it. One copy here instead.
         h0 = (self.x_embedder(x) + self.pos_embed).contiguous()
-        c = self.t_embedder(t) + self.y_embedder(y, self.training)
-        return h0, c
+        t_emb = self.t_embedder(t)
+        return h0, t_emb + self.y_embedder(y, self.training), t_emb
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x (N, C, H, W) noisy input, t (N,) timesteps, y (N,) labels (num_classes = null)."""
-        h0, c = self.embed(x, t, y)
-        h = self.topology(h0, self.blocks, c)
+        h0, c, t_emb = self._embed(x, t, y)
+        if self.topology.takes_time_embedding:  # timestep-aware routing (DAR static-t)
+            h = self.topology(h0, self.blocks, c, t_emb)
+        else:
+            h = self.topology(h0, self.blocks, c)
         return self.unpatchify(self.final_layer(h, c))
 
     def forward_with_cfg(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, cfg_scale: float,

@@ -50,6 +50,8 @@ class ResidualTopology(nn.Module):
         # Called as state_hook(k, z_k) with z_0 = h_0 and z_k the state after block k (the input of
         # block k + 1; the trunk's output for k = K). None in training: no cost, no graph break.
         self.state_hook: Callable[[int, torch.Tensor], None] | None = None
+        # True: the trunk also takes the timestep embedding alone (forward(h0, blocks, c, t_emb)).
+        self.takes_time_embedding = False
 
     def routing_parameters(self) -> list[nn.Parameter]:
         """The parameters that route information across depth (default: all of the topology's own);

@@ -1,0 +1,186 @@
+"""Routing across depth with attention: DAR (timestep-adaptive, for DiTs) and AttnRes (Kimi's
+attention residuals), in one trunk.
+
+Both route at the sublayer level: the attention and the MLP branch of every block are layers
+l = 1..L (L = 2K), v_0 is the embedding and v_l the gated output of sublayer l (before any residual
+add). Nothing is added to a running stream: sublayer l reads h_l = sum_i alpha_{i->l} v_i over its
+sources S_l, with, per token,
+
+    alpha_{i->l} = softmax_i( q_l . RMSNorm_l(v_i) / s )       (s = sqrt(d) for DAR, 1 for AttnRes)
+
+(keys are RMS-normalised with a learned weight per aggregator, values are the raw v_i), and a final
+aggregator feeds the final layer. The queries start at zero, so every weight is uniform at init;
+with adaLN-Zero every v_l (l >= 1) is 0 then, h_l = v_0 / |S_l| and LayerNorm ignores the scale:
+the model equals the plain DiT at init.
+
+DAR's queries: `static` (q_l = w_l), `static-t` (q_l = w_l + e(t), e(t) the model's timestep
+embedding through a separate zero-initialised head shared by all aggregators: we read the paper's
+zero-initialised e(t) as a head of its own, so that adaLN keeps its timestep conditioning at init),
+`dynamic` (q_l = W_l v_{l-1}, per token, W_l zero at init). Chunked DAR (chunk S; L/S chunks): a
+chunk's summary is its last output (the embedding is summary 0), and sublayer l sees the summaries of
+earlier chunks plus its own chunk's outputs so far; S = 1 is the dense form.
+Block AttnRes (block S): a block's summary is the SUM of its outputs, and sublayer l sees the earlier
+block sums plus its own block's running partial sum; block 0 (full) and S = 1 are the dense form.
+
+Written by hand: no library offers attention over depth. The key normalisation is folded into the
+dot product (q . (g * v / rms(v)) = ((q * g) . v) / rms(v)), so no normalised copy of a source is
+kept for the backward pass, and each source's RMS is computed once for all its readers.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from ...errors import UserError
+from .base import ResidualTopology, TopologyNotDefined
+from .peers import _width
+from .registry import TopologyOption, register_topology
+
+QUERIES = ("static", "static-t", "dynamic")
+RMS_EPS = 1e-6
+
+
+class DepthAttentionTopology(ResidualTopology):
+    """DAR (`grouping="chunk"`, keys scaled by 1/sqrt(d)) or AttnRes (`grouping="block"`, no scaling)."""
+
+    def __init__(self, num_blocks: int, hidden_size: int, *, query: str, group: int, grouping: str):
+        super().__init__(num_blocks)
+        layers = 2 * num_blocks
+        if query not in QUERIES:
+            raise UserError(f"unknown query {query!r}; choose one of {', '.join(QUERIES)}")
+        if group < 0 or (group and layers % group):
+            what = "chunk" if grouping == "chunk" else "block"
+            raise UserError(f"{what} {group} does not divide the {layers} sublayers (2 per block); choose a divisor "
+                            f"of {layers}" + (" or 0 for full AttnRes" if grouping == "block" else ""))
+        self.hidden_size, self.query, self.grouping = hidden_size, query, grouping
+        self.group = group or 1  # full AttnRes = blocks of one sublayer (sums of one output)
+        self.scale = 1.0 / math.sqrt(hidden_size) if grouping == "chunk" else 1.0
+        aggregators = layers + 1  # one per sublayer, plus the final one
+        self.key_norms = nn.Parameter(torch.ones(aggregators, hidden_size))
+        if query == "dynamic":
+            self.query_maps = nn.Parameter(torch.zeros(aggregators, hidden_size, hidden_size))
+        else:
+            self.queries = nn.Parameter(torch.zeros(aggregators, hidden_size))
+        if query == "static-t":
+            self.time_head = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, hidden_size))
+            nn.init.zeros_(self.time_head[1].weight)
+            nn.init.zeros_(self.time_head[1].bias)
+        self.takes_time_embedding = query == "static-t"
+        self.record_weights = False  # True: keep each aggregator's mean weights (routing_weights())
+        self._recorded: list[tuple[list[int], torch.Tensor]] = []
+
+    # -- the routing of one aggregator -----------------------------------------------------------
+    def _aggregate(self, l: int, sources: list[torch.Tensor], rms: list[torch.Tensor], previous: torch.Tensor,
+                   time_query: torch.Tensor | None) -> torch.Tensor:
+        g = self.key_norms[l]
+        if self.query == "dynamic":  # per token: (N, T, d)
+            q = torch.einsum("ntd,ed->nte", previous, self.query_maps[l]) * g
+            logits = [(v * q).sum(-1) / r for v, r in zip(sources, rms)]
+        else:
+            q = self.queries[l] if time_query is None else self.queries[l] + time_query  # (d,) or (N, d)
+            q = (q * g).to(sources[0].dtype)
+            if q.dim() == 1:
+                logits = [(v @ q) / r for v, r in zip(sources, rms)]
+            else:
+                logits = [torch.einsum("ntd,nd->nt", v, q) / r for v, r in zip(sources, rms)]
+        alpha = torch.softmax(torch.stack(logits, dim=-1).float() * self.scale, dim=-1).to(sources[0].dtype)
+        if self.record_weights:
+            self._recorded.append(alpha.detach().float().mean(dim=(0, 1)))
+        h = alpha[..., 0:1] * sources[0]
+        for i in range(1, len(sources)):
+            h = torch.addcmul(h, alpha[..., i:i + 1], sources[i])
+        return h
+
+    @staticmethod
+    def _rms(v: torch.Tensor) -> torch.Tensor:
+        return v.float().pow(2).mean(-1).add(RMS_EPS).sqrt().to(v.dtype)
+
+    # -- the trunk --------------------------------------------------------------------------------
+    def forward(self, h0: torch.Tensor, blocks: Sequence[nn.Module], c: torch.Tensor,
+                time_embedding: torch.Tensor | None = None) -> torch.Tensor:
+        self.check_blocks(blocks)
+        time_query = self.time_head(time_embedding) if self.query == "static-t" else None
+        self._recorded = []
+        summaries, summary_rms, summary_ids = [h0], [self._rms(h0)], [0]  # finished chunks / blocks
+        current, current_rms, current_ids = [], [], []                   # this chunk's outputs / block's partial sum
+        self._source_ids: list[list[int]] = []
+        previous = h0
+        layer = 0
+        for k, block in enumerate(blocks):
+            mod = block.modulation(c)
+            for sub, (branch, (shift, scale, gate)) in enumerate(((block.attention_branch, mod[:3]),
+                                                                  (block.mlp_branch, mod[3:]))):
+                sources, rms = summaries + current, summary_rms + current_rms
+                self._source_ids.append(summary_ids + current_ids)
+                h = self._aggregate(layer, sources, rms, previous, time_query)
+                if sub == 0:  # the state fed to block k + 1
+                    self.emit_state(k, h)
+                v = self.run_block(branch, h, shift, scale, gate)
+                layer += 1
+                previous = v
+                self._add_output(layer, v, summaries, summary_rms, summary_ids, current, current_rms, current_ids)
+        sources, rms = summaries + current, summary_rms + current_rms
+        self._source_ids.append(summary_ids + current_ids)
+        h = self._aggregate(layer, sources, rms, previous, time_query)
+        self.emit_state(len(blocks), h)
+        return h
+
+    def _add_output(self, layer, v, summaries, summary_rms, summary_ids, current, current_rms, current_ids) -> None:
+        """Files sublayer `layer`'s output v under the grouping rule (see the module docstring)."""
+        if self.grouping == "chunk":
+            current.append(v)
+            current_rms.append(self._rms(v))
+            current_ids.append(layer)
+        else:  # a block's running partial sum is its one source until the block closes
+            partial = v if not current else current[0] + v
+            current[:], current_rms[:], current_ids[:] = [partial], [self._rms(partial)], [layer]
+        last = layer == 2 * self.num_blocks and self.grouping == "chunk"  # DAR's final aggregator reads it raw
+        if layer % self.group == 0 and not last:  # the group closes: its summary joins the earlier ones
+            summaries.append(current[-1])
+            summary_rms.append(current_rms[-1])
+            summary_ids.append(layer)
+            current.clear(), current_rms.clear(), current_ids.clear()
+
+    # -- inspection --------------------------------------------------------------------------------
+    def probabilities(self) -> torch.Tensor:
+        raise TopologyNotDefined("depth attention weighs each source per token (and per timestep), so it has no "
+                                 "fixed (K, K) matrix; see routing_weights() on a probe batch")
+
+    def routing_weights(self) -> torch.Tensor:
+        """(L+1, L+1) mean weights of the last forward run with `record_weights` on: row l = the
+        aggregator before sublayer l+1 (the last row: the final one), column i = source v_i (a chunk
+        or block summary is filed under the last sublayer it holds), averaged over samples and tokens."""
+        if not self._recorded:
+            raise UserError("no weights recorded: set record_weights = True and run a forward pass first")
+        L = 2 * self.num_blocks
+        W = torch.zeros(L + 1, L + 1)
+        for row, (ids, alpha) in enumerate(zip(self._source_ids, self._recorded)):
+            W[row, ids] = alpha.cpu()
+        return W
+
+    def extra_repr(self) -> str:
+        what = f"chunk={self.group}" if self.grouping == "chunk" else f"block={self.group}"
+        return f"{'dar' if self.grouping == 'chunk' else 'attnres'} query={self.query}, {what}, sublayers={2 * self.num_blocks}"
+
+
+QUERY = {"query": TopologyOption(str, "static", "the aggregators' queries: static (a learned vector), static-t "
+                                 "(plus a zero-initialised head of the timestep embedding) or dynamic (a map of the "
+                                 "previous output, per token)", choices=QUERIES)}
+
+
+@register_topology("dar", options={**QUERY, "chunk": TopologyOption(int, 4, "sublayers per chunk (1 = dense)",
+                                                                    minimum=1)},
+                   summary="DAR: softmax attention over earlier sublayer outputs (timestep-aware with static-t), chunked")
+def build_dar(num_blocks: int, hidden_size: int | None, query: str, chunk: int) -> ResidualTopology:
+    return DepthAttentionTopology(num_blocks, _width("dar", hidden_size), query=query, group=chunk, grouping="chunk")
+
+
+@register_topology("attnres", options={**QUERY, "block": TopologyOption(int, 0, "sublayers per block (0 = full)",
+                                                                        minimum=0)},
+                   summary="AttnRes: attention residuals over earlier sublayer outputs, block sums with block S")
+def build_attnres(num_blocks: int, hidden_size: int | None, query: str, block: int) -> ResidualTopology:
+    return DepthAttentionTopology(num_blocks, _width("attnres", hidden_size), query=query, group=block,
+                                  grouping="block")
