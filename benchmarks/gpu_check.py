@@ -43,6 +43,7 @@ import torch
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.models import create_model
+from ancre_dit.models.flops import count_training_flops
 
 TOPOLOGIES = ("cascaded", "ancre", "denseformer", "hc", "mhc")
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device-name fragment, most specific first.
@@ -106,26 +107,6 @@ def peak_tflops(args, device: torch.device) -> tuple[float | None, str]:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
-                         autocast_dtype: torch.dtype | None = torch.bfloat16) -> int:
-    """FLOPs of one forward + backward as the timed step runs it (`FlopCounterMode`), attention
-    included; `autocast_dtype` None runs in fp32 (the same count, faster on a CPU without bf16 units).
-
-    Counted with SDPA's math backend: its matrix products are counted on every device, while the
-    counter's formulas for fused attention kernels depend on the backend and the torch version (the
-    CPU flash kernel is not counted at all, which drops DiT-S/2 from 36.3 to 32.7 GFLOP an image)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with counter, sdpa_kernel(SDPBackend.MATH):
-        with torch.autocast(x.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-            out = model(x, t, y)
-        out.float().square().mean().backward()
-    model.zero_grad(set_to_none=True)
-    return int(counter.get_total_flops())
 
 
 def training_run(name: str, overrides: dict, topology: str, compiled: bool, cfg: dict, device: torch.device) -> dict:

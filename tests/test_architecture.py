@@ -35,6 +35,8 @@ ALLOWED: dict[str, set[str]] = {
     "evaluation": SHARED | {"cli", "data", "models", "diffusion", "vae", "checkpoint", "figures", "sampling"},
     "training": SHARED | {"cli", "data", "models", "diffusion", "vae", "checkpoint", "figures", "sampling",
                           "evaluation"},
+    "studies": SHARED | {"cli", "data", "models", "diffusion", "vae", "checkpoint", "figures", "sampling",
+                         "evaluation", "training"},
 }
 
 

@@ -10,11 +10,18 @@ Steps to target: the first step at which a group's mean curve reaches the target
 where lower is better, >= otherwise); the default target of a metric is the first group's final
 mean value. Speedup of a group = the first group's steps to target / this group's; None when
 either never reaches it.
+
+Seed-paired statistics (studies: every arm trained with the same seeds, and runs of one seed share
+their data order and noise): the mean over seeds with a Student-t interval at every step
+(`interval_curve`), the final-value difference to a baseline paired by seed (`paired_difference`),
+the per-seed steps to the baseline's final value and their speedup, summarised as a geometric mean
+with a t interval on log speedups (`paired_speedup`), and a verdict line that reads them (`verdict`).
 """
 from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +33,12 @@ import yaml
 from ..errors import UserError
 from ..files import read_jsonl
 from .evaluator import is_lower_better, read_evals
+from .stats import MeanInterval, mean_t_interval
 
 AXES = {"step": "step", "images": "images seen", "seconds": "training seconds (evaluation excluded)"}
+# Training compute: step x FLOPs of one training step (network forward + backward, counted once per
+# config; see ancre_dit.models.flops). Only runs that know their FLOPs per step have this axis.
+FLOPS_AXIS = {"flops": "training FLOPs (forward + backward)"}
 
 
 @dataclass
@@ -45,6 +56,22 @@ class Run:
     path: Path
     config: dict[str, Any]
     series: dict[str, Series] = field(default_factory=dict)
+    flops_per_step: float | None = None  # set by callers that counted it (studies); enables the "flops" axis
+
+    @property
+    def seed(self) -> int | None:
+        """train.seed from the run's config.yaml (None when it does not say)."""
+        seed = (self.config.get("train") or {}).get("seed")
+        return None if seed is None else int(seed)
+
+    def axis_values(self, series: Series, rows: np.ndarray, axis: str) -> np.ndarray:
+        """x values of `series` at `rows` on an axis of AXES or FLOPS_AXIS (NaN where unknown)."""
+        if axis == "step":
+            return series.step[rows].astype(np.float64)
+        if axis == "flops":
+            per_step = np.nan if self.flops_per_step is None else float(self.flops_per_step)
+            return series.step[rows].astype(np.float64) * per_step
+        return getattr(series, axis)[rows]
 
 
 def _series(points: dict[int, tuple[float, float, float]]) -> Series:
@@ -95,8 +122,10 @@ class Group:
     label: str
     runs: list[Run]
 
-    def curve(self, metric: str, axis: str = "step") -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
-        """(x, mean, std or None) over the steps every member has; None when a member lacks the metric."""
+    def aligned(self, metric: str, axis: str = "step") -> tuple[np.ndarray, np.ndarray] | None:
+        """(x, values of shape (runs, points)) over the steps every member has; None when a member
+        lacks the metric. x is the members' mean on the axis: NaN where any member lacks it (e.g.
+        runs from before train_seconds was logged)."""
         members = [r.series.get(metric) for r in self.runs]
         if any(s is None for s in members):
             return None
@@ -105,11 +134,16 @@ class Group:
             return None
         rows = [np.searchsorted(s.step, steps) for s in members]
         values = np.stack([s.value[i] for s, i in zip(members, rows)])
-        if axis == "step":
-            x = np.asarray(steps, dtype=np.float64)
-        else:  # NaN where any member lacks the axis (e.g. runs from before train_seconds was logged)
-            x = np.stack([getattr(s, axis)[i] for s, i in zip(members, rows)]).mean(axis=0)
-        std = values.std(axis=0, ddof=1) if len(members) > 1 else None
+        x = np.stack([r.axis_values(s, i, axis) for r, s, i in zip(self.runs, members, rows)]).mean(axis=0)
+        return x, values
+
+    def curve(self, metric: str, axis: str = "step") -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+        """(x, mean, std or None) over the steps every member has; None when a member lacks the metric."""
+        found = self.aligned(metric, axis)
+        if found is None:
+            return None
+        x, values = found
+        std = values.std(axis=0, ddof=1) if len(self.runs) > 1 else None
         return x, values.mean(axis=0), std
 
 
@@ -178,6 +212,140 @@ def summarize(groups: Sequence[Group], targets: dict[str, float] | None = None) 
                 row.speedup = base / row.steps_to_target
         out[metric] = {"target": target, "lower_is_better": lower, "rows": rows}
     return out
+
+
+# -- seed-paired statistics (studies) --------------------------------------------------------------
+def interval_curve(group: Group, metric: str, axis: str = "step", level: float = 0.95
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """(x, mean over the group's runs, half width of the Student-t interval of that mean, or None
+    for a single run) at every step all members have; None when a member lacks the metric."""
+    found = group.aligned(metric, axis)
+    if found is None:
+        return None
+    x, values = found
+    if len(group.runs) < 2:
+        return x, values[0], None
+    columns = [mean_t_interval(values[:, k], level) for k in range(values.shape[1])]
+    return x, np.array([c.mean for c in columns]), np.array([c.high - c.mean for c in columns])
+
+
+def final_value(run: Run, metric: str) -> tuple[int, float] | None:
+    """(last step, value there) of a run's metric; None when the run lacks it."""
+    series = run.series.get(metric)
+    if series is None or not len(series.step):
+        return None
+    return int(series.step[-1]), float(series.value[-1])
+
+
+@dataclass
+class SeedSpeedup:
+    """One seed of a paired comparison: the target (the baseline's final value for this seed), the
+    first evaluated step at which the baseline and the arm reach it, and their ratio. When the arm
+    never reaches it (arm_steps None) the speedup is censored: below `bound` = baseline steps / the
+    arm's last step (it would have reached the target after its last step at the earliest)."""
+    seed: int
+    target: float
+    baseline_steps: int
+    arm_steps: int | None
+    arm_final_step: int
+    speedup: float | None
+    bound: float | None
+
+
+@dataclass
+class PairedSpeedup:
+    """Speedups of an arm over the baseline, seed by seed, and their geometric mean with a t
+    interval on the log speedups (None unless every seed reached the target and there are >= 2)."""
+    metric: str
+    lower_is_better: bool
+    seeds: list[SeedSpeedup]
+    geomean: float | None
+    low: float | None
+    high: float | None
+    level: float
+
+    @property
+    def reached(self) -> int:
+        return sum(s.arm_steps is not None for s in self.seeds)
+
+
+def _by_seed(runs: Sequence[Run]) -> dict[int, Run]:
+    out: dict[int, Run] = {}
+    for run in runs:
+        if run.seed is None:
+            raise UserError(f"{run.path}/config.yaml gives no train.seed; seed-paired statistics need it")
+        if run.seed in out:
+            raise UserError(f"runs {out[run.seed].path} and {run.path} share train.seed={run.seed}; a seed-paired "
+                            f"comparison needs one run per seed")
+        out[run.seed] = run
+    return out
+
+
+def paired_speedup(baseline: Sequence[Run], arm: Sequence[Run], metric: str, level: float = 0.95) -> PairedSpeedup | None:
+    """Steps to the baseline's final value, paired by seed (runs of one seed share data order and
+    noise): for each seed s both sides have, target_s = the baseline's final value, steps_s = the
+    first evaluated step at which a run's curve reaches target_s (<= when lower is better, >=
+    otherwise; the baseline reaches its own final value at its last step at the latest), and the
+    speedup = baseline steps_s / arm steps_s. None when no seed has the metric on both sides."""
+    lower = is_lower_better(metric)
+    base_runs, arm_runs = _by_seed(baseline), _by_seed(arm)
+    seeds: list[SeedSpeedup] = []
+    for seed in sorted(set(base_runs) & set(arm_runs)):
+        base, other = base_runs[seed].series.get(metric), arm_runs[seed].series.get(metric)
+        if base is None or other is None or not len(base.step) or not len(other.step):
+            continue
+        target = float(base.value[-1])
+        base_steps = steps_to_target(base.step, base.value, target, lower)
+        arm_steps = steps_to_target(other.step, other.value, target, lower)
+        final = int(other.step[-1])
+        seeds.append(SeedSpeedup(seed, target, base_steps, arm_steps, final,
+                                 None if arm_steps is None else base_steps / arm_steps,
+                                 base_steps / final if arm_steps is None else None))
+    if not seeds:
+        return None
+    geomean = low = high = None
+    if all(s.speedup is not None for s in seeds):
+        logs = mean_t_interval([math.log(s.speedup) for s in seeds], level)
+        geomean = math.exp(logs.mean)
+        if logs.low is not None:
+            low, high = math.exp(logs.low), math.exp(logs.high)
+    return PairedSpeedup(metric, lower, seeds, geomean, low, high, level)
+
+
+def paired_difference(baseline: Sequence[Run], arm: Sequence[Run], metric: str, level: float = 0.95
+                      ) -> MeanInterval | None:
+    """Final value of the arm minus the baseline's, seed by seed, with the t interval of its mean
+    (None when no seed has the metric on both sides)."""
+    base_runs, arm_runs = _by_seed(baseline), _by_seed(arm)
+    diffs = []
+    for seed in sorted(set(base_runs) & set(arm_runs)):
+        a, b = final_value(arm_runs[seed], metric), final_value(base_runs[seed], metric)
+        if a is not None and b is not None:
+            diffs.append(a[1] - b[1])
+    return mean_t_interval(diffs, level) if diffs else None
+
+
+def _x(v: float) -> str:
+    return f"{v:.3g}x"
+
+
+def verdict(result: PairedSpeedup) -> str:
+    """One line: "faster by Gx [lo, hi]" when the interval of the geometric-mean speedup lies above
+    1, "slower by ..." when it lies below 1 (or when most seeds never reach the target), else "no
+    difference detected at this budget" (with the reason an interval is missing, if it is)."""
+    n, missed = len(result.seeds), len(result.seeds) - result.reached
+    if missed * 2 > n:
+        return f"slower: the baseline's final value not reached by {missed} of {n} seeds"
+    if missed:
+        return f"no difference detected at this budget (not reached by {missed} of {n} seeds: no interval)"
+    if result.low is None:
+        return f"no difference detected at this budget ({n} seed: no interval; speedup {_x(result.geomean)})"
+    span = f"[{result.low:.3g}, {result.high:.3g}]"
+    if result.low > 1:
+        return f"faster by {_x(result.geomean)} {span}"
+    if result.high < 1:
+        return f"slower by {_x(1 / result.geomean)} [{1 / result.high:.3g}, {1 / result.low:.3g}]"
+    return f"no difference detected at this budget (speedup {_x(result.geomean)} {span})"
 
 
 def _fmt(v: float | None, std: float | None = None) -> str:

@@ -1,0 +1,15 @@
+"""Studies: a set of training runs (arms x seeds) that settles one question, with a report that
+says how sure the answer is.
+
+    spec      the study file -> arms, seeds, runs; every run's config validated up front
+    folder    study.json: the folder belongs to one study; a rerun continues it
+    runner    local executor: one train.py subprocess per run, N at a time, cores split between them
+    cluster   submitit executor (SLURM, or submitit's local executor): requeue on time limit / preemption
+    status    each run's state from its checkpoints, logs and launch records
+    costs     training FLOPs per step of each arm (for curves at equal compute)
+    report    report.md + curves with seed intervals, paired speedups and verdicts (evaluation.compare)
+    actions   the commands of scripts/study.py, put together
+"""
+from .spec import Job, Study, load_study, validate
+
+__all__ = ["Job", "Study", "load_study", "validate"]

@@ -1,0 +1,131 @@
+"""What `scripts/study.py run|status|report` do, put together from spec, folder, runner, cluster,
+status and report; each validates every run's config first, so a mistake costs no run."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from ..errors import UserError
+from .folder import check_folder, claim_folder, recorded
+from .runner import LocalRunner, usable_cores
+from .spec import Job, Study, path_stand_ins, validate
+from .status import RunStatus, format_table, run_status, status_table
+
+
+def dry_run(study: Study, check_paths: bool = True) -> str:
+    """Validates every run's config and the folder, writes nothing; returns the job table."""
+    configs = validate(study, check_paths)
+    check_folder(study)
+    rows, unchecked = [], {}
+    for job in study.jobs:
+        c = configs[job.name]
+        missing = [] if check_paths else path_stand_ins(study, job)[1]
+        unchecked.update(dict.fromkeys(missing))
+        rows.append((job.name, job.arm, job.seed, c.model.topology, c.train.max_steps,
+                     ", ".join(f"{k}={v}" for k, v in study.arms[job.arm].items()) or "-"))
+    table = format_table(("run", "arm", "seed", "topology", "max_steps", "arm overrides"), rows)
+    note = (f"\nnot checked (missing here, --no-check-paths): {', '.join(unchecked)}" if unchecked else "")
+    return (f"study {study.name}: {len(study.arms)} arms x {len(study.seeds)} seeds = {len(rows)} runs, all configs "
+            f"valid; baseline {study.baseline}; runs would go to {study.runs_dir}{note}\n\n{table}")
+
+
+def statuses(study: Study, configs: dict | None = None) -> list[RunStatus]:
+    """Every run's state; the configs (for max_steps) are validated without path checks unless given."""
+    configs = configs or validate(study, check_paths=False)
+    return [run_status(job, configs[job.name].train.max_steps) for job in study.jobs]
+
+
+def show_status(study: Study) -> str:
+    check_folder(study)
+    return f"study {study.name} ({study.out}):\n\n{status_table(statuses(study))}"
+
+
+def write_report(study: Study) -> Path:
+    from .report import write_study_report
+
+    check_folder(study)
+    if recorded(study) is None:
+        raise UserError(f"{study.out} holds no run of this study yet; start it with python scripts/study.py run "
+                        f"{study.source}")
+    configs = validate(study, check_paths=False)
+    batch = {job.arm: configs[job.name].train.global_batch_size for job in study.jobs}
+    return write_study_report(study, statuses(study, configs), batch)
+
+
+def _to_run(study: Study, max_steps: dict[str, int], force: bool) -> list[Job]:
+    """The runs not finished yet; a UserError for one that is running or queued elsewhere (two
+    trainings in one run folder would overwrite each other's checkpoints), unless `force`."""
+    todo = []
+    for job in study.jobs:
+        state = run_status(job, max_steps[job.name]).state
+        if state in ("running", "submitted") and not force:
+            raise UserError(f"run {job.name} is {state} (python scripts/study.py status {study.source}); wait for it, "
+                            f"or, if its process or job is gone, pass --force")
+        if state != "done":
+            todo.append(job)
+    return todo
+
+
+def run_local(study: Study, train_script: Path, slots: int, check_paths: bool = True, force: bool = False,
+              say: Callable[[str], None] = print) -> int:
+    """Runs every unfinished run, `slots` at a time; 0 when all finished, 1 when any failed or stopped."""
+    from tqdm.auto import tqdm
+
+    configs = validate(study, check_paths)
+    claim_folder(study)
+    max_steps = {job.name: configs[job.name].train.max_steps for job in study.jobs}
+    todo = _to_run(study, max_steps, force)
+    skipped = len(study.jobs) - len(todo)
+    say(f"study {study.name}: {len(study.jobs)} runs, {skipped} finished already (skipped), {len(todo)} to run, "
+        f"{slots} at a time ({max(1, usable_cores() // slots)} thread(s) each); each run's output: <run>/study.log "
+        f"under {study.runs_dir}")
+    if not todo:
+        return 0
+    runner = LocalRunner(study, train_script, slots,
+                         is_done=lambda job: run_status(job, max_steps[job.name]).state == "done")
+    bar = tqdm(total=len(todo), desc=f"study {study.name}", unit="run", dynamic_ncols=True)
+
+    def progress(outcome) -> None:
+        bar.update(1)
+        if outcome.state != "done":
+            bar.write(f"{outcome.job.name}: {outcome.state} (exit code {outcome.exit_code})"
+                      + (f": {outcome.error}" if outcome.error else ""))
+
+    try:
+        outcomes = runner.run(todo, progress)
+    finally:
+        bar.close()
+    failed = [o for o in outcomes if o.state != "done"]
+    say(f"{len(outcomes) - len(failed)} of {len(outcomes)} launched runs finished"
+        + (f"; not finished: {', '.join(f'{o.job.name} ({o.state})' for o in failed)} (see <run>/study.log)"
+           if failed else ""))
+    return 1 if failed else 0
+
+
+def run_cluster(study: Study, train_script: Path, options, cluster: str, wait: bool, check_paths: bool = True,
+                force: bool = False, say: Callable[[str], None] = print) -> int:
+    """Submits every unfinished run through submitit; with `wait`, waits for them (0 = all finished)."""
+    from .cluster import submit
+
+    configs = validate(study, check_paths)
+    claim_folder(study)
+    max_steps = {job.name: configs[job.name].train.max_steps for job in study.jobs}
+    todo = _to_run(study, max_steps, force)
+    say(f"study {study.name}: {len(study.jobs)} runs, {len(study.jobs) - len(todo)} finished already, "
+        f"submitting {len(todo)} to {cluster}")
+    if not todo:
+        return 0
+    threads = max(1, usable_cores() // len(todo)) if cluster == "local" else None
+    handles = submit(study, todo, train_script, options, cluster=cluster, threads=threads, max_steps=max_steps)
+    say("submitted: " + ", ".join(f"{job.name} (job {h.job_id})" for job, h in zip(todo, handles))
+        + f"; submitit's logs: {study.out / 'submitit'}")
+    if not wait:
+        return 0
+    failures = []
+    for job, handle in zip(todo, handles):
+        error = handle.exception()
+        if error is not None:
+            failures.append(f"{job.name}: {' '.join(str(error).split())[-300:]}")
+    done = sum(run_status(job, max_steps[job.name]).state == "done" for job in todo)
+    say(f"{done} of {len(todo)} submitted runs finished" + (f"; failed: {'; '.join(failures)}" if failures else ""))
+    return 0 if done == len(todo) else 1

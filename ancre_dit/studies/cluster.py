@@ -1,0 +1,171 @@
+"""Runs a study's training runs as cluster jobs through submitit (SLURM; or submitit's local
+executor, which runs the same code path on this machine).
+
+Each run is one job (a job array over the runs), whose callable launches the training command:
+`python train.py ...` on one GPU, or `python -m torch.distributed.run` (torchrun) over the job's
+GPUs and nodes (one task per node: the callable runs once per node with that node's rank, and node
+0 is the rendezvous host). The callable is a `submitit.helpers.Checkpointable`: on a time limit or
+a preemption submitit calls its `checkpoint()`, which sends SIGTERM to the training (train.py saves
+a checkpoint and exits, within `grace_s`) and requeues the same callable; the requeued job resumes
+exactly with `--resume auto`. Launch events go to the run's study_status.jsonl, as with the local
+executor, so `status` works from the login node.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from submitit.helpers import Checkpointable, DelayedSubmission
+
+from ..errors import UserError
+from .runner import train_command
+from .spec import Job, Study
+from .status import LOG, last_error_line, record_event
+
+# Requeues after a time limit that a run may use (preemptions do not count): 400K steps at a few
+# days per run outlast most partitions' limits many times over.
+MAX_TIMEOUTS = 100
+
+
+@dataclass
+class ClusterOptions:
+    partition: str | None = None
+    account: str | None = None
+    gpus_per_node: int = 1
+    nodes: int = 1
+    time_min: int = 60 * 24
+    array_parallelism: int = 16
+    cpus_per_task: int | None = None
+
+
+def _port(job_id: str) -> int:
+    """A rendezvous port that differs between jobs sharing a node."""
+    return 20000 + int(hashlib.sha256(job_id.encode()).hexdigest(), 16) % 20000
+
+
+class StudyRun(Checkpointable):
+    """One run as a submitit job; picklable (the running child is not part of its state)."""
+
+    def __init__(self, name: str, run_dir: str, train_args: Sequence[str], gpus_per_node: int, threads: int | None = None,
+                 grace_s: float = 60.0, max_steps: int | None = None):
+        self.name, self.run_dir, self.train_args = name, run_dir, list(train_args)
+        self.gpus_per_node, self.threads, self.grace_s, self.max_steps = gpus_per_node, threads, grace_s, max_steps
+        self._child: subprocess.Popen | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_child"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._child = None
+
+    def command(self, env: Any) -> list[str]:
+        """train.py alone on one process, torchrun over the job's GPUs and nodes otherwise."""
+        script, *args = self.train_args
+        nodes, gpus = env.num_nodes, max(1, self.gpus_per_node)
+        if nodes == 1 and gpus == 1:
+            return [sys.executable, script, *args]
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc_per_node={gpus}",
+                f"--node_rank={env.node}", f"--master_addr={env.hostnames[0]}",
+                f"--master_port={_port(str(env.job_id))}", script, *args]
+
+    def __call__(self) -> dict[str, Any]:
+        import submitit
+
+        env = submitit.JobEnvironment()
+        run_dir, main = Path(self.run_dir), env.global_rank == 0
+        run_dir.mkdir(parents=True, exist_ok=True)
+        child_env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if self.threads:
+            child_env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
+        command = self.command(env)
+        with open(run_dir / (LOG if main else f"study.node{env.node}.log"), "a") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} job {env.job_id}: {' '.join(command)}\n")
+            log.flush()
+            self._child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env)
+            if main:
+                record_event(run_dir, "started", pid=self._child.pid, job_pid=os.getpid(), executor="submitit",
+                             job_id=str(env.job_id))
+            while self._child.poll() is None:  # polling: submitit's signal handler may wait on the child too
+                time.sleep(1.0)
+            code = self._child.returncode
+        if not main:
+            return {"run": self.name, "exit_code": code}
+        if code != 0:
+            error = last_error_line(run_dir / LOG)
+            record_event(run_dir, "failed", exit_code=code, error=error, job_id=str(env.job_id))
+            raise RuntimeError(f"run {self.name} failed with exit code {code}: {error}")
+        if self.max_steps is not None and not self._finished():  # SIGTERM reached train.py directly (preemption)
+            record_event(run_dir, "stopped", exit_code=0, job_id=str(env.job_id),
+                         reason="stopped before max_steps by a signal; a requeue or a rerun resumes it")
+            return {"run": self.name, "exit_code": 0, "finished": False}
+        record_event(run_dir, "finished", exit_code=0, job_id=str(env.job_id))
+        return {"run": self.name, "exit_code": 0, "finished": True}
+
+    def _finished(self) -> bool:
+        from ..training.checkpointing import list_checkpoints
+
+        saved = list_checkpoints(self.run_dir)
+        return bool(saved) and saved[-1][0] >= self.max_steps
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
+        """Time limit or preemption: train.py checkpoints on SIGTERM; then requeue a fresh copy."""
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.grace_s
+            while child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+        record_event(Path(self.run_dir), "stopped", reason="time limit or preemption: requeued")
+        return DelayedSubmission(StudyRun(self.name, self.run_dir, self.train_args, self.gpus_per_node, self.threads,
+                                          self.grace_s, self.max_steps))
+
+
+def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: ClusterOptions, cluster: str = "slurm",
+           threads: int | None = None, max_steps: dict[str, int] | None = None) -> list[Any]:
+    """Submits the jobs as one array; returns submitit's Job handles (in the order of `jobs`).
+    `max_steps` (run name -> train.max_steps) lets a job tell a finished run from a stopped one."""
+    import submitit
+
+    try:
+        executor = submitit.AutoExecutor(folder=study.out / "submitit", cluster=cluster,
+                                         slurm_max_num_timeout=MAX_TIMEOUTS, local_max_num_timeout=MAX_TIMEOUTS)
+    except RuntimeError as err:  # no srun here
+        raise UserError(f"--executor {cluster}: {' '.join(str(err).split())} (submit from a SLURM login node, or use "
+                        f"--executor local)") from None
+    params: dict[str, Any] = dict(name=f"study-{study.name}", timeout_min=options.time_min, tasks_per_node=1)
+    if options.gpus_per_node:
+        params["gpus_per_node"] = options.gpus_per_node
+    if options.cpus_per_task:
+        params["cpus_per_task"] = options.cpus_per_task
+    if cluster == "slurm":
+        params["nodes"] = options.nodes
+        params["slurm_array_parallelism"] = options.array_parallelism
+        params["slurm_signal_delay_s"] = 120  # time for the checkpoint before SLURM's own kill
+        if options.partition:
+            params["slurm_partition"] = options.partition
+        if options.account:
+            params["slurm_account"] = options.account
+    executor.update_parameters(**params)
+    for job in jobs:  # before submitting: a job that starts at once must not be followed by this record
+        record_event(job.run_dir, "submitted", executor=cluster)
+    handles = []
+    try:
+        with executor.batch():
+            for job in jobs:
+                args = [str(a) for a in train_command(study, job, train_script)[1:]]
+                handles.append(executor.submit(StudyRun(job.name, str(job.run_dir), args, options.gpus_per_node,
+                                                        threads, max_steps=(max_steps or {}).get(job.name))))
+    except Exception as err:  # noqa: BLE001 - sbatch refused (partition, account, limits): say so per run
+        problem = " ".join(str(err).split())[:300]
+        for job in jobs:
+            record_event(job.run_dir, "failed", exit_code=None, error=f"submission failed: {problem}")
+        raise UserError(f"{cluster} submission failed: {problem}") from None
+    return handles

@@ -1,0 +1,70 @@
+"""The study folder's identity: `<out>/study.json` records the study that owns the folder, so that a
+rerun of the same study continues its runs and another study is refused before it mixes its runs in.
+
+The same study = the same base config file and common overrides, and the same overrides for every
+arm both know; arms and seeds may be added (a study that grows), and the baseline may change (it
+only changes the report).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+from ..cli import output_folder
+from ..errors import UserError
+from ..files import write_atomic
+from .spec import Study
+
+RECORD = "study.json"
+
+
+def recorded(study: Study) -> dict[str, Any] | None:
+    """The record in the study's folder, None when there is none yet."""
+    path = study.out / RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(f"{path} is damaged (not JSON); repair it, or give the study another out:") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path} is damaged (not a study record); repair it, or give the study another out:")
+    return record
+
+
+def difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """Why the study `new` is not the study recorded as `old` (None when it is the same one)."""
+    if old.get("base") != new["base"]:
+        return f"its base config is {old.get('base')}, not {new['base']}"
+    if old.get("overrides") != new["overrides"]:
+        return f"its overrides are {old.get('overrides')}, not {new['overrides']}"
+    for arm, values in new["arms"].items():
+        if arm in (old.get("arms") or {}) and old["arms"][arm] != values:
+            return f"its arm {arm} is {old['arms'][arm]}, not {values}"
+    return None
+
+
+def check_folder(study: Study) -> None:
+    """A UserError when `out` is a file, a non-empty folder of something else, or another study's."""
+    output_folder(study.out, "study", RECORD, flag="out:")
+    old = recorded(study)
+    if old is None:
+        return
+    why = difference(old, study.record())
+    if why:
+        raise UserError(f"{study.out} holds another study ({old.get('name')}, from {old.get('source')}): {why}; "
+                        f"give this study another out:, or remove that folder")
+
+
+def claim_folder(study: Study) -> None:
+    """Checks the folder, then writes (or updates) its record; arms and seeds seen before are kept."""
+    check_folder(study)
+    old = recorded(study) or {}
+    record = study.record()
+    record["arms"] = {**(old.get("arms") or {}), **record["arms"]}
+    record["seeds"] = sorted(set(old.get("seeds") or []) | set(record["seeds"]))
+    record["created"] = old.get("created") or datetime.now(timezone.utc).isoformat(timespec="seconds")
+    record["updated"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    study.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(study.out / RECORD, json.dumps(record, indent=1).encode())

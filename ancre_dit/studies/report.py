@@ -1,0 +1,285 @@
+"""A study's report: `<out>/report/report.md`, summary.json and curves_<axis>.png.
+
+Every run is listed with its state; the statistics use the finished runs (a run stopped half way
+would pass for a slow one), through `ancre_dit.evaluation.compare`: runs loaded and grouped by arm,
+mean curves with Student-t intervals over seeds, and, against the baseline arm and paired by seed,
+the final-value difference, the steps to the baseline's final value, the speedup and its verdict.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import UserError
+from ..evaluation.compare import (AXES, FLOPS_AXIS, Group, PairedSpeedup, Run, final_value, interval_curve, load_run,
+                                  paired_difference, paired_speedup, verdict)
+from ..evaluation.evaluator import is_lower_better
+from ..evaluation.stats import MeanInterval, mean_t_interval
+from ..files import write_atomic
+from .costs import arm_flops_per_step
+from .spec import Study
+from .status import RunStatus
+
+LEVEL = 0.95
+PARTS = ("heldout_mse", "heldout_vb")  # parts of heldout_loss: in the tables, not in verdicts and figures
+
+
+def _metric_order(metrics: Sequence[str]) -> list[str]:
+    first = [m for m in ("heldout_loss", "train_loss") if m in metrics]
+    return first + sorted(m for m in metrics if m not in first)
+
+
+def _interval(mi: MeanInterval | None, signed: bool = False) -> str:
+    if mi is None:
+        return "-"
+    fmt = "{:+.4g}" if signed else "{:.4g}"
+    text = fmt.format(mi.mean)
+    if mi.low is None:
+        return f"{text} (1 seed)"
+    return f"{text} [{fmt.format(mi.low)}, {fmt.format(mi.high)}]"
+
+
+def _per_seed(result: PairedSpeedup | None) -> str:
+    if result is None:
+        return "-"
+    return "; ".join(f"s{s.seed}: {s.arm_steps if s.arm_steps is not None else f'> {s.arm_final_step}'} "
+                     f"(baseline {s.baseline_steps})" for s in result.seeds)
+
+
+def _speedup(result: PairedSpeedup | None) -> str:
+    if result is None:
+        return "-"
+    n, missed = len(result.seeds), len(result.seeds) - result.reached
+    if missed:
+        bounds = ", ".join(f"s{s.seed} < {s.bound:.3g}x" for s in result.seeds if s.bound is not None)
+        return f"not reached by {missed} of {n} seeds ({bounds})"
+    if result.low is None:
+        return f"{result.geomean:.3g}x ({n} seed)"
+    return f"{result.geomean:.3g}x [{result.low:.3g}, {result.high:.3g}]"
+
+
+def _cell(text: str | None) -> str:
+    """Text that stays inside one Markdown table cell."""
+    return (text or "no message").replace("|", "\\|").replace("\n", " ")
+
+
+class StudyReport:
+    """Loads the finished runs of a study and computes every number of its report."""
+
+    def __init__(self, study: Study, statuses: Sequence[RunStatus], batch_sizes: dict[str, int]):
+        self.study, self.statuses = study, list(statuses)
+        self.unreadable: dict[str, str] = {}
+        runs: dict[str, list[Run]] = {arm: [] for arm in study.arms}
+        for status in self.statuses:
+            if status.finished:
+                try:
+                    runs[status.job.arm].append(load_run(status.job.run_dir))
+                except UserError as err:
+                    self.unreadable[status.job.name] = str(err)
+        flops = arm_flops_per_step(study.out, {arm: ([r.path for r in members], batch_sizes[arm])
+                                               for arm, members in runs.items()})
+        for arm, members in runs.items():
+            for run in members:
+                run.flops_per_step = flops[arm]
+        self.flops = flops
+        self.groups = {arm: Group(arm, members) for arm, members in runs.items() if members}
+        self.metrics = _metric_order(list(dict.fromkeys(m for g in self.groups.values() for r in g.runs
+                                                        for m in r.series)))
+
+    @property
+    def baseline(self) -> Group | None:
+        return self.groups.get(self.study.baseline)
+
+    def metric_rows(self, metric: str) -> list[dict[str, Any]]:
+        rows = []
+        base = self.baseline
+        for arm, group in self.groups.items():
+            finals = [f[1] for r in group.runs if (f := final_value(r, metric)) is not None]
+            if not finals:
+                continue
+            row: dict[str, Any] = {"arm": arm, "seeds": len(finals), "final": mean_t_interval(finals, LEVEL),
+                                   "difference": None, "speedup": None, "verdict": None}
+            if base is not None and arm != self.study.baseline:
+                row["difference"] = paired_difference(base.runs, group.runs, metric, LEVEL)
+                row["speedup"] = paired_speedup(base.runs, group.runs, metric, LEVEL)
+                row["verdict"] = verdict(row["speedup"]) if row["speedup"] is not None else "no seed paired with the baseline"
+            elif arm == self.study.baseline:
+                row["verdict"] = "baseline"
+            else:
+                row["verdict"] = "the baseline has no finished run yet"
+            rows.append(row)
+        return rows
+
+    def per_step(self, metric: str) -> dict[str, dict[int, tuple[float, float | None, float | None]]]:
+        """arm -> step -> (mean, low, high) over the arm's seeds (low/high None for one run)."""
+        out = {}
+        for arm, group in self.groups.items():
+            curve = interval_curve(group, metric, "step", LEVEL)
+            if curve is not None:
+                x, mean, half = curve
+                out[arm] = {int(step): (float(m), None if half is None else float(m - h), None if half is None
+                                        else float(m + h)) for step, m, h in zip(x, mean, half if half is not None
+                                                                                  else [None] * len(x))}
+        return out
+
+    def draw(self, folder: Path) -> list[str]:
+        """curves_<axis>.png: one panel per metric, the mean over seeds of each arm with its t band."""
+        from ..figures import plot_panels
+
+        written = []
+        for axis, label in {**AXES, **FLOPS_AXIS}.items():
+            panels = {}
+            for metric in self.metrics:
+                if metric.startswith(PARTS):
+                    continue
+                curves = {}
+                for arm, group in self.groups.items():
+                    curve = interval_curve(group, metric, axis, LEVEL)
+                    if curve is not None and np.isfinite(curve[0]).all():
+                        curves[arm] = curve
+                if curves:
+                    panels[metric] = curves
+            if panels:
+                name = f"curves_{axis}.png"
+                plot_panels(panels, folder / name, xlabel=label,
+                            title=f"{self.study.name}: mean over seeds, band = {LEVEL:.0%} t interval of the mean")
+                written.append(name)
+        return written
+
+
+def _how_to_read(study: Study) -> list[str]:
+    return [
+        "## How to read this report", "",
+        f"- **Intervals** are {LEVEL:.0%} Student-t intervals of a mean over seeds: mean ± t(0.975, n-1) · s / √n "
+        "(s: standard deviation over the seeds, ddof 1); one seed gives no interval. The bands in the figures are "
+        "the same interval at every evaluated step.",
+        "- **Paired by seed**: every arm trains with the same seeds, and runs of one seed share their data order "
+        f"and noise, so each arm is compared with the baseline ({study.baseline}) seed by seed.",
+        "- **final - baseline**: the arm's final value minus the baseline's, per seed, then the mean and its t "
+        "interval.",
+        "- **Steps to the baseline's final value**: for seed s, the target is the baseline's final value for s; "
+        "steps_s is the first evaluated step at which the curve reaches it (<= for lower-is-better metrics, >= "
+        "otherwise); the baseline's own steps_s is the first step it reaches its final value. `> N`: not reached "
+        "by the arm's last step N.",
+        "- **Speedup** per seed = baseline steps_s / arm steps_s; reported as the geometric mean over seeds with a "
+        "t interval on the log speedups. A seed whose arm never reaches the target is censored (its speedup is "
+        "below baseline steps_s / the arm's last step); then no interval is given.",
+        "- **Verdict**: *faster by Gx [lo, hi]* when the whole interval lies above 1; *slower by ...* when it lies "
+        "below 1, or when most seeds never reach the target; otherwise *no difference detected at this budget* "
+        "(the interval includes 1, or it could not be computed: a single seed, or some seeds not reaching the "
+        "target). No difference detected is not evidence of no difference: more seeds or steps narrow the "
+        "interval.",
+        "- Metrics named digits_* are the digits classifier metric (accuracy, Fréchet distance on its features), "
+        "NOT FID. heldout_mse* / heldout_vb* are parts of heldout_loss: tables only.",
+        "- **FLOPs** per step: network forward + backward (matrix products, attention included) counted once per "
+        "model config on a micro-batch, x global batch size; optimizer, EMA and gradient-checkpointing "
+        "recomputation are not included. Training seconds exclude evaluation.", ""]
+
+
+def _step_table(curves: dict[str, dict[int, tuple]]) -> list[str]:
+    """Mean [95% t interval] of every arm at every evaluated step (the steps all of an arm's seeds have)."""
+    if not curves:
+        return []
+    arms = list(curves)
+    lines = ["Per evaluated step, mean [95% t interval] over seeds:", "", "| step | " + " | ".join(arms) + " |",
+             "|---" * (len(arms) + 1) + "|"]
+    for step in sorted({s for c in curves.values() for s in c}):
+        cells = []
+        for arm in arms:
+            point = curves[arm].get(step)
+            if point is None:
+                cells.append("-")
+            else:
+                mean, low, high = point
+                cells.append(f"{mean:.4g}" + ("" if low is None else f" [{low:.4g}, {high:.4g}]"))
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def markdown(report: StudyReport, figures: Sequence[str]) -> str:
+    study = report.study
+    states = [s.state for s in report.statuses]
+    lines = [f"# Study: {study.name}", ""]
+    if study.description:
+        lines += [study.description.strip(), ""]
+    lines += [f"Study file `{study.source}`; base config `{study.base}`; common overrides "
+              f"`{json.dumps(study.overrides)}`; {len(study.arms)} arms x {len(study.seeds)} seeds "
+              f"({', '.join(map(str, study.seeds))}) = {len(states)} runs; baseline **{study.baseline}**. "
+              f"Written {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}.", "",
+              "## Runs", "", "| run | arm | seed | state | step | held-out loss |", "|---|---|---|---|---|---|"]
+    for s in report.statuses:
+        note = f" (exit {s.exit_code}: {_cell(s.error)})" if s.state == "failed" else ""
+        note += f" (logs unreadable: {_cell(report.unreadable[s.job.name])})" if s.job.name in report.unreadable else ""
+        loss = "-" if s.heldout_loss is None else f"{s.heldout_loss:.4g}"
+        lines.append(f"| {s.job.name} | {s.job.arm} | {s.job.seed} | {s.state}{note} | {s.step}/{s.max_steps} | {loss} |")
+    unfinished = [s.job.name for s in report.statuses if not s.finished]
+    lines += ["", f"Statistics below use the finished runs only ({states.count('done')} of {len(states)})"
+              + (f"; not used: {', '.join(unfinished)}." if unfinished else "."), ""]
+    lines += ["## Arms", "", "| arm | overrides | FLOPs / step |", "|---|---|---|"]
+    for arm, values in study.arms.items():
+        flops = report.flops.get(arm)
+        lines.append(f"| {arm} | `{json.dumps(values)}` | {'-' if flops is None else f'{flops:.4g}'} |")
+    lines.append("")
+    if report.baseline is None:
+        lines += [f"The baseline arm {study.baseline} has no finished run yet: no paired statistics.", ""]
+    lines += ["## Verdicts", "", f"Speedup to the baseline's final value, paired by seed ({LEVEL:.0%} t interval).", ""]
+    tables = []
+    for metric in report.metrics:
+        rows = report.metric_rows(metric)
+        arrow = "lower is better" if is_lower_better(metric) else "higher is better"
+        if not metric.startswith(PARTS):
+            lines += [f"- **{metric}**, {r['arm']}: {r['verdict']}" for r in rows if r["verdict"] != "baseline"]
+        tables += [f"## {metric} ({arrow})", "",
+                   "| arm | seeds | final value [95% t] | final - baseline, paired [95% t] | steps to the baseline's "
+                   "final value, per seed | speedup [95% t] | verdict |", "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            tables.append(f"| {r['arm']} | {r['seeds']} | {_interval(r['final'])} | {_interval(r['difference'], True)} | "
+                          f"{_per_seed(r['speedup'])} | {_speedup(r['speedup'])} | {r['verdict']} |")
+        tables.append("")
+        if metric != "train_loss" and not metric.startswith(PARTS):
+            tables += _step_table(report.per_step(metric))
+    if not report.metrics:
+        lines.append("- no finished run yet")
+    lines += [""] + tables
+    if figures:
+        lines += ["## Curves", ""] + [f"![{name}]({name})" for name in figures] + [""]
+    return "\n".join(lines + _how_to_read(study)) + "\n"
+
+
+def _summary(report: StudyReport) -> dict[str, Any]:
+    def interval(mi: MeanInterval | None) -> dict | None:
+        return None if mi is None else {"mean": mi.mean, "low": mi.low, "high": mi.high, "n": mi.n}
+
+    metrics = {}
+    for metric in report.metrics:
+        metrics[metric] = {"lower_is_better": is_lower_better(metric), "arms": {
+            r["arm"]: {"seeds": r["seeds"], "final": interval(r["final"]), "difference": interval(r["difference"]),
+                       "verdict": r["verdict"],
+                       "speedup": None if r["speedup"] is None else {
+                           "geomean": r["speedup"].geomean, "low": r["speedup"].low, "high": r["speedup"].high,
+                           "per_seed": [vars(s) for s in r["speedup"].seeds]}}
+            for r in report.metric_rows(metric)}}
+    curves = {metric: {arm: {"step": list(points), "mean": [p[0] for p in points.values()],
+                             "low": [p[1] for p in points.values()], "high": [p[2] for p in points.values()]}
+                       for arm, points in report.per_step(metric).items()} for metric in report.metrics}
+    return {"study": report.study.name, "baseline": report.study.baseline, "level": LEVEL, "curves": curves,
+            "runs": [{"run": s.job.name, "arm": s.job.arm, "seed": s.job.seed, "state": s.state, "step": s.step,
+                      "max_steps": s.max_steps, "exit_code": s.exit_code, "error": s.error} for s in report.statuses],
+            "flops_per_step": report.flops, "metrics": metrics}
+
+
+def write_study_report(study: Study, statuses: Sequence[RunStatus], batch_sizes: dict[str, int]) -> Path:
+    """Writes `<out>/report/` (report.md, summary.json, curves_*.png); returns report.md's path."""
+    report = StudyReport(study, statuses, batch_sizes)
+    folder = study.report_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in folder.glob("curves_*.png"):  # an axis that has no curve any more must not keep an old figure
+        old.unlink()
+    figures = report.draw(folder)
+    write_atomic(folder / "summary.json", json.dumps(_summary(report), indent=1).encode())
+    write_atomic(folder / "report.md", markdown(report, figures).encode())
+    return folder / "report.md"

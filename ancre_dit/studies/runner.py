@@ -1,0 +1,136 @@
+"""Runs a study's training runs on this machine: each one `python train.py --config BASE --resume
+auto k=v ...` in a subprocess of its own (a crash or a user error in one run cannot take the others
+down, and every run resumes exactly from its newest checkpoint), N at a time.
+
+The machine is split between the N slots: each child gets cores // N threads (OMP_NUM_THREADS, which
+torch reads at start), and, where GPUs are visible, slot k gets GPU k % gpus. A run's output goes to
+`<run>/study.log` (appended: the log of every launch is kept) and its launches to
+`<run>/study_status.jsonl`. Ctrl-C stops the running children the way train.py stops (checkpoint,
+then exit), so a rerun continues where they were.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .spec import Job, Study
+from .status import LOG, last_error_line, record_event
+
+
+@dataclass
+class Outcome:
+    job: Job
+    state: str  # done / stopped / failed
+    exit_code: int
+    error: str | None = None
+
+
+def train_command(study: Study, job: Job, train_script: Path) -> list[str]:
+    """The command line of one run (relative to nothing: every path in it is absolute)."""
+    return [sys.executable, str(train_script), "--config", str(study.base), "--resume", "auto", *job.overrides]
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def slot_environment(slot: int, slots: int, gpus: int) -> dict[str, str]:
+    """The environment of a child in `slot` of `slots`: its share of the cores and its GPU."""
+    threads = str(max(1, usable_cores() // slots))
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
+    if gpus and slots > 1:
+        env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
+    return env
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+class LocalRunner:
+    """Launches the jobs N at a time; `run` returns one Outcome per job it launched."""
+
+    def __init__(self, study: Study, train_script: Path, slots: int = 1, is_done: Callable[[Job], bool] | None = None):
+        self.study, self.train_script, self.slots = study, Path(train_script), max(1, int(slots))
+        self.is_done = is_done or (lambda job: False)
+        self._children: dict[str, subprocess.Popen] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+
+    def launch(self, job: Job, env: dict[str, str]) -> Outcome:
+        """One run in a child process, its output appended to `<run>/study.log`."""
+        command = train_command(self.study, job, self.train_script)
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        log_path = job.run_dir / LOG
+        with open(log_path, "a") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} study {self.study.name}: "
+                      f"{' '.join(command)}\n")
+            log.flush()
+            child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            with self._lock:
+                self._children[job.name] = child
+            record_event(job.run_dir, "started", pid=child.pid, executor="local")
+            code = child.wait()
+            with self._lock:
+                self._children.pop(job.name, None)
+        if code != 0:
+            error = last_error_line(log_path)
+            record_event(job.run_dir, "failed", exit_code=code, error=error)
+            return Outcome(job, "failed", code, error)
+        state = "done" if self.is_done(job) else "stopped"
+        record_event(job.run_dir, "finished" if state == "done" else "stopped", exit_code=0)
+        return Outcome(job, state, 0)
+
+    def stop_children(self) -> None:
+        """SIGTERM to every running child: train.py saves a checkpoint and exits."""
+        self._stopping.set()
+        with self._lock:
+            children = list(self._children.values())
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    def run(self, jobs: Sequence[Job], progress: Callable[[Outcome], None] = lambda o: None) -> list[Outcome]:
+        gpus = visible_gpus()
+        free: queue.Queue[int] = queue.Queue()
+        for slot in range(self.slots):
+            free.put(slot)
+
+        def work(job: Job) -> Outcome | None:
+            if self._stopping.is_set():
+                return None
+            slot = free.get()
+            try:
+                if self._stopping.is_set():
+                    return None
+                outcome = self.launch(job, slot_environment(slot, self.slots, gpus))
+            finally:
+                free.put(slot)
+            progress(outcome)
+            return outcome
+
+        pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="study")
+        futures = [pool.submit(work, job) for job in jobs]
+        try:
+            while not all(f.done() for f in futures):
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            self.stop_children()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
+        return [o for f in futures if (o := f.result()) is not None]

@@ -1,0 +1,268 @@
+"""A study file: one base config, named arms and a grid of overrides, seeds -> the list of runs.
+
+    out: results/studies/NAME          # default results/studies/<file stem>
+    base: configs/quickstart.yaml      # every run starts from it (paths relative to the current folder)
+    overrides: {model.depth: 12}       # applied to every run
+    arms: {cascaded: {model.topology: cascaded}}
+    grid: {model.topology: [ancre], model.tau: [0.01, 0.1]}   # more arms: the product of the values
+    seeds: [0, 1, 2]
+    baseline: cascaded
+    name: ..., description: ...        # optional
+    slurm: {partition: ..., gpus_per_node: 8, nodes: 1, time_min: 4320, account: ..., array_parallelism: 8}
+
+Grid arms are named from their values, in the grid's key order, joined by "-": a text value as
+itself (`ancre`), any other value as the key's last part followed by the value (`tau0.01`), so
+{model.topology: ancre, model.tau: 0.01} is `ancre-tau0.01`. Characters other than letters,
+digits and `._+-` become `_`. Run `<arm>-s<seed>` trains in `<out>/runs/<arm>-s<seed>` with
+`train.seed=<seed>`; every arm uses the same seeds, so runs of one seed can be compared in pairs.
+
+Every run's config is loaded (base + overrides + arm + seed + run_dir) before anything is written,
+so a mistake in any arm is one line naming it, not a failed run hours later.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import UserError
+
+KEYS = ("name", "description", "out", "base", "overrides", "arms", "grid", "seeds", "baseline", "slurm")
+SLURM_KEYS = ("partition", "account", "gpus_per_node", "nodes", "time_min", "array_parallelism", "cpus_per_task")
+RESERVED = ("train.seed", "run_dir")  # the study sets these per run
+# Keys whose paths are checked for existence when a config loads, and what stands in for them under
+# --no-check-paths (an existing folder / file, so every other check still runs).
+PATH_KEYS = {"data.path": "dir", "eval.val_path": "dir", "eval.ref": "file", "eval.inception_weights": "file"}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One run of the study: an arm trained with one seed."""
+    arm: str
+    seed: int
+    run_dir: Path
+    overrides: tuple[str, ...]  # every `key=value` after the base config, run_dir last
+
+    @property
+    def name(self) -> str:
+        return self.run_dir.name
+
+
+@dataclass
+class Study:
+    """A parsed study file (see the module docstring); `jobs` in arm order, then seed order."""
+    source: Path
+    name: str
+    description: str
+    out: Path
+    base: Path
+    overrides: dict[str, Any]
+    arms: dict[str, dict[str, Any]]
+    seeds: list[int]
+    baseline: str
+    slurm: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.out / "runs"
+
+    @property
+    def report_dir(self) -> Path:
+        return self.out / "report"
+
+    def run_dir(self, arm: str, seed: int) -> Path:
+        return self.runs_dir / f"{arm}-s{seed}"
+
+    @property
+    def jobs(self) -> list[Job]:
+        """Seed by seed (every arm's seed 0 first): a study stopped part-way still compares every arm."""
+        common = [f"{k}={yaml_value(v)}" for k, v in self.overrides.items()]
+        out = []
+        for seed in self.seeds:
+            for arm, values in self.arms.items():
+                own = [f"{k}={yaml_value(v)}" for k, v in values.items()]
+                run_dir = self.run_dir(arm, seed)
+                out.append(Job(arm, seed, run_dir, (*common, *own, f"train.seed={seed}", f"run_dir={run_dir}")))
+        return out
+
+    def record(self) -> dict[str, Any]:
+        """What study.json holds: enough to tell this study from another one in the same folder."""
+        return {"name": self.name, "source": str(self.source), "base": str(self.base), "overrides": self.overrides,
+                "arms": self.arms, "seeds": self.seeds, "baseline": self.baseline}
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys silently; a study must not lose an arm that way."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise UserError(f"line {key_node.start_mark.line + 1}: {key!r} is given twice (duplicate arm names "
+                                f"or keys); give each once")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def yaml_value(value: Any) -> str:
+    """A value as the text of a `key=value` override that reads back as the same value."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=math.inf).strip()
+    return text[:-3].strip() if text.endswith("\n...") else text
+
+
+def _flatten(mapping: Any, where: str, prefix: str = "") -> dict[str, Any]:
+    """{model: {depth: 12}} and {model.depth: 12} alike -> {"model.depth": 12}."""
+    if mapping is None:
+        return {}
+    if not isinstance(mapping, dict):
+        raise UserError(f"{where} must be a mapping of config keys to values (e.g. model.depth: 12), got {mapping!r}")
+    out: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if not isinstance(key, str) or not key.strip():
+            raise UserError(f"{where}: config key {key!r} must be text such as model.depth")
+        full = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, where, f"{full}."))
+        else:
+            out[full] = value
+    for key in out:
+        if key in RESERVED:
+            raise UserError(f"{where} sets {key}; the study sets it for every run (seeds: and <out>/runs/<arm>-s<seed>)")
+    return out
+
+
+def _token(key: str, value: Any) -> str:
+    text = str(value) if isinstance(value, str) else f"{key.split('.')[-1]}{yaml_value(value)}"
+    return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
+
+
+def grid_arms(grid: Any, where: str) -> dict[str, dict[str, Any]]:
+    """The product of the grid's values, each named by the rule in the module docstring."""
+    flat = _flatten(grid, where)
+    if not flat:
+        return {}
+    for key, values in flat.items():
+        if not isinstance(values, list) or not values:
+            raise UserError(f"{where}: {key} must be a non-empty list of values, got {values!r}")
+    arms: dict[str, dict[str, Any]] = {}
+    for combo in itertools.product(*flat.values()):
+        values = dict(zip(flat, combo))
+        name = "-".join(_token(k, v) for k, v in values.items())
+        if name in arms:
+            raise UserError(f"{where}: two grid points are both named {name!r}; give them distinct values or named arms")
+        arms[name] = values
+    return arms
+
+
+def _seeds(raw: Any, where: str) -> list[int]:
+    if not isinstance(raw, list) or not raw:
+        raise UserError(f"{where}: seeds must be a non-empty list of integers, e.g. seeds: [0, 1, 2]; got {raw!r}")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in raw):
+        raise UserError(f"{where}: seeds must be integers >= 0, got {raw!r}")
+    if len(set(raw)) != len(raw):
+        raise UserError(f"{where}: seeds {raw} repeat a seed; give each once")
+    return list(raw)
+
+
+def _slurm(raw: Any, where: str) -> dict[str, Any]:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or set(raw) - set(SLURM_KEYS):
+        unknown = sorted(set(raw) - set(SLURM_KEYS)) if isinstance(raw, dict) else raw
+        raise UserError(f"{where}: slurm must be a mapping of {', '.join(SLURM_KEYS)}; unknown: {unknown}")
+    return dict(raw)
+
+
+def load_study(path: str | Path) -> Study:
+    """Reads and checks a study file (not the configs: see `validate`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"study file {path} not found; pass a study YAML such as studies/digits-depth.yaml")
+    try:
+        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    except UserError as err:
+        raise UserError(f"{path}: {err}") from None
+    except yaml.YAMLError as err:
+        raise UserError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} must hold a mapping with base:, arms: and/or grid:, seeds:, baseline:")
+    unknown = sorted(set(raw) - set(KEYS))
+    if unknown:
+        raise UserError(f"{path}: unknown key {unknown[0]!r}; a study file holds {', '.join(KEYS)}")
+    if not raw.get("base"):
+        raise UserError(f"{path}: base: is missing; name the config every run starts from, e.g. base: configs/quickstart.yaml")
+    base = Path(str(raw["base"]))
+    if not base.is_file():
+        raise UserError(f"{path}: base config {base} not found (paths are relative to the current folder)")
+    arms = {}
+    for name, values in (raw.get("arms") or {}).items():
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._+-]+", name):
+            raise UserError(f"{path}: arm name {name!r} must use letters, digits and ._+- only (it names folders)")
+        arms[name] = _flatten(values, f"{path}: arm {name}")
+    for name, values in grid_arms(raw.get("grid"), f"{path}: grid").items():
+        if name in arms:
+            raise UserError(f"{path}: duplicate arm name {name!r} (a named arm and a grid point); rename the arm")
+        arms[name] = values
+    if not arms:
+        raise UserError(f"{path}: no arms; give arms: (named sets of overrides) and/or a non-empty grid:")
+    baseline = raw.get("baseline")
+    if baseline is None and len(arms) == 1:
+        baseline = next(iter(arms))
+    if baseline not in arms:
+        raise UserError(f"{path}: baseline {baseline!r} is not among the arms ({', '.join(arms)}); name one of them")
+    out = Path(str(raw.get("out") or Path("results") / "studies" / path.stem))
+    return Study(source=path, name=str(raw.get("name") or path.stem), description=str(raw.get("description") or ""),
+                 out=out.absolute(), base=base.absolute(), overrides=_flatten(raw.get("overrides"), f"{path}: overrides"),
+                 arms=arms, seeds=_seeds(raw.get("seeds"), str(path)), baseline=str(baseline),
+                 slurm=_slurm(raw.get("slurm"), str(path)))
+
+
+def _raw_value(base: dict, overrides: tuple[str, ...], key: str) -> Any:
+    """The value `key` ends up with in the base file + overrides, before any checking."""
+    value = base
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    for item in overrides:
+        k, _, text = item.partition("=")
+        if k == key:
+            value = yaml.safe_load(text) if text.strip() else None
+    return value
+
+
+def path_stand_ins(study: Study, job: Job) -> tuple[list[str], list[str]]:
+    """(overrides replacing the paths of PATH_KEYS that do not exist here by existing stand-ins,
+    the `key=path` items they replace): what --no-check-paths validates with."""
+    try:
+        base = yaml.safe_load(study.base.read_text()) or {}
+    except yaml.YAMLError:
+        return [], []  # load_config names the problem
+    stand_ins, missing = [], []
+    for key, kind in PATH_KEYS.items():
+        value = _raw_value(base if isinstance(base, dict) else {}, job.overrides, key)
+        if isinstance(value, str) and value and not Path(value).exists():
+            stand_ins.append(f"{key}={tempfile.gettempdir() if kind == 'dir' else study.base}")
+            missing.append(f"{key}={value}")
+    return stand_ins, missing
+
+
+def job_config(study: Study, job: Job, check_paths: bool = True):
+    """The job's training Config (load_config of base + overrides); one UserError naming the arm."""
+    from ..training.config import load_config
+
+    extra = [] if check_paths else path_stand_ins(study, job)[0]
+    try:
+        return load_config(study.base, [*job.overrides, *extra])
+    except UserError as err:
+        raise UserError(f"{study.source}: arm {job.arm} (seed {job.seed}): {err}") from None
+
+
+def validate(study: Study, check_paths: bool = True) -> dict[str, Any]:
+    """Loads every run's config; returns {run name: Config}. The first problem is one UserError."""
+    return {job.name: job_config(study, job, check_paths) for job in study.jobs}

@@ -1,0 +1,126 @@
+"""Where each run of a study stands, read from what is on disk (so any machine can tell, whichever
+executor ran it): the run's checkpoints and logs, and `<run>/study_status.jsonl`, the append-only
+record of its launches (started / submitted / finished / stopped / failed, with exit code and error).
+
+States: done (a complete checkpoint at train.max_steps), running (a launch started and has not
+ended; on another host it cannot be checked), submitted (queued on the cluster), failed (the last
+launch exited with an error), stopped (interrupted or preempted before max_steps: a rerun resumes
+it), not started.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..evaluation.evaluator import read_evals
+from ..files import append_jsonl, read_jsonl
+from ..training.checkpointing import list_checkpoints
+from .spec import Job
+
+EVENTS = "study_status.jsonl"
+LOG = "study.log"
+STATES = ("done", "running", "submitted", "stopped", "failed", "not started")
+
+
+def record_event(run_dir: Path, event: str, **fields: Any) -> None:
+    """Appends one launch event to the run's status file (one write, safe beside other writers)."""
+    append_jsonl(Path(run_dir) / EVENTS, {"event": event, "time": round(time.time(), 3),
+                                          "host": socket.gethostname(), **fields})
+
+
+@dataclass
+class RunStatus:
+    job: Job
+    state: str
+    step: int
+    max_steps: int
+    heldout_loss: float | None
+    exit_code: int | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state == "done"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _step_reached(run_dir: Path) -> int:
+    """The last step the run logged or saved (metrics.jsonl is written more often than checkpoints)."""
+    rows = read_jsonl(run_dir / "logs" / "metrics.jsonl")
+    saved = list_checkpoints(run_dir)
+    return max([int(r.get("step", 0)) for r in rows[-1:]] + [saved[-1][0] if saved else 0])
+
+
+def run_status(job: Job, max_steps: int) -> RunStatus:
+    run_dir = job.run_dir
+    saved = list_checkpoints(run_dir)
+    evals = [e for e in read_evals(run_dir) if "heldout_loss" in e.get("metrics", {})]
+    heldout = float(evals[-1]["metrics"]["heldout_loss"]) if evals else None
+    step = _step_reached(run_dir)
+    events = read_jsonl(run_dir / EVENTS)
+    last = events[-1] if events else {}
+    if saved and saved[-1][0] >= max_steps:
+        return RunStatus(job, "done", saved[-1][0], max_steps, heldout)
+    kind = last.get("event")
+    if kind == "failed":
+        return RunStatus(job, "failed", step, max_steps, heldout, last.get("exit_code"), last.get("error"))
+    if kind == "started":
+        here = last.get("host") == socket.gethostname()
+        if not (here and last.get("pid") and not _alive(int(last["pid"]))):
+            return RunStatus(job, "running", step, max_steps, heldout)
+    if kind == "submitted":
+        return RunStatus(job, "submitted", step, max_steps, heldout)
+    if events or step:
+        return RunStatus(job, "stopped", step, max_steps, heldout)
+    return RunStatus(job, "not started", step, max_steps, heldout)
+
+
+def last_error_line(log: Path, limit: int = 1 << 16) -> str | None:
+    """The line that says why a run failed: the last `error:` line of its log (our one-line user
+    errors), else the last line naming an Error or exception, else the last non-empty line."""
+    if not log.is_file():
+        return None
+    with open(log, "rb") as f:
+        f.seek(max(0, log.stat().st_size - limit))
+        text = f.read().decode("utf-8", "replace")
+    lines = [part.strip() for line in text.splitlines() for part in line.split("\r")[-1:] if part.strip()]
+    for test in (lambda s: s.startswith("error:"), lambda s: "Error" in s or "Exception" in s):
+        hits = [s for s in lines if test(s)]
+        if hits:
+            return hits[-1][:300]
+    return lines[-1][:300] if lines else None
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain aligned text table (terminal output)."""
+    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def status_table(statuses: Sequence[RunStatus]) -> str:
+    rows = [(s.job.name, s.job.arm, s.job.seed, s.state, f"{s.step}/{s.max_steps}",
+             None if s.heldout_loss is None else f"{s.heldout_loss:.4g}") for s in statuses]
+    text = format_table(("run", "arm", "seed", "state", "step", "held-out loss"), rows)
+    failed = [s for s in statuses if s.state == "failed"]
+    if failed:
+        text += "\n\nfailed:\n" + "\n".join(f"  {s.job.name}: exit code {s.exit_code}: {s.error or '(no message)'} "
+                                            f"(log: {s.job.run_dir / LOG})" for s in failed)
+    counts = {state: sum(s.state == state for s in statuses) for state in STATES}
+    text += "\n\n" + ", ".join(f"{n} {state}" for state, n in counts.items() if n)
+    return text
