@@ -129,6 +129,8 @@ BAD = [
     (dict(arms={"cascaded": {"train.seed": 3}}), "sets train.seed"),
     (dict(flavour=1), "unknown key 'flavour'"),
     (dict(arms={"bad/name": {}}), "arm name 'bad/name'"),
+    (dict(arms=None, grid={"model.depth": [2, 4], "model.topology": ["ancre"]}, baseline={"model.topology": "cascaded"}),
+     "arm depth2-ancre has no baseline arm"),
 ]
 
 
@@ -377,3 +379,28 @@ def test_multi_gpu_jobs_launch_torchrun_with_the_node_rank():
     assert single[1:] == ["train.py"]
     import pickle
     assert pickle.loads(pickle.dumps(job)).train_args == job.train_args
+
+
+def test_a_baseline_per_arm_compares_each_depth_with_its_own_plain_dit(tmp_path):
+    """baseline: {model.topology: cascaded} pairs every arm with the arm equal to it but for the
+    topology: the ancre runs at depth 4 against the cascaded runs at depth 4, not at depth 2."""
+    from ancre_dit.studies.report import StudyReport
+
+    path = write_study(tmp_path / "d.yaml", arms=None, grid={"model.depth": [2, 4], "model.topology": ["cascaded", "ancre"]},
+                       baseline={"model.topology": "cascaded"})
+    study = load_study(path)
+    assert {arm: study.baseline_of(arm) for arm in study.arms} == {
+        "depth2-cascaded": "depth2-cascaded", "depth2-ancre": "depth2-cascaded",
+        "depth4-cascaded": "depth4-cascaded", "depth4-ancre": "depth4-cascaded"}
+    curves = {"depth2-cascaded": {10: 1.0, 20: 0.5}, "depth2-ancre": {10: 0.9, 20: 0.6},    # slower at depth 2
+              "depth4-cascaded": {10: 1.0, 20: 0.8}, "depth4-ancre": {10: 0.7, 20: 0.6}}    # faster at depth 4
+    report = StudyReport.__new__(StudyReport)
+    report.study = study
+    report.groups = {arm: Group(arm, [fake_run(tmp_path / arm, f"s{seed}", seed,
+                                               {s: v + 0.01 * seed for s, v in points.items()}) for seed in (0, 1)])
+                     for arm, points in curves.items()}
+    rows = {r["arm"]: r for r in report.metric_rows("heldout_loss")}
+    assert rows["depth2-cascaded"]["verdict"] == rows["depth4-cascaded"]["verdict"] == "baseline"
+    assert rows["depth4-ancre"]["speedup"].geomean == pytest.approx(2.0)  # 20 steps against 10
+    assert rows["depth2-ancre"]["speedup"].reached == 0  # never reaches depth 2's final 0.5
+    assert rows["depth4-ancre"]["difference"].mean == pytest.approx(-0.2)

@@ -26,7 +26,7 @@ def dry_run(study: Study, check_paths: bool = True) -> str:
     table = format_table(("run", "arm", "seed", "topology", "max_steps", "arm overrides"), rows)
     note = (f"\nnot checked (missing here, --no-check-paths): {', '.join(unchecked)}" if unchecked else "")
     return (f"study {study.name}: {len(study.arms)} arms x {len(study.seeds)} seeds = {len(rows)} runs, all configs "
-            f"valid; baseline {study.baseline}; runs would go to {study.runs_dir}{note}\n\n{table}")
+            f"valid; baseline {study.baseline_label}; runs would go to {study.runs_dir}{note}\n\n{table}")
 
 
 def statuses(study: Study, configs: dict | None = None) -> list[RunStatus]:

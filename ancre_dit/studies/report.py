@@ -92,22 +92,24 @@ class StudyReport:
 
     @property
     def baseline(self) -> Group | None:
-        return self.groups.get(self.study.baseline)
+        """The baseline group when there is one baseline arm (None with a baseline per arm)."""
+        return self.groups.get(self.study.baseline) if isinstance(self.study.baseline, str) else None
 
     def metric_rows(self, metric: str) -> list[dict[str, Any]]:
         rows = []
-        base = self.baseline
         for arm, group in self.groups.items():
+            base_arm = self.study.baseline_of(arm)
+            base = self.groups.get(base_arm)
             finals = [f[1] for r in group.runs if (f := final_value(r, metric)) is not None]
             if not finals:
                 continue
             row: dict[str, Any] = {"arm": arm, "seeds": len(finals), "final": mean_t_interval(finals, LEVEL),
                                    "difference": None, "speedup": None, "verdict": None}
-            if base is not None and arm != self.study.baseline:
+            if base is not None and arm != base_arm:
                 row["difference"] = paired_difference(base.runs, group.runs, metric, LEVEL)
                 row["speedup"] = paired_speedup(base.runs, group.runs, metric, LEVEL)
                 row["verdict"] = verdict(row["speedup"]) if row["speedup"] is not None else "no seed paired with the baseline"
-            elif arm == self.study.baseline:
+            elif arm == base_arm:
                 row["verdict"] = "baseline"
             else:
                 row["verdict"] = "the baseline has no finished run yet"
@@ -158,7 +160,7 @@ def _how_to_read(study: Study) -> list[str]:
         "(s: standard deviation over the seeds, ddof 1); one seed gives no interval. The bands in the figures are "
         "the same interval at every evaluated step.",
         "- **Paired by seed**: every arm trains with the same seeds, and runs of one seed share their data order "
-        f"and noise, so each arm is compared with the baseline ({study.baseline}) seed by seed.",
+        f"and noise, so each arm is compared with the baseline ({study.baseline_label}) seed by seed.",
         "- **final - baseline**: the arm's final value minus the baseline's, per seed, then the mean and its t "
         "interval.",
         "- **Steps to the baseline's final value**: for seed s, the target is the baseline's final value for s; "
@@ -208,7 +210,7 @@ def markdown(report: StudyReport, figures: Sequence[str]) -> str:
         lines += [study.description.strip(), ""]
     lines += [f"Study file `{study.source}`; base config `{study.base}`; common overrides "
               f"`{json.dumps(study.overrides)}`; {len(study.arms)} arms x {len(study.seeds)} seeds "
-              f"({', '.join(map(str, study.seeds))}) = {len(states)} runs; baseline **{study.baseline}**. "
+              f"({', '.join(map(str, study.seeds))}) = {len(states)} runs; baseline **{study.baseline_label}**. "
               f"Written {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}.", "",
               "## Runs", "", "| run | arm | seed | state | step | held-out loss |", "|---|---|---|---|---|---|"]
     for s in report.statuses:
@@ -224,7 +226,7 @@ def markdown(report: StudyReport, figures: Sequence[str]) -> str:
         flops = report.flops.get(arm)
         lines.append(f"| {arm} | `{json.dumps(values)}` | {'-' if flops is None else f'{flops:.4g}'} |")
     lines.append("")
-    if report.baseline is None:
+    if isinstance(study.baseline, str) and report.baseline is None:
         lines += [f"The baseline arm {study.baseline} has no finished run yet: no paired statistics.", ""]
     lines += ["## Verdicts", "", f"Speedup to the baseline's final value, paired by seed ({LEVEL:.0%} t interval).", ""]
     tables = []

@@ -65,8 +65,23 @@ class Study:
     overrides: dict[str, Any]
     arms: dict[str, dict[str, Any]]
     seeds: list[int]
-    baseline: str
+    # An arm's name, or overrides ({model.topology: cascaded}): each arm is then compared with the arm
+    # that differs from it only by these values (a depth sweep: each depth against its own plain DiT).
+    baseline: str | dict[str, Any]
     slurm: dict[str, Any] = field(default_factory=dict)
+
+    def baseline_of(self, arm: str) -> str:
+        """The arm `arm` is compared with (itself for a baseline arm)."""
+        if isinstance(self.baseline, str):
+            return self.baseline
+        wanted = {**self.arms[arm], **self.baseline}
+        return next(name for name, values in self.arms.items() if values == wanted)
+
+    @property
+    def baseline_label(self) -> str:
+        if isinstance(self.baseline, str):
+            return self.baseline
+        return ", ".join(f"{k}={v}" for k, v in self.baseline.items()) + " (each arm against its own)"
 
     @property
     def runs_dir(self) -> Path:
@@ -215,12 +230,20 @@ def load_study(path: str | Path) -> Study:
     baseline = raw.get("baseline")
     if baseline is None and len(arms) == 1:
         baseline = next(iter(arms))
-    if baseline not in arms:
-        raise UserError(f"{path}: baseline {baseline!r} is not among the arms ({', '.join(arms)}); name one of them")
+    if isinstance(baseline, dict):
+        baseline = _flatten(baseline, f"{path}: baseline")
+        for name, values in arms.items():
+            if {**values, **baseline} not in arms.values():
+                raise UserError(f"{path}: arm {name} has no baseline arm (its overrides with "
+                                f"{', '.join(f'{k}={v}' for k, v in baseline.items())}); add that arm")
+    elif baseline not in arms:
+        raise UserError(f"{path}: baseline {baseline!r} is not among the arms ({', '.join(arms)}); name one of them, "
+                        f"or give overrides such as {{model.topology: cascaded}} to compare each arm with its own")
     out = Path(str(raw.get("out") or Path("results") / "studies" / path.stem))
     return Study(source=path, name=str(raw.get("name") or path.stem), description=str(raw.get("description") or ""),
                  out=out.absolute(), base=base.absolute(), overrides=_flatten(raw.get("overrides"), f"{path}: overrides"),
-                 arms=arms, seeds=_seeds(raw.get("seeds"), str(path)), baseline=str(baseline),
+                 arms=arms, seeds=_seeds(raw.get("seeds"), str(path)),
+                 baseline=baseline if isinstance(baseline, dict) else str(baseline),
                  slurm=_slurm(raw.get("slurm"), str(path)))
 
 
