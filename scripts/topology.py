@@ -45,6 +45,8 @@ def _names(paths: list[Path]) -> list[str]:
 def show(args) -> None:
     from ancre_dit.figures import plot_topology_heatmap
 
+    if _attends_over_depth(args.topology):
+        return show_routing(args)
     path = topology_file(args.topology)
     try:
         P = load_topology_json(path)
@@ -66,6 +68,68 @@ def show(args) -> None:
         args.summary_json.write_text(json.dumps(summary, indent=1))
         print(f"summary written to {args.summary_json}")
     print(f"heatmap written to {out}")
+
+
+def _checkpoint_of(path: Path) -> Path:
+    """A checkpoint folder, or a run's newest complete checkpoint."""
+    from ancre_dit.training.checkpointing import list_checkpoints
+
+    if (path / "model_spec.json").is_file():
+        return path
+    found = list_checkpoints(path) if path.is_dir() else []
+    if not found:
+        raise MissingFileError(f"{path} is neither a checkpoint folder nor a run with a complete checkpoint; "
+                               f"pass RUN or RUN/checkpoints/<step>")
+    return found[-1][1]
+
+
+def _attends_over_depth(path: Path) -> bool:
+    """A run or checkpoint of DAR / AttnRes (no topology.json: weights per token and timestep)."""
+    from ancre_dit.checkpoint import load_model_spec
+    from ancre_dit.models.topologies.depth_attention import DEPTH_ATTENTION
+
+    if not path.is_dir() or (path / "topology.json").is_file():
+        return False
+    try:
+        return load_model_spec(_checkpoint_of(path))["model"]["kwargs"].get("topology") in DEPTH_ATTENTION
+    except UserError:
+        return False
+
+
+def show_routing(args) -> None:
+    """DAR / AttnRes: the mean routing weights (aggregator x source, over samples and tokens) on a
+    fixed probe batch, one heatmap per normalised time t, since the weights depend on t."""
+    import torch
+
+    from ancre_dit.checkpoint import load_trained_model
+    from ancre_dit.diffusion import build_objective
+    from ancre_dit.figures import plot_topology_panels
+
+    out = output_file(args.out or args.topology / "routing.png", (".png",))
+    if args.summary_json:
+        output_file(args.summary_json, (".json",), "--summary-json")
+    if not all(0.0 <= t <= 1.0 for t in args.t):
+        raise UserError(f"--t takes normalised times in [0, 1] (0 = data, 1 = noise), got {args.t}")
+    folder = _checkpoint_of(args.topology)
+    model, spec = load_trained_model(folder)
+    objective = build_objective(spec["diffusion"])
+    x, y, source = _probe_batch(spec, model, 32, 0)
+    g = torch.Generator().manual_seed(0)
+    weights = {}
+    model.topology.record_weights = True
+    with torch.no_grad():
+        for u in args.t:
+            objective.losses(model, x, y, (objective.times_at(u, len(x)), torch.randn(x.shape, generator=g)))
+            weights[f"t={u:g}"] = model.topology.routing_weights()
+    model.topology.record_weights = False
+    title = (f"{spec['model']['kwargs'].get('topology')} step {spec.get('step')}: rows = aggregator before sublayer "
+             f"l+1 (last: final), columns = source v_i ({source})")
+    plot_topology_panels(weights, out, title=title)
+    if args.summary_json:
+        args.summary_json.parent.mkdir(parents=True, exist_ok=True)
+        args.summary_json.write_text(json.dumps({k: v.tolist() for k, v in weights.items()}, indent=1))
+        print(f"weights written to {args.summary_json}")
+    print(f"routing weights of {folder} at t = {', '.join(f'{t:g}' for t in args.t)} drawn to {out}")
 
 
 def compare(args) -> None:
@@ -115,18 +179,11 @@ def diagnose(args) -> None:
     from ancre_dit.diffusion import build_objective
     from ancre_dit.evaluation.diagnostics import diagnose as measure
     from ancre_dit.figures import plot_diagnosis
-    from ancre_dit.training.checkpointing import list_checkpoints
 
     out = output_folder(args.out, "diagnosis", "diagnose.json")
     if not all(0.0 <= t <= 1.0 for t in args.t):
         raise UserError(f"--t takes normalised times in [0, 1] (0 = data, 1 = noise), got {args.t}")
-    folder = args.checkpoint
-    if not (folder / "model_spec.json").is_file():
-        found = list_checkpoints(folder) if folder.is_dir() else []
-        if not found:
-            raise MissingFileError(f"{folder} is neither a checkpoint folder nor a run with a complete checkpoint; "
-                                   f"pass RUN or RUN/checkpoints/<step>")
-        folder = found[-1][1]
+    folder = _checkpoint_of(args.checkpoint)
     model, spec = load_trained_model(folder, args.weights)
     objective = build_objective(spec["diffusion"])
     x, y, source = _probe_batch(spec, model, args.samples, args.seed)
@@ -174,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--title", default=None)
     s.add_argument("--summary-json", type=Path, default=None,
                    help="also write the topology analysis (strongest sources, anchors, entropy) here")
+    s.add_argument("--t", type=float, nargs="+", default=[0.1, 0.5, 0.9],
+                   help="DAR / AttnRes: normalised times (0 = data, 1 = noise) at which to draw the weights")
     s.set_defaults(func=show)
     c = sub.add_parser("compare", help="Pearson correlation and strongest-edge agreement between runs")
     c.add_argument("topologies", type=Path, nargs="+", metavar="RUN_OR_JSON")

@@ -184,3 +184,68 @@ def test_bad_options_are_one_line():
         model_of("dar", query="learned")
     with pytest.raises(UserError, match="chunk must be at least 1"):
         model_of("dar", chunk=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [["model.query=static", "model.chunk=2"], ["model.query=static-t", "model.chunk=4"],
+                                     ["model.query=dynamic", "model.chunk=1"], ["model.block=0"],
+                                     ["model.block=2", "model.query=dynamic"]],
+                         ids=["dar-static", "dar-static-t", "dar-dynamic", "attnres-full", "attnres-block"])
+def test_trains_resumes_samples_and_evaluates(tmp_path, options):
+    """Through the normal paths: a run resumed from its step-2 checkpoint ends bitwise where the
+    straight run ends, the checkpoint samples, and evaluate.py --run scores every checkpoint."""
+    import numpy as np
+
+    from ancre_dit.checkpoint import load_trained_model
+    from ancre_dit.sampling.api import sample_images
+    from ancre_dit.training import train
+    from ancre_dit.training.run_evaluation import evaluate_run
+
+    from helpers import assert_same_weights, reset_accelerate, tiny_config
+
+    topology = "model.topology=dar" if any("chunk" in o for o in options) else "model.topology=attnres"
+    common = [topology, *options, "train.ckpt_every=2", "train.eval_every=2", "eval.heldout_max=8"]
+
+    def run(folder, steps, resume=None):
+        reset_accelerate()
+        try:
+            return train(tiny_config(folder, *common, f"train.max_steps={steps}"), resume=resume)
+        finally:
+            reset_accelerate()
+
+    run(tmp_path / "straight", 4)
+    run(tmp_path / "resumed", 2)
+    assert run(tmp_path / "resumed", 4, resume="auto")["step"] == 4
+    assert_same_weights(tmp_path / "straight" / "checkpoints" / "0000004", tmp_path / "resumed" / "checkpoints" / "0000004")
+    model, spec = load_trained_model(tmp_path / "resumed" / "checkpoints" / "0000004")
+    assert spec["model"]["kwargs"]["topology"] == topology.split("=")[1]
+    images = sample_images(model, spec["diffusion"], [1, 2], sampler="ddim", steps=3, seed=0)
+    assert images.shape == (2, 8, 8, 1) and images.dtype == np.uint8
+    entries = evaluate_run(tmp_path / "resumed", overrides=["eval.heldout_draws=1"], log=lambda *a: None)
+    assert [e["step"] for e in entries] == [2, 4] and all(np.isfinite(e["metrics"]["heldout_loss"]) for e in entries)
+
+
+def test_show_draws_the_routing_weights_at_each_t_and_matrix_tools_refuse(tmp_path, capsys):
+    import json
+
+    from ancre_dit.checkpoint import make_model_spec, write_model_files
+    from helpers import ROOT, load_script
+
+    kwargs = dict(KW, depth=4, topology="dar", query="static-t", chunk=2)
+    model = randomize(model_of("dar", query="static-t", chunk=2), blocks=True, routing=True)
+    data = {"kind": "digits", "image_size": 8, "image_channels": 1, "num_classes": 10, "vae": None, "scaling_factor": None}
+    folder = tmp_path / "ckpt"
+    write_model_files(folder, make_model_spec("DiT-S/2", kwargs, {"objective": "flow", "learn_sigma": False}, data, 3),
+                      model.state_dict(), model.state_dict())
+    main = load_script(ROOT / "scripts" / "topology.py").main
+    assert main(["show", str(folder), "--t", "0.1", "0.9", "--out", str(tmp_path / "r.png"),
+                 "--summary-json", str(tmp_path / "r.json")]) == 0
+    weights = {t: torch.tensor(w) for t, w in json.loads((tmp_path / "r.json").read_text()).items()}
+    assert set(weights) == {"t=0.1", "t=0.9"} and (tmp_path / "r.png").is_file()
+    for W in weights.values():
+        assert W.shape == (9, 9)
+        torch.testing.assert_close(W.sum(1), torch.ones(9))
+        assert torch.equal(W, torch.tril(W))  # sources come before their reader
+    assert (weights["t=0.1"] - weights["t=0.9"]).abs().max() > 1e-4  # the weights depend on t
+    with pytest.raises(UserError, match="HC, mHC, DAR and AttnRes have none"):
+        main(["compare", str(folder), str(folder), "--out", str(tmp_path / "c.png")])

@@ -29,8 +29,10 @@ def topology_file(path: str | Path) -> Path:
     path = Path(path)
     if path.is_dir():
         if not (path / "topology.json").is_file():
-            raise MissingFileError(f"{path} holds no topology.json; pass a run directory of a topology with learned "
-                                   f"weights, or a topology.json")
+            raise MissingFileError(f"{path} holds no topology.json: pass a run of a topology with a (K, K) matrix "
+                                   f"(ancre and its ablations, denseformer) or a topology.json; HC, mHC, DAR and "
+                                   f"AttnRes have none (topology.py diagnose works for them, show --t for DAR and "
+                                   f"AttnRes)")
         path = path / "topology.json"
     return path
 

@@ -40,6 +40,7 @@ from .peers import _width
 from .registry import TopologyOption, register_topology
 
 QUERIES = ("static", "static-t", "dynamic")
+DEPTH_ATTENTION = ("dar", "attnres")  # the registered names built here
 RMS_EPS = 1e-6
 
 
