@@ -31,20 +31,21 @@ def output_file(path: str | os.PathLike, suffixes: Sequence[str], flag: str = "-
     return path
 
 
-def output_folder(path: str | os.PathLike, kind: str, marker: str, flag: str = "--out",
+def output_folder(path: str | os.PathLike, kind: str, marker: str | tuple[str, ...], flag: str = "--out",
                   replace_own: bool = True, overwrite: bool = False) -> Path:
-    """A folder a command fills: a new or empty one, or one of its own kind (it holds `marker`, a file
-    the command writes there), which is updated when `replace_own`, else only with --overwrite. A file
-    in its place, or a non-empty folder of another kind (a run folder, say), is refused, so that no
-    command mixes its files into someone else's folder."""
+    """A folder a command fills: a new or empty one, or one of its own kind (it holds a file matching
+    `marker`, a glob pattern or several, that the command writes there), which is updated when
+    `replace_own`, else only with --overwrite. A file in its place, or a non-empty folder of another
+    kind (a run folder, say), is refused, so that no command mixes its files into someone else's folder."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file; give a folder for the {kind}")
     _check_parents(path, flag)
     if path.is_dir() and any(path.iterdir()):
-        if not (path / marker).is_file():
-            raise UserError(f"{flag} {path} is a non-empty folder that holds no {kind} ({marker} missing); give a new "
-                            f"or empty folder")
+        markers = (marker,) if isinstance(marker, str) else marker
+        if not any(True for pattern in markers for _ in path.glob(pattern)):
+            raise UserError(f"{flag} {path} is a non-empty folder that holds no {kind} ({' or '.join(markers)} "
+                            f"missing); give a new or empty folder")
         if not (replace_own or overwrite):
             raise UserError(f"{flag} {path} already holds a {kind}; give another folder, or pass --overwrite to "
                             f"replace it")

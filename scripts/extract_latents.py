@@ -57,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         raise UserError(f"missing {', '.join(missing)}; usage: extract_latents.py --data-path IMAGES --vae VAE_DIR "
                         "--out LATENT_DIR (or --verify LATENT_DIR)")
-    from ancre_dit.cli import job_processes
+    from ancre_dit.cli import job_processes, output_folder
     from ancre_dit.latents.extract import DistContext, ExtractConfig, run_extraction
+
+    # A rerun resumes its own folder (manifest or shards there); any other non-empty folder is refused.
+    output_folder(args.out, "latent folder", ("manifest.json", "shard-*.safetensors*"))
 
     with job_processes(args.cpu) as state:
         launched = int(os.environ.get("WORLD_SIZE", "1"))

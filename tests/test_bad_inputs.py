@@ -337,6 +337,11 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("extract into a different extraction", "extract",
      lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "extracted"),
                 "--image-size", "16", "--shard-size", "4", "--batch-size", "4", "--min-side", "4"], "different extraction"),
+    ("extract into a run folder", "extract",
+     lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "run"), "--image-size", "16"],
+     "holds no latent folder"),
+    ("extract into a file", "extract",
+     lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "a_file")], "is a file"),
     # -- scripts/topology.py show ------------------------------------------------------------------
     ("topology missing", "topology", lambda w: ["show", str(w / "nope.json")], "not found"),
     ("topology not JSON", "topology", lambda w: ["show", str(w / "topology_broken.json")], "is not a topology JSON"),
