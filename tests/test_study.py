@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import threading
 import time
@@ -97,22 +98,25 @@ def test_dry_run_validates_every_run_and_creates_nothing(tmp_path, capsys, env):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["imagenet-dit-s2", "imagenet-dit-b2"])
+SHIPPED = sorted(p.stem for p in (ROOT / "studies").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", [n for n in SHIPPED if n.startswith("imagenet")])
 def test_imagenet_studies_validate_without_their_data(name, capsys, tmp_path):
     code, out, err = cli(capsys, "run", str(ROOT / "studies" / f"{name}.yaml"), "--dry-run", "--no-check-paths")
     assert code == 0, err
-    assert "2 arms x 3 seeds = 6 runs, all configs valid" in out and "400000" in out
+    assert re.search(r"\d+ arms x 3 seeds = \d+ runs, all configs valid", out) and "400000" in out
     assert "not checked (missing here, --no-check-paths): data.path=" in out
     if not Path("/data/imagenet256-latents").exists():  # with the checks: the missing data is one line
         code, _, err = cli(capsys, "run", str(ROOT / "studies" / f"{name}.yaml"), "--dry-run")
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "data path" in err
 
 
-@pytest.mark.parametrize("name", ["digits-ancre-tau", "digits-depth"])
+@pytest.mark.parametrize("name", [n for n in SHIPPED if n.startswith("digits")])
 def test_digits_studies_validate(name, capsys):
     code, out, err = cli(capsys, "run", str(ROOT / "studies" / f"{name}.yaml"), "--dry-run")
     assert code == 0, err
-    assert "cascaded-s2" in out and "fixed-dense-s0" in out
+    assert "cascaded-s2" in out  # every digits study has the plain DiT, on seeds 0-2
 
 
 BAD = [
