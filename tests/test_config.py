@@ -28,6 +28,12 @@ def test_shipped_configs_load(tmp_path):
         if raw["data"]["kind"] == "latents":  # the paper recipe; its data path is checked at load
             (tmp_path / "lat").mkdir(exist_ok=True)
             c = load_config(path, [f"data.path={tmp_path / 'lat'}"])
+            if path.stem.startswith("lightningdit-"):  # LightningDiT's recipe and block
+                assert (c.train.lr, c.train.adam_beta2, c.train.grad_clip, c.diffusion.time_sampling) == \
+                    (2e-4, 0.95, 1.0, "logit-normal")
+                assert (c.model.norm, c.model.mlp, c.model.pos_embed, c.model.qk_norm) == ("rmsnorm", "swiglu", "rope2d", True)
+                assert c.diffusion.objective == "flow" and not c.model.learn_sigma and c.model.topology in path.stem
+                continue
             assert (c.train.global_batch_size, c.train.max_steps, c.train.lr, c.train.ema_decay) == (256, 400000, 1e-4, 0.9999)
             # learn_sigma: on for DiT's DDPM, off for SiT's flow objective (sit-*.yaml).
             assert (c.train.mixed_precision, c.train.ckpt_every, c.model.topology_options["tau"], c.model.learn_sigma, c.model.class_dropout) == \

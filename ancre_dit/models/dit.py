@@ -2,19 +2,20 @@
 
 Parameter names match the original DiT release (x_embedder, t_embedder, y_embedder, pos_embed,
 blocks.N.{norm1,attn,norm2,mlp,adaLN_modulation}, final_layer) so its checkpoints load; the
-only new module is `topology`, which owns the loop over blocks (see topologies/).
+only new module is `topology`, which owns the loop over blocks (see topologies/). The block's layers
+are switches (layers.py): `norm`, `mlp`, `pos_embed` and `qk_norm` give the LightningDiT block, and
+their defaults are the 2022 DiT.
 """
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 import torch.nn as nn
 from einops import rearrange
-from timm.models.vision_transformer import Attention, Mlp, PatchEmbed
+from timm.models.vision_transformer import PatchEmbed
 
 from ..errors import UserError
 from .embeddings import LabelEmbedder, TimestepEmbedder, get_2d_sincos_pos_embed
+from .layers import DEFAULTS, MLPS, NORMS, POS_EMBEDS, axial_rope, make_attention, make_mlp, make_norm
 from .topologies import ResidualTopology, build_topology
 
 
@@ -30,25 +31,26 @@ class DiTBlock(nn.Module):
     Hyper-Connections can wire them themselves.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0):
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, norm: str = "layernorm",
+                 mlp: str = "gelu", qk_norm: bool = False, rope: torch.Tensor | None = None):
         super().__init__()
-        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.attn = Attention(dim=hidden_size, num_heads=num_heads, qkv_bias=True)
-        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
-        self.mlp = Mlp(
-            in_features=hidden_size,
-            hidden_features=int(hidden_size * mlp_ratio),
-            act_layer=partial(nn.GELU, approximate="tanh"),
-            drop=0.0,
-        )
+        self.norm1 = make_norm(norm, hidden_size)
+        self.attn = make_attention(hidden_size, num_heads, rope=rope is not None, qk_norm=qk_norm)
+        self.norm2 = make_norm(norm, hidden_size)
+        self.mlp = make_mlp(mlp, hidden_size, mlp_ratio)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
+        if rope is not None:  # a fixed table, rebuilt from the options (not in checkpoints)
+            self.register_buffer("rope", rope, persistent=False)
+        else:
+            self.rope = None
 
     def modulation(self, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(shift, scale, gate) of the attention branch, then of the MLP branch."""
         return self.adaLN_modulation(c).chunk(6, dim=1)
 
     def attention_branch(self, x, shift, scale, gate) -> torch.Tensor:
-        return gate.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift, scale))
+        h = modulate(self.norm1(x), shift, scale)
+        return gate.unsqueeze(1) * (self.attn(h) if self.rope is None else self.attn(h, rope=self.rope))
 
     def mlp_branch(self, x, shift, scale, gate) -> torch.Tensor:
         return gate.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift, scale))
@@ -63,9 +65,9 @@ class DiTBlock(nn.Module):
 class FinalLayer(nn.Module):
     """adaLN-modulated LayerNorm and a linear map back to patch pixels."""
 
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layernorm"):
         super().__init__()
-        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.norm_final = make_norm(norm, hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size, bias=True))
 
@@ -91,11 +93,20 @@ class DiT(nn.Module):
         num_classes: int = 1000,
         learn_sigma: bool = True,
         topology: str | ResidualTopology = "cascaded",
+        norm: str = DEFAULTS["norm"],
+        mlp: str = DEFAULTS["mlp"],
+        pos_embed: str = DEFAULTS["pos_embed"],
+        qk_norm: bool = DEFAULTS["qk_norm"],
         **topology_options,
     ):
         """`topology` is a registered name (see topologies/registry.py) or a built module;
-        `topology_options` are the options it takes, e.g. tau=0.01 for ANCRe, hc_streams=4 for HC."""
+        `topology_options` are the options it takes, e.g. tau=0.01 for ANCRe, hc_streams=4 for HC.
+        `norm` (layernorm | rmsnorm), `mlp` (gelu | swiglu), `pos_embed` (sincos | rope2d: axial 2D
+        RoPE on q and k, the absolute embedding then zero) and `qk_norm` choose the block's layers."""
         super().__init__()
+        for name, value, choices in (("norm", norm, NORMS), ("mlp", mlp, MLPS), ("pos_embed", pos_embed, POS_EMBEDS)):
+            if value not in choices:
+                raise UserError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
         if input_size % patch_size:
             raise UserError(
                 f"input size {input_size} is not divisible by patch size {patch_size}; "
@@ -119,8 +130,11 @@ class DiT(nn.Module):
         # Fixed (not learned) sin-cos embedding, kept as a frozen parameter like DiT so its
         # checkpoints load unchanged.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
-        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio) for _ in range(depth)])
-        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.pos_embed_kind = pos_embed
+        rope = axial_rope(hidden_size // num_heads, input_size // patch_size) if pos_embed == "rope2d" else None
+        self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio, norm=norm, mlp=mlp,
+                                              qk_norm=qk_norm, rope=rope) for _ in range(depth)])
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm)
         # Built on a fork of the random state, and registered last so that initialize_weights reaches
         # its layers last: the backbone's weights are the same whatever the topology draws, and runs
         # that differ only in topology start from the same network (paired seeds).
@@ -141,8 +155,9 @@ class DiT(nn.Module):
                 child.apply(_basic_init)
 
         grid_size = int(self.x_embedder.num_patches ** 0.5)
-        pos_embed = get_2d_sincos_pos_embed(self.pos_embed.shape[-1], grid_size)
-        self.pos_embed.data.copy_(torch.from_numpy(pos_embed).float().unsqueeze(0))
+        if self.pos_embed_kind == "sincos":  # with rope2d the positions enter through q and k: it stays zero
+            pos_embed = get_2d_sincos_pos_embed(self.pos_embed.shape[-1], grid_size)
+            self.pos_embed.data.copy_(torch.from_numpy(pos_embed).float().unsqueeze(0))
 
         # Patch embedding like nn.Linear (instead of nn.Conv2d's default).
         w = self.x_embedder.proj.weight.data

@@ -34,6 +34,7 @@ from ..evaluation.inception import WEIGHTS_NAME, WEIGHTS_URL
 from ..evaluation.pipeline import ADM_METRICS
 from ..models import DIT_MODELS, TOPOLOGIES
 from ..models.dit import DIT_SIZES
+from ..models.layers import MLPS, NORMS, POS_EMBEDS
 from ..models.topologies import all_topology_options, resolve_options
 from ..sampling.guidance import check_guidance_scale
 
@@ -124,6 +125,11 @@ class ModelConfig:
     depth: int | None = ranged(None, ge=1, hint="null = the named size's")
     hidden_size: int | None = ranged(None, ge=1, hint="null = the named size's")
     num_heads: int | None = ranged(None, ge=1, hint="null = the named size's")
+    # The block's layers: the 2022 DiT by default; rmsnorm + swiglu + rope2d + qk_norm is LightningDiT's.
+    norm: str = choice("layernorm", NORMS)
+    mlp: str = choice("gelu", MLPS)
+    pos_embed: str = choice("sincos", POS_EMBEDS)
+    qk_norm: bool = False
     # Weight of the Tsallis-entropy (q = 2) penalty on ANCRe's incoming weights, added to the loss
     # to push toward sparse topologies (ancre_dit.models.topologies.analysis.tsallis_entropy); 0 = off.
     topology_entropy_weight: float = ranged(0.0, ge=0, hint="0 = off")

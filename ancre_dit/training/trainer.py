@@ -24,6 +24,7 @@ from ..errors import UserError
 from ..files import append_jsonl, read_jsonl
 from ..diffusion import build_objective
 from ..models import create_model
+from ..models.layers import DEFAULTS as BLOCK_DEFAULTS
 from ..models.topologies.analysis import check_entropy_topology, topology_entropy
 from ..checkpoint import WEIGHT_FILES, make_model_spec, write_model_files
 from ..checkpoint import load_safetensors_checked
@@ -171,6 +172,9 @@ class Trainer:
         for key in ("depth", "hidden_size", "num_heads"):
             if getattr(m, key) is not None:
                 kwargs[key] = getattr(m, key)
+        # The block's layer choices only where they differ from the DiT block: specs of default runs
+        # (and of runs from before the choices existed) stay what they were, so those runs resume.
+        kwargs.update({key: getattr(m, key) for key, default in BLOCK_DEFAULTS.items() if getattr(m, key) != default})
         return kwargs  # width / heads were checked with the config
 
     def _param_groups(self) -> list[dict[str, Any]]:

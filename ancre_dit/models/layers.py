@@ -1,0 +1,59 @@
+"""The layers a DiT block is built from, by name: the 2022 DiT block by default, the LightningDiT
+choices as switches (RMSNorm, a SwiGLU MLP, 2D rotary position embeddings, QK-norm).
+
+All of them come from torch or timm (`torch.nn.RMSNorm`, timm's `Mlp`, `SwiGLU`, `Attention`,
+`AttentionRope` and `RotaryEmbeddingCat`); what is ours is the choice and the parameter rule of the
+SwiGLU MLP.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+from timm.layers import AttentionRope, RotaryEmbeddingCat, SwiGLU
+from timm.models.vision_transformer import Attention, Mlp
+
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu")
+POS_EMBEDS = ("sincos", "rope2d")
+DEFAULTS = {"norm": "layernorm", "mlp": "gelu", "pos_embed": "sincos", "qk_norm": False}
+
+
+def make_norm(kind: str, dim: int) -> nn.Module:
+    """The pre-norm of a branch (or of the final layer): no affine weights, adaLN supplies them."""
+    if kind == "rmsnorm":
+        return nn.RMSNorm(dim, eps=1e-6, elementwise_affine=False)
+    return nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+
+def swiglu_hidden(dim: int, mlp_ratio: float) -> int:
+    """SwiGLU's hidden width: 2/3 of the GELU MLP's, so its three matrices (3 d h) hold as many
+    weights as the GELU MLP's two (2 d * ratio d), as LightningDiT does."""
+    return int(2 * mlp_ratio * dim / 3)
+
+
+def make_mlp(kind: str, dim: int, mlp_ratio: float) -> nn.Module:
+    if kind == "swiglu":
+        return SwiGLU(in_features=dim, hidden_features=swiglu_hidden(dim, mlp_ratio), act_layer=nn.SiLU)
+    return Mlp(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=partial(nn.GELU, approximate="tanh"),
+               drop=0.0)
+
+
+def make_attention(dim: int, num_heads: int, *, rope: bool, qk_norm: bool) -> nn.Module:
+    """timm's attention (DiT's, parameter names qkv / proj kept); with rope, the variant that rotates
+    q and k (called as attn(x, rope=...)); qk_norm RMS-normalises q and k per head."""
+    norm = nn.RMSNorm if qk_norm else None
+    if rope:
+        return AttentionRope(dim=dim, num_heads=num_heads, qkv_bias=True, num_prefix_tokens=0, qk_norm=qk_norm,
+                             norm_layer=norm)
+    if qk_norm:
+        return Attention(dim=dim, num_heads=num_heads, qkv_bias=True, qk_norm=True, norm_layer=norm)
+    return Attention(dim=dim, num_heads=num_heads, qkv_bias=True)
+
+
+def axial_rope(head_dim: int, grid: int) -> torch.Tensor:
+    """2D rotary embedding of a grid x grid token grid (half the bands per axis, integer positions):
+    (grid * grid, 2 * head_dim), the sin and cos tables timm's AttentionRope applies to q and k."""
+    rope = RotaryEmbeddingCat(dim=head_dim, in_pixels=False, feat_shape=[grid, grid])
+    return rope.get_embed()
