@@ -46,12 +46,24 @@ import torch
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.evaluation.stats import paired_ratio as paired_stats
-from ancre_dit.models import create_model
+from ancre_dit.models import TOPOLOGIES, create_model
 from ancre_dit.models.dit import DIT_MODELS, DIT_SIZES
 from benchmarks.profiling import aggregation_share, saved_activation_bytes
 
 MODES = ("fwd+bwd", "train", "sample")
-VARIANTS = ("cascaded", "ancre", "ancre-chain", "diffusers")
+VARIANTS = ("cascaded", "ancre", "ancre-chain", "diffusers")  # the defaults; any TOPOLOGY[:key=value,...] works too
+
+
+def topology_variant(variant: str) -> tuple[str, dict]:
+    """"dar:query=static,chunk=4" -> ("dar", {"query": "static", "chunk": 4}); "+gc" and "-chain" stripped."""
+    import yaml
+
+    name, _, options = variant.split("+")[0].replace("-chain", "").partition(":")
+    if name not in TOPOLOGIES:
+        raise UserError(f"unknown variant {variant!r}; give diffusers, ancre-chain or a topology "
+                        f"({', '.join(TOPOLOGIES)}) with options as name:key=value,key=value")
+    pairs = [item.partition("=") for item in options.split(",") if item]
+    return name, {key: yaml.safe_load(value) for key, _, value in pairs}
 
 
 def build(variant: str, name: str, input_size: int, compile_: bool) -> torch.nn.Module:
@@ -65,8 +77,9 @@ def build(variant: str, name: str, input_size: int, compile_: bool) -> torch.nn.
         forward = model.forward
         model.forward = lambda x, t, y: forward(x, timestep=t, class_labels=y, return_dict=False)[0]
     else:
-        topology = variant.split("+")[0].replace("-chain", "")
-        model = create_model(name, topology=topology, input_size=input_size, in_channels=4, num_classes=1000)
+        topology, options = topology_variant(variant)
+        model = create_model(name, topology=topology, input_size=input_size, in_channels=4, num_classes=1000,
+                             **options)
         if variant.startswith("ancre-chain"):
             model.topology.fused_aggregation = False
         model.set_grad_checkpointing(variant.endswith("+gc"))
@@ -101,7 +114,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["DiT-S/2"])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[4])
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                   help="cascaded, ancre, ancre-chain (the addcmul chain), diffusers, or any registered topology "
+                        "with options: mhc, dar:query=static,chunk=4, attnres:block=3")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--checkpointing", action="store_true", help="add cascaded+gc and ancre+gc")
     p.add_argument("--compile", action="store_true", help="torch.compile every variant (inductor)")
@@ -119,6 +134,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [m for m in args.models if m not in DIT_MODELS]
     if bad:
         raise UserError(f"unknown model {bad[0]!r}; choose from {', '.join(DIT_MODELS)}")
+    for variant in args.variants:
+        if variant not in ("diffusers",):
+            topology_variant(variant)  # unknown names and options: one line now, not mid-run
     if "cascaded" not in args.variants:
         args.variants.insert(0, "cascaded")
     if args.checkpointing:
@@ -174,13 +192,14 @@ def measure(args) -> dict:
             med = {c: statistics.median(v) for c, v in times.items()}
             results[(name, batch_size)] = {"time": med, "memory": memory, "spread": times}
             print(f"\n{name} batch {batch_size}  (load average now {os.getloadavg()[0]:.2f})")
-            print(f"{'variant':<14}{'mode':<10}{'ms':>10}{'x cascaded':>12}{'paired [IQR]':>22}{'min..max ms':>16}"
+            w = max(14, 2 + max(map(len, args.variants)))
+            print(f"{'variant':<{w}}{'mode':<10}{'ms':>10}{'x cascaded':>12}{'paired [IQR]':>22}{'min..max ms':>16}"
                   f"{'median 95% CI':>16}{'saved MiB':>11}")
             for v, m in configs:
                 ratio = med[(v, m)] / med[("cascaded", m)]
                 spread = f"{min(times[(v, m)]) * 1e3:.0f}..{max(times[(v, m)]) * 1e3:.0f}"
                 mem = f"{memory[v] / 2**20:.1f}" if v in memory and m == args.modes[0] else ""
-                print(f"{v:<14}{m:<10}{med[(v, m)] * 1e3:>10.1f}{ratio:>12.3f}"
+                print(f"{v:<{w}}{m:<10}{med[(v, m)] * 1e3:>10.1f}{ratio:>12.3f}"
                       f"{paired_ratio(times[(v, m)], times[('cascaded', m)]):>22}{spread:>16}"
                       f"{paired_interval(times[(v, m)], times[('cascaded', m)]):>16}{mem:>11}")
             if args.share and "ancre" in models and not args.compile:
