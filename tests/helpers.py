@@ -74,6 +74,23 @@ def assert_same_weights(a: Path, b: Path) -> None:
             assert torch.equal(sa[k], sb[k]), f"{name}:{k} differs"
 
 
+def train_straight_and_resumed(root: Path, *overrides: str, steps: int = 4, stop_at: int = 2) -> Path:
+    """Trains the tiny config straight to `steps`, and again stopped at `stop_at` then resumed with
+    --resume auto; asserts both end bitwise equal and returns the resumed run's last checkpoint."""
+    from ancre_dit.training import train
+
+    for folder, legs in ((root / "straight", [(steps, None)]), (root / "resumed", [(stop_at, None), (steps, "auto")])):
+        for max_steps, resume in legs:
+            reset_accelerate()
+            try:
+                train(tiny_config(folder, *overrides, f"train.max_steps={max_steps}"), resume=resume)
+            finally:
+                reset_accelerate()
+    last = f"{steps:07d}"
+    assert_same_weights(root / "straight" / "checkpoints" / last, root / "resumed" / "checkpoints" / last)
+    return root / "resumed" / "checkpoints" / last
+
+
 def reset_accelerate() -> None:
     """AcceleratorState is a process-wide singleton: reset it between in-process runs."""
     from accelerate.state import AcceleratorState, GradientState, PartialState

@@ -198,26 +198,14 @@ def test_trains_resumes_samples_and_evaluates(tmp_path, options):
 
     from ancre_dit.checkpoint import load_trained_model
     from ancre_dit.sampling.api import sample_images
-    from ancre_dit.training import train
     from ancre_dit.training.run_evaluation import evaluate_run
 
-    from helpers import assert_same_weights, reset_accelerate, tiny_config
+    from helpers import train_straight_and_resumed
 
     topology = "model.topology=dar" if any("chunk" in o for o in options) else "model.topology=attnres"
-    common = [topology, *options, "train.ckpt_every=2", "train.eval_every=2", "eval.heldout_max=8"]
-
-    def run(folder, steps, resume=None):
-        reset_accelerate()
-        try:
-            return train(tiny_config(folder, *common, f"train.max_steps={steps}"), resume=resume)
-        finally:
-            reset_accelerate()
-
-    run(tmp_path / "straight", 4)
-    run(tmp_path / "resumed", 2)
-    assert run(tmp_path / "resumed", 4, resume="auto")["step"] == 4
-    assert_same_weights(tmp_path / "straight" / "checkpoints" / "0000004", tmp_path / "resumed" / "checkpoints" / "0000004")
-    model, spec = load_trained_model(tmp_path / "resumed" / "checkpoints" / "0000004")
+    folder = train_straight_and_resumed(tmp_path, topology, *options, "train.ckpt_every=2", "train.eval_every=2",
+                                        "eval.heldout_max=8")
+    model, spec = load_trained_model(folder)
     assert spec["model"]["kwargs"]["topology"] == topology.split("=")[1]
     images = sample_images(model, spec["diffusion"], [1, 2], sampler="ddim", steps=3, seed=0)
     assert images.shape == (2, 8, 8, 1) and images.dtype == np.uint8

@@ -149,24 +149,11 @@ def test_the_modern_block_trains_resumes_and_samples(tmp_path):
 
     from ancre_dit.checkpoint import load_trained_model
     from ancre_dit.sampling.api import sample_images
-    from ancre_dit.training import train
 
-    from helpers import assert_same_weights, reset_accelerate, tiny_config
+    from helpers import train_straight_and_resumed
 
-    options = [f"model.{k}={str(v).lower()}" for k, v in MODERN.items()] + ["train.ckpt_every=2"]
-
-    def run(folder, steps, resume=None):
-        reset_accelerate()
-        try:
-            return train(tiny_config(folder, *options, f"train.max_steps={steps}"), resume=resume)
-        finally:
-            reset_accelerate()
-
-    run(tmp_path / "straight", 4)
-    run(tmp_path / "resumed", 2)
-    run(tmp_path / "resumed", 4, resume="auto")
-    assert_same_weights(tmp_path / "straight" / "checkpoints" / "0000004", tmp_path / "resumed" / "checkpoints" / "0000004")
-    model, spec = load_trained_model(tmp_path / "resumed" / "checkpoints" / "0000004")
+    options = [f"model.{k}={str(v).lower()}" for k, v in MODERN.items()]
+    model, spec = load_trained_model(train_straight_and_resumed(tmp_path, *options, "train.ckpt_every=2"))
     assert spec["model"]["kwargs"]["mlp"] == "swiglu"
     images = sample_images(model, spec["diffusion"], [1, 2], sampler="ddim", steps=3, seed=0)
     assert images.shape == (2, 8, 8, 1) and images.dtype == np.uint8
