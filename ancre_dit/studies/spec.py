@@ -38,7 +38,8 @@ SLURM_KEYS = ("partition", "account", "gpus_per_node", "nodes", "time_min", "arr
 RESERVED = ("train.seed", "run_dir")  # the study sets these per run
 # Keys whose paths are checked for existence when a config loads, and what stands in for them under
 # --no-check-paths (an existing folder / file, so every other check still runs).
-PATH_KEYS = {"data.path": "dir", "eval.val_path": "dir", "eval.ref": "file", "eval.inception_weights": "file"}
+PATH_KEYS = {"data.path": "dir", "eval.val_path": "dir", "eval.ref": "file", "eval.inception_weights": "file",
+             "repa.encoder_weights": "file"}
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,8 @@ class Study:
     arms: dict[str, dict[str, Any]]
     seeds: list[int]
     # An arm's name, or overrides ({model.topology: cascaded}): each arm is then compared with the arm
-    # that differs from it only by these values (a depth sweep: each depth against its own plain DiT).
+    # that sets these values and agrees with it on everything else that arm sets (a depth sweep:
+    # each depth against its own plain DiT).
     baseline: str | dict[str, Any]
     slurm: dict[str, Any] = field(default_factory=dict)
 
@@ -74,8 +76,7 @@ class Study:
         """The arm `arm` is compared with (itself for a baseline arm)."""
         if isinstance(self.baseline, str):
             return self.baseline
-        wanted = {**self.arms[arm], **self.baseline}
-        return next(name for name, values in self.arms.items() if values == wanted)
+        return baseline_candidates(self.arms, self.baseline, arm)[0]
 
     @property
     def baseline_label(self) -> str:
@@ -176,6 +177,13 @@ def grid_arms(grid: Any, where: str) -> dict[str, dict[str, Any]]:
     return arms
 
 
+def baseline_candidates(arms: dict[str, dict[str, Any]], baseline: dict[str, Any], arm: str) -> list[str]:
+    """The arms that set the baseline's values and agree with `arm` on every other key they set."""
+    return [name for name, values in arms.items()
+            if all(values.get(k) == v for k, v in baseline.items())
+            and all(arms[arm].get(k) == v for k, v in values.items() if k not in baseline)]
+
+
 def _seeds(raw: Any, where: str) -> list[int]:
     if not isinstance(raw, list) or not raw:
         raise UserError(f"{where}: seeds must be a non-empty list of integers, e.g. seeds: [0, 1, 2]; got {raw!r}")
@@ -232,10 +240,13 @@ def load_study(path: str | Path) -> Study:
         baseline = next(iter(arms))
     if isinstance(baseline, dict):
         baseline = _flatten(baseline, f"{path}: baseline")
-        for name, values in arms.items():
-            if {**values, **baseline} not in arms.values():
-                raise UserError(f"{path}: arm {name} has no baseline arm (its overrides with "
-                                f"{', '.join(f'{k}={v}' for k, v in baseline.items())}); add that arm")
+        for name in arms:
+            found = baseline_candidates(arms, baseline, name)
+            if len(found) != 1:
+                wanted = ", ".join(f"{k}={v}" for k, v in baseline.items())
+                raise UserError(f"{path}: arm {name} has {'no' if not found else 'more than one'} baseline arm (one "
+                                f"with {wanted} agreeing with it on its other overrides{': ' + ', '.join(found) if found else ''})"
+                                f"; {'add' if not found else 'keep'} one")
     elif baseline not in arms:
         raise UserError(f"{path}: baseline {baseline!r} is not among the arms ({', '.join(arms)}); name one of them, "
                         f"or give overrides such as {{model.topology: cascaded}} to compare each arm with its own")
