@@ -152,6 +152,7 @@ def world(tmp_path_factory) -> Path:
                                                            "num_classes": 10, "vae": None, "scaling_factor": 0.18215},
                                                           1), flow.state_dict(), flow.state_dict())
         (w / "notes.txt").write_text("not a checkpoint\n")
+        torch.save(create_model("DiT-T/2", **{**flow_kwargs, "in_channels": 4}).state_dict(), w / "release.pt")
         (w / "a_file").write_text("x")
     finally:
         torch.set_num_threads(threads)
@@ -377,7 +378,8 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("import over an imported checkpoint", "import", lambda w: [str(w / "corrupt.pth"), "--out", _ck(w)],
      "pass --overwrite to replace it"),
     ("import negative image size", "import",
-     lambda w: [str(w / "big.npz"), "--image-size", "-8", "--out", str(w / "imp")], "not a readable PyTorch"),
+     lambda w: [str(w / "release.pt"), "--model", "DiT-T/2", "--image-size", "-8", "--out", str(w / "imp")],
+     "--image-size -8 must be a positive multiple of 8"),
     ("import unknown flag", "import", lambda w: [str(w / "notes.txt"), "--out", str(w / "imp"), "--bogus"],
      "unrecognized arguments: --bogus"),
     # -- scripts/compare_runs.py --------------------------------------------------------------------

@@ -89,6 +89,13 @@ def test_official_ancre_training_checkpoint_prefers_ema_and_reads_its_args(tmp_p
         import_checkpoint(tmp_path / "0400000.pt", tmp_path / "other", model="DiT-T/2")
     with pytest.raises(UserError, match="already holds a checkpoint"):
         import_checkpoint(tmp_path / "0400000.pt", tmp_path / "ema")
+    import_checkpoint(tmp_path / "0400000.pt", tmp_path / "ema", weights="model", overwrite=True)
+    _same_output(tmp_path / "ema", raw)
+    # The file stores tau as float32 (0.0099999998): the user's 0.01 is the same value, 0.02 is not.
+    assert import_checkpoint(tmp_path / "0400000.pt", tmp_path / "tau", tau=0.01)["model"]["kwargs"]["tau"] == \
+        pytest.approx(0.01)
+    with pytest.raises(UserError, match="--tau 0.02 contradicts the file"):
+        import_checkpoint(tmp_path / "0400000.pt", tmp_path / "tau2", tau=0.02)
 
 
 def test_outgoing_ablation_per_source_layout_is_remapped(tmp_path):
@@ -135,5 +142,6 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
         safe_torch_load(evil)
     assert not marker.exists()
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(UserError, match="not a readable PyTorch checkpoint"):
+    with pytest.raises(UserError, match="not a readable PyTorch checkpoint") as refused:
         safe_torch_load(tmp_path / "junk.pt")
+    assert "weights_only" not in str(refused.value)  # never the unsafe advice torch's own message gives
