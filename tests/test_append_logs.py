@@ -44,18 +44,33 @@ def kill_mid_record(path) -> None:
     assert not path.read_bytes().endswith(b"\n")  # the kill really left a torn line
 
 
-@pytest.mark.parametrize("log", ["metrics", "evals"])
+def write_study_event(run, entry):
+    from ancre_dit.studies.status import EVENTS, record_event
+
+    record_event(run, "launched", step=entry["step"])
+    return run / EVENTS
+
+
+# Every append-only log and the writer that appends to it: (file under the run, write(run, entry) -> path).
+LOGS = {
+    "metrics": lambda run, entry: (append_jsonl(run / "logs" / "metrics.jsonl", entry), run / "logs" / "metrics.jsonl")[1],
+    "evals": lambda run, entry: (append_eval(run, entry), evals_path(run))[1],  # training and evaluate.py --run
+    "diagnostics": lambda run, entry: (append_jsonl(run / "logs" / "diagnostics.jsonl", entry),
+                                       run / "logs" / "diagnostics.jsonl")[1],
+    "study status": write_study_event,
+}
+
+
+@pytest.mark.parametrize("log", sorted(LOGS))
 def test_a_writer_killed_mid_record_loses_nothing_complete(tmp_path, caplog, log):
     run = tmp_path / "run"
-    path = run / "logs" / f"{log}.jsonl"
-    path.parent.mkdir(parents=True)
-    kill_mid_record(path if log == "metrics" else evals_path(run))
+    (run / "logs").mkdir(parents=True)
     entry = {"step": 4, "loss": 0.2}
+    path = LOGS[log](tmp_path / "probe", entry)  # where this writer writes, relative to its run
+    path = run / path.relative_to(tmp_path / "probe")
+    kill_mid_record(path)
     with caplog.at_level(logging.WARNING, logger="ancre_dit"):
-        if log == "evals":
-            append_eval(run, entry)  # what training and evaluate.py --run call
-        else:
-            append_jsonl(path, entry)  # what the trainer calls for each logged interval
+        LOGS[log](run, entry)
     assert [r["step"] for r in read_jsonl(path)] == [0, 1, 2, 4]  # the complete ones and the new one
     assert f"{path}: line 4 was torn" in caplog.text
     if log == "evals":
