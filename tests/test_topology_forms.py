@@ -135,7 +135,7 @@ def test_bad_form_options_are_one_line():
 def test_every_topology_reports_the_state_it_feeds_each_next_block(name, tmp_path):
     path = tmp_path / "p.json"
     save_topology_json(path, torch.tril(torch.ones(3, 3)) / 3)
-    options = {"topology_path": str(path)} if name == "frozen" else {}
+    options = {"topology_path": str(path)} if name == "frozen" else {"chunk": 2} if name == "dar" else {}
     model = create_model("DiT-S/2", depth=3, topology=name, **KW, **options).eval()
     states: dict[int, torch.Tensor] = {}
     model.topology.state_hook = lambda k, z: states.__setitem__(k, z)
