@@ -62,6 +62,15 @@ def _speedup(result: PairedSpeedup | None) -> str:
     return f"{result.geomean:.3g}x [{result.low:.3g}, {result.high:.3g}]"
 
 
+def _shown(path) -> str:
+    """A path as the report shows it: relative to the current folder when it lies below it, so a
+    report reads the same on every machine that ran the study from its checkout."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def _cell(text: str | None) -> str:
     """Text that stays inside one Markdown table cell."""
     return (text or "no message").replace("|", "\\|").replace("\n", " ")
@@ -208,7 +217,7 @@ def markdown(report: StudyReport, figures: Sequence[str]) -> str:
     lines = [f"# Study: {study.name}", ""]
     if study.description:
         lines += [study.description.strip(), ""]
-    lines += [f"Study file `{study.source}`; base config `{study.base}`; common overrides "
+    lines += [f"Study file `{_shown(study.source)}`; base config `{_shown(study.base)}`; common overrides "
               f"`{json.dumps(study.overrides)}`; {len(study.arms)} arms x {len(study.seeds)} seeds "
               f"({', '.join(map(str, study.seeds))}) = {len(states)} runs; baseline **{study.baseline_label}**. "
               f"Written {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}.", "",
