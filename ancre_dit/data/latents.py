@@ -3,7 +3,9 @@
 Layout of LATENT_DIR: `manifest.json` plus `shard-XXXXX.safetensors`, each shard holding
 `mean`, `std` float16 (n, 2, C, h, w) (index 1 along dim 1 = horizontally flipped image; both already
 multiplied by the VAE scaling factor), `label` int64 (n,) and `index` int64 (n,) (position of the
-image in the sorted file list). Training draws a fresh posterior sample per step (`draw_latents_from_moments`).
+image in the sorted file list); with `extract_latents.py --keep-images` also `image` uint8
+(n, 3, S, S), the unflipped centre crop the VAE encoded, which REPA's encoder sees. Training draws
+a fresh posterior sample per step (`draw_latents_from_moments`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 REPORT_NAME = "extraction_report.tsv"
 SHARD_KEYS = ("mean", "std", "label", "index")
+IMAGE_KEY = "image"  # optional: the clean image (extract_latents.py --keep-images)
 
 
 def shard_file_name(shard: int) -> str:
@@ -36,7 +39,8 @@ def shard_file_name(shard: int) -> str:
 # safetensors dtype names -> the numpy dtype the bytes are read as and the torch dtype they are.
 # bfloat16 has no numpy dtype: its bytes are read as uint16 and reinterpreted by torch.
 _DTYPES = {"F16": (np.dtype("<f2"), torch.float16), "BF16": (np.dtype("<u2"), torch.bfloat16),
-           "F32": (np.dtype("<f4"), torch.float32), "I64": (np.dtype("<i8"), torch.int64)}
+           "F32": (np.dtype("<f4"), torch.float32), "I64": (np.dtype("<i8"), torch.int64),
+           "U8": (np.dtype("u1"), torch.uint8)}
 
 
 def read_safetensors_layout(path: str | os.PathLike) -> tuple[int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
@@ -70,6 +74,9 @@ class _ShardFile:
                                 "re-extract the latents")
             self.torch_dtype = _DTYPES[dtype][1]
             self.offsets[name], self.row_bytes[name] = start + begin, (end - begin) // max(shape[0], 1)
+        if IMAGE_KEY in tensors:
+            _, shape, begin, end = tensors[IMAGE_KEY]
+            self.offsets[IMAGE_KEY], self.row_bytes[IMAGE_KEY] = start + begin, (end - begin) // max(shape[0], 1)
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         dtype, shape, begin, end = tensors["label"]
         raw = self.read_bytes(end - begin, start + begin)
@@ -139,9 +146,14 @@ class LatentShardDataset(Dataset):
     workers see it without a copy); batches are then one `index_select`, the same bytes as from
     the files. It needs the latents' size in free RAM (ImageNet-256 with both flips: about 42 GB)
     and refuses in one line when that is not available.
+
+    `images=True` (REPA) makes `get_batch` return `((moments, images uint8 (N, 3, S, S)), labels)`;
+    every shard must then hold its clean images (`extract_latents.py --keep-images`). `ds[i]` is
+    the same either way (the held-out sets use the moments only).
     """
 
-    def __init__(self, root: str | os.PathLike, max_open_shards: int = 64, in_memory: bool = False):
+    def __init__(self, root: str | os.PathLike, max_open_shards: int = 64, in_memory: bool = False,
+                 images: bool = False):
         self.root = Path(root)
         self.manifest = read_manifest(self.root)
         self.num_classes: int = int(self.manifest["num_classes"])
@@ -173,10 +185,29 @@ class LatentShardDataset(Dataset):
         self._files_open: OrderedDict[int, _ShardFile] = OrderedDict()
         self._layouts: dict[int, tuple[int, dict]] = {}  # headers, kept: a few hundred bytes per shard
         self._starts_np = np.asarray(self._starts, dtype=np.int64)
-        self._memory: tuple[torch.Tensor, torch.Tensor] | None = self._load_all() if in_memory else None
+        self.images = images
+        self.image_shape: tuple[int, int, int] | None = self._image_shape() if images else None
+        self._memory: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = (
+            self._load_all() if in_memory else None)
 
     def __len__(self) -> int:
         return self._len
+
+    def _image_shape(self) -> tuple[int, int, int]:
+        """(3, S, S) of the stored clean images; a shard without them is one line saying how to get them."""
+        size = int(self.manifest["image_size"])
+        for shard in range(len(self._files)):
+            entry = self._layout(shard)[1].get(IMAGE_KEY)
+            if entry is None:
+                raise UserError(f"latent shard {self._files[shard]} holds no images (extracted without --keep-images), "
+                                f"but REPA (repa.weight > 0) aligns with the clean images; re-extract with "
+                                f"scripts/extract_latents.py --keep-images (about {3 * size * size / 1000:.0f} KB per "
+                                f"{size}px image), or set repa.weight=0")
+            dtype, shape, _, _ = entry
+            if dtype != "U8" or tuple(shape[1:]) != (3, size, size):
+                raise UserError(f"latent shard {self._files[shard]}: image is {dtype} {tuple(shape)}, expected uint8 "
+                                f"(n, 3, {size}, {size}); re-extract the latents with --keep-images")
+        return (3, size, size)
 
     def _handle(self, shard: int):
         """(open safetensors handle, labels of the shard), least recently used evicted first."""
@@ -202,7 +233,7 @@ class LatentShardDataset(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         if self._memory is not None:
             self.locate(int(i))  # the range check
-            moments, labels = self._memory
+            moments, labels, _ = self._memory
             return moments[int(i)].clone(), int(labels[int(i)])
         shard, row = self.locate(int(i))
         f, labels = self._handle(shard)
@@ -234,9 +265,11 @@ class LatentShardDataset(Dataset):
             raise UserError(f"{self._files[shard]} stores {entry.torch_dtype}, other shards {dtype}; re-extract the latents")
         return entry
 
-    def get_batch(self, indices: Sequence[int], out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_batch(self, indices: Sequence[int], out: Any = None) -> tuple[Any, torch.Tensor]:
         """`(stack of ds[i][0], tensor of ds[i][1])` over `indices`, in their order; the moments are
-        written into `out` when it is given with the right shape and dtype (a reused buffer).
+        written into `out` when it is given with the right shape and dtype (a reused buffer). With
+        `images`, the first item is the pair `(moments, images)`, and `out` such a pair (returned
+        itself when both fit, so that a caller can tell its buffers were used).
 
         Rows are read shard by shard in file order, each shard opened at most once per batch
         however many shards the batch spans, straight into the batch tensor (allocated in shared
@@ -249,43 +282,58 @@ class LatentShardDataset(Dataset):
             bad = idx[(idx < -self._len) | (idx >= self._len)][0]
             raise IndexError(f"index {bad} out of range for {self._len} latents")
         idx = idx % max(self._len, 1)
+        moments_out, images_out = out if isinstance(out, tuple) else (out, None)
+        images = None
+        if self.images:
+            shape = (n, *self.image_shape)
+            images = images_out if _fits(images_out, shape, torch.uint8) else _new_batch_tensor(shape, torch.uint8)
         if self._memory is not None:
-            moments, labels = self._memory
+            all_moments, all_labels, all_images = self._memory
             picked = torch.from_numpy(idx)
-            if not _fits(out, (n, *moments.shape[1:]), moments.dtype):
-                out = _new_batch_tensor((n, *moments.shape[1:]), moments.dtype)
-            return torch.index_select(moments, 0, picked, out=out), labels[picked]
+            if not _fits(moments_out, (n, *all_moments.shape[1:]), all_moments.dtype):
+                moments_out = _new_batch_tensor((n, *all_moments.shape[1:]), all_moments.dtype)
+            moments = torch.index_select(all_moments, 0, picked, out=moments_out)
+            if images is not None:
+                torch.index_select(all_images, 0, picked, out=images)
+            return _first_item(moments, images, out), all_labels[picked]
         shard_of = np.searchsorted(self._starts_np, idx, side="right") - 1
         rows = idx - self._starts_np[shard_of]
         dtype = self._moments_dtype()
         shape = (n, 2, 2, *self.latent_shape)
-        moments = out if _fits(out, shape, dtype) else _new_batch_tensor(shape, dtype)
+        moments = moments_out if _fits(moments_out, shape, dtype) else _new_batch_tensor(shape, dtype)
         labels = torch.empty(n, dtype=torch.int64)
-        out = moments.view(torch.uint8).numpy().reshape(n, 2, 2, moments[0, 0, 0].nbytes if n else 0)  # [sample, flip, mean/std, bytes]
+        raw = moments.view(torch.uint8).numpy().reshape(n, 2, 2, moments[0, 0, 0].nbytes if n else 0)  # [sample, flip, mean/std, bytes]
+        image_rows = images.numpy().reshape(n, int(np.prod(self.image_shape))) if images is not None else None
         label_out = labels.numpy()
         shard_list, row_list = shard_of.tolist(), rows.tolist()
         for shard, group in itertools.groupby(np.lexsort((rows, shard_of)).tolist(), key=shard_list.__getitem__):
             f = self._shard_file(shard, dtype)
             for k in group:
                 row = row_list[k]
-                f.read_row("mean", row, [out[k, 0, 0], out[k, 1, 0]])
-                f.read_row("std", row, [out[k, 0, 1], out[k, 1, 1]])
+                f.read_row("mean", row, [raw[k, 0, 0], raw[k, 1, 0]])
+                f.read_row("std", row, [raw[k, 0, 1], raw[k, 1, 1]])
+                if image_rows is not None:
+                    f.read_row(IMAGE_KEY, row, [image_rows[k]])
                 label_out[k] = f.labels[row]
-        return moments, labels
+        return _first_item(moments, images, out), labels
 
-    def _load_all(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(moments (N, 2, 2, C, h, w), labels (N,)) of every shard, in shared memory."""
+    def _load_all(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(moments (N, 2, 2, C, h, w), labels (N,), images (N, 3, S, S) or None) of every shard,
+        in shared memory."""
         from tqdm.auto import tqdm
 
         dtype = self._moments_dtype()
         shape = (self._len, 2, 2, *self.latent_shape)
+        image_shape = (self._len, *self.image_shape) if self.images else None
         need = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        need += int(np.prod(image_shape)) if image_shape else 0
         free = available_memory_bytes()
         if free is not None and need > 0.9 * free:
             raise UserError(f"data.in_memory needs {need / 2**30:.1f} GiB for the latents of {self.root} but "
                             f"{free / 2**30:.1f} GiB of memory is available; set data.in_memory=false "
                             "(the shards are then read from disk)")
         moments = torch.empty(shape, dtype=dtype).share_memory_()
+        images = torch.empty(image_shape, dtype=torch.uint8).share_memory_() if image_shape else None
         labels = torch.empty(self._len, dtype=torch.int64)
         flat = moments.view(torch.uint8).numpy().reshape(self._len, 2, 2, -1)  # [image, flip, mean/std, bytes]
         for shard in tqdm(range(len(self._files)), desc="latents into memory", unit="shard", dynamic_ncols=True):
@@ -295,11 +343,14 @@ class LatentShardDataset(Dataset):
                 size = f.row_bytes[name] * count
                 block = f.read_bytes(size, f.offsets[name])
                 flat[start:start + count, :, which] = np.frombuffer(block, np.uint8).reshape(count, 2, -1)
+            if images is not None:
+                block = f.read_bytes(f.row_bytes[IMAGE_KEY] * count, f.offsets[IMAGE_KEY])
+                images.numpy()[start:start + count] = np.frombuffer(block, np.uint8).reshape(count, *self.image_shape)
             labels[start:start + count] = torch.from_numpy(f.labels)
         for entry in self._files_open.values():
             entry.close()
         self._files_open.clear()
-        return moments, labels
+        return moments, labels, images
 
     def __getstate__(self) -> dict[str, Any]:
         # Open handles are not picklable (spawned DataLoader workers); each worker reopens lazily.
@@ -321,6 +372,15 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+def _first_item(moments: torch.Tensor, images: torch.Tensor | None, out: Any) -> Any:
+    """A batch's first item: the moments, or the pair (moments, images); `out` itself when it was that pair."""
+    if images is None:
+        return moments
+    if isinstance(out, tuple) and out[0] is moments and out[1] is images:
+        return out
+    return moments, images
+
+
 def _fits(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
     return out is not None and tuple(out.shape) == tuple(shape) and out.dtype == dtype and out.is_contiguous()
 
@@ -334,9 +394,11 @@ def _new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     return torch.empty(0, dtype=dtype).new(storage).view(shape)
 
 
-def draw_latents_from_moments(moments: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def draw_latents_from_moments(moments: torch.Tensor, generator: torch.Generator | None = None,
+                              return_flip: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """DiT's on-the-fly augmentation from stored moments (N, 2, 2, C, h, w): per sample a random flip,
-    then a fresh posterior draw mean + std * eps. Returns float32 (N, C, h, w).
+    then a fresh posterior draw mean + std * eps. Returns float32 (N, C, h, w), with `return_flip`
+    also the flips (N,) (1 = flipped), so that REPA's clean images can be flipped alike.
 
     All randomness comes from `generator` (drawn on the generator's device, then moved), so the
     trainer's RNG state alone decides the result and resumed runs repeat it exactly.
@@ -349,4 +411,5 @@ def draw_latents_from_moments(moments: torch.Tensor, generator: torch.Generator 
     eps = torch.randn(moments.shape[:1] + moments.shape[3:], generator=generator, device=rng_device,
                       dtype=torch.float32).to(moments.device)
     chosen = moments[torch.arange(n, device=moments.device), flip]
-    return chosen[:, 0].float() + chosen[:, 1].float() * eps
+    z = chosen[:, 0].float() + chosen[:, 1].float() * eps
+    return (z, flip) if return_flip else z

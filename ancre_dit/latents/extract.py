@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ancre_dit.errors import UserError
-from ancre_dit.data.latents import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, REPORT_NAME,
+from ancre_dit.data.latents import (FORMAT_NAME, FORMAT_VERSION, IMAGE_KEY, MANIFEST_NAME, REPORT_NAME,
                                     shard_file_name)
 from ancre_dit.data.image_folder import CroppedImages, ImageList, LoadedImage, list_image_folder
 from ancre_dit.files import write_atomic
@@ -46,6 +46,7 @@ class ExtractConfig:
     scaling_factor: float | None = None  # None: the VAE config's scaling_factor
     min_side: int = 8  # images with a shorter side are skipped as "too small"
     max_shards: int | None = None  # stop after this many new shards per process (split a job; tests)
+    keep_images: bool = False  # also store each uint8 crop (REPA's encoder input): 3 x S x S bytes per image
 
 
 @dataclass
@@ -69,11 +70,14 @@ def _fingerprint(cfg: ExtractConfig, images: ImageList, vae: LoadedVAE) -> dict[
     """What must match for a rerun to reuse existing shards (same data, VAE, crop and sharding)."""
     rows = "\n".join(f"{p}\t{y}" for p, y in zip(images.files, images.labels))
     listing = hashlib.sha256(rows.encode()).hexdigest()
-    return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "image_size": cfg.image_size,
-            "vae": vae.name, "scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor,
-            "vae_dtype": cfg.vae_dtype, "shard_size": cfg.shard_size, "min_side": cfg.min_side,
-            "num_files": len(images.files), "num_classes": len(images.class_names),
-            "file_list_sha256": listing}
+    fingerprint = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "image_size": cfg.image_size,
+                   "vae": vae.name, "scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor,
+                   "vae_dtype": cfg.vae_dtype, "shard_size": cfg.shard_size, "min_side": cfg.min_side,
+                   "num_files": len(images.files), "num_classes": len(images.class_names),
+                   "file_list_sha256": listing}
+    if cfg.keep_images:  # only when set: extractions without images keep their fingerprint (and resume)
+        fingerprint["keep_images"] = True
+    return fingerprint
 
 
 def _check_compatible(out: Path, fingerprint: dict[str, Any], num_shards: int) -> None:
@@ -114,10 +118,13 @@ def _batch_plan(shards: list[int], num_files: int, shard_size: int, batch_size: 
 
 
 class _ShardBuffer:
-    """Collects one shard's encoded rows and its report entries until its last batch."""
+    """Collects one shard's encoded rows (and crops, with `image_size`) and its report entries until
+    its last batch."""
 
-    def __init__(self, latent_shape: tuple[int, int, int]):
+    def __init__(self, latent_shape: tuple[int, int, int], image_size: int | None = None):
         self.latent_shape = latent_shape
+        self.image_size = image_size
+        self.images: list[torch.Tensor] = []
         self.mean: list[torch.Tensor] = []
         self.std: list[torch.Tensor] = []
         self.labels: list[int] = []
@@ -126,10 +133,14 @@ class _ShardBuffer:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         empty = torch.zeros((0, 2, *self.latent_shape), dtype=torch.float16)
-        return {"mean": torch.cat(self.mean) if self.mean else empty,
-                "std": torch.cat(self.std) if self.std else empty,
-                "label": torch.tensor(self.labels, dtype=torch.int64),
-                "index": torch.tensor(self.index, dtype=torch.int64)}
+        out = {"mean": torch.cat(self.mean) if self.mean else empty,
+               "std": torch.cat(self.std) if self.std else empty,
+               "label": torch.tensor(self.labels, dtype=torch.int64),
+               "index": torch.tensor(self.index, dtype=torch.int64)}
+        if self.image_size is not None:
+            s = self.image_size
+            out[IMAGE_KEY] = torch.cat(self.images) if self.images else torch.zeros((0, 3, s, s), dtype=torch.uint8)
+        return out
 
 
 def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageList, buf: _ShardBuffer) -> int:
@@ -151,6 +162,8 @@ def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageList, b
     buf.std.append(std.view(2, n, *std.shape[1:]).transpose(0, 1).half().cpu())
     buf.labels += [images.labels[it.position] for it in good]
     buf.index += [it.position for it in good]
+    if buf.image_size is not None:  # the crop the VAE saw, unflipped, channels first
+        buf.images.append(pixels.permute(0, 3, 1, 2).contiguous())
     return n
 
 
@@ -198,7 +211,8 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
     bar = tqdm(total=sum(len(p) for _, p, _ in plan), unit="img", disable=ctx.rank != 0, smoothing=0.1,
                desc=f"encoding (process 0 of {ctx.world})")
     written: list[int] = []
-    buf = _ShardBuffer(latent_shape)
+    kept = cfg.image_size if cfg.keep_images else None
+    buf = _ShardBuffer(latent_shape, kept)
     for (shard, positions, last), items in zip(plan, loader):
         _encode_batch(vae, items, images, buf)
         bar.update(len(positions))
@@ -207,7 +221,7 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
             write_shard(out, shard, buf.tensors(), meta)
             written.append(shard)
             bar.set_postfix(shards=f"{len(written)}/{len(pending)}")
-            buf = _ShardBuffer(latent_shape)
+            buf = _ShardBuffer(latent_shape, kept)
     bar.close()
 
     ctx.barrier()
@@ -250,7 +264,10 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageList, vae: Loaded
         "latent_shape": list(latent_shape), "dtype": "float16",
         "tensors": {"mean": "(n, 2, C, h, w) posterior mean * scaling_factor; [:, 1] = flipped image",
                     "std": "(n, 2, C, h, w) posterior std * scaling_factor",
-                    "label": "(n,) class index", "index": "(n,) position in the sorted file list"},
+                    "label": "(n,) class index", "index": "(n,) position in the sorted file list",
+                    **({IMAGE_KEY: "(n, 3, S, S) uint8 centre crop the VAE encoded (unflipped)"} if cfg.keep_images
+                       else {})},
+        "images": cfg.keep_images,
         "vae": vae.name, "vae_dtype": cfg.vae_dtype,
         "scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor,
         "image_size": cfg.image_size, "crop": "adm_center_crop", "flip": True,

@@ -9,25 +9,30 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from ancre_dit.data.latents import SHARD_KEYS, read_manifest, shard_file_name
+from ancre_dit.data.latents import IMAGE_KEY, SHARD_KEYS, read_manifest, shard_file_name
 from ancre_dit.files import sha256_file
 
-_DTYPES = {"mean": torch.float16, "std": torch.float16, "label": torch.int64, "index": torch.int64}
+_DTYPES = {"mean": torch.float16, "std": torch.float16, "label": torch.int64, "index": torch.int64,
+           IMAGE_KEY: torch.uint8}
 
 
 def _check_tensors(path: Path, k: int, entry: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
     """Structure of one shard: keys, dtypes, shapes, labels in range, indices inside the shard's span."""
     count, shape = int(entry["count"]), tuple(manifest["latent_shape"])
+    wanted = dict(zip(SHARD_KEYS, [(count, 2, *shape), (count, 2, *shape), (count,), (count,)]))  # mean, std, label, index
+    if manifest.get("images"):  # extracted with --keep-images
+        size = int(manifest["image_size"])
+        wanted[IMAGE_KEY] = (count, 3, size, size)
     problems = []
     try:
         with safe_open(str(path), framework="pt") as f:
             keys = set(f.keys())
-            if missing := [key for key in SHARD_KEYS if key not in keys]:
+            if missing := [key for key in wanted if key not in keys]:
                 return [f"lacks tensors {', '.join(missing)}"]
-            t = {key: f.get_tensor(key) for key in SHARD_KEYS}
+            t = {key: f.get_tensor(key) for key in wanted}
     except Exception as err:  # noqa: BLE001 - any parse failure means a corrupt shard
         return [f"unreadable ({str(err).splitlines()[0] if str(err) else type(err).__name__})"]
-    for key, want in (("mean", (count, 2, *shape)), ("std", (count, 2, *shape)), ("label", (count,)), ("index", (count,))):
+    for key, want in wanted.items():
         if t[key].dtype != _DTYPES[key] or tuple(t[key].shape) != want:
             problems.append(f"{key} is {str(t[key].dtype).removeprefix('torch.')} {tuple(t[key].shape)}, "
                             f"expected {str(_DTYPES[key]).removeprefix('torch.')} {want}")

@@ -7,6 +7,7 @@ Layout of one checkpoint (folder name = the optimizer step, zero-padded to 7 dig
     model.safetensors     > the trained-model files read by sample.py (ancre_dit.checkpoint)
     ema.safetensors      /
     topology.json/.png   the learned topology of the EMA model
+    repa_projector.safetensors   with REPA only: its projector, for inspection (resume reads accelerate/)
     trainer_state.json   step, data position, layout; written last
 
 Everything is written to checkpoints/.tmp-<step>/ and renamed when complete, so a crash mid-save

@@ -1,6 +1,6 @@
 """Typed training configuration: a YAML file + `section.key=value` overrides -> Config.
 
-The dataclasses below are the schema (sections run_dir, model, data, train, diffusion, eval, log).
+The dataclasses below are the schema (sections run_dir, model, data, train, diffusion, repa, eval, log).
 OmegaConf merges the file and then each override onto them as structured configs, so unknown keys
 and values of the wrong type are refused there; its errors come out as one UserError line naming
 the key. Each field declares its valid range or choices beside it (`ranged`, `choice`, `checked`),
@@ -231,6 +231,20 @@ class DiffusionConfig:
 
 
 @dataclass
+class RepaConfig:
+    """Representation alignment (REPA, training/repa.py): a frozen pretrained encoder's patch tokens of
+    the clean image are matched, through a trained projector, by the DiT's state after block `depth`.
+    Off at weight 0; the sampled model never holds the projector."""
+    weight: float = ranged(0.0, ge=0, hint="0 = off; REPA's recipe uses 0.5")
+    depth: int = ranged(8, ge=1, hint="the block whose output is aligned, 1..model depth")
+    encoder: str = "vit_base_patch14_dinov2.lvd142m"  # a timm model name
+    encoder_weights: str | None = None  # a local file of the encoder's weights (nothing is downloaded)
+    encoder_kwargs: dict[str, Any] = field(default_factory=dict)  # extra timm.create_model arguments
+    projector_dim: int = ranged(2048, ge=1)
+    encoder_resolution: int | None = ranged(None, ge=1, hint="null = the DiT token grid x the encoder's patch size")
+
+
+@dataclass
 class LogConfig:
     tensorboard: bool = True
     wandb: bool = False
@@ -244,6 +258,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     diffusion: DiffusionConfig = field(default_factory=DiffusionConfig)
+    repa: RepaConfig = field(default_factory=RepaConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -440,6 +455,7 @@ def validate_config(config: Config) -> None:
     _check_width_heads(config.model)
     _check_data_path(config.data)
     objective = _check_diffusion(config)
+    _check_repa(config)
     _check_eval_data(config)
     _check_eval_sampling(config.eval, objective)
     _check_eval_metrics(config)
@@ -500,6 +516,33 @@ def _check_diffusion(config: Config) -> Objective:
         raise UserError(f"diffusion.time_sampling={d.time_sampling} applies only to diffusion.objective=flow "
                         "(DDPM draws integer timesteps uniformly)")
     return build_objective(diffusion_spec(config))
+
+
+def _check_repa(config: Config) -> None:
+    """REPA on: an encoder timm knows, its weights as a local file, a depth inside the model. (The
+    token grids and the weights' fit to the encoder are checked when the trainer builds it.)"""
+    r = config.repa
+    if not r.weight:
+        return
+    import timm
+
+    if not timm.is_model(r.encoder):
+        raise UserError(f"repa.encoder {r.encoder!r} is not a timm model name; use e.g. "
+                        f"vit_base_patch14_dinov2.lvd142m (DINOv2 ViT-B/14, REPA's choice)")
+    blocks = config.model.depth or DIT_SIZES[DIT_MODELS[config.model.name][0]][0]
+    if r.depth > blocks:
+        raise UserError(f"repa.depth={r.depth} is beyond the {blocks} blocks of {config.model.name}; choose 1..{blocks} "
+                        f"(REPA aligns block 8 of 12-block models)")
+    for key in ("img_size", "num_classes", "pretrained"):
+        if key in r.encoder_kwargs:
+            raise UserError(f"repa.encoder_kwargs must not set {key}: the trainer sets it"
+                            f"{' (use repa.encoder_resolution)' if key == 'img_size' else ''}")
+    if not r.encoder_weights or not Path(r.encoder_weights).is_file():
+        from .repa import weights_hint
+
+        problem = (f"repa.encoder_weights {r.encoder_weights} does not exist" if r.encoder_weights
+                   else f"repa.weight={r.weight:g} needs repa.encoder_weights")
+        raise MissingFileError(f"{problem}; {weights_hint(r.encoder)}")
 
 
 def _check_eval_data(config: Config) -> None:
@@ -580,5 +623,7 @@ def flat_config(config: Config) -> dict[str, Any]:
         for key, value in values.items() if isinstance(values, dict) else [(None, values)]:
             if isinstance(value, list):  # trackers take scalars only
                 value = ",".join(str(v) for v in value)
+            elif isinstance(value, dict):
+                value = yaml.safe_dump(value, default_flow_style=True).strip()
             out[f"{section}.{key}" if key else section] = "null" if value is None else value
     return out

@@ -4,7 +4,8 @@ The order of samples is a pure function of (seed, epoch): a seeded permutation p
 global batches, each global batch split across ranks and accumulation steps. The trainer saves
 (epoch, offset) in checkpoints, so a resumed run reads exactly the batches the straight run would.
 All per-sample randomness (flips, posterior draws) happens in the training step from the trainer's
-saved generator, not in DataLoader workers.
+saved generator, not in DataLoader workers. With REPA on, `prepare_batch` also returns the clean
+image its encoder sees, flipped as the training example is.
 """
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
             raise UserError(f"the digits are 8x8 pixels; set data.image_size=8 (got {d.image_size})")
     elif d.kind == "latents":
         from ..data.latents import LatentShardDataset
-        ds = LatentShardDataset(d.path, in_memory=d.in_memory)
+        ds = LatentShardDataset(d.path, in_memory=d.in_memory, images=config.repa.weight > 0)
         c, h, w = ds.latent_shape
         m = ds.manifest
         if int(m["image_size"]) != d.image_size:
@@ -109,19 +110,34 @@ def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
     return ds, None
 
 
-def prepare_batch(info: DataInfo, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_batch(info: DataInfo, batch: tuple, device: torch.device, generator: torch.Generator,
+                  clean_images: bool = False) -> tuple[torch.Tensor, ...]:
     """Moves a batch to `device` and applies the per-step random augmentation from `generator`:
-    flip + posterior draw for latents, a horizontal flip for image folders."""
+    flip + posterior draw for latents, a horizontal flip for image folders. Returns (x, y), and with
+    `clean_images` (REPA) also the clean image in [0, 255] (float (N, C, H, W)) flipped as x is: the
+    stored crop for latents, x itself in pixel space. The draws are the same either way."""
     x, y = batch
+    images = None
+    if isinstance(x, tuple):  # latents read with their images: (moments, images)
+        x, images = x
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     if info.kind == "latents":
         from ..data.latents import draw_latents_from_moments
-        x = draw_latents_from_moments(x, generator=generator)
+        x, flip = draw_latents_from_moments(x, generator=generator, return_flip=True)
+        if clean_images:
+            if images is None:
+                raise UserError("REPA needs the clean images, but the latent loader gave none; open the latents "
+                                "with their images (build_data with repa.weight > 0)")
+            images = images.to(device, non_blocking=True)
+            images = torch.where(flip.bool()[:, None, None, None], images.flip(-1), images).float()
     elif info.random_flip:
         flip = torch.rand(x.shape[0], generator=generator, device=generator.device).to(device) < 0.5
         x = torch.where(flip[:, None, None, None], x.flip(-1), x)
-    return x.float(), y.long()
+    if not clean_images:
+        return x.float(), y.long()
+    if info.kind != "latents":
+        images = (x.float() + 1.0) * 127.5  # the training example in [-1, 1] is the clean image
+    return x.float(), y.long(), images
 
 
 class GlobalBatchSampler(torch.utils.data.Sampler):
@@ -187,8 +203,9 @@ class BatchFetcher(Dataset):
     reading the batch), a reused one nothing. Each buffer crosses to the main process once; after
     that a batch travels as its slot number and its labels (`_SlotBatch`), since handing over a
     shared tensor again costs a file-descriptor transfer per tensor (about 1.6 ms a batch, against
-    0.17 ms for the slot). `make_loader` copies (or pins, which copies) every batch in the main
-    process before the worker can come back to its buffer; see `_CopiedBatches`.
+    0.17 ms for the slot). A batch's first item may be a pair of tensors (latents with REPA's
+    images): a slot then holds the pair. `make_loader` copies (or pins, which copies) every batch in
+    the main process before the worker can come back to its buffer; see `_CopiedBatches`.
     """
 
     def __init__(self, dataset: Dataset, ring_size: int = 0):
@@ -259,7 +276,7 @@ class _CopiedBatches:
 
     def __iter__(self):
         for x, y in self.loader:
-            yield x.clone(), y
+            yield (tuple(t.clone() for t in x) if isinstance(x, tuple) else x.clone()), y
 
 
 def _whole_batch(batch):

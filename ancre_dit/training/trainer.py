@@ -7,9 +7,12 @@ and the model's label dropout uses the global RNG, which Accelerate saves and re
 """
 from __future__ import annotations
 
+import itertools
+import gc
 import logging
 import signal
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +36,7 @@ from .config import Config, check_batch_layout, diffusion_spec, flat_config, sav
 from .guards import NonFiniteGuard
 from .periodic import RunContext, TrainProgress, build_tasks, topology_matrix, write_topology_files
 from .data import DataInfo, GlobalBatchSampler, advance_position, build_data, describe, make_loader, prepare_batch
+from .repa import RepaAlignment
 
 LOG_FILE = "log.txt"
 METRICS_FILE = "metrics.jsonl"
@@ -123,6 +127,7 @@ class Trainer:
         self.ema.requires_grad_(False)
         self.raw_model.set_grad_checkpointing(c.train.grad_checkpointing)
         self.objective = build_objective(diffusion_spec(c))
+        self.repa = self._build_repa()  # None with repa.weight 0
         rank = acc.process_index
         set_seed(_seed(c.train.seed, rank, 0))
         self.generator = torch.Generator(device=acc.device).manual_seed(_seed(c.train.seed, rank, 1))
@@ -130,7 +135,12 @@ class Trainer:
         optimizer = torch.optim.AdamW(self._param_groups(), lr=c.train.lr, betas=(c.train.adam_beta1, c.train.adam_beta2),
                                       weight_decay=c.train.weight_decay)
         model = torch.compile(self.raw_model) if c.train.compile else self.raw_model
-        self.model, self.optimizer = acc.prepare(model, optimizer)
+        # REPA's projector is prepared as a model of its own: wrapped for several processes (its
+        # gradients are averaged like the model's) and in Accelerate's saved state (exact resume).
+        extra = [self.repa.projector] if self.repa is not None else []
+        self.model, *prepared, self.optimizer = acc.prepare(model, *extra, optimizer)
+        self.projector = prepared[0] if prepared else None
+        self.trained_modules = (self.model, *prepared)
 
         self.progress = TrainProgress()
         self.epoch, self.offset = 0, 0
@@ -177,16 +187,32 @@ class Trainer:
         kwargs.update({key: getattr(m, key) for key, default in BLOCK_DEFAULTS.items() if getattr(m, key) != default})
         return kwargs  # width / heads were checked with the config
 
+    def _build_repa(self) -> RepaAlignment | None:
+        """REPA's encoder, projector and tap (repa.weight > 0), for this model's token grid and width."""
+        r, c = self.config.repa, self.config.train
+        if not r.weight:
+            return None
+        grid = self.data.input_size // self.raw_model.patch_size
+        repa = RepaAlignment(r, self.raw_model.pos_embed.shape[-1], grid, self.accelerator.device,
+                             bf16=c.mixed_precision == "bf16", seed=_seed(c.seed, 2))
+        self.log.info("REPA: the state after block %d, projected to %d dims, aligned with the patch tokens of %s at "
+                      "%d px (weight %g; logged as train/repa_loss)", r.depth, repa.encoder.dim, r.encoder,
+                      repa.encoder.resolution, r.weight)
+        return repa
+
     def _param_groups(self) -> list[dict[str, Any]]:
         """Trainable parameters only, in two groups: the backbone, and the routing parameters the
         topology declares (their own weight decay, 0 by default, and their own lr schedule: see
-        `_group_lrs`). `self.routing_group` is the index of the second (None when it is empty)."""
+        `_group_lrs`). `self.routing_group` is the index of the second (None when it is empty).
+        With REPA, its projector is a last group with the backbone's lr and decay."""
         c = self.config.train
         routing = {id(p) for p in self.raw_model.topology.routing_parameters()}
         trainable = [p for p in self.raw_model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in trainable if id(p) not in routing]},
                   {"params": [p for p in trainable if id(p) in routing], "weight_decay": c.topology_weight_decay}]
         self.routing_group = 1 if groups[0]["params"] and groups[1]["params"] else (0 if groups[1]["params"] else None)
+        if self.repa is not None:
+            groups.append({"params": list(self.repa.projector.parameters())})
         return [g for g in groups if g["params"]]
 
     def _group_lrs(self, lr: float) -> list[float]:
@@ -215,6 +241,10 @@ class Trainer:
     def _write_files(self, folder: Path) -> None:
         write_model_files(folder, self.model_spec(), self.raw_model.state_dict(), self.ema.module.state_dict())
         write_topology_files(folder, self.run_dir, self.ema.module, self.raw_model, self.step, self.config.model.topology)
+        if self.repa is not None:  # for inspection: resume reads it from Accelerate's state, sampling never
+            from safetensors.torch import save_file
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.repa.projector.state_dict().items()},
+                      str(folder / RepaAlignment.PROJECTOR_FILE))
 
     def save(self) -> Path:
         state = {"step": self.step, "data": {"epoch": self.epoch, "offset": self.offset},
@@ -230,6 +260,13 @@ class Trainer:
     def _load(self, folder: Path) -> None:
         acc = self.accelerator
         ckpt.check_same_model(folder, self.model_spec())  # one line on a mismatch, before Accelerate reads anything
+        with_repa = (folder / RepaAlignment.PROJECTOR_FILE).is_file()
+        if with_repa != (self.repa is not None):
+            raise UserError(f"--resume {folder} was trained {'with' if with_repa else 'without'} REPA but repa.weight="
+                            f"{self.config.repa.weight:g} here; resume with the config the run was started with "
+                            f"({folder.parent.parent / 'config.yaml'}), or start a new run_dir")
+        if self.repa is not None:
+            self.repa.check_checkpoint(folder)
         state = ckpt.read_trainer_state(folder)
         acc.load_state(str(folder / ckpt.ACCELERATE_DIR))
         ema_state = load_safetensors_checked(folder / WEIGHT_FILES["ema"], device=acc.device)
@@ -263,22 +300,30 @@ class Trainer:
             group["lr"] = group_lr
         sums: dict[str, torch.Tensor] = {}
         grad_norm = torch.zeros((), device=acc.device)
+        repa = self.repa
         for _ in range(c.grad_accum):
-            x, y = prepare_batch(self.data, next(batches), acc.device, self.generator)
+            x, y, *clean = prepare_batch(self.data, next(batches), acc.device, self.generator,
+                                         clean_images=repa is not None)
             draws = self.draw_timesteps_and_noise(x)
-            with acc.accumulate(self.model):
-                terms = self.objective.losses(self.model, x, y, draws)
+            with acc.accumulate(*self.trained_modules):
+                with repa.tap.attached(self.raw_model.topology) if repa is not None else nullcontext():
+                    terms = self.objective.losses(self.model, x, y, draws)
                 loss = terms["loss"].mean()
                 if self.entropy_weight:  # logged as train/topology_entropy (unweighted)
                     terms["topology_entropy"] = topology_entropy(self.raw_model.topology)
                     loss = loss + self.entropy_weight * terms["topology_entropy"]
+                if repa is not None:  # logged as train/repa_loss (unweighted)
+                    terms["repa_loss"] = repa.loss(self.projector, clean[0])
+                    loss = loss + repa.weight * terms["repa_loss"]
                 acc.backward(loss)
                 for key, value in terms.items():
                     sums[key] = sums.get(key, 0.0) + value.detach().mean() / c.grad_accum
                 skip = False
                 if acc.sync_gradients:
                     # max_norm=inf only measures the norm (the clip coefficient is clamped to 1).
-                    grad_norm = acc.clip_grad_norm_(self.model.parameters(), c.grad_clip or float("inf"))
+                    params = (self.model.parameters() if repa is None else
+                              itertools.chain(*(m.parameters() for m in self.trained_modules)))
+                    grad_norm = acc.clip_grad_norm_(params, c.grad_clip or float("inf"))
                     skip = self.guard.check(self.step + 1, sums, grad_norm)  # same answer on every rank
                 if not skip:
                     self.optimizer.step()
@@ -359,7 +404,7 @@ class Trainer:
                 except UserError as err:  # non-finite stop, unreadable data: nothing saved over the good checkpoints
                     self.log.error("%s", err)  # in log.txt too
                     progress.close()
-                    acc.end_training()
+                    self._end()
                     raise
                 self.progress.train_seconds += time.perf_counter() - started
                 for k, v in terms.items():
@@ -386,8 +431,18 @@ class Trainer:
             self._plot_loss()
         self._log_time_shares()
         self.log.info("done at step %d; outputs in %s", self.step, self.run_dir)
-        acc.end_training()  # also destroys the process group (else gloo aborts at exit)
+        self._end()
         return {"step": self.step, "stopped": stopped, "metrics": last, "run_dir": str(self.run_dir)}
+
+    def _end(self) -> None:
+        """Ends the trackers and destroys the process group (else gloo aborts at exit), after dropping
+        the process-group wrappers (DDP) of the model and REPA's projector: a wrapper that outlives its
+        group can abort the process when it is finally freed at interpreter exit."""
+        self.model = self.projector = None
+        self.trained_modules = ()
+        self.accelerator.free_memory()
+        gc.collect()
+        self.accelerator.end_training()
 
     def _log_time_shares(self) -> None:
         """How this process's time split between training and the periodic tasks (this launch only

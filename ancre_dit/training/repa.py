@@ -1,0 +1,279 @@
+"""REPA, representation alignment (Yu et al., 2024): an extra training loss that makes the DiT's
+state after block `repa.depth`, projected by a small trained MLP, point the way a frozen pretrained
+encoder's patch tokens of the clean image do (negative cosine similarity, token by token).
+
+The state is read through the topology's `state_hook` (z_k, the state fed to block k + 1, for every
+topology: the aggregated state for routed ones), attached for the training forward only. The hook
+is one `StateTap` for the whole run: torch.compile traces the call into its graph (one graph, no
+break) and guards on the hook's identity, so a new object each step would recompile every step.
+
+The encoder is loaded from a local file only (nothing is downloaded), checked strictly against the
+architecture its name builds, frozen (eval mode, no gradients, run under no_grad), and fed images
+resized so that its patch grid is the DiT's token grid. The projector is trained with the model but
+is not part of it: the sampled model files stay what they are without REPA.
+"""
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import UserError
+from .config import RepaConfig
+
+
+def weights_hint(encoder: str) -> str:
+    """How to get an encoder's weights file, for the one-line errors (no network is assumed here)."""
+    hub = None
+    try:
+        import timm
+
+        cfg = timm.models.get_pretrained_cfg(encoder)
+        hub = getattr(cfg, "hf_hub_id", None) if cfg is not None else None
+    except Exception:  # noqa: BLE001 - only the wording of a hint depends on it
+        pass
+    sources = [f"timm's copy: huggingface-cli download {hub} model.safetensors --local-dir weights/"] if hub else []
+    if "dinov2" in encoder:
+        sources.append("Meta's DINOv2 release, e.g. dinov2_vitb14_pretrain.pth for ViT-B/14")
+    where = "; ".join(sources) or "the weights file of the encoder's release"
+    return (f"nothing is downloaded for you: fetch the weights of {encoder} where there is network ({where}) "
+            f"and set repa.encoder_weights=PATH")
+
+
+class StateTap:
+    """The topology's state hook during a training forward: keeps z_depth (with its graph)."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.state: torch.Tensor | None = None
+
+    def __call__(self, k: int, z: torch.Tensor) -> None:
+        if k == self.depth:
+            self.state = z
+
+    @contextmanager
+    def attached(self, topology: nn.Module) -> Iterator["StateTap"]:
+        """The hook set for the body only (diagnostics and sampling run without it)."""
+        self.state = None
+        topology.state_hook = self
+        try:
+            yield self
+        finally:
+            topology.state_hook = None
+
+    def take(self) -> torch.Tensor:
+        state, self.state = self.state, None
+        if state is None:
+            raise RuntimeError(f"the topology reported no state after block {self.depth} during the forward")
+        return state
+
+
+def make_projector(hidden_size: int, projector_dim: int, encoder_dim: int) -> nn.Sequential:
+    """REPA's projector, Linear(d, P) SiLU Linear(P, P) SiLU Linear(P, encoder_dim), initialised as
+    DiT initialises its linears (xavier-uniform weights, zero biases)."""
+    layers = nn.Sequential(nn.Linear(hidden_size, projector_dim), nn.SiLU(), nn.Linear(projector_dim, projector_dim),
+                           nn.SiLU(), nn.Linear(projector_dim, encoder_dim))
+    for layer in layers:
+        if isinstance(layer, nn.Linear):
+            nn.init.xavier_uniform_(layer.weight)
+            nn.init.zeros_(layer.bias)
+    return layers
+
+
+def alignment_loss(projected: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over batch and tokens of -cos(projected token, encoder token), in float32; both (N, T, E)."""
+    if projected.shape != target.shape:
+        raise UserError(f"REPA: the projected DiT tokens are {tuple(projected.shape)} but the encoder's patch tokens "
+                        f"{tuple(target.shape)}; the token grids must match")
+    p = F.normalize(projected.float(), dim=-1)
+    e = F.normalize(target.float(), dim=-1)
+    return -(p * e).sum(-1).mean()
+
+
+class FrozenEncoder(nn.Module):
+    """A timm ViT that maps clean images (N, 1 or 3, H, W, values in [0, 255]) to its patch tokens
+    (N, grid^2, dim), class and register tokens dropped. Always in eval mode, never trained."""
+
+    def __init__(self, encoder: nn.Module, resolution: int, bf16: bool):
+        super().__init__()
+        self.encoder = encoder.eval().requires_grad_(False)
+        self.resolution = resolution
+        self.bf16 = bf16
+        # The normalisation the encoder was trained with (DINOv2's: ImageNet's mean / std, the fallback).
+        cfg = getattr(encoder, "pretrained_cfg", None) or {}
+        mean, std = cfg.get("mean", (0.485, 0.456, 0.406)), cfg.get("std", (0.229, 0.224, 0.225))
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1), persistent=False)
+        self.dim = int(encoder.num_features)
+
+    def train(self, mode: bool = True) -> "FrozenEncoder":
+        return super().train(False)  # dropout / drop-path stay off whatever the caller asks
+
+    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
+        """[0, 255] images -> the encoder's input: 3 channels, resized to `resolution`, normalised by
+        the encoder's mean / std.
+
+        The image is resized, not the features interpolated afterwards, so that each encoder patch
+        covers exactly the image area of one DiT patch and token i of both grids describes the same
+        region (for DINOv2-B/14 under a 256 px DiT-B/2: 16 x 16 patches of 14 px at 224 px, each
+        the area of a 16 px DiT patch). Downsizing antialiases, as the encoder's own (PIL)
+        preprocessing did when it was trained."""
+        x = images.float() / 255.0
+        if x.shape[1] == 1:  # grey (the digits): the same value in R, G and B
+            x = x.expand(-1, 3, -1, -1)
+        if x.shape[-2:] != (self.resolution, self.resolution):
+            x = F.interpolate(x, size=(self.resolution, self.resolution), mode="bicubic", align_corners=False,
+                              antialias=x.shape[-1] > self.resolution)
+        return (x - self.mean) / self.std
+
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        x = self.preprocess(images)
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            tokens = self.encoder.forward_features(x)
+        return tokens[:, getattr(self.encoder, "num_prefix_tokens", 0):].float()
+
+
+def _create(cfg: RepaConfig, **extra: Any) -> nn.Module:
+    import timm
+
+    try:
+        return timm.create_model(cfg.encoder, pretrained=False, num_classes=0, **cfg.encoder_kwargs, **extra)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise UserError(f"repa.encoder {cfg.encoder} could not be built with repa.encoder_kwargs "
+                        f"{cfg.encoder_kwargs} ({' '.join(str(err).split())})") from None
+
+
+def encoder_resolution(cfg: RepaConfig, grid: int) -> int:
+    """The encoder's input side: the DiT token grid x the encoder's patch size, or the configured one,
+    which must give the same grid. The patch size comes from building the encoder on the meta device
+    (no memory, no weights), or on the CPU for a model whose construction needs real tensors."""
+    with torch.random.fork_rng(devices=[]):  # the training streams do not move
+        try:
+            with torch.device("meta"):
+                probe = _create(cfg)
+        except UserError:
+            probe = _create(cfg)
+    patch = getattr(getattr(probe, "patch_embed", None), "patch_size", None)
+    if patch is None or not hasattr(probe, "forward_features"):
+        raise UserError(f"repa.encoder {cfg.encoder} has no patch embedding; REPA needs a ViT-style encoder "
+                        f"whose patch tokens can match the DiT's tokens (e.g. vit_base_patch14_dinov2.lvd142m)")
+    patch = tuple(patch) if isinstance(patch, (tuple, list)) else (patch, patch)
+    if patch[0] != patch[1]:
+        raise UserError(f"repa.encoder {cfg.encoder} has non-square patches {patch}; use one with square patches")
+    p = int(patch[0])
+    if cfg.encoder_resolution is None:
+        return grid * p
+    r = cfg.encoder_resolution
+    if r % p or r // p != grid:
+        raise UserError(f"repa.encoder_resolution={r} gives the encoder a {r / p:g} x {r / p:g} patch grid (patch "
+                        f"{p}), but the DiT has {grid} x {grid} tokens; set repa.encoder_resolution={grid * p} or null")
+    return r
+
+
+def load_encoder_weights(model: nn.Module, path: str | Path, name: str) -> None:
+    """Loads a local weights file into `model` strictly: the file must be the weights of the
+    architecture `name` builds (timm's own key conversions and position-embedding resampling
+    applied first); else one line naming the first key that does not fit."""
+    from timm.models import load_state_dict
+
+    try:
+        state = load_state_dict(str(path))
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same one-line answer
+        raise UserError(f"repa.encoder_weights {path} is not a readable weights file "
+                        f"({' '.join(str(err).split()) or type(err).__name__}); {weights_hint(name)}") from None
+    own = model.state_dict()
+    mismatch = _patch_mismatch(state, own)
+    if mismatch is None:
+        convert = getattr(sys.modules.get(type(model).__module__), "checkpoint_filter_fn", None)
+        if convert is not None:
+            try:
+                state = convert(dict(state), model)
+            except Exception as err:  # noqa: BLE001 - a foreign layout fails inside timm's conversion
+                mismatch = f"timm could not convert it ({' '.join(str(err).split()) or type(err).__name__})"
+    if mismatch is None:
+        classifier = (getattr(model, "pretrained_cfg", None) or {}).get("classifier") or "head"
+        state = {k: v for k, v in state.items() if k in own or not k.startswith(f"{classifier}.")}  # headless encoder
+        mismatch = _first_mismatch(state, own)
+    if mismatch is not None:
+        raise UserError(f"repa.encoder_weights {path} does not hold the weights of repa.encoder {name}: {mismatch}; "
+                        f"point it at that encoder's weights, or set repa.encoder to the file's architecture")
+    model.load_state_dict(state, strict=True)
+
+
+def _patch_mismatch(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> str | None:
+    """timm would resample a patch embedding of another patch size; for REPA that is another encoder."""
+    key = "patch_embed.proj.weight"
+    theirs, mine = state.get(key), own.get(key)
+    if theirs is None or mine is None or theirs.ndim != 4 or theirs.shape[-2:] == mine.shape[-2:]:
+        return None
+    return f"{key} is {tuple(theirs.shape)} in the file, {tuple(mine.shape)} in the encoder (another patch size)"
+
+
+def _first_mismatch(state: dict[str, Any], own: dict[str, torch.Tensor]) -> str | None:
+    for key, value in own.items():
+        if key not in state:
+            return f"the file lacks {key}"
+        if tuple(state[key].shape) != tuple(value.shape):
+            return f"{key} is {tuple(state[key].shape)} in the file, {tuple(value.shape)} in the encoder"
+    extra = [k for k in state if k not in own]
+    return f"the file holds {extra[0]}, which the encoder has no place for" if extra else None
+
+
+def build_encoder(cfg: RepaConfig, grid: int, device: torch.device | str = "cpu", bf16: bool = False) -> FrozenEncoder:
+    """The frozen encoder for a DiT with a `grid` x `grid` token grid, weights from cfg.encoder_weights."""
+    if not cfg.encoder_weights or not Path(cfg.encoder_weights).is_file():
+        raise UserError(f"repa.encoder_weights {cfg.encoder_weights} does not exist; {weights_hint(cfg.encoder)}")
+    resolution = encoder_resolution(cfg, grid)
+    with torch.random.fork_rng(devices=[]):  # its random init (overwritten) must not move the training streams
+        model = _create(cfg, img_size=resolution)
+    load_encoder_weights(model, cfg.encoder_weights, cfg.encoder)
+    tokens = int(model.patch_embed.num_patches)
+    if tokens != grid * grid:
+        raise UserError(f"repa.encoder {cfg.encoder} gives {tokens} patch tokens at {resolution} px, the DiT "
+                        f"{grid * grid}; REPA needs one encoder token per DiT token")
+    return FrozenEncoder(model, resolution, bf16).to(device)
+
+
+class RepaAlignment:
+    """What a REPA run holds besides the model: the frozen encoder, the projector (trained, saved
+    with the optimizer state and as its own file, never sampled) and the tap on the trunk."""
+
+    PROJECTOR_FILE = "repa_projector.safetensors"
+
+    def __init__(self, cfg: RepaConfig, hidden_size: int, grid: int, device: torch.device | str = "cpu",
+                 bf16: bool = False, seed: int = 0):
+        self.weight = float(cfg.weight)
+        self.encoder = build_encoder(cfg, grid, device, bf16)
+        with torch.random.fork_rng(devices=[]):  # its own stream: the model's init is the same with REPA off
+            torch.default_generator.manual_seed(seed)
+            self.projector = make_projector(hidden_size, cfg.projector_dim, self.encoder.dim).to(device)
+        self.tap = StateTap(cfg.depth)
+
+    def check_checkpoint(self, folder: Path) -> None:
+        """Before a resume: the checkpoint's projector has this run's shapes (else Accelerate would
+        fail deep inside with a size mismatch)."""
+        from safetensors import safe_open
+
+        with safe_open(str(Path(folder) / self.PROJECTOR_FILE), framework="pt") as f:
+            saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        own = {k: tuple(v.shape) for k, v in self.projector.state_dict().items()}
+        if saved != own:
+            diff = next((k for k in own if saved.get(k) != own[k]), next(iter(saved), ""))
+            raise UserError(f"--resume {folder}: its REPA projector has {diff} {saved.get(diff)}, this config's "
+                            f"{own.get(diff)} (repa.projector_dim or repa.encoder differ); resume with the run's config")
+
+    def loss(self, projector: nn.Module, images: torch.Tensor) -> torch.Tensor:
+        """The unweighted REPA loss of the state the tap caught in the forward just run;
+        `projector` is self.projector as the trainer prepared it (wrapped for several processes)."""
+        z = self.tap.take()
+        return alignment_loss(projector(z), self.encoder(images))
+
+
+__all__ = ["RepaAlignment", "FrozenEncoder", "StateTap", "alignment_loss", "build_encoder", "encoder_resolution",
+           "load_encoder_weights", "make_projector", "weights_hint"]
