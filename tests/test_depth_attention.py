@@ -204,7 +204,8 @@ def test_trains_resumes_samples_and_evaluates(tmp_path, options):
 
     topology = "model.topology=dar" if any("chunk" in o for o in options) else "model.topology=attnres"
     folder = train_straight_and_resumed(tmp_path, topology, *options, "train.ckpt_every=2", "train.eval_every=2",
-                                        "eval.heldout_max=8")
+                                        "eval.heldout_max=8", "eval.num_samples=10", "eval.batch_size=10",
+                                        "eval.sampler=ddim", "eval.steps=2")
     model, spec = load_trained_model(folder)
     assert spec["model"]["kwargs"]["topology"] == topology.split("=")[1]
     images = sample_images(model, spec["diffusion"], [1, 2], sampler="ddim", steps=3, seed=0)

@@ -17,14 +17,25 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import UserError
-from .config import RepaConfig
+
+
+class RepaConfig(Protocol):
+    """What this module reads of the `repa:` config section (training/config.py declares and checks
+    it; this module does not import the config, which imports this module's error hints)."""
+    weight: float
+    depth: int
+    encoder: str
+    encoder_weights: str | None
+    encoder_kwargs: dict[str, Any]
+    projector_dim: int
+    encoder_resolution: int | None
 
 
 def weights_hint(encoder: str) -> str:
