@@ -28,4 +28,4 @@ python3 sample.py --ckpt "$CKPT" --num-samples 200 --batch-size 200 --cfg-scale 
   --grid "$RUN/samples.png" --cpu
 # Offline check (no Inception weights needed): an independent classifier's accuracy on the samples.
 python3 evaluate.py --samples "$RUN/samples.npz" --digits
-echo "quickstart outputs: $RUN (checkpoints/, samples.png, samples/, topology.png, loss.png, quality.png, log.txt)"
+echo "quickstart outputs: $RUN (checkpoints/, samples.png, samples/, topology.png, loss.png, quality.png, diagnostics.png, log.txt)"
