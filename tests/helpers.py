@@ -91,6 +91,17 @@ def train_straight_and_resumed(root: Path, *overrides: str, steps: int = 4, stop
     return root / "resumed" / "checkpoints" / last
 
 
+def tiny_vae(path: Path) -> Path:
+    """A tiny random AutoencoderKL (4 latent channels, 4x downsampling) saved to `path`."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(0)
+    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                  up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+                  latent_channels=4, norm_num_groups=8, sample_size=16).save_pretrained(path)
+    return path
+
+
 def reset_accelerate() -> None:
     """AcceleratorState is a process-wide singleton: reset it between in-process runs."""
     from accelerate.state import AcceleratorState, GradientState, PartialState

@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import ROOT, reset_accelerate, tiny_config
+from helpers import ROOT, reset_accelerate, tiny_config, tiny_vae
 
 from ancre_dit.cli import run_cli  # noqa: E402
 from ancre_dit.data.adm_npz import save_adm_npz  # noqa: E402
@@ -41,16 +41,6 @@ def _truncate(path: Path) -> None:
 def _garble_header(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(b"\xff" * 16 + data[16:])
-
-
-def _tiny_vae(path: Path) -> Path:
-    from diffusers import AutoencoderKL
-
-    torch.manual_seed(0)
-    AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                  up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
-                  latent_channels=4, norm_num_groups=8, sample_size=16).save_pretrained(path)
-    return path
 
 
 def _image_folder(root: Path, corrupt: bool = False) -> Path:
@@ -120,7 +110,7 @@ def world(tmp_path_factory) -> Path:
         (w / "flat").mkdir()
         Image.fromarray(np.zeros((20, 20, 3), np.uint8)).save(w / "flat" / "x.png")
         (w / "empty_images").mkdir()
-        _tiny_vae(w / "vae")
+        tiny_vae(w / "vae")
         from ancre_dit.latents.extract import ExtractConfig, run_extraction
         run_extraction(ExtractConfig(str(w / "images"), str(w / "vae"), str(w / "extracted"), image_size=16,
                                      shard_size=4, batch_size=4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, load_script, reset_accelerate, tiny_config
+from helpers import ROOT, load_script, reset_accelerate, tiny_config, tiny_vae
 from PIL import Image
 
 from ancre_dit.data.adm_npz import load_adm_npz
@@ -17,13 +17,7 @@ from ancre_dit.training import train
 
 @pytest.fixture
 def vae_and_images(tmp_path):
-    from diffusers import AutoencoderKL
-
-    torch.manual_seed(0)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
-                        latent_channels=4, norm_num_groups=8, sample_size=16)
-    vae.save_pretrained(tmp_path / "vae")
+    tiny_vae(tmp_path / "vae")
     rng = np.random.default_rng(0)
     for name in ("apple", "pear"):
         (tmp_path / "images" / name).mkdir(parents=True)

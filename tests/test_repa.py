@@ -14,7 +14,7 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from helpers import (ROOT, assert_same_weights, deterministic_draws, load_script, reset_accelerate,
+from helpers import (ROOT, assert_same_weights, tiny_vae, deterministic_draws, load_script, reset_accelerate,
                      subprocess_env, tiny_config, tiny_model)
 from safetensors.torch import load_file, save_file
 
@@ -313,7 +313,6 @@ def test_trains_on_latents_with_images_and_refuses_shards_without(tmp_path, weig
 
 @pytest.mark.slow
 def test_extraction_keeps_the_crops_the_vae_saw(tmp_path, one_thread):
-    from diffusers import AutoencoderKL
     from PIL import Image
 
     from ancre_dit.data.image_folder import load_rgb
@@ -321,11 +320,7 @@ def test_extraction_keeps_the_crops_the_vae_saw(tmp_path, one_thread):
     from ancre_dit.latents.extract import ExtractConfig, run_extraction
     from ancre_dit.latents.verify import verify_latent_dir
 
-    torch.manual_seed(0)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
-                        latent_channels=4, norm_num_groups=8, sample_size=16)
-    vae.save_pretrained(tmp_path / "vae")
+    tiny_vae(tmp_path / "vae")
     rng = np.random.default_rng(0)
     for name in ("a", "b"):
         (tmp_path / "img" / name).mkdir(parents=True)
