@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,6 +48,15 @@ class RunContext:
     progress: TrainProgress
     save: Callable[[], Path]        # writes a checkpoint of the current step (collective)
     stop_requested: Callable[[], bool] = lambda: False  # a stop signal arrived (agreed by all processes)
+    _decoder: Any = field(default=None, repr=False)
+
+    def decoder(self):
+        """Samples -> uint8 images: the run's VAE for latent runs (loaded once, shared by the grids and
+        the evaluation), a rescale for pixel-space runs."""
+        if self._decoder is None:
+            from ..sampling.decode import build_decoder
+            self._decoder = build_decoder(self.data_spec, self.data.in_channels, device=self.accelerator.device)
+        return self._decoder
 
 
 class PeriodicTask:
@@ -77,19 +86,12 @@ class PeriodicTask:
         """Work owed at the end of the loop (default: none)."""
 
 
-def run_decoder(ctx: RunContext):
-    """Latent runs decode with their VAE; pixel-space runs need none."""
-    from ..sampling.decode import build_decoder
-    return build_decoder(ctx.data_spec, ctx.data.in_channels, device=ctx.accelerator.device)
-
-
 class SampleGridTask(PeriodicTask):
     """An EMA sample grid (main process only) to RUN/samples/<step>.png."""
     name = "sample grids"
 
     def __init__(self, every: int):
         super().__init__(every)
-        self._decoder = None
         self._disabled = False
 
     def due(self, ctx: RunContext) -> bool:
@@ -101,20 +103,19 @@ class SampleGridTask(PeriodicTask):
         from ..sampling.guidance import Guidance
 
         c, d, step = ctx.config.train, ctx.data, ctx.progress.step
-        if self._decoder is None:
-            try:
-                self._decoder = run_decoder(ctx)
-            except UserError as err:
-                ctx.log.warning("no sample grids: %s", err)
-                self._disabled = True
-                return None
+        try:
+            decoder = ctx.decoder()
+        except UserError as err:  # e.g. a latent run without a VAE at hand: grids off, training goes on
+            ctx.log.warning("no sample grids: %s", err)
+            self._disabled = True
+            return None
         n = c.num_sample_images
         labels = (np.arange(n) % d.num_classes if d.num_classes <= 32
                   else np.random.default_rng(c.seed).integers(0, d.num_classes, n))
         cfg = c.cfg_scale_for_grids if ctx.config.model.class_dropout > 0 else 1.0
         devices = [ctx.accelerator.device] if ctx.accelerator.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            images = sample_images(ctx.ema_model, ctx.objective, labels, decoder=self._decoder, seed=c.seed,
+            images = sample_images(ctx.ema_model, ctx.objective, labels, decoder=decoder, seed=c.seed,
                                    steps=c.sample_steps, guidance=Guidance(cfg))
         nrow = d.num_classes if d.num_classes <= 32 and n % d.num_classes == 0 else int(math.ceil(math.sqrt(n)))
         path = save_image_grid(images, ctx.run_dir / "samples" / f"{ckpt.step_name(step)}.png", nrow=nrow)
@@ -134,7 +135,7 @@ class EvaluationTask(PeriodicTask):
         super().__init__(ctx.config.train.eval_every)
         needs_decoder = bool(resolve_metrics(ctx.config.eval, ctx.data.kind))  # only sample metrics decode images
         self.evaluator = build_run_evaluator(ctx.config, ctx.data, ctx.objective,
-                                             decoder=run_decoder(ctx) if needs_decoder else None,
+                                             decoder=ctx.decoder() if needs_decoder else None,
                                              state=ctx.accelerator, log=ctx.log.info)
         # Read once, before anyone writes: every process then agrees on what is left to do.
         self.done = evaluated_steps(ctx.run_dir, self.evaluator.identity)
