@@ -3,6 +3,7 @@
 and diagnose how any checkpoint moves information through depth.
 
     python scripts/topology.py show RUN_OR_JSON [--out heatmap.png] [--title T] [--summary-json F]
+    python scripts/topology.py show DAR_OR_ATTNRES_RUN [--t 0.1 0.5 0.9] [--out routing.png | --out DIR]
     python scripts/topology.py compare RUN_A RUN_B RUN_C [--out compare.png] [--json compare.json]
     python scripts/topology.py prune RUN_OR_JSON --top-k 2 --out sparse.json   (or --threshold 0.1)
     python scripts/topology.py evolution RUN [--out evolution.png] [--gif evolution.gif]
@@ -10,7 +11,8 @@ and diagnose how any checkpoint moves information through depth.
 
 A RUN_OR_JSON is a run directory (its newest topology.json) or a topology.json file. `show` draws
 the heatmap (default: next to the JSON) and prints the per-block summary (strongest sources,
-anchors, entropy). `compare` reports the Pearson correlation of the learned edge weights (blocks
+anchors, entropy). For DAR and AttnRes, whose weights depend on the token and the time, `show`
+draws the mean weights (aggregator x source) on a fixed probe batch at each --t. `compare` reports the Pearson correlation of the learned edge weights (blocks
 2..K; block 1's single edge is always 1) and how often the strongest incoming edge of a block comes
 from the same source; a pruned file trains with `model.topology=frozen model.topology_path=sparse.json`.
 A plain DiT (all-zero topology) has no routing to compare, prune or follow, and is refused.
@@ -105,7 +107,14 @@ def show_routing(args) -> None:
     from ancre_dit.diffusion import build_objective
     from ancre_dit.figures import plot_topology_panels
 
-    out = output_file(args.out or args.topology / "routing.png", (".png",))
+    # --out X.png: all times as panels of one figure; --out DIR: that figure as DIR/routing.png, one
+    # heatmap per time (DIR/routing_t<t>.png) and the weights (DIR/routing_weights.json).
+    folder_out = args.out is not None and (args.out.is_dir() or not args.out.suffix)
+    if folder_out:
+        out_dir = output_folder(args.out, "routing drawing", "routing*.png")
+        out = out_dir / "routing.png"
+    else:
+        out = output_file(args.out or args.topology / "routing.png", (".png",))
     if args.summary_json:
         output_file(args.summary_json, (".json",), "--summary-json")
     if not all(0.0 <= t <= 1.0 for t in args.t):
@@ -125,11 +134,17 @@ def show_routing(args) -> None:
     title = (f"{spec['model']['kwargs'].get('topology')} step {spec.get('step')}: rows = aggregator before sublayer "
              f"l+1 (last: final), columns = source v_i ({source})")
     plot_topology_panels(weights, out, title=title)
+    numbers = json.dumps({k: v.tolist() for k, v in weights.items()}, indent=1)
+    if folder_out:
+        for name, W in weights.items():
+            plot_topology_panels({name: W}, out_dir / f"routing_{name.replace('=', '')}.png", title=title)
+        (out_dir / "routing_weights.json").write_text(numbers)
     if args.summary_json:
         args.summary_json.parent.mkdir(parents=True, exist_ok=True)
-        args.summary_json.write_text(json.dumps({k: v.tolist() for k, v in weights.items()}, indent=1))
+        args.summary_json.write_text(numbers)
         print(f"weights written to {args.summary_json}")
-    print(f"routing weights of {folder} at t = {', '.join(f'{t:g}' for t in args.t)} drawn to {out}")
+    where = f"{out_dir} (routing.png, one routing_t<t>.png per time, routing_weights.json)" if folder_out else out
+    print(f"routing weights of {folder} at t = {', '.join(f'{t:g}' for t in args.t)} drawn to {where}")
 
 
 def compare(args) -> None:
@@ -227,7 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="heatmap PNG of one topology, and its per-block summary")
     s.add_argument("topology", type=Path, metavar="RUN_OR_JSON",
                    help="a run directory or a topology.json (a 'probabilities' (K, K) matrix)")
-    s.add_argument("--out", type=Path, default=None, help="heatmap PNG (default: next to the JSON)")
+    s.add_argument("--out", type=Path, default=None,
+                   help="heatmap PNG (default: next to the JSON); DAR / AttnRes also take a folder: one heatmap "
+                        "per --t there")
     s.add_argument("--title", default=None)
     s.add_argument("--summary-json", type=Path, default=None,
                    help="also write the topology analysis (strongest sources, anchors, entropy) here")

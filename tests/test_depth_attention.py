@@ -236,5 +236,15 @@ def test_show_draws_the_routing_weights_at_each_t_and_matrix_tools_refuse(tmp_pa
         torch.testing.assert_close(W.sum(1), torch.ones(9))
         assert torch.equal(W, torch.tril(W))  # sources come before their reader
     assert (weights["t=0.1"] - weights["t=0.9"]).abs().max() > 1e-4  # the weights depend on t
+    # a folder: one heatmap per t beside the panel figure, and the same numbers
+    assert main(["show", str(folder), "--t", "0.1", "0.9", "--out", str(tmp_path / "drawn")]) == 0
+    assert sorted(p.name for p in (tmp_path / "drawn").iterdir()) == [
+        "routing.png", "routing_t0.1.png", "routing_t0.9.png", "routing_weights.json"]
+    assert json.loads((tmp_path / "drawn" / "routing_weights.json").read_text()) == json.loads(
+        (tmp_path / "r.json").read_text())
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="holds no routing drawing"):
+        main(["show", str(folder), "--out", str(tmp_path / "other")])
     with pytest.raises(UserError, match="HC, mHC, DAR and AttnRes have none"):
         main(["compare", str(folder), str(folder), "--out", str(tmp_path / "c.png")])
