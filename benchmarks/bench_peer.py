@@ -8,6 +8,9 @@ Variants, all at the same DiT shape (32x32x4 latents, 1000 classes, learn_sigma)
     ancre-chain   ANCRe with the plain addcmul chain (what the compiler sees)
     diffusers     diffusers' DiTTransformer2DModel with the same depth / width / heads / patch
     cascaded+gc, ancre+gc   with activation checkpointing per block (--checkpointing)
+    TOPOLOGY:key=value,...  any registered topology with its options and the backbone's:
+                  dar:query=static,chunk=4   attnres:block=3
+                  cascaded:norm=rmsnorm,mlp=swiglu,pos_embed=rope2d,qk_norm=true (the LightningDiT block)
 
 Modes, each timed separately:
 
@@ -116,7 +119,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[4])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS),
                    help="cascaded, ancre, ancre-chain (the addcmul chain), diffusers, or any registered topology "
-                        "with options: mhc, dar:query=static,chunk=4, attnres:block=3")
+                        "with topology and backbone options: mhc, dar:query=static,chunk=4, attnres:block=3, "
+                        "cascaded:norm=rmsnorm,mlp=swiglu,pos_embed=rope2d,qk_norm=true")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--checkpointing", action="store_true", help="add cascaded+gc and ancre+gc")
     p.add_argument("--compile", action="store_true", help="torch.compile every variant (inductor)")

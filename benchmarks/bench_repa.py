@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Cost of REPA: one training step (forward + backward + AdamW) with the alignment loss against the
-same step without it, at the DiT-B/2 shape (32x32x4 latents, 256 tokens) by default.
+"""Cost of REPA: one training step (forward + backward + AdamW; --mode fwd+bwd leaves out the AdamW
+step) with the alignment loss against the same step without it, at the DiT-B/2 shape (32x32x4 latents, 256 tokens) by default.
 
 REPA adds the frozen encoder's forward on the clean images (no backward), the projector's forward
 and backward, and the loss; the DiT's own forward and backward are the same. The encoder is a
@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="autocast dtype (fp32 = no autocast)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=("train", "fwd+bwd"), default="train",
+                   help="train = forward + backward + AdamW step; fwd+bwd = without the optimizer step")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu = this process's CPU time (with --threads 1 on a shared machine, other processes do "
+                        "not enter the time); CPU device only")
     p.add_argument("--smoke", action="store_true", help="a tiny DiT and encoder, 2 rounds: checks the harness in seconds")
     args = p.parse_args(argv)
     args.model_kwargs, args.encoder_kwargs = {}, {}
@@ -61,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError("--device cuda given but no CUDA device is visible; run on a GPU machine or use --device cpu")
+    if args.clock == "cpu" and args.device != "cpu":
+        raise UserError("--clock cpu measures this process's CPU time; use it with --device cpu")
+    if args.threads is not None and args.threads < 1:
+        raise UserError("--threads must be at least 1")
     if min(args.rounds, args.steps, args.batch_size) < 1:
         raise UserError("--rounds, --steps and --batch-size must be at least 1")
     return args
@@ -91,8 +101,11 @@ def main(argv: list[str] | None = None) -> None:
 
 def measure(args: argparse.Namespace) -> dict[str, float]:
     """Times both variants in paired rounds, prints the table; returns the medians and the ratio."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     dtype = DTYPES[args.dtype]
     model, encoder, projector, tap = build(args)
     params = list(model.parameters()) + list(projector.parameters())
@@ -119,10 +132,12 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
                 out = model(x, t, y)
                 loss = out.float().square().mean()
         loss.backward()
-        optimizer.step()
+        if args.mode == "train":
+            optimizer.step()
 
     print(f"# bench_repa  {datetime.now(timezone.utc).isoformat(timespec='seconds')}  torch {torch.__version__}  "
-          f"{platform.processor() or platform.machine()}  threads {torch.get_num_threads()}")
+          f"{platform.processor() or platform.machine()}  threads {torch.get_num_threads()}  mode {args.mode}  "
+          f"clock {args.clock}")
     print(f"# device {device}  dtype {args.dtype}  {args.model} ({args.topology}), batch {n}, {(s // model.patch_size) ** 2} "
           f"tokens; encoder {args.encoder} (random weights) at {encoder.resolution} px, depth {args.depth}, "
           f"projector {args.projector_dim}; {args.rounds} paired rounds x {args.steps} steps, warmup {args.warmup}")
@@ -133,11 +148,11 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     for r in range(args.rounds):
         for repa in ((False, True) if r % 2 == 0 else (True, False)):
             sync()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(args.steps):
                 step(repa)
             sync()
-            times[repa].append((time.perf_counter() - start) / args.steps)
+            times[repa].append((clock() - start) / args.steps)
     ratio = paired_ratio(times[True], times[False])
     off, on = statistics.median(times[False]), statistics.median(times[True])
     interval = f", 95% interval {ratio.interval[0]:.3f}..{ratio.interval[1]:.3f}" if ratio.interval else ""

@@ -14,7 +14,8 @@ from helpers import ROOT, subprocess_env
 
 from ancre_dit.errors import UserError
 from ancre_dit.models.topologies import resolve_options
-from ancre_dit.training.config import check_batch_layout, load_config, save_config
+from ancre_dit.training.config import load_config, save_config
+from ancre_dit.training.config_checks import check_batch_layout
 from ancre_dit.training.data import GlobalBatchSampler, advance_position, build_data
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -164,7 +165,7 @@ def test_save_then_load_is_exact(tmp_path, overrides):
 
 def test_the_chosen_topology_options_and_their_defaults(tmp_path):
     from ancre_dit.models.topologies import ANCReTopology, all_topology_options
-    from ancre_dit.training.config import ModelConfig, topology_options_of
+    from ancre_dit.training.config_schema import ModelConfig, topology_options_of
 
     default_tau = all_topology_options()["tau"].default
     recorded = load_config(None, TINY).model.topology_options  # ancre's options, defaults included
@@ -181,7 +182,7 @@ def test_the_chosen_topology_options_and_their_defaults(tmp_path):
 def test_config_files_of_older_runs_still_load(tmp_path):
     """Run folders written before the options were flat: every option as a plain model key and an
     empty topology_options mapping, or the options inside that mapping."""
-    from ancre_dit.training.config import topology_options_of
+    from ancre_dit.training.config_schema import topology_options_of
 
     now = load_config(None, [*TINY, "model.tau=0.05"])
     old = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(now)))
@@ -216,7 +217,7 @@ def test_yaml_quirks_users_rely_on(tmp_path):
 
 
 def test_every_number_declares_its_range():
-    from ancre_dit.training.config import _RULE, Config
+    from ancre_dit.training.config_schema import RULE_KEY, Config
 
     finite_only = {"diffusion.logit_mean"}  # any finite location is valid
     numbers = 0
@@ -225,7 +226,7 @@ def test_every_number_declares_its_range():
             continue
         for f in dataclasses.fields(getattr(Config(), section.name)):
             if any(t in str(f.type) for t in ("int", "float")) and f"{section.name}.{f.name}" not in finite_only:
-                assert _RULE in f.metadata, f"{section.name}.{f.name} declares no range"
+                assert RULE_KEY in f.metadata, f"{section.name}.{f.name} declares no range"
                 numbers += 1
     assert numbers >= 35
 

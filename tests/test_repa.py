@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from ancre_dit.errors import UserError
 from ancre_dit.training import Trainer, train
-from ancre_dit.training.config import RepaConfig, load_config
+from ancre_dit.training.config import load_config
+from ancre_dit.training.config_schema import RepaConfig
 from ancre_dit.training.repa import RepaAlignment, StateTap, build_encoder
 
 ENCODER = "vit_tiny_patch16_224"

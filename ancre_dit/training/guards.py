@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from ..errors import UserError
-from .config import NONFINITE_POLICIES as POLICIES
+from .config_schema import NONFINITE_POLICIES as POLICIES
 
 
 class NonFiniteStop(UserError):

@@ -27,8 +27,8 @@ from ..errors import UserError
 
 
 class RepaConfig(Protocol):
-    """What this module reads of the `repa:` config section (training/config.py declares and checks
-    it; this module does not import the config, which imports this module's error hints)."""
+    """What this module reads of the `repa:` config section (declared in training/config_schema.py and
+    checked in config_checks.py, which imports this module's error hints: so no import back)."""
     weight: float
     depth: int
     encoder: str

@@ -32,7 +32,9 @@ from ..models.topologies.analysis import check_entropy_topology, topology_entrop
 from ..checkpoint import WEIGHT_FILES, make_model_spec, write_model_files
 from ..checkpoint import load_safetensors_checked
 from . import checkpointing as ckpt
-from .config import Config, check_batch_layout, diffusion_spec, flat_config, save_config, topology_options_of
+from .config import flat_config, save_config
+from .config_checks import check_batch_layout, diffusion_spec
+from .config_schema import Config, topology_options_of
 from .guards import NonFiniteGuard
 from .periodic import RunContext, TrainProgress, build_tasks, topology_matrix, write_topology_files
 from .data import DataInfo, GlobalBatchSampler, advance_position, build_data, describe, make_loader, prepare_batch

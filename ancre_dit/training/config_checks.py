@@ -1,0 +1,159 @@
+"""The configuration's checks that involve several fields, the objective or the file system (each
+field's own range or choices is declared in config_schema.py). All of them run inside load_config,
+before anything is written, so a bad setting never leaves a half-made run folder behind.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from ..diffusion import Objective, build_objective
+from ..errors import MissingFileError, UserError
+from ..evaluation.evaluator import resolve_metrics
+from ..evaluation.inception import WEIGHTS_NAME, WEIGHTS_URL
+from ..evaluation.pipeline import ADM_METRICS
+from ..models import DIT_MODELS
+from ..models.dit import DIT_SIZES
+from ..models.topologies import all_topology_options
+from .config_schema import (Config, DataConfig, EvalConfig, ModelConfig, check_fields, or_list,
+                            topology_options_of)
+
+
+def validate_config(config: Config) -> None:
+    """Checks that need neither the data nor the process group; one UserError for the first problem."""
+    check_fields(config)
+    _check_topology_options(config.model)
+    _check_width_heads(config.model)
+    _check_data_path(config.data)
+    objective = _check_diffusion(config)
+    _check_repa(config)
+    _check_eval_data(config)
+    _check_eval_sampling(config.eval, objective)
+    _check_eval_metrics(config)
+
+
+def _check_topology_options(m: ModelConfig) -> None:
+    """The ranges the registry declares (tau > 0, ...), then the chosen topology's own checks
+    (e.g. frozen's topology_path)."""
+    registered = all_topology_options()
+    for key, value in m.topology_options.items():
+        if key in registered:  # resolve_options names an unknown one
+            registered[key].check(f"model.{key}", value)
+    topology_options_of(m)
+
+
+def _check_width_heads(m: ModelConfig) -> None:
+    size = DIT_SIZES[DIT_MODELS[m.name][0]]  # (depth, width, heads) of the named size
+    width, heads = m.hidden_size or size[1], m.num_heads or size[2]
+    if width % heads:
+        raise UserError(f"model.hidden_size={width} is not divisible by model.num_heads={heads}; change one of them")
+
+
+def _check_data_path(d: DataConfig) -> None:
+    if d.kind not in ("latents", "images"):
+        return
+    if not d.path:
+        raise UserError(f"data.kind={d.kind} needs data.path (the {'latent directory' if d.kind == 'latents' else 'image folder'})")
+    if not Path(d.path).is_dir():
+        raise UserError(f"data path {d.path} does not exist; set data.path to the "
+                        f"{'directory written by scripts/extract_latents.py' if d.kind == 'latents' else 'ImageFolder root (one folder per class)'}")
+
+
+def diffusion_spec(config: Config) -> dict[str, Any]:
+    """The diffusion section as the spec `ancre_dit.diffusion.build_objective` reads."""
+    return {**dataclasses.asdict(config.diffusion), "learn_sigma": config.model.learn_sigma}
+
+
+def _check_diffusion(config: Config) -> Objective:
+    """The objective the run trains, built once here so that its own checks run now."""
+    d = config.diffusion
+    if d.objective != "flow" and d.time_sampling != "uniform":
+        raise UserError(f"diffusion.time_sampling={d.time_sampling} applies only to diffusion.objective=flow "
+                        "(DDPM draws integer timesteps uniformly)")
+    return build_objective(diffusion_spec(config))
+
+
+def _check_repa(config: Config) -> None:
+    """REPA on: an encoder timm knows, its weights as a local file, a depth inside the model. (The
+    token grids and the weights' fit to the encoder are checked when the trainer builds it.)"""
+    r = config.repa
+    if not r.weight:
+        return
+    import timm
+
+    if not timm.is_model(r.encoder):
+        raise UserError(f"repa.encoder {r.encoder!r} is not a timm model name; use e.g. "
+                        f"vit_base_patch14_dinov2.lvd142m (DINOv2 ViT-B/14, REPA's choice)")
+    blocks = config.model.depth or DIT_SIZES[DIT_MODELS[config.model.name][0]][0]
+    if r.depth > blocks:
+        raise UserError(f"repa.depth={r.depth} is beyond the {blocks} blocks of {config.model.name}; choose 1..{blocks} "
+                        f"(REPA aligns block 8 of 12-block models)")
+    for key in ("img_size", "num_classes", "pretrained"):
+        if key in r.encoder_kwargs:
+            raise UserError(f"repa.encoder_kwargs must not set {key}: the trainer sets it"
+                            f"{' (use repa.encoder_resolution)' if key == 'img_size' else ''}")
+    if not r.encoder_weights or not Path(r.encoder_weights).is_file():
+        from .repa import weights_hint
+
+        problem = (f"repa.encoder_weights {r.encoder_weights} does not exist" if r.encoder_weights
+                   else f"repa.weight={r.weight:g} needs repa.encoder_weights")
+        raise MissingFileError(f"{problem}; {weights_hint(r.encoder)}")
+
+
+def _check_eval_data(config: Config) -> None:
+    e = config.eval
+    if (e.heldout_from_train or e.val_path) and config.data.kind != "latents":
+        raise UserError("eval.val_path and eval.heldout_from_train apply to data.kind=latents only "
+                        "(digits use their held-out split); remove them")
+    if e.val_path and e.heldout_from_train:
+        raise UserError("set eval.val_path or eval.heldout_from_train, not both")
+    if e.val_path and not Path(e.val_path).is_dir():
+        raise UserError(f"eval.val_path {e.val_path} does not exist; point it at a latent directory "
+                        f"written by scripts/extract_latents.py")
+
+
+def _check_eval_sampling(e: EvalConfig, objective: Objective) -> None:
+    """eval.sampler must fit the objective and eval.steps its schedule (DDPM: at most its timesteps)."""
+    sampler = e.sampler or objective.default_sampler
+    if sampler not in objective.samplers:
+        raise UserError(f"eval.sampler={sampler} does not fit diffusion.objective={objective.name}; "
+                        f"choose {or_list(objective.samplers)}")
+    steps = objective.default_steps(sampler) if e.steps is None else e.steps
+    try:
+        objective.check_steps(sampler, steps)
+    except UserError as err:  # worded for sample.py's flags
+        raise UserError(str(err).replace("--steps", "eval.steps", 1)) from None
+
+
+def _check_eval_metrics(config: Config) -> None:
+    """What the metrics asked for need: digits data, or a reference and the Inception weights."""
+    e, kind = config.eval, config.data.kind
+    metrics = resolve_metrics(e, kind)
+    if "digits" in metrics and kind != "digits":
+        raise UserError(f"eval.metrics=digits scores 8x8 digits, but data.kind={kind}; use fid (with eval.ref)")
+    inception = ", ".join(m for m in metrics if m in ADM_METRICS)
+    if not inception:
+        return
+    if not e.ref:
+        raise UserError(f"eval.metrics {inception} need eval.ref (an ADM reference npz or one written by "
+                        f"evaluate.py --save-ref-stats)")
+    if not Path(e.ref).exists():
+        raise MissingFileError(f"eval.ref {e.ref} does not exist; pass an ADM reference npz or a file written by "
+                               f"evaluate.py --save-ref-stats")
+    if not e.inception_weights or not Path(e.inception_weights).is_file():
+        problem = (f"eval.inception_weights {e.inception_weights} does not exist" if e.inception_weights
+                   else "eval.inception_weights is not set")
+        raise MissingFileError(f"{problem}; eval.metrics {inception} need {WEIGHTS_NAME} (torch-fidelity's port of "
+                               f"TF's Inception; nothing is downloaded for you: fetch it from {WEIGHTS_URL}) and "
+                               f"eval.inception_weights=weights/{WEIGHTS_NAME}")
+
+
+def check_batch_layout(config: Config, num_processes: int) -> int:
+    """Per-device micro-batch = global batch / (processes x accumulation); a UserError if it does not divide."""
+    t = config.train
+    parts = num_processes * t.grad_accum
+    if t.global_batch_size % parts:
+        raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by {num_processes} "
+                        f"process(es) x {t.grad_accum} accumulation step(s) = {parts}; choose a multiple of {parts}")
+    return t.global_batch_size // parts
