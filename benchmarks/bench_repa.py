@@ -7,6 +7,8 @@ and backward, and the loss; the DiT's own forward and backward are the same. The
 random-weight ViT of the named timm architecture (DINOv2 ViT-B/14 by default) at the resolution
 that matches the DiT's token grid (16 x 14 = 224 px): its cost does not depend on its weights.
 
+Each round also times the frozen encoder's forward alone, printed as its share of the REPA step.
+
 Rounds are paired: every round times both variants (in alternating order) for a few steps, and the
 reported ratio is the median of the per-round ratios with its distribution-free 95% interval
 (ancre_dit.evaluation.stats.paired_ratio), which cancels a shared machine's slow drifts.
@@ -144,7 +146,12 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     for repa in (False, True):
         for _ in range(args.warmup):
             step(repa)
+    def encode() -> None:  # the frozen encoder alone, as the REPA step runs it
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            encoder(images)
+
     times: dict[bool, list[float]] = {False: [], True: []}
+    encoder_times: list[float] = []
     for r in range(args.rounds):
         for repa in ((False, True) if r % 2 == 0 else (True, False)):
             sync()
@@ -153,12 +160,20 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
                 step(repa)
             sync()
             times[repa].append((clock() - start) / args.steps)
+        start = clock()
+        for _ in range(args.steps):
+            encode()
+        sync()
+        encoder_times.append((clock() - start) / args.steps)
     ratio = paired_ratio(times[True], times[False])
+    share = paired_ratio(encoder_times, times[True])
     off, on = statistics.median(times[False]), statistics.median(times[True])
     interval = f", 95% interval {ratio.interval[0]:.3f}..{ratio.interval[1]:.3f}" if ratio.interval else ""
     print(f"step without REPA {off * 1e3:.1f} ms, with REPA {on * 1e3:.1f} ms (medians); "
           f"with / without: {ratio.median:.3f} (median of {ratio.rounds} paired rounds{interval})")
-    return {"off_ms": off * 1e3, "on_ms": on * 1e3, "ratio": ratio.median}
+    print(f"frozen encoder forward alone {statistics.median(encoder_times) * 1e3:.1f} ms: {share.median:.1%} of the "
+          f"step with REPA (median of the per-round shares)")
+    return {"off_ms": off * 1e3, "on_ms": on * 1e3, "ratio": ratio.median, "encoder_share": share.median}
 
 
 if __name__ == "__main__":

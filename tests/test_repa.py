@@ -391,5 +391,6 @@ def test_benchmark_smoke(one_thread, capsys):
     from benchmarks import bench_repa
 
     result = bench_repa.measure(bench_repa.parse_args(["--smoke"]))
-    assert result["on_ms"] > 0 and result["off_ms"] > 0 and result["ratio"] > 0
-    assert "with / without" in capsys.readouterr().out
+    assert result["on_ms"] > 0 and result["off_ms"] > 0 and result["ratio"] > 0 and result["encoder_share"] > 0
+    out = capsys.readouterr().out
+    assert "with / without" in out and "frozen encoder forward alone" in out
