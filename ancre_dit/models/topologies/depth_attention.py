@@ -24,7 +24,10 @@ block sums plus its own block's running partial sum; block 0 (full) and S = 1 ar
 
 Written by hand: no library offers attention over depth. The key normalisation is folded into the
 dot product (q . (g * v / rms(v)) = ((q * g) . v) / rms(v)), so no normalised copy of a source is
-kept for the backward pass, and each source's RMS is computed once for all its readers.
+kept for the backward pass. With static queries (static, static-t) each source's logits for every
+aggregator are one small matrix product taken when the source is made, (N, T, d) x (d, L+1), so an
+aggregator reads its sources once (the weighted sum) instead of twice; dynamic queries depend on the
+token that reads, so there each source's RMS is computed once and its logits per reader.
 """
 from __future__ import annotations
 
@@ -74,20 +77,33 @@ class DepthAttentionTopology(ResidualTopology):
         self._recorded: list[tuple[list[int], torch.Tensor]] = []
 
     # -- the routing of one aggregator -----------------------------------------------------------
-    def _aggregate(self, l: int, sources: list[torch.Tensor], rms: list[torch.Tensor], previous: torch.Tensor,
-                   time_query: torch.Tensor | None) -> torch.Tensor:
-        g = self.key_norms[l]
-        if self.query == "dynamic":  # per token: (N, T, d)
-            q = torch.einsum("ntd,ed->nte", previous, self.query_maps[l]) * g
-            logits = [(v * q).sum(-1) / r for v, r in zip(sources, rms)]
+    def _key_maps(self, time_query: torch.Tensor | None) -> torch.Tensor | None:
+        """Static queries: every aggregator's query folded with its key norm and the scale, (A, d) or,
+        with static-t, (N, A, d); None for dynamic queries (they depend on the token)."""
+        if self.query == "dynamic":
+            return None
+        q = self.queries if time_query is None else self.queries + time_query[:, None, :]
+        return q * self.key_norms * self.scale
+
+    def _reads(self, v: torch.Tensor, key_maps: torch.Tensor | None) -> torch.Tensor:
+        """What the aggregators need of a new source besides its value. Static queries: its logits
+        for every aggregator at once, (N, T, A), one small matrix product per source instead of one
+        reduction per (aggregator, source) pair. Dynamic queries: its RMS, (N, T)."""
+        rms = v.float().pow(2).mean(-1).add(RMS_EPS).sqrt().to(v.dtype)
+        if key_maps is None:
+            return rms
+        maps = key_maps.to(v.dtype)
+        keys = v @ maps.transpose(-1, -2) if maps.dim() == 2 else torch.einsum("ntd,nad->nta", v, maps)
+        return keys / rms[..., None]
+
+    def _aggregate(self, l: int, sources: list[torch.Tensor], reads: list[torch.Tensor],
+                   previous: torch.Tensor) -> torch.Tensor:
+        if self.query == "dynamic":  # per token: q = W_l v_{l-1}, (N, T, d)
+            q = torch.einsum("ntd,ed->nte", previous, self.query_maps[l]) * self.key_norms[l] * self.scale
+            logits = [(v * q).sum(-1) / rms for v, rms in zip(sources, reads)]
         else:
-            q = self.queries[l] if time_query is None else self.queries[l] + time_query  # (d,) or (N, d)
-            q = (q * g).to(sources[0].dtype)
-            if q.dim() == 1:
-                logits = [(v @ q) / r for v, r in zip(sources, rms)]
-            else:
-                logits = [torch.einsum("ntd,nd->nt", v, q) / r for v, r in zip(sources, rms)]
-        alpha = torch.softmax(torch.stack(logits, dim=-1).float() * self.scale, dim=-1).to(sources[0].dtype)
+            logits = [keys[..., l] for keys in reads]
+        alpha = torch.softmax(torch.stack(logits, dim=-1).float(), dim=-1).to(sources[0].dtype)
         if self.record_weights:
             self._recorded.append(alpha.detach().float().mean(dim=(0, 1)))
         h = alpha[..., 0:1] * sources[0]
@@ -95,18 +111,15 @@ class DepthAttentionTopology(ResidualTopology):
             h = torch.addcmul(h, alpha[..., i:i + 1], sources[i])
         return h
 
-    @staticmethod
-    def _rms(v: torch.Tensor) -> torch.Tensor:
-        return v.float().pow(2).mean(-1).add(RMS_EPS).sqrt().to(v.dtype)
-
     # -- the trunk --------------------------------------------------------------------------------
     def forward(self, h0: torch.Tensor, blocks: Sequence[nn.Module], c: torch.Tensor,
                 time_embedding: torch.Tensor | None = None) -> torch.Tensor:
         self.check_blocks(blocks)
         time_query = self.time_head(time_embedding) if self.query == "static-t" else None
+        key_maps = self._key_maps(time_query)
         self._recorded = []
-        summaries, summary_rms, summary_ids = [h0], [self._rms(h0)], [0]  # finished chunks / blocks
-        current, current_rms, current_ids = [], [], []                   # this chunk's outputs / block's partial sum
+        summaries, summary_reads, summary_ids = [h0], [self._reads(h0, key_maps)], [0]  # finished chunks / blocks
+        current, current_reads, current_ids = [], [], []  # this chunk's outputs / this block's partial sum
         self._source_ids: list[list[int]] = []
         previous = h0
         layer = 0
@@ -114,36 +127,37 @@ class DepthAttentionTopology(ResidualTopology):
             mod = block.modulation(c)
             for sub, (branch, (shift, scale, gate)) in enumerate(((block.attention_branch, mod[:3]),
                                                                   (block.mlp_branch, mod[3:]))):
-                sources, rms = summaries + current, summary_rms + current_rms
                 self._source_ids.append(summary_ids + current_ids)
-                h = self._aggregate(layer, sources, rms, previous, time_query)
+                h = self._aggregate(layer, summaries + current, summary_reads + current_reads, previous)
                 if sub == 0:  # the state fed to block k + 1
                     self.emit_state(k, h)
                 v = self.run_block(branch, h, shift, scale, gate)
                 layer += 1
                 previous = v
-                self._add_output(layer, v, summaries, summary_rms, summary_ids, current, current_rms, current_ids)
-        sources, rms = summaries + current, summary_rms + current_rms
+                self._add_output(layer, v, key_maps, (summaries, summary_reads, summary_ids),
+                                 (current, current_reads, current_ids))
         self._source_ids.append(summary_ids + current_ids)
-        h = self._aggregate(layer, sources, rms, previous, time_query)
+        h = self._aggregate(layer, summaries + current, summary_reads + current_reads, previous)
         self.emit_state(len(blocks), h)
         return h
 
-    def _add_output(self, layer, v, summaries, summary_rms, summary_ids, current, current_rms, current_ids) -> None:
-        """Files sublayer `layer`'s output v under the grouping rule (see the module docstring)."""
+    def _add_output(self, layer: int, v: torch.Tensor, key_maps: torch.Tensor | None, finished: tuple[list, ...],
+                    current: tuple[list, ...]) -> None:
+        """Files sublayer `layer`'s output v under the grouping rule (see the module docstring);
+        `finished` and `current` are (values, reads, sublayer ids) of the closed groups and the open one."""
+        values, reads, ids = current
         if self.grouping == "chunk":
-            current.append(v)
-            current_rms.append(self._rms(v))
-            current_ids.append(layer)
+            values.append(v)
+            reads.append(self._reads(v, key_maps))
+            ids.append(layer)
         else:  # a block's running partial sum is its one source until the block closes
-            partial = v if not current else current[0] + v
-            current[:], current_rms[:], current_ids[:] = [partial], [self._rms(partial)], [layer]
+            partial = v if not values else values[0] + v
+            values[:], reads[:], ids[:] = [partial], [self._reads(partial, key_maps)], [layer]
         last = layer == 2 * self.num_blocks and self.grouping == "chunk"  # DAR's final aggregator reads it raw
         if layer % self.group == 0 and not last:  # the group closes: its summary joins the earlier ones
-            summaries.append(current[-1])
-            summary_rms.append(current_rms[-1])
-            summary_ids.append(layer)
-            current.clear(), current_rms.clear(), current_ids.clear()
+            for closed, open_ in zip(finished, current):
+                closed.append(open_[-1])
+                open_.clear()
 
     # -- inspection --------------------------------------------------------------------------------
     def probabilities(self) -> torch.Tensor:
