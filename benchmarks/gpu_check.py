@@ -4,7 +4,8 @@
 Measures, and writes to OUT/gpu_check.json and OUT/gpu_check.md:
 
   training   DiT-S/2 and DiT-B/2, bf16 autocast, AdamW, eager and torch.compile, for cascaded,
-             ancre, denseformer, hc and mhc: step time, images/s, peak memory
+             ancre, denseformer, hc and mhc, then compiled only for DAR (static and static-t, chunk
+             4), full AttnRes and the LightningDiT block: step time, images/s, peak memory
              (torch.cuda.max_memory_allocated), the time and memory ratios against cascaded, and
              MFU = FLOPs of a step (torch.utils.flop_counter.FlopCounterMode, forward + backward,
              attention included)
@@ -14,7 +15,8 @@ Measures, and writes to OUT/gpu_check.json and OUT/gpu_check.md:
   inception  images/s of inception-v3-compat feature extraction (random weights: timing only)
 
 Work runs in priority order (eager training, which also counts the FLOPs; compiled cascaded and
-ancre, which the two targets need; loader, sampling, Inception; then the other compiled topologies)
+ancre, which the two targets need; loader, sampling, Inception; then the other compiled topologies,
+and last the depth-attention topologies and the LightningDiT block)
 and stops starting new items once --budget-s is spent;
 skipped items are listed as such. An item that raises is recorded as FAILED with its error (traceback
 on stderr) and the run goes on; both files are rewritten after every item, so a run killed at a
@@ -44,8 +46,12 @@ from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.models import create_model
 from ancre_dit.models.flops import count_training_flops
+from benchmarks.bench_peer import topology_variant
 
 TOPOLOGIES = ("cascaded", "ancre", "denseformer", "hc", "mhc")
+# Compiled only, last: a topology or backbone with its options, as bench_peer's variants name them.
+NEWER_VARIANTS = ("dar:query=static,chunk=4", "dar:query=static-t,chunk=4", "attnres:block=0",
+                  "cascaded:norm=rmsnorm,mlp=swiglu,pos_embed=rope2d,qk_norm=true")
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device-name fragment, most specific first.
 PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("GH200", 989.0), ("B200", 2250.0),
                     ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0), ("4090", 165.0),
@@ -112,8 +118,9 @@ def sync(device: torch.device) -> None:
 def training_run(name: str, overrides: dict, topology: str, compiled: bool, cfg: dict, device: torch.device) -> dict:
     """Step time, peak memory and FLOPs of one (model, topology, compile) in bf16 autocast."""
     torch.manual_seed(0)
-    model = create_model(name, topology=topology, input_size=cfg["input_size"], in_channels=4, num_classes=1000,
-                         **overrides).to(device).train()
+    base, options = topology_variant(topology)
+    model = create_model(name, topology=base, input_size=cfg["input_size"], in_channels=4, num_classes=1000,
+                         **overrides, **options).to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     runner = torch.compile(model, backend=cfg["compile_backend"]) if compiled else model
     g = torch.Generator().manual_seed(0)
@@ -317,8 +324,10 @@ def main(argv=None) -> None:
 
     plan = [(m, o, topo, False) for m, o in cfg["models"].items() for topo in TOPOLOGIES]
     for_targets = [(m, o, topo, True) for topo in ("cascaded", "ancre") for m, o in cfg["models"].items()]
-    # the smoke run compiles two topologies: enough to keep the path working
+    # the smoke run compiles cascaded, ancre and the newer variants (options through create_model):
+    # enough to keep each path working
     other_compiled = [] if args.smoke else [(m, o, topo, True) for m, o in cfg["models"].items() for topo in TOPOLOGIES[2:]]
+    other_compiled += [(m, o, variant, True) for m, o in cfg["models"].items() for variant in NEWER_VARIANTS]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
