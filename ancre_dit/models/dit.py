@@ -15,7 +15,7 @@ from timm.models.vision_transformer import PatchEmbed
 
 from ..errors import UserError
 from .embeddings import LabelEmbedder, TimestepEmbedder, get_2d_sincos_pos_embed
-from .layers import DEFAULTS, MLPS, NORMS, POS_EMBEDS, axial_rope, make_attention, make_mlp, make_norm
+from .layers import DEFAULTS, POS_EMBEDS, axial_rope, check_choice, make_attention, make_mlp, make_norm
 from .topologies import ResidualTopology, build_topology
 
 
@@ -31,8 +31,8 @@ class DiTBlock(nn.Module):
     Hyper-Connections can wire them themselves.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, norm: str = "layernorm",
-                 mlp: str = "gelu", qk_norm: bool = False, rope: torch.Tensor | None = None):
+    def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, norm: str = DEFAULTS["norm"],
+                 mlp: str = DEFAULTS["mlp"], qk_norm: bool = DEFAULTS["qk_norm"], rope: torch.Tensor | None = None):
         super().__init__()
         self.norm1 = make_norm(norm, hidden_size)
         self.attn = make_attention(hidden_size, num_heads, rope=rope is not None, qk_norm=qk_norm)
@@ -65,7 +65,7 @@ class DiTBlock(nn.Module):
 class FinalLayer(nn.Module):
     """adaLN-modulated LayerNorm and a linear map back to patch pixels."""
 
-    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = "layernorm"):
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int, norm: str = DEFAULTS["norm"]):
         super().__init__()
         self.norm_final = make_norm(norm, hidden_size)
         self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
@@ -104,9 +104,7 @@ class DiT(nn.Module):
         `norm` (layernorm | rmsnorm), `mlp` (gelu | swiglu), `pos_embed` (sincos | rope2d: axial 2D
         RoPE on q and k, the absolute embedding then zero) and `qk_norm` choose the block's layers."""
         super().__init__()
-        for name, value, choices in (("norm", norm, NORMS), ("mlp", mlp, MLPS), ("pos_embed", pos_embed, POS_EMBEDS)):
-            if value not in choices:
-                raise UserError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+        check_choice("pos_embed", pos_embed, POS_EMBEDS)  # norm and mlp are checked where their layers are built
         if input_size % patch_size:
             raise UserError(
                 f"input size {input_size} is not divisible by patch size {patch_size}; "

@@ -14,14 +14,23 @@ import torch.nn as nn
 from timm.layers import AttentionRope, RotaryEmbeddingCat, SwiGLU
 from timm.models.vision_transformer import Attention, Mlp
 
+from ..errors import UserError
+
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
 POS_EMBEDS = ("sincos", "rope2d")
 DEFAULTS = {"norm": "layernorm", "mlp": "gelu", "pos_embed": "sincos", "qk_norm": False}
 
 
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """An unknown layer name is one line, never a silent default."""
+    if value not in choices:
+        raise UserError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+
+
 def make_norm(kind: str, dim: int) -> nn.Module:
     """The pre-norm of a branch (or of the final layer): no affine weights, adaLN supplies them."""
+    check_choice("norm", kind, NORMS)
     if kind == "rmsnorm":
         return nn.RMSNorm(dim, eps=1e-6, elementwise_affine=False)
     return nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
@@ -34,6 +43,7 @@ def swiglu_hidden(dim: int, mlp_ratio: float) -> int:
 
 
 def make_mlp(kind: str, dim: int, mlp_ratio: float) -> nn.Module:
+    check_choice("mlp", kind, MLPS)
     if kind == "swiglu":
         return SwiGLU(in_features=dim, hidden_features=swiglu_hidden(dim, mlp_ratio), act_layer=nn.SiLU)
     return Mlp(in_features=dim, hidden_features=int(dim * mlp_ratio), act_layer=partial(nn.GELU, approximate="tanh"),

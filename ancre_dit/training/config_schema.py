@@ -16,6 +16,7 @@ from ..diffusion import ALL_SAMPLERS, OBJECTIVES, TIME_SAMPLINGS
 from ..errors import UserError
 from ..evaluation.evaluator import EVAL_METRICS
 from ..models import DIT_MODELS, TOPOLOGIES
+from ..models.layers import DEFAULTS as BLOCK_DEFAULTS
 from ..models.layers import MLPS, NORMS, POS_EMBEDS
 from ..models.topologies import resolve_options
 from ..sampling.guidance import check_guidance_scale
@@ -108,10 +109,10 @@ class ModelConfig:
     hidden_size: int | None = ranged(None, ge=1, hint="null = the named size's")
     num_heads: int | None = ranged(None, ge=1, hint="null = the named size's")
     # The block's layers: the 2022 DiT by default; rmsnorm + swiglu + rope2d + qk_norm is LightningDiT's.
-    norm: str = choice("layernorm", NORMS)
-    mlp: str = choice("gelu", MLPS)
-    pos_embed: str = choice("sincos", POS_EMBEDS)
-    qk_norm: bool = False
+    norm: str = choice(BLOCK_DEFAULTS["norm"], NORMS)
+    mlp: str = choice(BLOCK_DEFAULTS["mlp"], MLPS)
+    pos_embed: str = choice(BLOCK_DEFAULTS["pos_embed"], POS_EMBEDS)
+    qk_norm: bool = BLOCK_DEFAULTS["qk_norm"]
     # Weight of the Tsallis-entropy (q = 2) penalty on ANCRe's incoming weights, added to the loss
     # to push toward sparse topologies (ancre_dit.models.topologies.analysis.tsallis_entropy); 0 = off.
     topology_entropy_weight: float = ranged(0.0, ge=0, hint="0 = off")

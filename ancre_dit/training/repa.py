@@ -17,25 +17,14 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import UserError
-
-
-class RepaConfig(Protocol):
-    """What this module reads of the `repa:` config section (declared in training/config_schema.py and
-    checked in config_checks.py, which imports this module's error hints: so no import back)."""
-    weight: float
-    depth: int
-    encoder: str
-    encoder_weights: str | None
-    encoder_kwargs: dict[str, Any]
-    projector_dim: int
-    encoder_resolution: int | None
+from .config_schema import RepaConfig
 
 
 def weights_hint(encoder: str) -> str:
@@ -269,7 +258,7 @@ class RepaAlignment:
     def check_checkpoint(self, folder: Path) -> None:
         """Before a resume: the checkpoint's projector has this run's shapes (else Accelerate would
         fail deep inside with a size mismatch)."""
-        from safetensors import safe_open
+        from safetensors import safe_open  # shapes from the header (the file was checked sound with its checkpoint)
 
         with safe_open(str(Path(folder) / self.PROJECTOR_FILE), framework="pt") as f:
             saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
