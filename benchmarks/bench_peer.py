@@ -51,6 +51,8 @@ from ancre_dit.errors import UserError
 from ancre_dit.evaluation.stats import paired_ratio as paired_stats
 from ancre_dit.models import TOPOLOGIES, create_model
 from ancre_dit.models.dit import DIT_MODELS, DIT_SIZES
+from ancre_dit.models.layers import DEFAULTS, MLPS, NORMS, POS_EMBEDS, check_choice
+from ancre_dit.models.topologies import resolve_options
 from benchmarks.profiling import aggregation_share, saved_activation_bytes
 
 MODES = ("fwd+bwd", "train", "sample")
@@ -66,7 +68,19 @@ def topology_variant(variant: str) -> tuple[str, dict]:
         raise UserError(f"unknown variant {variant!r}; give diffusers, ancre-chain or a topology "
                         f"({', '.join(TOPOLOGIES)}) with options as name:key=value,key=value")
     pairs = [item.partition("=") for item in options.split(",") if item]
+    if any(not sep for _, sep, _ in pairs):
+        raise UserError(f"variant {variant!r}: give options as key=value, e.g. dar:query=static,chunk=4")
     return name, {key: yaml.safe_load(value) for key, _, value in pairs}
+
+
+def check_variant(variant: str) -> None:
+    """Unknown topologies, options and values as one line now, not when the model is built mid-run."""
+    name, options = topology_variant(variant)
+    backbone = {key: options.pop(key) for key in list(options) if key in DEFAULTS}
+    resolve_options(name, options)
+    for key, choices in (("norm", NORMS), ("mlp", MLPS), ("pos_embed", POS_EMBEDS)):
+        if key in backbone:
+            check_choice(key, backbone[key], choices)
 
 
 def build(variant: str, name: str, input_size: int, compile_: bool) -> torch.nn.Module:
@@ -140,7 +154,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise UserError(f"unknown model {bad[0]!r}; choose from {', '.join(DIT_MODELS)}")
     for variant in args.variants:
         if variant not in ("diffusers",):
-            topology_variant(variant)  # unknown names and options: one line now, not mid-run
+            check_variant(variant)
     if "cascaded" not in args.variants:
         args.variants.insert(0, "cascaded")
     if args.checkpointing:

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Cost of REPA: one training step (forward + backward + AdamW; --mode fwd+bwd leaves out the AdamW
-step) with the alignment loss against the same step without it, at the DiT-B/2 shape (32x32x4 latents, 256 tokens) by default.
+step) with the alignment loss against the same step without it, at the DiT-B/2 shape (32x32x4
+latents, 256 tokens) by default.
 
 REPA adds the frozen encoder's forward on the clean images (no backward), the projector's forward
 and backward, and the loss; the DiT's own forward and backward are the same. The encoder is a
@@ -146,6 +147,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     for repa in (False, True):
         for _ in range(args.warmup):
             step(repa)
+
     def encode() -> None:  # the frozen encoder alone, as the REPA step runs it
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             encoder(images)

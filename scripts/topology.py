@@ -12,9 +12,9 @@ and diagnose how any checkpoint moves information through depth.
 A RUN_OR_JSON is a run directory (its newest topology.json) or a topology.json file. `show` draws
 the heatmap (default: next to the JSON) and prints the per-block summary (strongest sources,
 anchors, entropy). For DAR and AttnRes, whose weights depend on the token and the time, `show`
-draws the mean weights (aggregator x source) on a fixed probe batch at each --t. `compare` reports the Pearson correlation of the learned edge weights (blocks
-2..K; block 1's single edge is always 1) and how often the strongest incoming edge of a block comes
-from the same source; a pruned file trains with `model.topology=frozen model.topology_path=sparse.json`.
+draws the mean weights (aggregator x source) on a fixed probe batch at each --t. `compare` reports
+the Pearson correlation of the learned edge weights (blocks 2..K; block 1's single edge is always 1)
+and how often the strongest incoming edge of a block comes from the same source; a pruned file trains with `model.topology=frozen model.topology_path=sparse.json`.
 A plain DiT (all-zero topology) has no routing to compare, prune or follow, and is refused.
 `diagnose` works for every topology (HC and mHC included): on a fixed batch at each normalised time
 t (0 = data, 1 = noise) it measures forward inflation (RMS of the state after each block), backward

@@ -54,3 +54,18 @@ def test_paired_columns_print_the_median_quartiles_and_interval():
     assert bench_peer.paired_interval(times, reference) == "1.000..3.000"
     assert bench_peer.paired_ratio([2.0, 3.0], [1.0, 1.0]) == "2.500"
     assert bench_peer.paired_interval([2.0] * 5, [1.0] * 5) == ""  # five rounds cannot reach 95%
+
+
+@pytest.mark.parametrize("variant, message", [
+    ("dar:chunk", "give options as key=value"),
+    ("dar:query=bogus", "query must be one of static, static-t, dynamic"),
+    ("dar:frob=1", "unknown topology option(s) frob"),
+    ("cascaded:norm=batchnorm", "unknown norm 'batchnorm'"),
+    ("ancr", "unknown variant 'ancr'"),
+])
+def test_a_bad_variant_is_one_line_before_anything_is_built(variant, message):
+    from ancre_dit.errors import UserError
+
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        bench_peer.parse_args(["--variants", variant])
+    bench_peer.parse_args(["--variants", "dar:query=static-t,chunk=2", "cascaded:norm=rmsnorm,qk_norm=true"])

@@ -84,6 +84,8 @@ def test_smoke_run_through_the_device_wrapper_writes_every_measurement(tmp_path)
     assert eager[0]["time_ratio"] == 1.0
     compiled = [r["topology"] for r in report["training"] if r["compile"]]
     assert compiled == ["cascaded", "ancre", *gpu_check.NEWER_VARIANTS]  # the newer ones last, with their options
+    newer = [r for r in report["training"] if r["topology"] in gpu_check.NEWER_VARIANTS]
+    assert all(r["flops_per_step"] > 0 for r in newer)  # no eager run to take the count from: their own (for MFU)
     assert all(r["step_ms"] > 0 and r["time_ratio"] > 0 for r in report["training"])
     assert report["loader"]["images_per_s"] > 0 and report["loader"]["in_memory_0_workers_images_per_s"] > 0
     assert [(r["sampler"], r["cfg_scale"], r["precision"]) for r in report["sampling"]] == [
