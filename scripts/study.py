@@ -45,10 +45,11 @@ def parse_args(argv: list[str] | None = None):
     args = p.parse_args(argv)
     if args.jobs < 1:
         raise UserError(f"--jobs must be at least 1, got {args.jobs}")
-    for flag in ("gpus_per_node", "nodes", "time_min", "slurm_array_parallelism", "cpus_per_task"):
-        value = getattr(args, flag)
-        if value is not None and value < (0 if flag == "gpus_per_node" else 1):
-            raise UserError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    from ancre_dit.studies.cluster import check_cluster_value
+
+    for key, flag in (("gpus_per_node", "gpus_per_node"), ("nodes", "nodes"), ("time_min", "time_min"),
+                      ("array_parallelism", "slurm_array_parallelism"), ("cpus_per_task", "cpus_per_task")):
+        check_cluster_value(key, getattr(args, flag), f"--{flag.replace('_', '-')}")
     if args.command != "run" and (args.dry_run or args.jobs != 1 or args.executor != "local" or args.force):
         raise UserError(f"--dry-run, --jobs, --executor and --force apply to run, not {args.command}")
     if args.jobs != 1 and args.executor != "local":

@@ -171,6 +171,9 @@ def test_cores_and_gpus_are_split_between_parallel_runs(monkeypatch):
     from ancre_dit.studies import runner
 
     monkeypatch.setattr(runner, "usable_cores", lambda: 16)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the study's own GPUs: the runs share those
+    assert [runner.slot_environment(k, 2, gpus=2)["CUDA_VISIBLE_DEVICES"] for k in (0, 1)] == ["2", "3"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     env = runner.slot_environment(1, 4, gpus=2)
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "4" and env["CUDA_VISIBLE_DEVICES"] == "1"
     assert runner.slot_environment(2, 4, gpus=2)["CUDA_VISIBLE_DEVICES"] == "0"
@@ -366,6 +369,12 @@ def test_slurm_options_reach_sbatch_and_the_runs_show_as_submitted(tmp_path, cap
     assert out.count(" submitted ") == 4
     code, _, err = cli(capsys, "run", str(path), "--executor", "slurm")  # not twice
     assert code == 2 and "run cascaded-s0 is submitted" in err and "--force" in err
+    # a count in the study's slurm: section is held to the flags' rule, in one line naming the key
+    bad = write_study(tmp_path / "bad.yaml", slurm={"nodes": 0}, out=str(tmp_path / "bad"))
+    code, _, err = cli(capsys, "run", str(bad), "--executor", "slurm")
+    assert code == 2 and err.strip() == "error: slurm.nodes must be a whole number >= 1, got 0"
+    code, _, err = cli(capsys, "run", str(path), "--executor", "slurm", "--time-min", "0")
+    assert code == 2 and err.strip() == "error: --time-min must be a whole number >= 1, got 0"
 
 
 def test_multi_gpu_jobs_launch_torchrun_with_the_node_rank():

@@ -32,7 +32,7 @@ import yaml
 
 from ..errors import UserError
 from ..files import read_jsonl
-from .evaluator import is_lower_better, read_evals
+from .evaluator import is_heldout_part, is_lower_better, read_evals
 from .stats import MeanInterval, mean_t_interval
 
 AXES = {"step": "step", "images": "images seen", "seconds": "training seconds (evaluation excluded)"}
@@ -404,7 +404,7 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path, patterns: Sequ
     for axis, label in AXES.items():
         panels = {}
         for metric in summary:
-            if metric.startswith(("heldout_mse", "heldout_vb")):  # parts of heldout_loss: table only
+            if is_heldout_part(metric):  # table only
                 continue
             curves = {g.label: c for g in groups if (c := g.curve(metric, axis)) is not None and np.isfinite(c[0]).all()}
             if curves:

@@ -233,6 +233,12 @@ def format_eval(entry: dict[str, Any]) -> str:
     return f"step {entry['step']}: evaluation {values} ({entry['seconds']:.1f} s)"
 
 
+def is_heldout_part(metric: str) -> bool:
+    """heldout_mse* / heldout_vb*: the terms of heldout_loss, shown in tables but left out of figures
+    and verdicts (heldout_loss stands for them)."""
+    return metric.startswith(("heldout_mse", "heldout_vb"))
+
+
 def is_lower_better(metric: str) -> bool:
     name = metric.split("/")[0]
     return any(part in name for part in LOWER_IS_BETTER)

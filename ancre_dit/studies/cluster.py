@@ -27,11 +27,20 @@ from submitit.helpers import Checkpointable, DelayedSubmission
 from ..errors import UserError
 from .runner import train_command
 from .spec import Job, Study
-from .status import LOG, last_error_line, record_event
+from .status import LOG, finished_at, last_error_line, record_event
 
 # Requeues after a time limit that a run may use (preemptions do not count): 400K steps at a few
 # days per run outlast most partitions' limits many times over.
 MAX_TIMEOUTS = 100
+
+
+MINIMUM = {"gpus_per_node": 0, "nodes": 1, "time_min": 1, "array_parallelism": 1, "cpus_per_task": 1}
+
+
+def check_cluster_value(key: str, value: Any, name: str) -> None:
+    """The one rule for a count of the cluster settings, whether from a flag or the study's slurm: section."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < MINIMUM[key]):
+        raise UserError(f"{name} must be a whole number >= {MINIMUM[key]}, got {value!r}")
 
 
 @dataclass
@@ -43,6 +52,10 @@ class ClusterOptions:
     time_min: int = 60 * 24
     array_parallelism: int = 16
     cpus_per_task: int | None = None
+
+    def __post_init__(self) -> None:  # flags were checked as flags; what is left came from slurm:
+        for key in MINIMUM:
+            check_cluster_value(key, getattr(self, key), f"slurm.{key}")
 
 
 def _port(job_id: str) -> int:
@@ -110,10 +123,7 @@ class StudyRun(Checkpointable):
         return {"run": self.name, "exit_code": 0, "finished": True}
 
     def _finished(self) -> bool:
-        from ..training.checkpointing import list_checkpoints
-
-        saved = list_checkpoints(self.run_dir)
-        return bool(saved) and saved[-1][0] >= self.max_steps
+        return finished_at(Path(self.run_dir), self.max_steps) is not None
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
         """Time limit or preemption: train.py checkpoints on SIGTERM; then requeue a fresh copy."""

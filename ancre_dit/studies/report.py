@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import UserError
 from ..evaluation.compare import (AXES, FLOPS_AXIS, Group, PairedSpeedup, Run, final_value, interval_curve, load_run,
                                   paired_difference, paired_speedup, verdict)
-from ..evaluation.evaluator import is_lower_better
+from ..evaluation.evaluator import is_heldout_part, is_lower_better
 from ..evaluation.stats import MeanInterval, mean_t_interval
 from ..files import write_atomic
 from .costs import arm_flops_per_step
@@ -25,7 +25,6 @@ from .spec import Study
 from .status import RunStatus
 
 LEVEL = 0.95
-PARTS = ("heldout_mse", "heldout_vb")  # parts of heldout_loss: in the tables, not in verdicts and figures
 
 
 def _metric_order(metrics: Sequence[str]) -> list[str]:
@@ -145,7 +144,7 @@ class StudyReport:
         for axis, label in {**AXES, **FLOPS_AXIS}.items():
             panels = {}
             for metric in self.metrics:
-                if metric.startswith(PARTS):
+                if is_heldout_part(metric):
                     continue
                 curves = {}
                 for arm, group in self.groups.items():
@@ -242,7 +241,7 @@ def markdown(report: StudyReport, figures: Sequence[str]) -> str:
     for metric in report.metrics:
         rows = report.metric_rows(metric)
         arrow = "lower is better" if is_lower_better(metric) else "higher is better"
-        if not metric.startswith(PARTS):
+        if not is_heldout_part(metric):
             lines += [f"- **{metric}**, {r['arm']}: {r['verdict']}" for r in rows if r["verdict"] != "baseline"]
         tables += [f"## {metric} ({arrow})", "",
                    "| arm | seeds | final value [95% t] | final - baseline, paired [95% t] | steps to the baseline's "
@@ -251,7 +250,7 @@ def markdown(report: StudyReport, figures: Sequence[str]) -> str:
             tables.append(f"| {r['arm']} | {r['seeds']} | {_interval(r['final'])} | {_interval(r['difference'], True)} | "
                           f"{_per_seed(r['speedup'])} | {_speedup(r['speedup'])} | {r['verdict']} |")
         tables.append("")
-        if metric != "train_loss" and not metric.startswith(PARTS):
+        if metric != "train_loss" and not is_heldout_part(metric):
             tables += _step_table(report.per_step(metric))
     if not report.metrics:
         lines.append("- no finished run yet")

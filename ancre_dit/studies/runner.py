@@ -50,8 +50,10 @@ def slot_environment(slot: int, slots: int, gpus: int) -> dict[str, str]:
     """The environment of a child in `slot` of `slots`: its share of the cores and its GPU."""
     threads = str(max(1, usable_cores() // slots))
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
-    if gpus and slots > 1:
-        env["CUDA_VISIBLE_DEVICES"] = str(slot % gpus)
+    if gpus and slots > 1:  # one of the GPUs this process sees (of its own CUDA_VISIBLE_DEVICES, if set)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        ids = visible.split(",") if visible else [str(i) for i in range(gpus)]
+        env["CUDA_VISIBLE_DEVICES"] = ids[slot % gpus].strip()
     return env
 
 

@@ -57,6 +57,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _last_heldout(run_dir: Path) -> float | None:
+    evals = [e for e in read_evals(run_dir) if "heldout_loss" in e.get("metrics", {})]
+    return float(evals[-1]["metrics"]["heldout_loss"]) if evals else None
+
+
 def _step_reached(run_dir: Path) -> int:
     """The last step the run logged or saved (metrics.jsonl is written more often than checkpoints)."""
     rows = read_jsonl(run_dir / "logs" / "metrics.jsonl")
@@ -64,16 +69,21 @@ def _step_reached(run_dir: Path) -> int:
     return max([int(r.get("step", 0)) for r in rows[-1:]] + [saved[-1][0] if saved else 0])
 
 
+def finished_at(run_dir: Path, max_steps: int) -> int | None:
+    """The step of the run's newest complete checkpoint when it reached max_steps (the run is done), else None."""
+    saved = list_checkpoints(run_dir)
+    return saved[-1][0] if saved and saved[-1][0] >= max_steps else None
+
+
 def run_status(job: Job, max_steps: int) -> RunStatus:
     run_dir = job.run_dir
-    saved = list_checkpoints(run_dir)
-    evals = [e for e in read_evals(run_dir) if "heldout_loss" in e.get("metrics", {})]
-    heldout = float(evals[-1]["metrics"]["heldout_loss"]) if evals else None
+    done_at = finished_at(run_dir, max_steps)
+    if done_at is not None:
+        return RunStatus(job, "done", done_at, max_steps, _last_heldout(run_dir))
+    heldout = _last_heldout(run_dir)
     step = _step_reached(run_dir)
     events = read_jsonl(run_dir / EVENTS)
     last = events[-1] if events else {}
-    if saved and saved[-1][0] >= max_steps:
-        return RunStatus(job, "done", saved[-1][0], max_steps, heldout)
     kind = last.get("event")
     if kind == "failed":
         return RunStatus(job, "failed", step, max_steps, heldout, last.get("exit_code"), last.get("error"))

@@ -57,14 +57,14 @@ def record_evaluation(run_dir: Path, result: dict[str, Any], identity: dict[str,
 def plot_run_quality(run_dir: Path, identity: dict[str, Any]) -> Path | None:
     """RUN/quality.png: held-out loss and every sample metric against step, one panel each, for the
     entries with these settings (the loss's parts, mse / vb, stay in evals.jsonl)."""
-    from ..evaluation.evaluator import read_evals
+    from ..evaluation.evaluator import is_heldout_part, read_evals
     from ..figures import plot_panels
 
     series: dict[str, tuple[list, list]] = {}
     entries = [e for e in read_evals(run_dir) if e.get("settings") == identity]
     for e in sorted(entries, key=lambda e: e["step"]):
         for k, v in e["metrics"].items():
-            if k.startswith(("heldout_mse", "heldout_vb")):
+            if is_heldout_part(k):
                 continue
             steps, values = series.setdefault(k, ([], []))
             steps.append(e["step"])
