@@ -105,6 +105,7 @@ def show_routing(args) -> None:
 
     from ancre_dit.checkpoint import load_trained_model
     from ancre_dit.diffusion import build_objective
+    from ancre_dit.evaluation.diagnostics import fixed_draws
     from ancre_dit.figures import plot_topology_panels
 
     # --out X.png: all times as panels of one figure; --out DIR: that figure as DIR/routing.png, one
@@ -123,12 +124,11 @@ def show_routing(args) -> None:
     model, spec = load_trained_model(folder)
     objective = build_objective(spec["diffusion"])
     x, y, source = _probe_batch(spec, model, 32, 0)
-    g = torch.Generator().manual_seed(0)
     weights = {}
     model.topology.record_weights = True
     with torch.no_grad():
-        for u in args.t:
-            objective.losses(model, x, y, (objective.times_at(u, len(x)), torch.randn(x.shape, generator=g)))
+        for u, draw in fixed_draws(objective, x, args.t):
+            objective.losses(model, x, y, draw)
             weights[f"t={u:g}"] = model.topology.routing_weights()
     model.topology.record_weights = False
     title = (f"{spec['model']['kwargs'].get('topology')} step {spec.get('step')}: rows = aggregator before sublayer "

@@ -13,7 +13,7 @@ mean-pooled z_k (ridge regression, R^2 on held-out pairs).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -104,16 +104,23 @@ def time_probe_r2(features: np.ndarray, targets: np.ndarray, ridge: float = 1e-3
     return float(1.0 - (residual ** 2).sum() / spread) if spread > 0 else float("nan")
 
 
+def fixed_draws(objective: Objective, x: torch.Tensor, times: list[float],
+                seed: int = 0) -> Iterator[tuple[float, tuple[torch.Tensor, torch.Tensor]]]:
+    """(u, (t, noise)) for each normalised time u in `times`: the batch's diffusion time and a noise
+    fixed by `seed`, on x's device, so that every probe of a checkpoint sees the same draws."""
+    g = torch.Generator().manual_seed(seed)
+    for u in times:
+        noise = torch.randn(x.shape, generator=g).to(x)
+        yield u, (objective.times_at(u, x.shape[0]).to(x.device), noise)
+
+
 def diagnose(model: torch.nn.Module, objective: Objective, x: torch.Tensor, y: torch.Tensor,
              times: list[float], seed: int = 0) -> dict[str, Any]:
     """The depth profile at each normalised time u in `times` (fixed noise per u), and the time
     probe's R^2 per depth over all of them (None when fewer than two times)."""
-    g = torch.Generator().manual_seed(seed)
     profiles, pooled, targets = {}, [], []
-    for u in times:
-        noise = torch.randn(x.shape, generator=g).to(x)
-        t = objective.times_at(u, x.shape[0]).to(x.device)
-        profiles[f"{u:g}"], states = _profile_and_states(model, objective, x, y, (t, noise))
+    for u, draw in fixed_draws(objective, x, times, seed):
+        profiles[f"{u:g}"], states = _profile_and_states(model, objective, x, y, draw)
         pooled.append(np.stack([s.float().mean(dim=1).cpu().numpy() for s in states]))  # (K+1, N, D)
         targets.append(np.full(x.shape[0], u))
     result: dict[str, Any] = {"times": list(times), "profiles": profiles, "time_probe_r2": None}

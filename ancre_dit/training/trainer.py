@@ -323,8 +323,7 @@ class Trainer:
                 skip = False
                 if acc.sync_gradients:
                     # max_norm=inf only measures the norm (the clip coefficient is clamped to 1).
-                    params = (self.model.parameters() if repa is None else
-                              itertools.chain(*(m.parameters() for m in self.trained_modules)))
+                    params = itertools.chain(*(m.parameters() for m in self.trained_modules))  # the model (+ projector)
                     grad_norm = acc.clip_grad_norm_(params, c.grad_clip or float("inf"))
                     skip = self.guard.check(self.step + 1, sums, grad_norm)  # same answer on every rank
                 if not skip:
