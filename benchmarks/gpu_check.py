@@ -44,6 +44,7 @@ import torch
 
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
+from ancre_dit.hardware import configure_precision, peak_tflops as device_peak_tflops
 from ancre_dit.models import create_model
 from ancre_dit.models.flops import count_training_flops
 from benchmarks.bench_peer import topology_variant
@@ -52,10 +53,6 @@ TOPOLOGIES = ("cascaded", "ancre", "denseformer", "hc", "mhc")
 # Compiled only, last: a topology or backbone with its options, as bench_peer's variants name them.
 NEWER_VARIANTS = ("dar:query=static,chunk=4", "dar:query=static-t,chunk=4", "attnres:block=0",
                   "cascaded:norm=rmsnorm,mlp=swiglu,pos_embed=rope2d,qk_norm=true")
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device-name fragment, most specific first.
-PEAK_BF16_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("GH200", 989.0), ("B200", 2250.0),
-                    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0), ("4090", 165.0),
-                    ("3090", 71.0), ("V100", 125.0))
 DIFFUSION = {"objective": "ddpm", "learn_sigma": True}  # DiT's schedule (build_objective fills in the rest)
 
 
@@ -99,15 +96,8 @@ def sizes(args) -> dict:
 
 
 def peak_tflops(args, device: torch.device) -> tuple[float | None, str]:
-    if args.peak_tflops:
-        return args.peak_tflops, "--peak-tflops"
-    if device.type != "cuda":
-        return None, "no peak for a CPU"
-    name = torch.cuda.get_device_name(device)
-    for fragment, value in PEAK_BF16_TFLOPS:
-        if fragment in name:
-            return value, f"table entry {fragment}"
-    return None, f"unknown device {name!r}: pass --peak-tflops"
+    value, source = device_peak_tflops(device, args.peak_tflops)
+    return value, "--peak-tflops" if source == "given" else source
 
 
 def sync(device: torch.device) -> None:
@@ -295,9 +285,7 @@ def main(argv=None) -> None:
     budget = Budget(args.budget_s)
     if args.smoke and device.type == "cpu":
         torch.set_num_threads(1)  # tiny ops: a second thread only waits (and thrashes on a shared box)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    configure_precision(device)
     peak, peak_source = peak_tflops(args, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": name, "torch": torch.__version__,

@@ -17,12 +17,13 @@ from pathlib import Path
 from helpers import ROOT as REPO
 
 PACKAGE = REPO / "ancre_dit"
-TOP_LEVEL_MODULES = {"__init__", "cli", "errors", "files", "vae"}
+TOP_LEVEL_MODULES = {"__init__", "cli", "errors", "files", "hardware", "vae"}
 # What each part of the package may import (besides itself and the standard or third-party libraries).
-SHARED = {"errors", "files"}
+SHARED = {"errors", "files", "hardware"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "files": set(),
+    "hardware": set(),
     "cli": {"errors"},
     "models": SHARED,
     "data": SHARED,

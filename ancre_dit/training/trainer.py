@@ -24,6 +24,7 @@ from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
 from ..errors import UserError
+from ..hardware import configure_precision
 from ..files import append_jsonl, read_jsonl
 from ..diffusion import build_objective
 from ..models import create_model
@@ -114,9 +115,7 @@ class Trainer:
             (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         acc.wait_for_everyone()
         self.log = _make_logger(self.run_dir, acc.is_main_process)
-        if acc.device.type == "cuda" and c.train.tf32:
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        configure_precision(acc.device, c.train.tf32)
 
         # Same seed on every rank for the model (DDP also broadcasts rank 0's weights), then a
         # distinct seed per rank for everything random during training.

@@ -1,0 +1,44 @@
+"""What the package needs to know about the device it runs on: the matmul precision every command
+sets up the same way (training, sampling and evaluation of the same weights must agree), and the
+peak dense bf16 throughput that turns counted FLOPs into MFU."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PEAK_BF16_TFLOPS", "peak_tflops", "configure_precision", "autocast_dtype"]
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device-name fragment, most specific first.
+PEAK_BF16_TFLOPS = (("GH200", 989.0), ("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("B200", 2250.0),
+                    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0), ("4090", 165.0),
+                    ("3090", 71.0), ("V100", 125.0))
+
+
+def peak_tflops(device: torch.device | str, override: float | None = None) -> tuple[float | None, str]:
+    """(peak dense bf16 TFLOP/s, where the figure came from); None when unknown (a CPU, or a GPU
+    missing from the table), in which case MFU is not reported unless a peak is given."""
+    if override:
+        return float(override), "given"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None, "no peak known for a CPU: set it to get an MFU"
+    name = torch.cuda.get_device_name(device)
+    for fragment, value in PEAK_BF16_TFLOPS:
+        if fragment in name:
+            return value, f"table entry {fragment}"
+    return None, f"unknown device {name!r}: set its peak to get an MFU"
+
+
+def configure_precision(device: torch.device | str, tf32: bool = True) -> None:
+    """TF32 for fp32 matrix products and convolutions on CUDA (the DiT recipe's setting); a no-op
+    elsewhere. Called by train.py, sample.py and evaluate.py alike, so an in-training evaluation and a
+    later `evaluate.py --run` of the same weights compute the same way."""
+    if torch.device(device).type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+
+
+def autocast_dtype(mixed_precision: str) -> torch.dtype | None:
+    """The autocast dtype of a train.mixed_precision setting (None: full precision)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
