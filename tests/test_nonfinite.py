@@ -96,6 +96,17 @@ def test_too_many_in_a_row_stops_without_saving(tmp_path, monkeypatch):
     assert "training stopped at step 6" in (run / "log.txt").read_text()
 
 
+def test_a_run_that_skips_most_of_its_steps_stops(tmp_path, monkeypatch):
+    _inject_inf_at(monkeypatch, {k for k in range(1, 100) if k % 4})  # 3 of every 4 steps
+    run = tmp_path / "run"
+    with pytest.raises(NonFiniteStop) as err:
+        train(tiny_config(run, "train.max_steps=40", "train.nonfinite_max_skips=50"))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("training stopped at step 10: ")
+    assert "8 of the 10 steps so far were non-finite and skipped" in message
+    assert "its input batch itself is non-finite" in message  # the poisoned batches, after reading
+
+
 def _latents_with_an_inf_sample(root: Path) -> Path:
     """Two shards of 4x4x4 latents; image 5's mean is +inf (a corrupted sample in real data)."""
     root.mkdir(parents=True)
@@ -125,6 +136,8 @@ def test_an_inf_data_sample_is_skipped_or_stops_the_command(tmp_path):
     assert out["step"] == 9 and _all_finite(run / "checkpoints" / "0000009")
     rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["skipped"] for r in rows) == 3  # once per epoch
+    # The warning names the data: the shard file and row of the poisoned sample.
+    assert "its input batch itself is non-finite (non-finite data: shard-00000.safetensors row 5)" in (run / "log.txt").read_text()
     assert all(r["loss"] == r["loss"] for r in rows if not r["skipped"])  # the others are finite
     reset_accelerate()
     # stop, through the real command line: exit 2, the error line names the step and the policy.

@@ -179,6 +179,11 @@ def test_encoder_stays_frozen_and_resume_is_exact(tmp_path, weights, one_thread)
     with pytest.raises(UserError) as err:
         Trainer(tiny_config(tmp_path / "split", "train.max_steps=6", *common, "repa.projector_dim=8"), resume="auto")
     assert "its REPA projector has 0.weight (16, 32), this config's (8, 32)" in _one_line(err)
+    reset_accelerate()
+    with pytest.raises(UserError) as err:  # the same projector shapes, another block: the saved settings tell
+        Trainer(tiny_config(tmp_path / "split", "train.max_steps=6", *repa_overrides(weights, depth=2),
+                            "train.ckpt_every=2", "train.ema_warmup=true"), resume="auto")
+    assert "other REPA settings (repa.depth 1 in the checkpoint, 2 in the config)" in _one_line(err)
 
 
 @pytest.mark.slow
