@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from torch.overrides import TorchFunctionMode
 
 from helpers import reset_accelerate, tiny_config

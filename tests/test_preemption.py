@@ -25,11 +25,12 @@ from safetensors.torch import load_file
 from ancre_dit.training.checkpointing import list_checkpoints
 
 WORKER = Path(__file__).with_name("_dist_train.py")
-STEPS = 14
+STEPS = 30
 SETTINGS = [f"train.max_steps={STEPS}", "train.ckpt_every=1000", "train.global_batch_size=16", "train.lr=1e-3",
             "data.num_workers=2", "train.stop_check_every=2", "model.learn_sigma=false", "model.class_dropout=0.0"]
 STEP_SECONDS = "0.4"  # slow enough that a signal lands mid-run on a busy machine
-# torchrun handles SIGTERM, SIGINT, SIGHUP and SIGQUIT; SLURM's --signal=USR1 needs this to reach the ranks.
+# torchrun forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT; a SIGUSR1 (SLURM's --signal=USR1) kills it,
+# leaving the ranks running, unless it is named here too (docs/cluster.md).
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
@@ -40,11 +41,11 @@ def _free_port() -> int:
 
 
 def _torchrun(run: Path, *extra: str, slow: bool) -> subprocess.Popen:
-    env = dict(subprocess_env(), TORCHELASTIC_SIGNALS_TO_HANDLE=TORCHRUN_SIGNALS)
+    env = subprocess_env()
     if slow:
         env["ANCRE_TEST_STEP_SECONDS"] = STEP_SECONDS
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(WORKER), f"run_dir={run}", *SETTINGS, *extra]
+           "--signals-to-handle", TORCHRUN_SIGNALS, str(WORKER), f"run_dir={run}", *SETTINGS, *extra]
     # A session of its own, as a job step has: a signal to "the job" is sent to its processes here.
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
                             start_new_session=True)
@@ -101,6 +102,12 @@ def _deliver(how: str, proc: subprocess.Popen) -> None:
         raise AssertionError(how)
 
 
+def _assert_ranks_clean(err: str) -> None:
+    """The launchers report the signal they got with a traceback of their own (torchrun's
+    SignalException, accelerate's KeyboardInterrupt); the trainer and its workers print none."""
+    assert not any(word in err for word in ("ancre_dit", "DataLoader worker", "error:")), err[-3000:]
+
+
 def _final_weights(run: Path) -> dict[str, torch.Tensor]:
     folder = run / "checkpoints" / f"{STEPS:07d}"
     return {f"{name}.{k}": v for name in ("model", "ema") for k, v in load_file(str(folder / f"{name}.safetensors")).items()}
@@ -126,13 +133,12 @@ def test_every_delivery_checkpoints_and_resumes_bitwise(tmp_path):
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-        # torchrun reports the signal it got with a traceback of its own; the ranks print none.
-        assert not any(word in err for word in ("ancre_dit", "DataLoader worker", "KeyboardInterrupt")), err[-3000:]
+        _assert_ranks_clean(err)
         newest = list_checkpoints(run)[-1][0]
         assert stopped_at[-1] + 2 <= newest < STEPS, f"{how}: the newest checkpoint is step {newest}"
         state = json.loads((run / "checkpoints" / f"{newest:07d}" / "trainer_state.json").read_text())
         assert state["num_processes"] == 2 and state["step"] == newest
-        assert f"stop requested" in (run / "log.txt").read_text()
+        assert "stop requested" in (run / "log.txt").read_text()
         stopped_at.append(newest)
     proc = _torchrun(run, "--resume", "auto", slow=False)
     _, err = proc.communicate(timeout=300)
@@ -171,7 +177,7 @@ def test_accelerate_launch_with_loader_workers_stops_on_ctrl_c_and_resumes_bitwi
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert "Traceback" not in err, err[-3000:]
+    _assert_ranks_clean(err)
     assert 3 <= list_checkpoints(run)[-1][0] < STEPS
     proc = launch(run, "--resume", "auto", slow=False)
     _, err = proc.communicate(timeout=300)
