@@ -68,15 +68,16 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def run_cli(main: Callable[[], int | None]) -> None:
-    """Runs `main`. A `UserError` prints `error: <message>` and exits 2 (ANCRE_DEBUG=1 shows its
-    traceback); any other exception is a bug: its traceback, then one line saying so, exit 1.
+    """Runs `main`. A `UserError` prints `error: <message>` (on the main process of a launched job
+    only) and exits 2 (ANCRE_DEBUG=1 shows its traceback); any other exception is a bug: its traceback, then one line saying so, exit 1.
     Ctrl-C exits 130 after `main` has had its chance to save."""
     try:
         code = main()
     except UserError as err:
         if os.environ.get("ANCRE_DEBUG"):
             raise
-        print(f"error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: one copy of the line
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

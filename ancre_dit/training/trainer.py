@@ -40,6 +40,7 @@ from .guards import NonFiniteGuard
 from .periodic import RunContext, TrainProgress, build_tasks, topology_matrix, write_topology_files
 from .data import DataInfo, GlobalBatchSampler, advance_position, build_data, describe, make_loader, prepare_batch
 from .repa import RepaAlignment
+from .run_lock import abandon_new_run_dir, claim_run_dir
 
 LOG_FILE = "log.txt"
 METRICS_FILE = "metrics.jsonl"
@@ -111,6 +112,7 @@ class Trainer:
             project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
         )
         self.micro_batch = check_batch_layout(c, acc.num_processes)
+        claim_run_dir(self.run_dir, acc)  # before anything is written: one training per run_dir
         if acc.is_main_process:
             (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         acc.wait_for_everyone()
@@ -468,4 +470,9 @@ class Trainer:
 
 def train(config: Config, resume: str | None = None) -> dict[str, Any]:
     """Trains as `accelerate launch train.py` does; returns {"step", "stopped", "metrics", "run_dir"}."""
-    return Trainer(config, resume).run()
+    try:
+        trainer = Trainer(config, resume)
+    except UserError:
+        abandon_new_run_dir(config.run_dir)  # a refused start leaves no folder behind
+        raise
+    return trainer.run()
