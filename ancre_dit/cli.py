@@ -53,9 +53,15 @@ def output_folder(path: str | os.PathLike, kind: str, marker: str | tuple[str, .
 
 
 def _check_parents(path: Path, flag: str) -> None:
+    """No parent is a file, and the nearest existing folder (the path itself, or the one the writer
+    creates it in) is writable: found before the work, not when its result is written."""
     for parent in path.parents:
         if parent.exists() and not parent.is_dir():
             raise UserError(f"{flag} {path}: {parent} is a file, not a folder")
+    nearest = next((p for p in (path, *path.parents) if p.is_dir()), None)
+    if nearest is not None and not os.access(nearest, os.W_OK):
+        raise UserError(f"{flag} {path}: {nearest} is not writable (a read-only file system or folder); give a "
+                        f"path in a writable folder")
 
 
 class CommandParser(argparse.ArgumentParser):
