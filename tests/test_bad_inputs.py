@@ -590,3 +590,16 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint(world, tmp_path):
     assert "skipping damaged checkpoint" in (run / "log.txt").read_text()
     model, spec = load_trained_model(run / "checkpoints" / "0000004")  # rewritten whole
     assert spec["step"] == 4
+
+
+@pytest.mark.slow
+def test_fid_against_a_reference_of_another_resolution_warns(world, caplog):
+    from ancre_dit.evaluation.pipeline import evaluate
+
+    with caplog.at_level("WARNING", logger="ancre_dit"):
+        evaluate(world / "big.npz", world / "digits.npz", _w8(world), metrics="fid", device="cpu")
+    assert any("the samples are 16x16 but the reference images 8x8" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ancre_dit"):
+        evaluate(world / "big.npz", world / "big.npz", _w8(world), metrics="fid", device="cpu")
+    assert not [r for r in caplog.records if "reference images" in r.getMessage()]
