@@ -53,9 +53,15 @@ def output_folder(path: str | os.PathLike, kind: str, marker: str | tuple[str, .
 
 
 def _check_parents(path: Path, flag: str) -> None:
+    """No parent is a file, and the nearest existing folder (the path itself, or the one the writer
+    creates it in) is writable: found before the work, not when its result is written."""
     for parent in path.parents:
         if parent.exists() and not parent.is_dir():
             raise UserError(f"{flag} {path}: {parent} is a file, not a folder")
+    nearest = next((p for p in (path, *path.parents) if p.is_dir()), None)
+    if nearest is not None and not os.access(nearest, os.W_OK):
+        raise UserError(f"{flag} {path}: {nearest} is not writable (a read-only file system or folder); give a "
+                        f"path in a writable folder")
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -68,15 +74,16 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def run_cli(main: Callable[[], int | None]) -> None:
-    """Runs `main`. A `UserError` prints `error: <message>` and exits 2 (ANCRE_DEBUG=1 shows its
-    traceback); any other exception is a bug: its traceback, then one line saying so, exit 1.
+    """Runs `main`. A `UserError` prints `error: <message>` (on the main process of a launched job
+    only) and exits 2 (ANCRE_DEBUG=1 shows its traceback); any other exception is a bug: its traceback, then one line saying so, exit 1.
     Ctrl-C exits 130 after `main` has had its chance to save."""
     try:
         code = main()
     except UserError as err:
         if os.environ.get("ANCRE_DEBUG"):
             raise
-        print(f"error: {err}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: one copy of the line
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

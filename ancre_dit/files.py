@@ -1,4 +1,4 @@
-"""Small file helpers shared by every layer: hashing, atomic writes, JSONL, structural checks."""
+"""Small file helpers shared by every layer: hashing, atomic writes, JSONL, YAML, structural checks."""
 from __future__ import annotations
 
 import hashlib
@@ -9,6 +9,7 @@ import pickletools
 import zipfile
 from pathlib import Path
 
+import yaml
 from safetensors import SafetensorError, safe_open
 
 _CHUNK = 1 << 22
@@ -33,6 +34,30 @@ def write_atomic(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+class DuplicateKeyError(ValueError):
+    """A YAML mapping gives one key twice (`line N: 'key' is given twice ...`)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys silently, dropping a whole section or arm."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise DuplicateKeyError(f"line {key_node.start_mark.line + 1}: {key!r} is given twice; give each "
+                                        f"key once")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml_unique(text: str):
+    """yaml.safe_load that refuses a key given twice in one mapping (DuplicateKeyError), for the
+    files users write by hand (training configs, studies)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -69,6 +69,46 @@ def _latent_dir(root: Path) -> Path:
     return root
 
 
+def _manifest_edit(root: Path, edit: Callable[[dict], None]) -> None:
+    manifest = json.loads((root / "manifest.json").read_text())
+    edit(manifest)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+
+
+_HELD_LOCKS: list = []  # lock files held open for the module: another training's claim on a run folder
+
+
+def _more_inputs(w: Path) -> None:
+    """Inputs of the cases on run folders, foreign folders, shards that disagree with their manifest."""
+    import fcntl
+    from safetensors.torch import save_file
+
+    (w / "empty_config.yaml").write_text("# nothing yet\n")
+    (w / "twice_config.yaml").write_text("train: {lr: 1.0e-3}\nmodel: {depth: 2}\ntrain: {max_steps: 4}\n")
+    (w / "busy_run").mkdir()
+    lock = open(w / "busy_run" / ".lock", "a+")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    lock.write("pid 4242 on otherhost\n")
+    lock.flush()
+    _HELD_LOCKS.append(lock)
+    (w / "foreign_jsonl").mkdir()
+    (w / "foreign_jsonl" / "manifest.json").write_text('{"id": 1}\n{"id": 2}\n')
+    (w / "foreign_jsonl" / "data-0.bin").write_bytes(b"theirs")
+    (w / "foreign_list").mkdir()
+    (w / "foreign_list" / "manifest.json").write_text("[1, 2]")
+    _manifest_edit(_copy(w / "latents", w / "latents_overcount"),
+                   lambda m: (m["shards"][0].update(count=5), m.update(num_images=9)))
+    _manifest_edit(_copy(w / "latents", w / "latents_listed_twice"),
+                   lambda m: (m["shards"].append(dict(m["shards"][0])), m.update(num_images=12)))
+    _copy(w / "latents", w / "latents_other_channels")
+    save_file({"mean": torch.zeros(4, 2, 3, 2, 2).half(), "std": torch.ones(4, 2, 3, 2, 2).half(),
+               "label": torch.arange(4) % 2, "index": torch.arange(4) + 4},
+              str(w / "latents_other_channels" / "shard-00001.safetensors"))
+    rng = np.random.default_rng(1)
+    np.savez(w / "rgba.npz", arr_0=rng.integers(0, 256, (4, 16, 16, 4), dtype=np.uint8), arr_1=np.arange(4))
+    np.savez(w / "empty.npz", arr_0=np.zeros((0, 16, 16, 3), np.uint8), arr_1=np.zeros(0, np.int64))
+
+
 def _copy(src: Path, dst: Path, damage: Callable[[Path], None] | None = None, *relative: str) -> Path:
     shutil.copytree(src, dst)
     for rel in relative:
@@ -144,6 +184,7 @@ def world(tmp_path_factory) -> Path:
         (w / "notes.txt").write_text("not a checkpoint\n")
         torch.save(create_model("DiT-T/2", **{**flow_kwargs, "in_channels": 4}).state_dict(), w / "release.pt")
         (w / "a_file").write_text("x")
+        _more_inputs(w)
     finally:
         torch.set_num_threads(threads)
     return w
@@ -154,6 +195,9 @@ def _cfg(w: Path) -> list[str]:
 
 
 FRESH = "fresh_run"
+# Cases refused while the trainer starts (after the config loaded): a new run folder is removed again.
+NO_RUN_FOLDER = {"entropy weight without a learned topology", "latent manifest count beyond a shard's rows",
+                 "latent shard listed twice", "latent shard of another channel count"}
 
 
 def _fresh(w: Path) -> str:
@@ -213,6 +257,16 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("eval inception weights missing", "train",
      lambda w: [*_cfg(w), _fresh(w), "eval.metrics=[fid]", f"eval.ref={w / 'big.npz'}",
                 f"eval.inception_weights={w / 'no.pth'}"], "eval.inception_weights"),
+    ("config empty", "train", lambda w: ["--config", str(w / "empty_config.yaml")], "empty_config.yaml is empty"),
+    ("config with a key given twice", "train", lambda w: ["--config", str(w / "twice_config.yaml")],
+     "line 3: 'train' is given twice"),
+    ("run_dir inside a file", "train", lambda w: [*_cfg(w), f"run_dir={w / 'a_file' / 'run'}"],
+     "a_file is a file, not a folder"),
+    ("run_dir in use by another training", "train", lambda w: [*_cfg(w), f"run_dir={w / 'busy_run'}"],
+     "is in use by another training (pid 4242 on otherhost)"),
+    ("entropy weight without a learned topology", "train",
+     lambda w: [*_cfg(w), _fresh(w), "model.topology=cascaded", "model.topology_entropy_weight=0.1"],
+     "model.topology_entropy_weight needs the ancre topology"),
     # -- train.py: the data ----------------------------------------------------------------------
     ("latent dir missing", "train", lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", f"data.path={w / 'none'}"],
      "does not exist"),
@@ -223,6 +277,15 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
                                                    f"data.path={w / 'latents_trunc_shard'}"], "shard-00000.safetensors"),
     ("latent manifest corrupt", "train", lambda w: [*_cfg(w), _fresh(w), "data.kind=latents",
                                                     f"data.path={w / 'latents_bad_manifest'}"], "not readable JSON"),
+    ("latent manifest count beyond a shard's rows", "train",
+     lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", "data.image_size=16", f"data.path={w / 'latents_overcount'}"],
+     "shard-00000.safetensors holds 4 rows, its manifest entry says 5"),
+    ("latent shard listed twice", "train",
+     lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", "data.image_size=16", f"data.path={w / 'latents_listed_twice'}"],
+     "lists shard-00000.safetensors twice"),
+    ("latent shard of another channel count", "train",
+     lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", "data.image_size=16",
+                f"data.path={w / 'latents_other_channels'}"], "holds latents of shape (3, 2, 2), the manifest says (4, 2, 2)"),
     ("image folder with an unreadable image", "train",
      lambda w: [*_cfg(w), _fresh(w), "data.kind=images", f"data.path={w / 'images_corrupt'}", "data.image_size=16",
                 "train.global_batch_size=4"], "0.png is not a readable image"),
@@ -234,7 +297,7 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("resume another architecture", "train", lambda w: [*_cfg(w), "model.depth=4", "--resume", _ck(w)],
      "depth 2 in the checkpoint, 4 in the config"),
     ("resume another topology", "train", lambda w: [*_cfg(w), "model.topology=cascaded", "--resume", _ck(w)],
-     "topology ancre in the checkpoint, cascaded in the config"),
+     "builds (topology ancre in the checkpoint, cascaded in the config; "),  # the decisive difference first
     ("resume broken model_spec.json", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_bad_spec")],
      "model_spec.json"),
     ("resume truncated ema.safetensors", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_trunc_ema")],
@@ -276,6 +339,9 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("sampling job resumed with other settings", "sample",
      lambda w: ["--ckpt", _ck(w), "--num-samples", "2", "--batch-size", "2", "--sampler", "ddim", "--steps", "2",
                 "--seed", "1", "--out", str(w / "job" / "samples.npz"), "--cpu"], "holds parts of a different job (seed"),
+    ("grid of zero samples", "sample",
+     lambda w: ["--ckpt", _ck(w), "--out", str(w / "o.npz"), "--grid", str(w / "g.png"), "--grid-max", "0"],
+     "--grid-max 0 must be at least 1"),
     # -- evaluate.py ------------------------------------------------------------------------------
     ("samples missing", "evaluate", lambda w: ["--samples", str(w / "nope.npz"), "--digits"], "does not exist"),
     ("samples not a zip", "evaluate", lambda w: ["--samples", str(w / "garbage.npz"), "--digits"], "not a readable ADM"),
@@ -306,6 +372,15 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("folder of images of different sizes", "evaluate",
      lambda w: ["--samples", str(w / "images_mixed"), "--ref", str(w / "big.npz"), "--inception-weights", _w8(w),
                 "--metrics", "is", "--device", "cpu"], "not (20, 24) like the first image"),
+    ("samples with 4 channels", "evaluate",
+     lambda w: ["--samples", str(w / "rgba.npz"), "--ref", str(w / "big.npz"), "--inception-weights", _w8(w),
+                "--metrics", "fid", "--device", "cpu"], "with 4 channels"),
+    ("samples without images", "evaluate",
+     lambda w: ["--samples", str(w / "empty.npz"), "--ref", str(w / "big.npz"), "--inception-weights", _w8(w),
+                "--metrics", "fid", "--device", "cpu"], "empty.npz) holds no images to evaluate"),
+    ("reference without images", "evaluate",
+     lambda w: ["--samples", str(w / "big.npz"), "--ref", str(w / "empty.npz"), "--inception-weights", _w8(w),
+                "--metrics", "fid", "--device", "cpu"], "holds no images to evaluate (arr_0 is empty); pass another --ref"),
     # -- scripts/extract_latents.py ---------------------------------------------------------------
     ("extract without --vae / --out", "extract", lambda w: ["--data-path", str(w / "images")], "missing --vae, --out"),
     ("extract data path missing", "extract",
@@ -331,6 +406,12 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("extract into a run folder", "extract",
      lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "run"), "--image-size", "16"],
      "holds no latent folder"),
+    ("extract into another dataset's folder", "extract",
+     lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "foreign_jsonl"),
+                "--image-size", "16"], "not a latent manifest of this package"),
+    ("extract into a folder whose manifest is a list", "extract",
+     lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "foreign_list"),
+                "--image-size", "16"], "not a latent manifest of this package"),
     ("extract into a file", "extract",
      lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "a_file")], "is a file"),
     # -- scripts/topology.py show ------------------------------------------------------------------
@@ -476,6 +557,10 @@ def test_bad_input_is_one_line_and_touches_nothing(name, command, argv, expected
     args = argv(world)
     before = _snapshot(world)
     code, err = _run(command, args, monkeypatch, capsys)
+    if name in NO_RUN_FOLDER and FRESH not in before:
+        assert not (world / FRESH).exists(), f"left {sorted(p.name for p in (world / FRESH).iterdir())}"
+    if name == "reference without images":
+        assert "inception: samples" not in err  # found before the samples' features are computed
     lines = [line for line in err.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:")]
     assert "Traceback" not in err, err
@@ -505,3 +590,16 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint(world, tmp_path):
     assert "skipping damaged checkpoint" in (run / "log.txt").read_text()
     model, spec = load_trained_model(run / "checkpoints" / "0000004")  # rewritten whole
     assert spec["step"] == 4
+
+
+@pytest.mark.slow
+def test_fid_against_a_reference_of_another_resolution_warns(world, caplog):
+    from ancre_dit.evaluation.pipeline import evaluate
+
+    with caplog.at_level("WARNING", logger="ancre_dit"):
+        evaluate(world / "big.npz", world / "digits.npz", _w8(world), metrics="fid", device="cpu")
+    assert any("the samples are 16x16 but the reference images 8x8" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ancre_dit"):
+        evaluate(world / "big.npz", world / "big.npz", _w8(world), metrics="fid", device="cpu")
+    assert not [r for r in caplog.records if "reference images" in r.getMessage()]

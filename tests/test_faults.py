@@ -211,3 +211,123 @@ def test_latent_extraction_survives_kill_9_anywhere(extraction_inputs, tmp_path)
     assert verify_latent_dir(out)[1] == []
     assert landed == tried, f"only {landed} of {tried} kills landed while the job ran"
     print(f"\nlatent extraction: {landed} kills landed of {tried} tried, all survived (every file bitwise identical)")
+
+
+# -- two trainings on one run folder -------------------------------------------------------------
+@pytest.mark.slow
+def test_a_second_training_on_a_run_folder_is_refused_and_a_kill_frees_it(tmp_path):
+    run = tmp_path / "run"
+    long_run = [*_train_cmd(run)[:-2], "train.max_steps=100000", "train.ckpt_every=100000"]
+    metrics = run / "logs" / "metrics.jsonl"
+    first = _start(long_run)
+    try:
+        while first.poll() is None and not (metrics.is_file() and metrics.read_text()):
+            time.sleep(0.05)
+        assert first.poll() is None, first.stderr.read()[-3000:]
+        second = subprocess.run(_train_cmd(run), capture_output=True, text=True, env=subprocess_env(), cwd=ROOT,
+                                timeout=600)
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert second.returncode == 2 and len(errors) == 1 and "Traceback" not in second.stderr, second.stderr
+        assert f"in use by another training (pid {first.pid} on " in errors[0]
+        assert not (run / "checkpoints").exists()  # the refused run wrote nothing
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+        first.stderr.close()
+    # kill -9 leaves no claim behind; the next start also removes the temporary folder of a dead save.
+    (run / "checkpoints" / ".tmp-0000099" / "accelerate").mkdir(parents=True)
+    _finish([*_train_cmd(run)[:-2], "train.max_steps=2"])
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["0000002"]
+
+
+# -- a full disk, a read-only file system (small tmpfs mounts) -----------------------------------
+@pytest.fixture
+def small_fs(tmp_path):
+    """mount(size=4 MiB, ro=False) -> a tmpfs folder, unmounted afterwards; skipped where this
+    machine does not let the tests mount one (not root, or no tmpfs in the container)."""
+    mounted = []
+
+    def mount(size: str = "4m", ro: bool = False) -> Path:
+        point = tmp_path / f"fs{len(mounted)}"
+        point.mkdir()
+        options = f"size={size}" + (",ro" if ro else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True,
+                              text=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or 'mount failed'})")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+def _cli(main, argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    from helpers import reset_accelerate
+    from ancre_dit.cli import run_cli
+
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    reset_accelerate()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(main)
+    finally:
+        reset_accelerate()
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def _one_error_line(code: int, err: str) -> str:
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err and "Logging error" not in err, err
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_checkpointing_is_one_line_and_loses_nothing(small_fs, monkeypatch, capsys):
+    import runpy
+    import shutil
+
+    from helpers import one_torch_thread
+    from ancre_dit.training import load_config
+    from ancre_dit.training.run_lock import release_run_dir
+
+    train_main = runpy.run_path(str(ROOT / "train.py"), run_name="faults")["main"]
+    disk = small_fs("4m")
+    run = disk / "run"
+    argv = ["--config", str(ROOT / "configs" / "digits-ancre.yaml"), *TINY_TRAIN, f"run_dir={run}",
+            "train.ckpt_every=2", "train.keep_last=0", "--resume", "auto"]
+    try:
+        with one_torch_thread():
+            assert _cli(train_main, [*argv, "train.max_steps=2"], monkeypatch, capsys)[0] == 0
+            step2 = run / "checkpoints" / "0000002"
+            before = {p: p.read_bytes() for p in step2.rglob("*") if p.is_file()}
+            size = sum(len(b) for b in before.values())
+            (disk / "ballast").write_bytes(b"\0" * (shutil.disk_usage(disk).free - size // 2))
+            for _ in range(2):  # the disk still full at the second try (a resume)
+                line = _one_error_line(*_cli(train_main, [*argv, "train.max_steps=4"], monkeypatch, capsys))
+                assert "no space left on the device while writing the checkpoint" in line
+                assert str(run / "checkpoints" / ".tmp-0000004") in line and "MiB free" in line
+                assert [p.name for p in (run / "checkpoints").iterdir()] == ["0000002"]  # temporary folder removed
+                assert {p: p.read_bytes() for p in step2.rglob("*") if p.is_file()} == before
+                assert load_config(run / "config.yaml").train.max_steps == 4  # written whole (atomically)
+            (disk / "ballast").unlink()
+            assert _cli(train_main, [*argv, "train.max_steps=4"], monkeypatch, capsys)[0] == 0
+            assert checkpoint_problem(run / "checkpoints" / "0000004") is None
+    finally:
+        release_run_dir(run)  # the claim's open file would keep the mount busy
+
+
+@pytest.mark.slow
+def test_read_only_outputs_are_one_line(small_fs, checkpoint, monkeypatch, capsys):
+    import runpy
+
+    read_only = small_fs("1m", ro=True)
+    train_main = runpy.run_path(str(ROOT / "train.py"), run_name="faults")["main"]
+    sample_main = runpy.run_path(str(ROOT / "sample.py"), run_name="faults")["main"]
+    line = _one_error_line(*_cli(train_main, ["--config", str(ROOT / "configs" / "digits-ancre.yaml"), *TINY_TRAIN,
+                                              f"run_dir={read_only / 'run'}"], monkeypatch, capsys))
+    assert "cannot be created (Read-only file system)" in line
+    line = _one_error_line(*_cli(lambda: sample_main(["--ckpt", str(checkpoint), "--out", str(read_only / "s.npz"),
+                                                      "--cpu"]), [], monkeypatch, capsys))
+    assert "is not writable" in line and "s.npz" in line

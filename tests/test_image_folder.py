@@ -70,3 +70,32 @@ def test_images_become_rgb_and_get_adms_crop(tmp_path):
     np.testing.assert_array_equal(np.asarray(center_crop_arr(image, 8)), expected)
     Image.fromarray(rgb).save(tmp_path / "rgb.png")
     np.testing.assert_array_equal(load_rgb(tmp_path / "rgb.png", 8), expected)
+
+
+def test_symlinks_are_followed_to_each_real_folder_and_file_once(tmp_path):
+    """A link back up the tree (a loop), a link into another class and a second link to one file
+    would list images many times, some under another class's label."""
+    import os
+
+    root = tmp_path / "tree"
+    for rel in ("a/0.png", "a/1.png", "b/0.png", "b/deep/2.png"):
+        _save(root / rel)
+    os.symlink("..", root / "a" / "loop")          # a -> tree -> a, b, ... about 40 levels deep
+    os.symlink(root / "a", root / "b" / "to_a")     # a's images under b's label
+    os.symlink(root / "b" / "0.png", root / "b" / "same.png")
+    outside = tmp_path / "elsewhere"
+    _save(outside / "3.png")
+    os.symlink(outside, root / "b" / "linked")      # a real folder outside the tree is still read
+    listing = list_image_folder(root, require_classes=True)
+    assert listing.files == ["a/0.png", "a/1.png", "b/0.png", "b/deep/2.png", "b/linked/3.png"]
+    assert listing.labels == [0, 0, 1, 1, 1]
+
+
+def test_16_bit_greys_are_scaled_to_8_bits(tmp_path):
+    ramp = (np.arange(64, dtype=np.uint16).reshape(8, 8) * 1040).astype(np.uint16)  # 0 .. 65520
+    Image.fromarray(ramp).save(tmp_path / "deep.png")
+    with Image.open(tmp_path / "deep.png") as img:
+        assert img.mode.startswith("I")  # the case at hand: PIL opens it as 16-bit integers
+    rgb = load_rgb(tmp_path / "deep.png")
+    assert rgb.shape == (8, 8, 3) and (rgb[..., 0] == rgb[..., 2]).all()
+    assert np.array_equal(rgb[..., 0], (ramp.astype(np.int64) // 257).astype(np.uint8))  # not clipped at 255

@@ -41,7 +41,8 @@ def to_rgb_uint8(images: np.ndarray) -> np.ndarray:
     if images.ndim == 3:
         images = images[..., None]
     if images.ndim != 4 or images.shape[-1] not in (1, 3):
-        raise ValueError(f"ADM images must be (N, H, W[, 1|3]), got shape {images.shape}")
+        raise ValueError(f"ADM images must be (N, H, W[, 1|3]), got shape {images.shape}"
+                         + ("; drop the alpha channel (images[..., :3])" if images.shape[-1] == 4 else ""))
     if images.shape[-1] == 1:
         images = np.repeat(images, 3, axis=-1)
     return images

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension, make_dataset
+from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension
 
 from ..errors import MissingFileError, UserError
 
@@ -55,7 +55,7 @@ def list_image_folder(root: str | os.PathLike, require_classes: bool = False) ->
         class_names, class_to_idx = find_classes(root)
     except FileNotFoundError:
         class_names, class_to_idx = [], {}
-    samples = make_dataset(root, class_to_idx, extensions=IMAGE_EXTENSIONS, allow_empty=True) if class_names else []
+    samples = _class_samples(root, class_to_idx) if class_names else []
     top = sorted(entry.name for entry in os.scandir(root)
                  if entry.is_file() and has_file_allowed_extension(entry.name, IMAGE_EXTENSIONS))
     if samples and top:
@@ -72,6 +72,34 @@ def list_image_folder(root: str | os.PathLike, require_classes: bool = False) ->
     if not top:
         raise MissingFileError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) in {root} or its subfolders")
     return ImageList(root, top, None, [])
+
+
+def _class_samples(root: Path, class_to_idx: dict[str, int]) -> list[tuple[str, int]]:
+    """torchvision's make_dataset (same files, order and labels), except that symbolic links are
+    followed to each real folder and file once: a link back up the tree (a loop) or into another
+    class folder is not walked again, so no image is listed twice or under another class's label."""
+    class_dirs = {os.path.realpath(root / name) for name in class_to_idx}
+    seen_dirs: set[str] = set()
+    seen_files: set[str] = set()
+    samples = []
+    for name in sorted(class_to_idx):
+        walked = []
+        for folder, dirs, files in os.walk(root / name, followlinks=True):
+            real = os.path.realpath(folder)
+            if real in seen_dirs:  # reached again through a link: already listed
+                dirs[:] = []
+                continue
+            seen_dirs.add(real)
+            dirs[:] = [d for d in dirs if os.path.realpath(os.path.join(folder, d)) not in class_dirs]
+            walked.append((folder, files))
+        for folder, files in sorted(walked):
+            for fname in sorted(files):
+                path = os.path.join(folder, fname)
+                real = os.path.realpath(path)
+                if has_file_allowed_extension(fname, IMAGE_EXTENSIONS) and real not in seen_files:
+                    seen_files.add(real)
+                    samples.append((path, class_to_idx[name]))
+    return samples
 
 
 def center_crop_arr(pil_image: Image.Image, image_size: int) -> Image.Image:
@@ -100,6 +128,9 @@ def open_rgb(path: str | os.PathLike) -> tuple[Image.Image, str]:
         with Image.open(path) as img:
             img.load()
             mode = img.mode
+            if mode in ("I", "I;16", "I;16B", "I;16L"):  # 16-bit greys: scaled to 8 bits, not clipped at 255
+                grey = np.clip(np.asarray(img, dtype=np.int64), 0, 65535) // 257
+                return Image.fromarray(grey.astype(np.uint8)).convert("RGB"), f"{mode} (16-bit, scaled)"
             if mode == "P" and "transparency" in img.info:
                 img = img.convert("RGBA")  # PIL asks for this route for transparent palettes
             return img.convert("RGB"), mode

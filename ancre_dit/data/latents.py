@@ -133,6 +133,31 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int, int, int]) -> None:
+    """Each shard listed once, and its header (read anyway) holding `count` rows of the manifest's
+    latent shape: a shard of another extraction or a miscounted one would otherwise be read as
+    garbage or fail deep in a DataLoader worker (`--verify` also reads the data)."""
+    fix = f"run scripts/extract_latents.py --verify {root}, then re-extract the latents"
+    files = [s["file"] for s in shards]
+    twice = sorted({f for f in files if files.count(f) > 1})
+    if twice:
+        raise UserError(f"{root}/{MANIFEST_NAME} lists {twice[0]} twice (its images would be trained on twice); {fix}")
+    for s in shards:
+        _, tensors = read_safetensors_layout(root / s["file"])
+        count = int(s["count"])
+        for name in ("mean", "std", "label"):
+            if name not in tensors:
+                raise UserError(f"latent shard {root / s['file']} holds no {name!r} tensor; {fix}")
+        shape = tensors["mean"][1]
+        if len(shape) != 5 or tuple(shape[2:]) != latent_shape:
+            raise UserError(f"latent shard {root / s['file']} holds latents of shape {tuple(shape[2:])}, the manifest "
+                            f"says {latent_shape} (another extraction's shard?); {fix}")
+        rows = [tuple(tensors[name][1])[:1] for name in ("mean", "std", "label")]
+        if any(r != (count,) for r in rows):
+            rows = min((r[0] if r else 0) for r in rows)
+            raise UserError(f"latent shard {root / s['file']} holds {rows} rows, its manifest entry says {count}; {fix}")
+
+
 class LatentShardDataset(Dataset):
     """Random access over all images of a latent directory.
 
@@ -169,6 +194,7 @@ class LatentShardDataset(Dataset):
             if problem:
                 raise UserError(f"latent shard {problem}; run scripts/extract_latents.py --verify {self.root}, "
                                 "then rerun the extraction to rewrite it")
+        _check_shards_match(self.root, shards, self.latent_shape)
         nonempty = [s for s in shards if int(s["count"]) > 0]
         self._files = [self.root / s["file"] for s in nonempty]
         self._starts: list[int] = []

@@ -229,7 +229,7 @@ def evaluated_steps(run_dir: str | Path, identity: dict[str, Any]) -> set[int]:
 
 def format_eval(entry: dict[str, Any]) -> str:
     """One log line: 'step 500: heldout_loss 0.1234, digits_acc/cfg2 0.950, ... (3.2 s)'."""
-    values = ", ".join(f"{k} {v:.4g}" for k, v in entry["metrics"].items())
+    values = ", ".join(f"{k} {0.0 if v == 0 else v:.4g}" for k, v in entry["metrics"].items())  # no "-0"
     return f"step {entry['step']}: evaluation {values} ({entry['seconds']:.1f} s)"
 
 

@@ -175,7 +175,7 @@ class InceptionExtractor:
                 logits.append(l)
                 bar.update(len(images))
         if not pools:
-            raise UserError("no images to evaluate")
+            raise UserError(f"no images to evaluate ({desc})")
         return InceptionFeatures(torch.cat(pools).numpy(), torch.cat(spatials).numpy(), torch.cat(logits).numpy())
 
 

@@ -17,6 +17,7 @@ Differences from ADM's evaluator (guided-diffusion evaluations/evaluator.py), al
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from .metrics import (
 from .precision_recall import precision_recall
 from .sources import ImageFolderBatches, open_adm_npz
 from ..errors import UserError
+
+_log = logging.getLogger("ancre_dit")
 
 # The metric names, defined here only. ADM's set: evaluate.py's default, and the Inception metrics the
 # in-training evaluation takes (evaluator.py's EVAL_METRICS adds "digits"); KID is evaluate.py's alone.
@@ -121,6 +124,8 @@ def load_side(source: ADMBatch | str | os.PathLike, name: str, extractor_fn, bat
                 image_size=None if batch.images is None else int(batch.images.shape[1]))
     if batch.stats and stored_stats:
         side.stats_source = "stored"
+    if batch.images is not None and len(batch.images) == 0 and (need_features or not side.stats):
+        raise UserError(f"{label} holds no images to evaluate (arr_0 is empty); pass an .npz with samples")
     if batch.images is not None and need_features:
         side.features = extractor_fn().extract(iterate_batches(batch.images, batch_size), total=len(batch.images),
                                                desc=f"inception: {name}")
@@ -197,6 +202,8 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
         raise UserError(f"{', '.join(image_metrics)} need reference images but {ref} holds statistics only "
                          f"(no arr_0); pass a reference with images, or drop them from --metrics")
     extractor_fn()  # fail on bad weights before reading 50K images
+    if ref is not None:  # an empty or unreadable reference is found before the samples' features
+        _check_readable(ref, "reference")
     sample_side = load_side(samples, "samples", extractor_fn, batch_size, need_features=True, workers=workers)
     if ref is None:
         ref_side = Side("reference (none)", stats_source="none")
@@ -204,6 +211,11 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
         ref_needs = bool({"precision", "recall", "kid"} & set(metrics)) or not _has_stored_stats(ref, ref_metrics)
         ref_side = load_side(ref, "reference", extractor_fn, batch_size, need_features=ref_needs,
                              image_size=image_size or sample_side.image_size, workers=workers)
+    if ref_metrics and sample_side.image_size and ref_side.image_size and sample_side.image_size != ref_side.image_size:
+        _log.warning("warning: the samples are %dx%d but the reference images %dx%d: Inception resizes both to 299, "
+                     "which hides the difference; FID against a reference of another resolution is not comparable "
+                     "with published numbers", sample_side.image_size, sample_side.image_size, ref_side.image_size,
+                     ref_side.image_size)
     values = score(sample_side, ref_side, metrics, is_split_size=is_split_size, pr_k=pr_k, fid_method=fid_method,
                    kid_subsets=kid_subsets, kid_subset_size=kid_subset_size, device=device)
     extractor = extractor_fn()
@@ -258,6 +270,25 @@ def _has_images(ref) -> bool:
     return True  # a folder (or a missing path: reading it gives the clear error)
 
 
+def _check_readable(source, name: str) -> None:
+    """The cheap part of load_side (the listing or the header): raises what reading it would raise."""
+    if isinstance(source, ADMBatch):
+        return
+    path = Path(source)
+    if path.is_dir():
+        list_image_folder(path)
+        return
+    batch = open_adm_npz(path)
+    if batch.images is not None and len(batch.images) == 0 and not batch.stats:
+        raise UserError(f"{name} ({path}) holds no images to evaluate (arr_0 is empty); pass another --ref")
+
+
+def display(value: float) -> str:
+    """A metric as printed: 4 decimals, and never "-0.0000" (a tiny negative rounding error)."""
+    text = f"{value:.4f}"
+    return "0.0000" if text == "-0.0000" else text
+
+
 def _describe(source) -> str | None:
     if source is None:
         return None
@@ -270,7 +301,7 @@ def format_table(result: EvaluationResult) -> str:
     """Results as an aligned two-column text table, with the sample count and reference."""
     names = {"fid": "FID", "sfid": "sFID", "is": "Inception Score", "precision": "Precision", "recall": "Recall",
              "kid": "KID", "kid_std": "KID std"}
-    rows = [(names.get(k, k), f"{v:.4f}") for k, v in result.metrics.items()]
+    rows = [(names.get(k, k), display(v)) for k, v in result.metrics.items()]
     info = result.info
     rows += [("samples", str(info["num_samples"])), ("reference", str(info["reference"] or "none (IS only)")),
              ("reference stats", str(info["reference_statistics"]))]

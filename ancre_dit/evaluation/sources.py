@@ -60,6 +60,9 @@ def open_adm_npz(path: str | os.PathLike) -> ADMBatch:
         images = None
     if images is None or images.dtype != np.uint8 or images.ndim not in (3, 4):
         return load_adm_npz(path)  # compressed, odd, or broken: its reader gives the clear errors
+    if images.ndim == 4 and images.shape[-1] not in (1, 3):
+        raise UserError(f"{path}: arr_0 holds images of shape {tuple(images.shape)} with {images.shape[-1]} channels; "
+                        f"ADM images are (N, H, W[, 1|3]) uint8: drop the alpha channel (images[..., :3]) and save again")
     with np.load(path) as data:
         labels = data["arr_1"].astype(np.int64) if "arr_1" in data.files else None
         stats = {k: data[k] for k in STAT_KEYS if k in data.files}

@@ -84,11 +84,16 @@ def _check_compatible(out: Path, fingerprint: dict[str, Any], num_shards: int) -
     """Refuses to mix shards of another extraction into this one (every process runs the same check
     on the same files, so all fail together instead of leaving some waiting at the barrier)."""
     sources = []
-    if (out / MANIFEST_NAME).is_file():
+    if (out / MANIFEST_NAME).is_file():  # written atomically: one we wrote is never torn
         try:
-            sources.append((MANIFEST_NAME, json.loads((out / MANIFEST_NAME).read_text()).get("extraction")))
-        except (OSError, json.JSONDecodeError):
-            pass  # rewritten at the end of this run
+            manifest = json.loads((out / MANIFEST_NAME).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            manifest = None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+            raise UserError(f"--out {out} holds a {MANIFEST_NAME} that is not a latent manifest of this package (no "
+                            f"JSON object with format {FORMAT_NAME!r}): it belongs to other data; give a new or "
+                            f"empty --out folder")
+        sources.append((MANIFEST_NAME, manifest.get("extraction")))
     for path in sorted(out.glob("shard-*.safetensors")):
         meta = read_shard_meta(path)
         # An unreadable shard, or one whose bytes no longer match its checksum, is simply redone.

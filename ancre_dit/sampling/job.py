@@ -101,6 +101,8 @@ def check_settings(s: JobSettings) -> Guidance:
         raise UserError(f"--batch-size {s.batch_size} must be at least 1")
     if not str(s.out).endswith(".npz"):
         raise UserError(f"--out {s.out} must name an .npz file (ADM sample layout), e.g. --out samples.npz")
+    if s.grid and s.grid_max < 1:
+        raise UserError(f"--grid-max {s.grid_max} must be at least 1 (the number of samples the grid shows)")
     if sde_options(s) != SDEOptions() and s.sampler != "sde":
         raise UserError("--sde-last-step, --sde-last-step-size and --sde-diffusion-norm apply only to --sampler sde")
     return Guidance(float(s.cfg_scale), s.cfg_channels, s.guidance_interval)

@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from ..errors import UserError
+from ..files import DuplicateKeyError, load_yaml_unique
 
 KEYS = ("name", "description", "out", "base", "overrides", "arms", "grid", "seeds", "baseline", "slurm")
 SLURM_KEYS = ("partition", "account", "gpus_per_node", "nodes", "time_min", "array_parallelism", "cpus_per_task")
@@ -111,20 +112,6 @@ class Study:
         """What study.json holds: enough to tell this study from another one in the same folder."""
         return {"name": self.name, "source": str(self.source), "base": str(self.base), "overrides": self.overrides,
                 "arms": self.arms, "seeds": self.seeds, "baseline": self.baseline}
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML keeps the last of two equal keys silently; a study must not lose an arm that way."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
-            if key in seen:
-                raise UserError(f"line {key_node.start_mark.line + 1}: {key!r} is given twice (duplicate arm names "
-                                f"or keys); give each once")
-            seen.add(key)
-        return super().construct_mapping(node, deep)
 
 
 def yaml_value(value: Any) -> str:
@@ -209,8 +196,8 @@ def load_study(path: str | Path) -> Study:
     if not path.is_file():
         raise UserError(f"study file {path} not found; pass a study YAML such as studies/digits-depth.yaml")
     try:
-        raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
-    except UserError as err:
+        raw = load_yaml_unique(path.read_text())
+    except DuplicateKeyError as err:
         raise UserError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
         raise UserError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None

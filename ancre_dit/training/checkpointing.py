@@ -16,12 +16,14 @@ Accelerate's automatic checkpoint naming counts saves, not steps, so we always p
 """
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError
 
 from ..errors import UserError
 from ..checkpoint import SPEC_FILE, WEIGHT_FILES
@@ -107,7 +109,8 @@ def model_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str
     pairs += [(saved.get(k), wanted.get(k)) for k in sorted(set(saved) | set(wanted)) if k not in ("model", "data", "step")]
     for old, new in pairs:
         if isinstance(old, dict) and isinstance(new, dict):
-            for key in sorted(set(old) | set(new)):
+            # The topology first: changing it changes its options too, and it is the one to name.
+            for key in sorted(set(old) | set(new), key=lambda k: (k != "topology", k)):
                 if old.get(key) != new.get(key):
                     diffs.append(f"{key} {old.get(key)} in the checkpoint, {new.get(key)} in the config")
         elif old != new:
@@ -139,29 +142,90 @@ def rng_file(folder: Path, rank: int) -> Path:
 def save_checkpoint(accelerator, run_dir: str | Path, step: int, generator: torch.Generator,
                     write_files: Callable[[Path], None], trainer_state: dict[str, Any], keep_last: int = 0) -> Path:
     """Collective: every rank must call it. `write_files(folder)` (main process only) writes the
-    trained-model files and the topology; the trainer state goes last, then the rename."""
+    trained-model files and the topology; the trainer state goes last, then the rename. A write
+    that fails for want of space (or any other OS error) removes the temporary folder and raises one
+    UserError on every rank, so the earlier checkpoints stay the newest complete ones."""
     root = checkpoints_dir(run_dir)
     final = root / step_name(step)
     tmp = root / f"{TMP_PREFIX}{step_name(step)}"
-    if accelerator.is_main_process:
+
+    def main_first() -> None:
         if tmp.exists():  # left over by a crash during an earlier save of this step
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(output_dir=str(tmp / ACCELERATE_DIR))
-    path = rng_file(tmp, accelerator.process_index)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"generator": generator.get_state()}, path)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+
+    def every_rank() -> None:
+        accelerator.save_state(output_dir=str(tmp / ACCELERATE_DIR))
+        path = rng_file(tmp, accelerator.process_index)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"generator": generator.get_state()}, path)
+
+    def main_last() -> None:
         write_files(tmp)
         (tmp / STATE_FILE).write_text(json.dumps(trainer_state, indent=1))
         if final.exists():  # the same step saved before (e.g. a rerun with the same max_steps)
             remove_checkpoint(final)
         tmp.rename(final)
         prune_checkpoints(run_dir, keep_last)
-    accelerator.wait_for_everyone()
+
+    _agreed_write(accelerator, main_first if accelerator.is_main_process else None, root, tmp)
+    _agreed_write(accelerator, every_rank, root, tmp)
+    _agreed_write(accelerator, main_last if accelerator.is_main_process else None, root, tmp)
     return final
+
+
+def _is_disk_full(err: BaseException, free: int, needed: int) -> bool:
+    """ENOSPC / EDQUOT as an OSError, or as safetensors' text; torch.save (Accelerate's optimizer
+    file) reports a short write only as "unexpected pos", so a failed write with less free space
+    than a checkpoint takes counts as a full disk too."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if any(s in str(err) for s in ("No space left", "os error 28", "code: 28", "Disk quota exceeded")):
+        return True
+    return isinstance(err, (RuntimeError, SafetensorError)) and free < max(needed, 1 << 20)
+
+
+def _write_problem(err: BaseException, root: Path, tmp: Path) -> str | None:
+    """The one line for a failed checkpoint write, or None when `err` is no file-system failure (a bug)."""
+    earlier = [_folder_bytes(p) for _, p in list_checkpoints(root.parent)]
+    needed = max(earlier) if earlier else _folder_bytes(tmp)
+    free = shutil.disk_usage(root).free if root.is_dir() else 0
+    if _is_disk_full(err, free, needed):
+        return (f"no space left on the device while writing the checkpoint {tmp} (a checkpoint needs "
+                f"{'about' if earlier else 'over'} {needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free in {root}); "
+                f"the temporary folder is removed and earlier checkpoints are intact: free space, then rerun with "
+                f"--resume auto")
+    if isinstance(err, OSError):
+        return (f"cannot write the checkpoint {tmp} ({err.strerror or err}); the temporary folder is removed and "
+                f"earlier checkpoints are intact: make {root} writable, then rerun with --resume auto")
+    return None
+
+
+def _agreed_write(accelerator, write: Callable[[], None] | None, root: Path, tmp: Path) -> None:
+    """Runs this rank's part of a save (None: nothing to do here), then agrees with the other ranks
+    (a barrier): when any rank failed to write, the temporary folder is removed and every rank
+    raises the same UserError instead of waiting forever for the one that stopped."""
+    problem = None
+    if write is not None:
+        try:
+            write()
+        except (OSError, RuntimeError, SafetensorError) as err:
+            problem = _write_problem(err, root, tmp)
+            if problem is None:
+                raise
+    if accelerator.num_processes > 1:
+        from accelerate.utils import gather_object
+
+        problem = next((p for p in gather_object([problem]) if p), None)
+    if problem:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        raise UserError(problem)
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
 
 
 def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:

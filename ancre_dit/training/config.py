@@ -15,6 +15,7 @@ ModelConfig.topology_options holds them, and config.yaml holds them flat as mode
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -27,6 +28,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import ValidationError
 
 from ..errors import UserError
+from ..files import DuplicateKeyError, load_yaml_unique, write_atomic
 from ..models.topologies import all_topology_options
 from .config_checks import validate_config
 from .config_schema import RULE_KEY, Config, ModelConfig, topology_options_of
@@ -54,9 +56,15 @@ def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"config file {path} not found; pass --config configs/<name>.yaml")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml_unique(path.read_text())
+    except DuplicateKeyError as err:
+        raise UserError(f"{path}: {err} (PyYAML would keep only the last)") from None
     except yaml.YAMLError as err:
         raise UserError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not a text file; pass a YAML config") from None
+    if raw is None:
+        raise UserError(f"config file {path} is empty; give it sections run_dir, model, data, train (see configs/)")
     if not isinstance(raw, dict):
         raise UserError(f"{path} must hold a mapping with sections run_dir, model, data, train")
     return raw
@@ -225,8 +233,17 @@ def config_to_dict(config: Config) -> dict[str, Any]:
 
 
 def save_config(config: Config, path: str | Path) -> None:
-    """Writes config.yaml; load_config reads it back to an equal Config (and saving that gives the same bytes)."""
-    Path(path).write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+    """Writes config.yaml; load_config reads it back to an equal Config (and saving that gives the same
+    bytes). Only when its bytes change, and atomically: a full disk never leaves a cut file behind."""
+    path = Path(path)
+    data = yaml.safe_dump(config_to_dict(config), sort_keys=False).encode()
+    try:
+        if path.is_file() and path.read_bytes() == data:
+            return
+        write_atomic(path, data)
+    except OSError as err:
+        path.with_name(f"{path.name}.tmp{os.getpid()}").unlink(missing_ok=True)
+        raise UserError(f"cannot write {path} ({err.strerror or err}); free space or make the folder writable") from None
 
 
 def flat_config(config: Config) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from .periodic import RunContext, TrainProgress, build_tasks, topology_matrix, w
 from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, describe, load_latents_in_memory,
                    make_loader, prepare_batch)
 from .repa import RepaAlignment
+from .run_lock import abandon_new_run_dir, claim_run_dir
 
 LOG_FILE = "log.txt"
 METRICS_FILE = "metrics.jsonl"
@@ -91,6 +92,7 @@ class Trainer:
             kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True)],
         )
         self.micro_batch = check_batch_layout(c, acc.num_processes)
+        claim_run_dir(self.run_dir, acc)  # before anything is written: one training per run_dir
         if acc.is_main_process:
             (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         acc.wait_for_everyone()
@@ -574,4 +576,9 @@ class Trainer:
 
 def train(config: Config, resume: str | None = None) -> dict[str, Any]:
     """Trains as `accelerate launch train.py` does; returns {"step", "stopped", "metrics", "run_dir"}."""
-    return Trainer(config, resume).run()
+    try:
+        trainer = Trainer(config, resume)
+    except UserError:
+        abandon_new_run_dir(config.run_dir)  # a refused start leaves no folder behind
+        raise
+    return trainer.run()

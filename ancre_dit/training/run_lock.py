@@ -1,0 +1,140 @@
+"""An exclusive claim on a run folder: one training writes to it at a time.
+
+Two trainings on one run_dir would replace each other's checkpoints and mix their logs. The main
+process therefore holds an OS file lock (flock) on RUN/.lock for as long as it lives: the kernel
+drops it when the process ends, however it ends (kill -9 included), so a crash never leaves the
+folder claimed. The lock file names its holder (pid and host) for the refusal message; its content
+is only informative, the lock itself is the flock.
+
+A process keeps the claims it took (one per folder) until it exits or calls `release_run_dir`, so
+that several trainings in one process (a notebook, the tests) may reuse a folder one after another.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import IO
+
+from ..errors import UserError
+from .checkpointing import checkpoints_dir, TMP_PREFIX
+
+LOCK_FILE = ".lock"
+
+_held: dict[Path, IO[str]] = {}  # resolved run folder -> the open lock file this process holds
+_created: set[Path] = set()  # the claimed folders this process created
+
+
+def _holder(lock_path: Path) -> str:
+    try:
+        text = lock_path.read_text().strip()
+    except OSError:
+        text = ""
+    return text or "another process"
+
+
+def _make_folder(run_dir: Path) -> bool:
+    """Creates run_dir; True when it did not exist."""
+    for parent in (run_dir, *run_dir.parents):
+        if parent.exists() and not parent.is_dir():
+            raise UserError(f"run_dir {run_dir}: {parent} is a file, not a folder; set run_dir to a folder")
+    try:
+        run_dir.mkdir(parents=True)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as err:
+        raise UserError(f"run_dir {run_dir} cannot be created ({err.strerror}); set run_dir to a writable "
+                        f"folder") from None
+
+
+def acquire_run_dir(run_dir: str | Path) -> None:
+    """Claims `run_dir` for this process (creating it), or raises a UserError naming the process
+    that holds it. Once claimed, temporary checkpoint folders left by dead runs are removed."""
+    run_dir = Path(run_dir)
+    created = _make_folder(run_dir)
+    key = run_dir.resolve()
+    if key in _held:  # claimed by an earlier training of this process
+        _created.discard(key)
+        return
+    lock_path = run_dir / LOCK_FILE
+    try:
+        f = open(lock_path, "a+")
+    except OSError as err:
+        raise UserError(f"run_dir {run_dir} is not writable ({err.strerror}: {lock_path}); set run_dir to a "
+                        f"writable folder") from None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        f.close()
+        if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise UserError(f"run_dir {run_dir}: the lock file {lock_path} cannot be locked ({err.strerror}); "
+                            f"put run_dir on a local file system") from None
+        raise UserError(f"run_dir {run_dir} is in use by another training ({_holder(lock_path)}); wait for it "
+                        f"to finish or stop it, or set another run_dir") from None
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        f.flush()
+    except OSError as err:
+        f.close()
+        raise UserError(f"run_dir {run_dir} is not writable ({err.strerror}); free space or set run_dir to a "
+                        f"writable folder") from None
+    _held[key] = f
+    if created:
+        _created.add(key)
+    remove_stale_temporaries(run_dir)
+
+
+def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
+    """Deletes checkpoints/.tmp-* folders: with the run folder claimed, no save is in progress, so
+    each one was left by a run that died mid-save (they would pile up and hold the free space)."""
+    root = checkpoints_dir(run_dir)
+    stale = sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)
+    return stale
+
+
+def release_run_dir(run_dir: str | Path) -> None:
+    """Gives up this process's claim on `run_dir` (no-op when it holds none)."""
+    key = Path(run_dir).resolve()
+    _created.discard(key)
+    f = _held.pop(key, None)
+    if f is not None:
+        f.close()  # closing the last descriptor drops the flock
+
+
+def abandon_new_run_dir(run_dir: str | Path) -> None:
+    """After a start that failed before training (a config or data check): releases the claim and,
+    when this process created the folder, removes it, so that a refused start leaves nothing behind.
+    Only the claim's holder acts; a folder that holds a checkpoint is never removed."""
+    key = Path(run_dir).resolve()
+    if key not in _held:
+        return
+    created = key in _created
+    release_run_dir(run_dir)
+    if created:
+        if not any(True for _ in checkpoints_dir(key).glob("[0-9]*")):
+            shutil.rmtree(key, ignore_errors=True)
+
+
+def claim_run_dir(run_dir: str | Path, accelerator) -> None:
+    """Collective: the main process claims the folder; every process raises the same UserError when
+    it refused, so no rank goes on to write into a folder that another training owns."""
+    problem = None
+    if accelerator.is_main_process:
+        try:
+            acquire_run_dir(run_dir)
+        except UserError as err:
+            problem = str(err)
+    if accelerator.num_processes > 1:
+        from accelerate.utils import broadcast_object_list
+
+        problem = broadcast_object_list([problem], from_process=0)[0]
+    if problem:
+        raise UserError(problem)
