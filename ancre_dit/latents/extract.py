@@ -23,8 +23,9 @@ from tqdm.auto import tqdm
 from ancre_dit.errors import UserError
 from ancre_dit.data.latents import (FORMAT_NAME, FORMAT_VERSION, IMAGE_KEY, MANIFEST_NAME, REPORT_NAME,
                                     shard_file_name)
-from ancre_dit.data.image_folder import CroppedImages, ImageList, LoadedImage, list_image_folder
+from ancre_dit.data.image_folder import LoadedImage
 from ancre_dit.files import write_atomic
+from ancre_dit.latents.sources import ImageSource, open_source
 from ancre_dit.latents.shards import (checksum_path, read_checksum, read_shard_meta, remove_stale_tmp,
                                       shard_is_complete, write_shard)
 from ancre_dit.vae import DTYPES, LoadedVAE, encode_moments, load_vae
@@ -47,6 +48,9 @@ class ExtractConfig:
     min_side: int = 8  # images with a shorter side are skipped as "too small"
     max_shards: int | None = None  # stop after this many new shards per process (split a job; tests)
     keep_images: bool = False  # also store each uint8 crop (REPA's encoder input): 3 x S x S bytes per image
+    data_format: str | None = None  # imagefolder | hf | wds; None: detected from data_path (sources.py)
+    image_column: str = "image"  # Hugging Face datasets: the image and label columns
+    label_column: str = "label"
 
 
 @dataclass
@@ -66,7 +70,7 @@ class ExtractResult:
     manifest: Path | None  # set on process 0 when the whole set is complete
 
 
-def _fingerprint(cfg: ExtractConfig, images: ImageList, vae: LoadedVAE) -> dict[str, Any]:
+def _fingerprint(cfg: ExtractConfig, images: ImageSource, vae: LoadedVAE) -> dict[str, Any]:
     """What must match for a rerun to reuse existing shards (same data, VAE, crop and sharding)."""
     rows = "\n".join(f"{p}\t{y}" for p, y in zip(images.files, images.labels))
     listing = hashlib.sha256(rows.encode()).hexdigest()
@@ -77,6 +81,8 @@ def _fingerprint(cfg: ExtractConfig, images: ImageList, vae: LoadedVAE) -> dict[
                    "file_list_sha256": listing}
     if cfg.keep_images:  # only when set: extractions without images keep their fingerprint (and resume)
         fingerprint["keep_images"] = True
+    if images.format != "imagefolder":  # likewise: image-folder extractions keep theirs
+        fingerprint["source"] = images.format
     return fingerprint
 
 
@@ -143,7 +149,7 @@ class _ShardBuffer:
         return out
 
 
-def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageList, buf: _ShardBuffer) -> int:
+def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageSource, buf: _ShardBuffer) -> int:
     for it in items:
         if it.action != "ok":
             buf.report.append([it.position, images.files[it.position], it.action, it.detail])
@@ -177,7 +183,7 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
         raise UserError(f"--vae-dtype must be one of {', '.join(DTYPES)}, got {cfg.vae_dtype}")
     if cfg.vae_dtype != "fp32" and ctx.device.type != "cuda":
         raise UserError(f"--vae-dtype {cfg.vae_dtype} is for GPUs; on {ctx.device.type} the VAE runs in fp32 (drop the flag)")
-    images = list_image_folder(cfg.data_path, require_classes=True)
+    images = open_source(cfg.data_path, cfg.data_format, cfg.image_column, cfg.label_column)
     vae = load_vae(cfg.vae, ctx.device, DTYPES[cfg.vae_dtype], cfg.scaling_factor)
     if cfg.image_size % vae.downsample:
         raise UserError(f"--image-size {cfg.image_size} is not a multiple of the VAE's downsampling factor "
@@ -206,7 +212,7 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
               f"{cfg.shard_size} in {out}; latents {list(latent_shape)} on {ctx.device} ({cfg.vae_dtype}), "
               f"{ctx.world} process(es); process 0: {len(pending)} to write, {len(reused)} already done", flush=True)
 
-    loader = DataLoader(CroppedImages(images, cfg.image_size, cfg.min_side), batch_sampler=[p for _, p, _ in plan],
+    loader = DataLoader(images.images(cfg.image_size, cfg.min_side), batch_sampler=[p for _, p, _ in plan],
                         num_workers=cfg.num_workers, collate_fn=list)
     bar = tqdm(total=sum(len(p) for _, p, _ in plan), unit="img", disable=ctx.rank != 0, smoothing=0.1,
                desc=f"encoding (process 0 of {ctx.world})")
@@ -231,7 +237,7 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
     return ExtractResult(num_shards, written, reused, manifest)
 
 
-def write_manifest(out: Path, cfg: ExtractConfig, images: ImageList, vae: LoadedVAE,
+def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: LoadedVAE,
                    latent_shape: tuple[int, int, int], fingerprint: dict[str, Any], num_shards: int) -> Path | None:
     """Writes manifest.json + the report when every shard is present (else says what is missing).
 
@@ -271,7 +277,7 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageList, vae: Loaded
         "vae": vae.name, "vae_dtype": cfg.vae_dtype,
         "scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor,
         "image_size": cfg.image_size, "crop": "adm_center_crop", "flip": True,
-        "data_path": str(cfg.data_path), "num_classes": len(images.class_names),
+        "data_path": str(cfg.data_path), "source": images.describe(), "num_classes": len(images.class_names),
         "class_names": images.class_names, "report": REPORT_NAME,
         "extraction": fingerprint, "shards": shards,
     }

@@ -1,0 +1,136 @@
+"""Extraction from the containers users hold ImageNet in: an image folder, a Hugging Face dataset
+(save_to_disk and parquet) and WebDataset tars, built here from the same tiny images."""
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import one_torch_thread, tiny_vae
+from PIL import Image
+from safetensors.torch import load_file
+
+from ancre_dit.data.image_folder import list_image_folder
+from ancre_dit.errors import UserError
+from ancre_dit.latents.extract import ExtractConfig, run_extraction
+from ancre_dit.latents.sources import detect_format, open_source
+from ancre_dit.latents.verify import verify_latent_dir
+
+SIZE = 16
+CLASSES = ["ant", "bee", "cat"]
+
+
+def make_image_folder(root: Path) -> Path:
+    """3 classes x 2 images of odd sizes, JPEG and PNG."""
+    rng = np.random.default_rng(0)
+    for c, name in enumerate(CLASSES):
+        (root / name).mkdir(parents=True)
+        for i, ext in enumerate(("jpg", "png")):
+            h, w = rng.integers(17, 40, size=2)
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / name / f"{i}.{ext}")
+    return root
+
+
+def _rows(folder: Path) -> list[tuple[str, bytes, int]]:
+    listing = list_image_folder(folder, require_classes=True)
+    return [(f, (folder / f).read_bytes(), y) for f, y in zip(listing.files, listing.labels)]
+
+
+def make_hf(folder: Path, out: Path, parquet: bool = False, image_column: str = "image") -> Path:
+    import datasets
+
+    rows = _rows(folder)
+    features = datasets.Features({image_column: datasets.Image(), "label": datasets.ClassLabel(names=CLASSES)})
+    ds = datasets.Dataset.from_dict({image_column: [{"bytes": b, "path": f} for f, b, _ in rows],
+                                     "label": [y for _, _, y in rows]}, features=features)
+    if parquet:
+        out.mkdir(parents=True)
+        ds.to_parquet(str(out / "train-00000-of-00001.parquet"))
+    else:
+        ds.save_to_disk(str(out))
+    return out
+
+
+def make_wds(folder: Path, out: Path, per_tar: int = 4, drop_label_of: int | None = None) -> Path:
+    out.mkdir(parents=True)
+    rows = _rows(folder)
+    for t in range(0, len(rows), per_tar):
+        with tarfile.open(out / f"train-{t // per_tar:04d}.tar", "w") as tar:
+            for i, (f, data, y) in enumerate(rows[t:t + per_tar], start=t):
+                key = f"sample{i:06d}"
+                members = [(f"{key}.{f.rsplit('.', 1)[1]}", data)]
+                if i != drop_label_of:
+                    members.append((f"{key}.cls", str(y).encode()))
+                for name, payload in members:
+                    info = tarfile.TarInfo(name)
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+    return out
+
+
+@pytest.fixture(scope="module")
+def containers(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("containers")
+    folder = make_image_folder(root / "folder")
+    return {"imagefolder": folder, "hf": make_hf(folder, root / "hf_disk"),
+            "parquet": make_hf(folder, root / "hf_parquet", parquet=True), "wds": make_wds(folder, root / "wds")}
+
+
+@pytest.fixture(scope="module")
+def vae_dir(tmp_path_factory) -> Path:
+    return tiny_vae(tmp_path_factory.mktemp("vae"))
+
+
+def test_container_detected_from_the_path(containers):
+    assert detect_format(str(containers["imagefolder"])) == "imagefolder"
+    assert detect_format(str(containers["hf"])) == "hf"
+    assert detect_format(str(containers["parquet"])) == "hf"
+    assert detect_format(str(containers["wds"])) == "wds"
+    assert detect_format(str(containers["wds"] / "train-{0000..0001}.tar")) == "wds"
+
+
+def test_listings_agree(containers):
+    sources = {k: open_source(str(p)) for k, p in containers.items()}
+    sources["pattern"] = open_source(str(containers["wds"] / "train-{0000..0001}.tar"))
+    for name, s in sources.items():
+        assert s.labels == [0, 0, 1, 1, 2, 2], name
+    assert sources["hf"].class_names == sources["parquet"].class_names == CLASSES
+    assert sources["wds"].class_names == ["0", "1", "2"]  # tars carry indices only
+    crops = {k: [it.array for it in map(s.images(SIZE, 8).__getitem__, range(6))] for k, s in sources.items()}
+    for k in crops:
+        assert all(np.array_equal(a, b) for a, b in zip(crops[k], crops["imagefolder"])), k
+
+
+def test_three_containers_give_bitwise_the_same_latents(containers, vae_dir, tmp_path):
+    shards = {}
+    for name, path in containers.items():
+        cfg = ExtractConfig(data_path=str(path), vae=str(vae_dir), out=str(tmp_path / name), image_size=SIZE,
+                            shard_size=4, batch_size=3)
+        with one_torch_thread():
+            run_extraction(cfg)
+        manifest, problems = verify_latent_dir(tmp_path / name, progress=False)
+        assert problems == []
+        assert manifest["source"]["format"] == ("hf" if name == "parquet" else name)
+        assert manifest["num_images"] == 6
+        shards[name] = [load_file(tmp_path / name / f"shard-{k:05d}.safetensors") for k in range(2)]
+    for name in ("hf", "parquet", "wds"):
+        for a, b in zip(shards[name], shards["imagefolder"]):
+            for key in ("mean", "std", "label", "index"):
+                assert torch.equal(a[key], b[key]), (name, key)
+    hf_manifest = json.loads((tmp_path / "hf" / "manifest.json").read_text())
+    assert hf_manifest["class_names"] == CLASSES
+    assert hf_manifest["source"] == {"format": "hf", "path": str(containers["hf"]), "image_column": "image",
+                                     "label_column": "label"}
+
+
+def test_forced_format_and_named_columns(containers, tmp_path):
+    renamed = make_hf(containers["imagefolder"], tmp_path / "renamed", image_column="jpg")
+    with pytest.raises(UserError, match="no column 'image'.*--image-column"):
+        open_source(str(renamed))
+    assert open_source(str(renamed), "hf", image_column="jpg").labels == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(UserError):  # an image folder read as tars holds none
+        open_source(str(containers["imagefolder"]), "wds")
