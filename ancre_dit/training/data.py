@@ -77,6 +77,9 @@ def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
         if int(m["image_size"]) != d.image_size:
             raise UserError(f"the latents in {d.path} were extracted at {m['image_size']} px but data.image_size="
                             f"{d.image_size}; set data.image_size={m['image_size']}")
+        if d.vae:
+            from ..vae import check_vae_fits
+            check_vae_fits(d.vae, ds.latent_shape, int(m["image_size"]))
         train_set, heldout = _split_latents(ds, config)
         info = DataInfo(train_set, "latents", h, c, ds.num_classes, int(m["image_size"]), 3,
                         vae=d.vae or m.get("vae"), scaling_factor=float(m["scaling_factor"]), heldout=heldout)
