@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .data.adm_npz import to_uint8
+from .data.latent_norm import latent_norm_from_spec
 from .errors import UserError
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -169,6 +170,9 @@ def load_run_vae(data_spec: dict[str, Any], latent_channels: int, vae: str | Non
         raise UserError("this checkpoint samples VAE latents but its run names no VAE; pass --vae DIR "
                         "(the local diffusers AutoencoderKL folder the latents were extracted with)")
     loaded = load_vae(str(named), device, scaling_factor=data_spec.get("scaling_factor"))
+    norm = latent_norm_from_spec(data_spec)  # trained on (x - mean) / std: decoding undoes it first
+    if norm is not None:
+        loaded.channel_mean, loaded.channel_std = norm.mean, norm.std
     if loaded.latent_channels != latent_channels:
         raise UserError(f"VAE {named} has {loaded.latent_channels} latent channels but the model samples "
                         f"{latent_channels}; pass the VAE the latents were extracted with (--vae DIR)")
@@ -183,6 +187,8 @@ def decode_to_uint8(loaded: LoadedVAE, z: torch.Tensor, chunk: int = 32) -> np.n
     param = next(vae.parameters())
     out = []
     for part in z.split(chunk):
+        if loaded.channel_mean is not None:
+            part = part.float() * loaded.channel_std.to(part.device) + loaded.channel_mean.to(part.device)
         latents = part.to(param.device, param.dtype) / loaded.scaling_factor
         if loaded.shift_factor is not None:
             latents = latents + loaded.shift_factor

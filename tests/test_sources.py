@@ -2,74 +2,22 @@
 (save_to_disk and parquet) and WebDataset tars, built here from the same tiny images."""
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from containers import CLASSES, make_hf, make_image_folder, make_wds
 from helpers import one_torch_thread, tiny_vae
-from PIL import Image
 from safetensors.torch import load_file
 
-from ancre_dit.data.image_folder import list_image_folder
 from ancre_dit.errors import UserError
 from ancre_dit.latents.extract import ExtractConfig, run_extraction
 from ancre_dit.latents.sources import detect_format, open_source
 from ancre_dit.latents.verify import verify_latent_dir
 
 SIZE = 16
-CLASSES = ["ant", "bee", "cat"]
-
-
-def make_image_folder(root: Path) -> Path:
-    """3 classes x 2 images of odd sizes, JPEG and PNG."""
-    rng = np.random.default_rng(0)
-    for c, name in enumerate(CLASSES):
-        (root / name).mkdir(parents=True)
-        for i, ext in enumerate(("jpg", "png")):
-            h, w = rng.integers(17, 40, size=2)
-            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(root / name / f"{i}.{ext}")
-    return root
-
-
-def _rows(folder: Path) -> list[tuple[str, bytes, int]]:
-    listing = list_image_folder(folder, require_classes=True)
-    return [(f, (folder / f).read_bytes(), y) for f, y in zip(listing.files, listing.labels)]
-
-
-def make_hf(folder: Path, out: Path, parquet: bool = False, image_column: str = "image") -> Path:
-    import datasets
-
-    rows = _rows(folder)
-    features = datasets.Features({image_column: datasets.Image(), "label": datasets.ClassLabel(names=CLASSES)})
-    ds = datasets.Dataset.from_dict({image_column: [{"bytes": b, "path": f} for f, b, _ in rows],
-                                     "label": [y for _, _, y in rows]}, features=features)
-    if parquet:
-        out.mkdir(parents=True)
-        ds.to_parquet(str(out / "train-00000-of-00001.parquet"))
-    else:
-        ds.save_to_disk(str(out))
-    return out
-
-
-def make_wds(folder: Path, out: Path, per_tar: int = 4, drop_label_of: int | None = None) -> Path:
-    out.mkdir(parents=True)
-    rows = _rows(folder)
-    for t in range(0, len(rows), per_tar):
-        with tarfile.open(out / f"train-{t // per_tar:04d}.tar", "w") as tar:
-            for i, (f, data, y) in enumerate(rows[t:t + per_tar], start=t):
-                key = f"sample{i:06d}"
-                members = [(f"{key}.{f.rsplit('.', 1)[1]}", data)]
-                if i != drop_label_of:
-                    members.append((f"{key}.cls", str(y).encode()))
-                for name, payload in members:
-                    info = tarfile.TarInfo(name)
-                    info.size = len(payload)
-                    tar.addfile(info, io.BytesIO(payload))
-    return out
 
 
 @pytest.fixture(scope="module")

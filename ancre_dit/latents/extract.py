@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -24,6 +25,7 @@ from ancre_dit.errors import UserError
 from ancre_dit.data.latents import (FORMAT_NAME, FORMAT_VERSION, IMAGE_KEY, MANIFEST_NAME, REPORT_NAME,
                                     shard_file_name)
 from ancre_dit.data.image_folder import LoadedImage
+from ancre_dit.data.latent_norm import channel_statistics, moment_sums
 from ancre_dit.files import write_atomic
 from ancre_dit.latents.sources import ImageSource, open_source
 from ancre_dit.latents.shards import (checksum_path, read_checksum, read_shard_meta, remove_stale_tmp,
@@ -223,8 +225,10 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
         _encode_batch(vae, items, images, buf)
         bar.update(len(positions))
         if last:
-            meta = {"shard": shard, "count": len(buf.labels), "extraction": fingerprint, "report": buf.report}
-            write_shard(out, shard, buf.tensors(), meta)
+            tensors = buf.tensors()
+            meta = {"shard": shard, "count": len(buf.labels), "extraction": fingerprint, "report": buf.report,
+                    "stats": moment_sums(tensors["mean"].numpy(), tensors["std"].numpy())}
+            write_shard(out, shard, tensors, meta)
             written.append(shard)
             bar.set_postfix(shards=f"{len(written)}/{len(pending)}")
             buf = _ShardBuffer(latent_shape, kept)
@@ -237,6 +241,12 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
     return ExtractResult(num_shards, written, reused, manifest)
 
 
+def _shard_sums(path: Path) -> dict[str, Any]:
+    """moment_sums of a shard written before shards carried them (a resumed older extraction)."""
+    tensors = load_file(str(path))
+    return moment_sums(tensors["mean"].numpy(), tensors["std"].numpy())
+
+
 def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: LoadedVAE,
                    latent_shape: tuple[int, int, int], fingerprint: dict[str, Any], num_shards: int) -> Path | None:
     """Writes manifest.json + the report when every shard is present (else says what is missing).
@@ -244,7 +254,7 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: Load
     Checksums come from the checksum files written next to each shard (hashed from the bytes
     written, or verified when a rerun reused the shard), so this does not reread the whole set.
     """
-    shards, report, missing = [], [], []
+    shards, report, missing, stats = [], [], [], []
     for k in range(num_shards):
         path = out / shard_file_name(k)
         digest, meta = read_checksum(path), read_shard_meta(path)
@@ -253,6 +263,7 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: Load
             continue
         shards.append({"file": path.name, "count": int(meta["count"]), "sha256": digest})
         report += meta["report"]
+        stats.append(meta.get("stats") or _shard_sums(path))
     if missing:
         print(f"{len(missing)} of {num_shards} shards not written yet (first: {missing[0]}); "
               "rerun the same command to finish (finished shards are kept)", flush=True)
@@ -261,6 +272,7 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: Load
     lines = ["index\tpath\taction\tdetail"] + ["\t".join(str(v) for v in row) for row in report]
     write_atomic(out / REPORT_NAME, ("\n".join(lines) + "\n").encode())
     num_images = sum(s["count"] for s in shards)
+    channel_mean, channel_std = channel_statistics(stats)
     manifest = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION,
         "num_images": num_images, "num_files": len(images.files),
@@ -268,6 +280,8 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: Load
         "num_converted": sum(1 for row in report if row[2] == "converted"),
         "num_shards": num_shards, "shard_size": cfg.shard_size,
         "latent_shape": list(latent_shape), "dtype": "float16",
+        # per channel, of the posterior samples over all images and flips (data.latent_norm=channel)
+        "channel_mean": channel_mean, "channel_std": channel_std,
         "tensors": {"mean": "(n, 2, C, h, w) posterior mean * scaling_factor; [:, 1] = flipped image",
                     "std": "(n, 2, C, h, w) posterior std * scaling_factor",
                     "label": "(n,) class index", "index": "(n,) position in the sorted file list",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from ..diffusion import ALL_SAMPLERS, OBJECTIVES, TIME_SAMPLINGS
+from ..data.latent_norm import LATENT_NORMS
 from ..errors import UserError
 from ..evaluation.evaluator import EVAL_METRICS
 from ..models import DIT_MODELS, TOPOLOGIES
@@ -134,6 +135,8 @@ class DataConfig:
     num_workers: int = ranged(4, ge=0, hint="0 = load in the main process")
     vae: str | None = None            # local VAE folder for sample grids (latents; default: manifest's)
     in_memory: bool = False           # latents: load every shard into RAM once (batches are then an index_select)
+    # latents: scale = as stored (VAE scaling/shift); channel = also (x - mean) / std per channel (manifest stats)
+    latent_norm: str = choice("scale", LATENT_NORMS, "latent normalisation")
 
 
 @dataclass
