@@ -188,7 +188,8 @@ class EvalConfig:
 
     Samples come from the EMA weights with a fixed seed, sampler and step count, once per cfg scale.
     `metrics`: "digits" (held-out classifier accuracy + Fréchet distance on that classifier's
-    features; NOT FID) and/or Inception metrics (fid, sfid, is, precision, recall) against `ref`;
+    features; NOT FID) and/or Inception metrics (fid, sfid, is, precision, recall) and fd_dinov2
+    (DINOv2 features, `dinov2_weights`) against `ref`;
     null = digits on digits data, fid when `ref` is set, else none (held-out loss only)."""
     num_samples: int = ranged(1000, ge=1)
     batch_size: int = ranged(250, ge=1)  # images per sampling part (part j goes to process j % world)
@@ -200,6 +201,8 @@ class EvalConfig:
     metrics: list[str] | None = choice(None, EVAL_METRICS, "metric")
     ref: str | None = None            # ADM reference npz, or one from evaluate.py --save-ref-stats
     inception_weights: str | None = None
+    dinov2_weights: str | None = None  # fd_dinov2: local timm weights file of dinov2_model
+    dinov2_model: str = "vit_large_patch14_dinov2"
     heldout_loss: bool = True         # loss on fixed held-out examples with fixed noise and times
     heldout_draws: int = ranged(4, ge=1)    # (noise, time) pairs per held-out example
     heldout_max: int = ranged(1000, ge=1)   # at most this many held-out examples (the first ones)
