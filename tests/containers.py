@@ -34,7 +34,8 @@ def make_hf(folder: Path, out: Path, parquet: bool = False, image_column: str = 
     import datasets
 
     rows = _rows(folder)
-    features = datasets.Features({image_column: datasets.Image(), "label": datasets.ClassLabel(names=CLASSES)})
+    names = list_image_folder(folder, require_classes=True).class_names
+    features = datasets.Features({image_column: datasets.Image(), "label": datasets.ClassLabel(names=names)})
     ds = datasets.Dataset.from_dict({image_column: [{"bytes": b, "path": f} for f, b, _ in rows],
                                      "label": [y for _, _, y in rows]}, features=features)
     if parquet:
@@ -43,6 +44,21 @@ def make_hf(folder: Path, out: Path, parquet: bool = False, image_column: str = 
     else:
         ds.save_to_disk(str(out))
     return out
+
+
+def relabel_parquet(src: Path, dst: Path, label: int) -> Path:
+    """A copy of an HF parquet folder whose first row has `label` (the schema's ClassLabel kept)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    dst.mkdir(parents=True)
+    for path in sorted(src.glob("*.parquet")):
+        table = pq.read_table(path)
+        labels = table.column("label").to_pylist()
+        labels[0] = label
+        table = table.set_column(table.schema.get_field_index("label"), "label", pa.array(labels, pa.int64()))
+        pq.write_table(table.replace_schema_metadata(pq.read_schema(path).metadata), dst / path.name)
+    return dst
 
 
 def make_wds(folder: Path, out: Path, per_tar: int = 4, drop_label_of: int | None = None) -> Path:
