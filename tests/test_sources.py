@@ -82,3 +82,51 @@ def test_forced_format_and_named_columns(containers, tmp_path):
     assert open_source(str(renamed), "hf", image_column="jpg").labels == [0, 0, 1, 1, 2, 2]
     with pytest.raises(UserError):  # an image folder read as tars holds none
         open_source(str(containers["imagefolder"]), "wds")
+
+
+def _extract(path, vae_dir: Path, out: Path, **kw):
+    cfg = ExtractConfig(data_path=str(path), vae=str(vae_dir), out=str(out), image_size=SIZE, shard_size=2,
+                        batch_size=3, **kw)
+    with one_torch_thread():
+        return run_extraction(cfg)
+
+
+def _shard_bytes(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("shard-*"))}
+
+
+@pytest.mark.slow
+def test_tars_on_two_processes_and_resumed_hf_with_workers_give_the_same_shards(containers, vae_dir, tmp_path):
+    """A brace pattern of tars read by 2 processes (torchrun, the command line), and a save_to_disk
+    dataset read by DataLoader workers over a resumed run, write the shards of one straight run."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT, subprocess_env
+
+    pattern = str(containers["wds"] / "train-{0000..0001}.tar")
+    straight = tmp_path / "straight"
+    _extract(pattern, vae_dir, straight)
+    env = subprocess_env()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "scripts" / "extract_latents.py"), "--data-path", pattern, "--format", "wds",
+           "--vae", str(vae_dir), "--out", str(tmp_path / "two"), "--image-size", str(SIZE), "--shard-size", "2",
+           "--batch-size", "3"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _shard_bytes(tmp_path / "two") == _shard_bytes(straight)
+    assert json.loads((tmp_path / "two" / "manifest.json").read_text())["source"]["path"] == pattern
+
+    hf_straight = tmp_path / "hf_straight"
+    _extract(containers["hf"], vae_dir, hf_straight)
+    resumed = tmp_path / "hf_resumed"
+    first = _extract(containers["hf"], vae_dir, resumed, max_shards=1, num_workers=2)
+    assert first.written == [0] and first.manifest is None
+    second = _extract(containers["hf"], vae_dir, resumed, num_workers=2)
+    assert second.reused == [0] and second.written == [1, 2]
+    assert _shard_bytes(resumed) == _shard_bytes(hf_straight)
+    # latents equal the tars' (same images), shard by shard
+    for name in _shard_bytes(straight):
+        if name.endswith(".safetensors"):
+            a, b = load_file(straight / name), load_file(resumed / name)
+            assert all(torch.equal(a[k], b[k]) for k in ("mean", "std", "label", "index"))
