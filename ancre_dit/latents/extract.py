@@ -1,7 +1,8 @@
-"""Image folder -> VAE latent shards: the work of one process of a (possibly multi-process) run.
+"""Images -> VAE latent shards: the work of one process of a (possibly multi-process) run.
 
-Shard k holds the images at positions [k * shard_size, (k + 1) * shard_size) of the sorted file
-list, minus skipped files, and is written by process k % world. Images are batched within a shard
+Shard k holds the images at positions [k * shard_size, (k + 1) * shard_size) of the source's listing
+(sources.py: the sorted file list of a folder, the rows of a dataset, the samples of the tars), minus
+skipped images, and is written by process k % world. Images are batched within a shard
 only, so a shard's batches (and hence its values) do not depend on how many processes ran. Process 0
 writes the manifest and the report once every shard is on disk (after a barrier).
 """
