@@ -108,3 +108,26 @@ def test_fd_dinov2_during_training_equals_the_offline_pipeline(vit, tmp_path):
     offline = evaluate(samples, ref, None, metrics="fd_dinov2", fid_method="eigh", device="cpu",
                        dinov2_weights=weights, dinov2_model=TINY_VIT).metrics
     assert entry["metrics"]["fd_dinov2/cfg1.5"] == pytest.approx(offline["fd_dinov2"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_save_ref_stats_stores_dinov2_statistics_of_the_folder(vit, tmp_path):
+    from PIL import Image
+
+    from ancre_dit.evaluation import write_random_inception_weights
+    from ancre_dit.evaluation.reference import save_reference_stats
+
+    weights, _ = vit
+    folder = tmp_path / "imgs"
+    folder.mkdir()
+    for i, image in enumerate(_images(3, n=5)):
+        Image.fromarray(image).save(folder / f"{i}.png")
+    save_adm_npz(tmp_path / "a.npz", _images(1), None)
+    inception = write_random_inception_weights(tmp_path / "inception.pth")
+    ref = save_reference_stats(folder, tmp_path / "ref.npz", inception, image_size=40, dinov2_weights=weights,
+                               dinov2_model=TINY_VIT, device="cpu")
+    kw = dict(dinov2_weights=weights, dinov2_model=TINY_VIT, device="cpu", fid_method="eigh")
+    stored = evaluate(tmp_path / "a.npz", ref, None, metrics="fd_dinov2", **kw)
+    direct = evaluate(tmp_path / "a.npz", folder, None, metrics="fd_dinov2", **kw)
+    assert stored.info["dinov2_reference_statistics"] == "stored"
+    assert stored.metrics["fd_dinov2"] == pytest.approx(direct.metrics["fd_dinov2"], rel=1e-6)
