@@ -175,9 +175,10 @@ def _open_parquet(root: Path, image_column: str, label_column: str, options: dic
         part = f.read(columns=[label_column]).column(label_column).to_pylist()
         labels += [int(y) if y is not None else -1 for y in part]
         rel = p.relative_to(root)
-        files += [f"{rel}:{i}" + (f" {q}" if q else "")
-                  for i, q in enumerate(_image_paths(f.read(columns=[f"{image_column}.path"]).column(image_column))
-                                        if f.schema_arrow.field(image_column).type.num_fields else [None] * len(part))]
+        has_paths = f.schema_arrow.field(image_column).type.num_fields > 0  # an Image struct, not plain bytes
+        paths_here = (_image_paths(f.read(columns=[f"{image_column}.path"]).column(image_column)) if has_paths
+                      else [None] * len(part))  # only the path field: the image bytes are not read here
+        files += [f"{rel}:{i}" + (f" {q}" if q else "") for i, q in enumerate(paths_here)]
         counts.append(len(part))
         if names is None:  # the class list of the first file's features (HF writes them in the schema)
             features = datasets.Features.from_arrow_schema(f.schema_arrow)
