@@ -90,7 +90,7 @@ def world(tmp_path_factory) -> Path:
         _copy(ck, w / "ck_bad_spec", lambda p: p.write_text("{\n"), "model_spec.json")
         _copy(ck, w / "ck_trunc_ema", _truncate, "ema.safetensors")
         _copy(ck, w / "ck_garbled_model", _garble_header, "model.safetensors")
-        _copy(ck, w / "ck_trunc_accel", _truncate, "accelerate/model.safetensors")
+        _copy(ck, w / "ck_trunc_model", _truncate, "model.safetensors")
         _copy(ck, w / "ck_trunc_optim", _truncate, "accelerate/optimizer.bin")
         _copy(ck, w / "ck_bad_state", lambda p: p.write_text("step: 4"), "trainer_state.json")
         (_copy(ck, w / "ck_no_ema") / "ema.safetensors").unlink()
@@ -251,8 +251,8 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
      "model_spec.json"),
     ("resume truncated ema.safetensors", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_trunc_ema")],
      "ema.safetensors"),
-    ("resume truncated accelerate weights", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_trunc_accel")],
-     "accelerate/model.safetensors"),
+    ("resume truncated model weights", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_trunc_model")],
+     "model.safetensors"),
     ("resume truncated optimizer state", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_trunc_optim")],
      "optimizer.bin"),
     ("resume broken trainer_state.json", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_bad_state")],

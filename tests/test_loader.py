@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from ancre_dit.data.latents import LatentShardDataset
-from ancre_dit.training.data import DataInfo, GlobalBatchSampler, collate, make_loader
+from ancre_dit.training.data import DataInfo, GlobalBatchSampler, collate, load_latents_in_memory, make_loader
 from benchmarks import bench_loader
 
 
@@ -90,7 +91,28 @@ def test_in_memory_latents_refused_in_one_line_without_the_ram(latent_dir, monke
         LatentShardDataset(latent_dir, in_memory=True)
     monkeypatch.undo()
     config = load_config(None, ["data.kind=latents", f"data.path={latent_dir}", "data.image_size=32", "data.in_memory=true"])
-    assert build_data(config, patch_size=2).dataset._memory is not None  # the config key reaches the dataset
+    info = build_data(config, patch_size=2)
+    assert info.dataset._memory is None  # the trainer loads it, once per node (load_latents_in_memory)
+    load_latents_in_memory(info, SimpleNamespace(num_processes=1), latent_dir)
+    assert info.dataset._memory is not None
+
+
+def test_a_node_copy_is_one_set_of_pages_mapped_by_every_local_rank(latent_dir, tmp_path):
+    """data.in_memory with several ranks on a node: one fills the files, the others map them; they
+    read the same pages (a write through one is seen by the other) and the files' batches."""
+    files = LatentShardDataset(latent_dir)
+    first, other = LatentShardDataset(latent_dir), LatentShardDataset(latent_dir)
+    backing = tmp_path / "node-copy"
+    first.load_into_memory(backing, fill=True)
+    other.load_into_memory(backing, fill=False)
+    indices = [90, 0, 13, 12, 13]
+    for ds in (first, other):
+        (xa, ya), (xb, yb) = ds.get_batch(indices), files.get_batch(indices)
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    for part in tmp_path.glob("node-copy.*"):
+        part.unlink()  # the mappings outlive the names
+    first._memory[0][0].fill_(7)
+    assert torch.equal(other[0][0], torch.full_like(other[0][0], 7))
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -187,8 +187,10 @@ class LatentShardDataset(Dataset):
         self._starts_np = np.asarray(self._starts, dtype=np.int64)
         self.images = images
         self.image_shape: tuple[int, int, int] | None = self._image_shape() if images else None
-        self._memory: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = (
-            self._load_all() if in_memory else None)
+        self._memory: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        if in_memory:
+            self.check_memory()
+            self.load_into_memory()
 
     def __len__(self) -> int:
         return self._len
@@ -317,27 +319,50 @@ class LatentShardDataset(Dataset):
                 label_out[k] = f.labels[row]
         return _first_item(moments, images, out), labels
 
-    def _load_all(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(moments (N, 2, 2, C, h, w), labels (N,), images (N, 3, S, S) or None) of every shard,
-        in shared memory."""
+    def memory_needed(self) -> int:
+        """Bytes that `load_into_memory` takes (the moments, and the images with REPA)."""
+        dtype = self._moments_dtype()
+        need = self._len * 4 * int(np.prod(self.latent_shape)) * torch.empty(0, dtype=dtype).element_size()
+        return need + (self._len * int(np.prod(self.image_shape)) if self.images else 0)
+
+    def memory_problem(self) -> str | None:
+        """Why one in-memory copy of the latents does not fit in this machine's free memory (None: it fits)."""
+        need, free = self.memory_needed(), available_memory_bytes()
+        if free is not None and need > 0.9 * free:
+            return (f"data.in_memory needs {need / 2**30:.1f} GiB for the latents of {self.root} but "
+                    f"{free / 2**30:.1f} GiB of memory is available; set data.in_memory=false "
+                    "(the shards are then read from disk)")
+        return None
+
+    def check_memory(self) -> None:
+        problem = self.memory_problem()
+        if problem:
+            raise UserError(problem)
+
+    def load_into_memory(self, backing: Path | None = None, fill: bool = True) -> None:
+        """Reads every shard once into arrays that batches are then picked from by `index_select`.
+        Without `backing` the arrays are this process's shared memory (its DataLoader workers see them
+        without a copy). With `backing`, a path prefix on a memory filesystem (/dev/shm), they are
+        files there mapped shared: every process of a machine that maps the same prefix reads the
+        same pages, one copy per node; `fill=False` maps arrays that another process filled."""
+        self._memory = self._load_all(backing, fill)
+
+    def _load_all(self, backing: Path | None, fill: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         from tqdm.auto import tqdm
 
-        dtype = self._moments_dtype()
-        shape = (self._len, 2, 2, *self.latent_shape)
-        image_shape = (self._len, *self.image_shape) if self.images else None
-        need = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
-        need += int(np.prod(image_shape)) if image_shape else 0
-        free = available_memory_bytes()
-        if free is not None and need > 0.9 * free:
-            raise UserError(f"data.in_memory needs {need / 2**30:.1f} GiB for the latents of {self.root} but "
-                            f"{free / 2**30:.1f} GiB of memory is available; set data.in_memory=false "
-                            "(the shards are then read from disk)")
-        moments = torch.empty(shape, dtype=dtype).share_memory_()
-        images = torch.empty(image_shape, dtype=torch.uint8).share_memory_() if image_shape else None
-        labels = torch.empty(self._len, dtype=torch.int64)
+        def array(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            if backing is None:
+                return torch.empty(shape, dtype=dtype).share_memory_()
+            return torch.from_file(f"{backing}.{name}", shared=True, size=int(np.prod(shape)), dtype=dtype).view(shape)
+
+        moments = array("moments", (self._len, 2, 2, *self.latent_shape), self._moments_dtype())
+        images = array("images", (self._len, *self.image_shape), torch.uint8) if self.images else None
+        labels = array("labels", (self._len,), torch.int64)
+        if not fill:
+            return moments, labels, images
         flat = moments.view(torch.uint8).numpy().reshape(self._len, 2, 2, -1)  # [image, flip, mean/std, bytes]
         for shard in tqdm(range(len(self._files)), desc="latents into memory", unit="shard", dynamic_ncols=True):
-            f = self._shard_file(shard, dtype)
+            f = self._shard_file(shard, self._moments_dtype())
             start, count = self._starts[shard], len(f.labels)
             for which, name in enumerate(("mean", "std")):
                 size = f.row_bytes[name] * count

@@ -3,6 +3,8 @@ topologies or widths can be compared at equal compute (MFU in benchmarks/gpu_che
 FLOPs axis of a study's curves)."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 __all__ = ["count_training_flops"]
@@ -12,8 +14,8 @@ def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tenso
                          autocast_dtype: torch.dtype | None = torch.bfloat16) -> int:
     """FLOPs of one forward + backward on the batch (x, t, y), as `FlopCounterMode` counts them
     (matrix products, attention included; elementwise work is not counted). `autocast_dtype` None
-    runs in fp32: the same count, and much faster on a CPU without bf16 units. The gradients it
-    makes are dropped again.
+    runs in fp32: the same count, and much faster on a CPU without bf16 units; on a model and batch
+    on the meta device it costs no compute at all. The gradients it makes are dropped again.
 
     Counted with SDPA's math backend: its matrix products are counted on every device, while the
     counter's formulas for fused attention kernels depend on the backend and the torch version (the
@@ -23,7 +25,9 @@ def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tenso
 
     counter = FlopCounterMode(display=False)
     with counter, sdpa_kernel(SDPBackend.MATH):
-        with torch.autocast(x.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        # Autocast only when asked: it refuses the meta device, where counting costs no compute.
+        amp = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+        with amp:
             out = model(x, t, y)
         out.float().square().mean().backward()
     model.zero_grad(set_to_none=True)

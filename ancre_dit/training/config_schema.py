@@ -180,6 +180,12 @@ class TrainConfig:
     compile: bool = False
     grad_checkpointing: bool = False  # recompute each block's activations in backward (less memory, ~1 more forward)
     tf32: bool = True
+    # Ranks agree on a stop signal every N steps (a host-side all-reduce, no GPU wait): the stop
+    # latency is at most N steps plus the checkpoint's write (docs/cluster.md).
+    stop_check_every: int = ranged(10, ge=1)
+    # Peak dense bf16 TFLOP/s of one device, for the logged MFU; null = from the GPU's name
+    # (ancre_dit.hardware), none for a CPU.
+    peak_tflops: float | None = ranged(None, gt=0, hint="null = from the device's name")
 
 
 @dataclass

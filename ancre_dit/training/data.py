@@ -9,10 +9,13 @@ image its encoder sees, flipped as the training example is.
 """
 from __future__ import annotations
 
+import hashlib
+import tempfile
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Iterator
+from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -23,6 +26,7 @@ from ..data.image_folder import list_image_folder, load_rgb
 from ..data.latent_norm import ChannelNorm, latent_norm_from_manifest
 from ..models import DIT_MODELS
 from .config import Config
+from .stopping import worker_signal_handlers
 
 
 @dataclass
@@ -39,6 +43,7 @@ class DataInfo:
     scaling_factor: float | None = None
     random_flip: bool = False
     heldout: Dataset | None = None   # fixed held-out examples of the evaluation's held-out loss
+    latents: Any = None              # the LatentShardDataset behind `dataset` (latents only)
     latent_norm: ChannelNorm | None = None  # data.latent_norm=channel: applied to every posterior draw
 
 
@@ -73,7 +78,8 @@ def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
             raise UserError(f"the digits are 8x8 pixels; set data.image_size=8 (got {d.image_size})")
     elif d.kind == "latents":
         from ..data.latents import LatentShardDataset
-        ds = LatentShardDataset(d.path, in_memory=d.in_memory, images=config.repa.weight > 0)
+        # data.in_memory is loaded by load_latents_in_memory, once per node.
+        ds = LatentShardDataset(d.path, images=config.repa.weight > 0)
         c, h, w = ds.latent_shape
         m = ds.manifest
         if int(m["image_size"]) != d.image_size:
@@ -85,7 +91,7 @@ def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
         train_set, heldout = _split_latents(ds, config)
         info = DataInfo(train_set, "latents", h, c, ds.num_classes, int(m["image_size"]), 3,
                         vae=d.vae or m.get("vae"), scaling_factor=float(m["scaling_factor"]), heldout=heldout,
-                        latent_norm=latent_norm_from_manifest(d.latent_norm, m, f"{d.path}/manifest.json"))
+                        latents=ds, latent_norm=latent_norm_from_manifest(d.latent_norm, m, f"{d.path}/manifest.json"))
     else:
         ds = _ImageFolderArrays(d.path, d.image_size)
         info = DataInfo(ds, "images", d.image_size, 3, len(ds.images.class_names), d.image_size, 3, random_flip=True)
@@ -97,6 +103,38 @@ def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
         raise UserError(f"{what} {info.input_size} is not divisible by the patch size {patch_size} of "
                         f"{config.model.name}; pick a model with a patch size that divides it")
     return info
+
+
+def load_latents_in_memory(info: DataInfo, accelerator, run_dir: Path) -> None:
+    """data.in_memory: one copy of the latents per node, shared by its local ranks. The node's first
+    rank fills files on a memory filesystem (/dev/shm), the others map the same files, and the names
+    are removed once all have mapped them (the mappings stay), so nothing is left behind even by a
+    crash. Every rank checks the node's free memory for that one copy before anything is allocated,
+    and all refuse together when any cannot (no rank is left waiting in a collective)."""
+    ds = info.latents
+    problem = ds.memory_problem()
+    if accelerator.num_processes == 1:
+        if problem:
+            raise UserError(problem)
+        ds.load_into_memory()
+        return
+    refusals = accelerator.reduce(torch.tensor([float(problem is not None)], device=accelerator.device), "sum")
+    if refusals.item():  # start-up, not the step loop: one host read is fine here
+        raise UserError(problem or f"data.in_memory: the latents of {ds.root} do not fit in the free memory of "
+                                   f"another node of this job; set data.in_memory=false")
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    key = hashlib.sha1(f"{Path(run_dir).resolve()}|{Path(ds.root).resolve()}".encode()).hexdigest()[:16]
+    backing = shm / f"ancre-dit-latents-{key}"
+    first = accelerator.is_local_main_process
+    if first:
+        ds.load_into_memory(backing, fill=True)
+    accelerator.wait_for_everyone()
+    if not first:
+        ds.load_into_memory(backing, fill=False)
+    accelerator.wait_for_everyone()
+    if first:
+        for part in shm.glob(f"{backing.name}.*"):
+            part.unlink()
 
 
 def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
@@ -302,8 +340,11 @@ def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, p
     prefetch = 4
     # A private generator: DataLoader would otherwise draw its worker base seed from the
     # global RNG, which the model's label dropout uses, and break exact resume.
+    # worker_signal_handlers: a stop signal sent to the process group must not kill the workers
+    # (the rank would lose its steps since the last checkpoint); they pass it on to the rank.
     common = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
-                  generator=torch.Generator(), prefetch_factor=prefetch if num_workers > 0 else None)
+                  generator=torch.Generator(), prefetch_factor=prefetch if num_workers > 0 else None,
+                  worker_init_fn=worker_signal_handlers if num_workers > 0 else None)
     if batched and hasattr(info.dataset, "get_batch"):
         ring = prefetch + 2 if num_workers > 0 else 0
         loader = torch.utils.data.DataLoader(BatchFetcher(info.dataset, ring), sampler=sampler, batch_size=None,

@@ -1,16 +1,23 @@
 """The non-finite guard of the training step: a NaN / inf loss or gradient norm never becomes an update.
 
 Long DiT runs in bf16 can diverge late; without a guard, AdamW writes NaN into the weights, the
-EMA follows, and `keep_last` replaces the good checkpoints with NaN ones. The guard is asked at
-every optimizer step, before `optimizer.step()`; all ranks decide together (one all-reduce of a
-flag), so they skip or stop the same step and stay in step.
+EMA follows, and `keep_last` replaces the good checkpoints with NaN ones.
 
-Policies (train.nonfinite): `skip` drops the update (weights, optimizer state and EMA untouched)
-up to train.nonfinite_max_skips times in a row, then stops; `stop` stops at the first one.
+The decision is made on the device, without reading anything back to the host (a host read drains
+the GPU queue every step): `flag()` returns a 0-d tensor, 1.0 when the step must be skipped,
+agreed by all ranks through an all-reduce on the device; the fused optimizer and the EMA take it
+as a mask, as the GradScaler's found_inf is taken (weights, optimizer state and EMA untouched).
+What happened is read once, by `report()`, at log steps and before any periodic task (so a
+checkpoint is never written before a stop is decided): it warns for each skipped step, names the
+data rows when the inputs themselves were non-finite, and raises NonFiniteStop as the policy says.
+
+Policies (train.nonfinite): `skip` drops the update up to train.nonfinite_max_skips times in a row,
+then stops; `stop` stops at the first one. Either way a run where most steps so far were skipped
+stops too: that is broken data or a broken recipe, not a rare spike.
 """
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -18,54 +25,95 @@ import torch
 from ..errors import UserError
 from .config_schema import NONFINITE_POLICIES as POLICIES
 
+# A run stops once more than this share of its steps were skipped (after MOST_SKIPPED_AFTER steps).
+MOST_SKIPPED_SHARE = 0.5
+MOST_SKIPPED_AFTER = 10
+
 
 class NonFiniteStop(UserError):
     """Training stopped on non-finite values; the message names the step, the terms and the last good checkpoint."""
 
 
+@dataclass
+class _Pending:
+    """One optimizer step awaiting its report: device values, read together at the next report."""
+    step: int
+    position: tuple[int, int]  # the data position (epoch, offset) the step's batch was drawn from
+    values: torch.Tensor       # [terms..., grad_norm, local bad, agreed bad, inputs finite]
+    keys: tuple[str, ...]
+
+
 class NonFiniteGuard:
-    """`check(step, terms, grad_norm)` -> True when this step's update must be skipped; raises
-    NonFiniteStop when the policy says stop. `scaler_handles_grads`: with fp16 the GradScaler
-    already skips steps whose gradients overflow (and lowers its scale), which is routine, so only
-    a non-finite loss counts then."""
+    """`flag(...)` -> a device mask for this step (1.0: skip); `report()` reads the steps since the
+    last report and warns or raises NonFiniteStop. `scaler_handles_grads`: with fp16 the GradScaler
+    already skips steps whose gradients overflow (and lowers its scale), which is routine, so only a
+    non-finite loss counts then. `bad_rows(step, position)` names the non-finite data of a step."""
 
     def __init__(self, accelerator, policy: str, max_skips: int, last_checkpoint: Callable[[], str],
-                 warn: Callable[[str], None], scaler_handles_grads: bool = False):
+                 warn: Callable[[str], None], scaler_handles_grads: bool = False,
+                 bad_rows: Callable[[tuple[int, int]], str] | None = None):
         if policy not in POLICIES:
             raise UserError(f"train.nonfinite must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.accelerator = accelerator
         self.policy, self.max_skips = policy, max_skips
         self.last_checkpoint, self.warn = last_checkpoint, warn
         self.scaler_handles_grads = scaler_handles_grads
+        self.bad_rows = bad_rows
         self.in_a_row = 0
         self.total_skipped = 0
+        self.steps_seen = 0
+        self._pending: list[_Pending] = []
 
-    def _any_rank(self, local_bad: bool) -> bool:
-        if self.accelerator.num_processes == 1:
-            return local_bad
-        flag = torch.tensor([1.0 if local_bad else 0.0], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(flag, reduction="sum").item() > 0)
-
-    def check(self, step: int, terms: dict[str, torch.Tensor], grad_norm: torch.Tensor | float) -> bool:
-        values = {k: float(v) for k, v in terms.items()}
-        norm = float(grad_norm)
-        local_bad = not all(math.isfinite(v) for v in values.values())
+    def flag(self, step: int, position: tuple[int, int], terms: dict[str, torch.Tensor], grad_norm: torch.Tensor,
+             inputs_finite: torch.Tensor) -> torch.Tensor:
+        """1.0 (float, on the device) when step `step` must not update anything, on every rank alike."""
+        keys = tuple(sorted(terms))
+        values = torch.stack([terms[k].detach().float().reshape(()) for k in keys])
+        norm = grad_norm.detach().float().reshape(())
+        bad = ~torch.isfinite(values).all()
         if not self.scaler_handles_grads:
-            local_bad = local_bad or not math.isfinite(norm)
-        if not self._any_rank(local_bad):
-            self.in_a_row = 0
-            return False
-        self.in_a_row += 1
-        self.total_skipped += 1
-        shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(values.items()))
-        what = (f"step {step}: non-finite loss or gradient ({shown}, grad_norm {norm:.4g}"
-                f"{'' if local_bad else ' here; non-finite on another rank'})")
-        if self.policy == "stop" or self.in_a_row > self.max_skips:
-            reason = ("train.nonfinite=stop" if self.policy == "stop"
-                      else f"{self.in_a_row} non-finite steps in a row, more than train.nonfinite_max_skips={self.max_skips}")
-            raise NonFiniteStop(f"training stopped at {what}: {reason}; no update was applied and nothing saved; "
-                                f"last good checkpoint: {self.last_checkpoint()}; resume from it with a lower "
-                                f"train.lr, train.grad_clip > 0 or train.mixed_precision=no")
+            bad = bad | ~torch.isfinite(norm)
+        local = bad.float()
+        agreed = local
+        if self.accelerator.num_processes > 1:
+            agreed = (self.accelerator.reduce(local.clone(), reduction="sum") > 0).float()
+        record = torch.cat([values, torch.stack([norm, local, agreed, inputs_finite.float().reshape(())])])
+        self._pending.append(_Pending(step, position, record, keys))
+        return agreed
+
+    def report(self) -> None:
+        """Reads the steps flagged since the last report (one host read) and acts on them."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        rows = torch.stack([p.values for p in pending]).cpu().tolist()
+        for p, row in zip(pending, rows):
+            self.steps_seen += 1
+            terms, (norm, local, agreed, inputs_finite) = dict(zip(p.keys, row[:len(p.keys)])), row[len(p.keys):]
+            if not agreed:
+                self.in_a_row = 0
+                continue
+            self.in_a_row += 1
+            self.total_skipped += 1
+            self._act(p, terms, norm, bool(local), bool(inputs_finite))
+
+    def _act(self, p: _Pending, terms: dict[str, float], norm: float, local: bool, inputs_finite: bool) -> None:
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(terms.items()))
+        what = (f"step {p.step}: non-finite loss or gradient ({shown}, grad_norm {norm:.4g}"
+                f"{'' if local else ' here; non-finite on another rank'})")
+        if not inputs_finite:
+            what += "; its input batch itself is non-finite" + (f" ({self.bad_rows(p.position)})" if self.bad_rows else "")
+        mostly = self.steps_seen >= MOST_SKIPPED_AFTER and self.total_skipped > MOST_SKIPPED_SHARE * self.steps_seen
+        if self.policy == "stop" or self.in_a_row > self.max_skips or mostly:
+            if self.policy == "stop":
+                reason = "train.nonfinite=stop"
+            elif self.in_a_row > self.max_skips:
+                reason = f"{self.in_a_row} non-finite steps in a row, more than train.nonfinite_max_skips={self.max_skips}"
+            else:
+                reason = f"{self.total_skipped} of the {self.steps_seen} steps so far were non-finite and skipped"
+            fix = ("fix or drop those rows (scripts/extract_latents.py --verify), then resume" if not inputs_finite
+                   else "resume from it with a lower train.lr, train.grad_clip > 0 or train.mixed_precision=no")
+            raise NonFiniteStop(f"training stopped at {what}: {reason}; no non-finite update was applied and no "
+                                f"checkpoint written since; last good checkpoint: {self.last_checkpoint()}; {fix}")
         self.warn(f"{what}: update skipped ({self.in_a_row} in a row, stop after {self.max_skips}); "
                   f"weights, optimizer and EMA unchanged; last good checkpoint: {self.last_checkpoint()}")
-        return True

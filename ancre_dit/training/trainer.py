@@ -7,10 +7,9 @@ and the model's label dropout uses the global RNG, which Accelerate saves and re
 """
 from __future__ import annotations
 
-import itertools
 import gc
+import json
 import logging
-import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -19,15 +18,16 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
 from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
 from ..errors import UserError
-from ..hardware import configure_precision
+from ..hardware import configure_precision, peak_tflops
 from ..files import append_jsonl, read_jsonl
 from ..diffusion import build_objective
 from ..models import create_model
+from ..models.flops import count_training_flops
 from ..models.layers import DEFAULTS as BLOCK_DEFAULTS
 from ..models.topologies.analysis import check_entropy_topology, topology_entropy
 from ..checkpoint import WEIGHT_FILES, make_model_spec, write_model_files
@@ -36,9 +36,12 @@ from . import checkpointing as ckpt
 from .config import flat_config, save_config
 from .config_checks import check_batch_layout, diffusion_spec
 from .config_schema import Config, topology_options_of
+from .ema import ema_update_
 from .guards import NonFiniteGuard
+from .stopping import StopAgreement, StopSignals
 from .periodic import RunContext, TrainProgress, build_tasks, topology_matrix, write_topology_files
-from .data import DataInfo, GlobalBatchSampler, advance_position, build_data, describe, make_loader, prepare_batch
+from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, describe, load_latents_in_memory,
+                   make_loader, prepare_batch)
 from .repa import RepaAlignment
 
 LOG_FILE = "log.txt"
@@ -63,32 +66,6 @@ def _make_logger(run_dir: Path, main: bool) -> logging.Logger:
     return logger
 
 
-class _StopFlag:
-    """SIGINT / SIGTERM ask for a clean stop: finish the step, checkpoint, exit. A second
-    Ctrl-C falls back to the default behaviour (immediate KeyboardInterrupt)."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. some notebook runners): no handler
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
 class Trainer:
     """Builds everything from a Config; `run()` trains to train.max_steps (or until a signal)."""
 
@@ -109,6 +86,9 @@ class Trainer:
             gradient_accumulation_steps=c.train.grad_accum,
             log_with=trackers or None,
             project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
+            # Buffers are never changed by a forward (nothing to broadcast each step); gradients live
+            # in DDP's all-reduce buckets (no copy in and out of them).
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True)],
         )
         self.micro_batch = check_batch_layout(c, acc.num_processes)
         if acc.is_main_process:
@@ -121,6 +101,8 @@ class Trainer:
         # distinct seed per rank for everything random during training.
         set_seed(c.train.seed)
         self.data: DataInfo = build_data(c)
+        if c.data.in_memory and self.data.latents is not None:
+            load_latents_in_memory(self.data, acc, self.run_dir)
         self.model_kwargs = self._model_kwargs()
         self.raw_model = create_model(c.model.name, **self.model_kwargs).to(acc.device)
         self.raw_model.train()
@@ -133,13 +115,22 @@ class Trainer:
         set_seed(_seed(c.train.seed, rank, 0))
         self.generator = torch.Generator(device=acc.device).manual_seed(_seed(c.train.seed, rank, 1))
 
+        # Fused AdamW (one kernel for all parameters) takes the guard's skip mask on the device.
+        self.fused = acc.device.type in torch.utils._foreach_utils._get_fused_kernels_supported_devices()
         optimizer = torch.optim.AdamW(self._param_groups(), lr=c.train.lr, betas=(c.train.adam_beta1, c.train.adam_beta2),
-                                      weight_decay=c.train.weight_decay)
+                                      weight_decay=c.train.weight_decay, fused=self.fused or None)
         model = torch.compile(self.raw_model) if c.train.compile else self.raw_model
         # REPA's projector is prepared as a model of its own: wrapped for several processes (its
-        # gradients are averaged like the model's) and in Accelerate's saved state (exact resume).
+        # gradients are averaged like the model's).
         extra = [self.repa.projector] if self.repa is not None else []
         self.model, *prepared, self.optimizer = acc.prepare(model, *extra, optimizer)
+        # One checkpoint format whatever wraps the model (DDP's `module.`, torch.compile's
+        # `_orig_mod.`): Accelerate's state keeps the optimizer, scaler and RNG only, and the weights
+        # are the unwrapped modules' own files (model.safetensors, the REPA projector's), written by
+        # _write_files and read back by _load. So a run resumes at another world size, with compile
+        # or gradient checkpointing switched, from the same folder sample.py reads.
+        acc.register_save_state_pre_hook(lambda models, weights, output_dir: weights.clear())
+        acc.register_load_state_pre_hook(lambda models, input_dir: models.clear())
         self.projector = prepared[0] if prepared else None
         self.trained_modules = (self.model, *prepared)
 
@@ -155,7 +146,11 @@ class Trainer:
         acc.init_trackers(c.log.project, config=flat_config(c))
         self.learnable_topology = any(True for _ in self.raw_model.topology.parameters())
         self.guard = NonFiniteGuard(acc, c.train.nonfinite, c.train.nonfinite_max_skips, self._last_good_checkpoint,
-                                    self.log.warning, scaler_handles_grads=c.train.mixed_precision == "fp16")
+                                    self.log.warning, scaler_handles_grads=c.train.mixed_precision == "fp16",
+                                    bad_rows=self._nonfinite_rows)
+        self.stop_agreement = StopAgreement(acc.num_processes, c.train.stop_check_every)
+        self.flops_per_image = self._count_flops_per_image()
+        self.peak_tflops, self.peak_source = peak_tflops(acc.device, c.train.peak_tflops)
         self.entropy_weight = c.model.topology_entropy_weight
         if self.entropy_weight:
             check_entropy_topology(self.raw_model.topology)
@@ -163,7 +158,7 @@ class Trainer:
                                   objective=self.objective, raw_model=self.raw_model, ema_model=self.ema.module,
                                   data_spec=self.data_spec(), log=self.log, progress=self.progress, save=self.save,
                                   stop_requested=self._stop_requested)
-        self._stop_flag: _StopFlag | None = None
+        self._signals: StopSignals | None = None
         self.tasks = build_tasks(self.context)  # sample grids, evaluation, checkpoints (periodic.py)
 
     @property
@@ -243,7 +238,7 @@ class Trainer:
     def _write_files(self, folder: Path) -> None:
         write_model_files(folder, self.model_spec(), self.raw_model.state_dict(), self.ema.module.state_dict())
         write_topology_files(folder, self.run_dir, self.ema.module, self.raw_model, self.step, self.config.model.topology)
-        if self.repa is not None:  # for inspection: resume reads it from Accelerate's state, sampling never
+        if self.repa is not None:  # resume reads it (sampling never does)
             from safetensors.torch import save_file
             save_file({k: v.detach().cpu().contiguous() for k, v in self.repa.projector.state_dict().items()},
                       str(folder / RepaAlignment.PROJECTOR_FILE))
@@ -253,26 +248,50 @@ class Trainer:
                  "num_processes": self.accelerator.num_processes, "global_batch_size": self.config.train.global_batch_size,
                  "seed": self.config.train.seed, "model": self.config.model.name,
                  "train_seconds": round(self.train_seconds, 3)}
+        if self.repa is not None:
+            state["repa"] = self.repa_settings()
         path = ckpt.save_checkpoint(self.accelerator, self.run_dir, self.step, self.generator, self._write_files,
                                     state, keep_last=self.config.train.keep_last)
         self.log.info("step %d: checkpoint saved to %s", self.step, path)
         self.progress.last_saved = self.step
         return path
 
-    def _load(self, folder: Path) -> None:
-        acc = self.accelerator
-        ckpt.check_same_model(folder, self.model_spec())  # one line on a mismatch, before Accelerate reads anything
+    def repa_settings(self) -> dict[str, Any]:
+        """What a REPA checkpoint must be resumed with (the loss weight may change between launches)."""
+        r = self.config.repa
+        return {"depth": r.depth, "encoder": r.encoder, "encoder_kwargs": dict(r.encoder_kwargs),
+                "projector_dim": r.projector_dim, "encoder_resolution": self.repa.encoder.resolution}
+
+    def _check_same_repa(self, folder: Path, state: dict[str, Any]) -> None:
         with_repa = (folder / RepaAlignment.PROJECTOR_FILE).is_file()
         if with_repa != (self.repa is not None):
             raise UserError(f"--resume {folder} was trained {'with' if with_repa else 'without'} REPA but repa.weight="
                             f"{self.config.repa.weight:g} here; resume with the config the run was started with "
                             f"({folder.parent.parent / 'config.yaml'}), or start a new run_dir")
-        if self.repa is not None:
-            self.repa.check_checkpoint(folder)
+        if self.repa is None:
+            return
+        self.repa.check_checkpoint(folder)
+        saved, own = state.get("repa"), self.repa_settings()
+        diffs = [f"repa.{k} {saved.get(k)!r} in the checkpoint, {own[k]!r} in the config"
+                 for k in own if saved is not None and json.loads(json.dumps(saved.get(k))) != json.loads(json.dumps(own[k]))]
+        if diffs:
+            raise UserError(f"--resume {folder} was trained with other REPA settings ({'; '.join(diffs)}); resume with "
+                            f"the config the run was started with ({folder.parent.parent / 'config.yaml'}), or start a "
+                            f"new run_dir")
+
+    def _load(self, folder: Path) -> None:
+        acc = self.accelerator
+        ckpt.check_same_model(folder, self.model_spec())  # one line on a mismatch, before Accelerate reads anything
         state = ckpt.read_trainer_state(folder)
-        acc.load_state(str(folder / ckpt.ACCELERATE_DIR))
-        ema_state = load_safetensors_checked(folder / WEIGHT_FILES["ema"], device=acc.device)
-        self.ema.module.load_state_dict(ema_state)
+        self._check_same_repa(folder, state)
+        # Read on the host, then copied into the modules on their device (a rank's device name
+        # such as cpu:0 is no valid safetensors device).
+        self.raw_model.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["model"], device="cpu"))
+        self.ema.module.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["ema"], device="cpu"))
+        if self.repa is not None:
+            self.repa.projector.load_state_dict(
+                load_safetensors_checked(folder / RepaAlignment.PROJECTOR_FILE, device="cpu"))
+        acc.load_state(str(folder / ckpt.ACCELERATE_DIR))  # optimizer, scaler, RNG (see the save hook)
         self.progress.step = int(state["step"])
         self.epoch, self.offset = int(state["data"]["epoch"]), int(state["data"]["offset"])
         self.progress.train_seconds = float(state.get("train_seconds", 0.0))
@@ -294,18 +313,23 @@ class Trainer:
         return self.objective.draw(x, self.generator)
 
     def train_step(self, batches) -> dict[str, torch.Tensor]:
-        """One optimizer step over grad_accum micro-batches; returns this rank's mean terms."""
+        """One optimizer step over grad_accum micro-batches; returns this rank's mean terms as device
+        tensors. Nothing here reads a value back to the host (that would drain the GPU queue every
+        step): the non-finite guard decides on the device, and the terms are read at log steps."""
         acc, c = self.accelerator, self.config.train
-        lr = c.lr * min(1.0, (self.step + 1) / c.warmup_steps) if c.warmup_steps else c.lr
+        lr = self.lr_at(self.step)
         # lr by hand: Accelerate steps prepared schedulers once per process
         for group, group_lr in zip(self.optimizer.param_groups, self._group_lrs(lr)):
             group["lr"] = group_lr
+        position = (self.epoch, self.offset)
         sums: dict[str, torch.Tensor] = {}
-        grad_norm = torch.zeros((), device=acc.device)
+        grad_norm = skip = inputs_finite = None
         repa = self.repa
         for _ in range(c.grad_accum):
             x, y, *clean = prepare_batch(self.data, next(batches), acc.device, self.generator,
                                          clean_images=repa is not None)
+            finite = torch.isfinite(x).all()
+            inputs_finite = finite if inputs_finite is None else inputs_finite & finite
             draws = self.draw_timesteps_and_noise(x)
             with acc.accumulate(*self.trained_modules):
                 with repa.tap.attached(self.raw_model.topology) if repa is not None else nullcontext():
@@ -320,51 +344,92 @@ class Trainer:
                 acc.backward(loss)
                 for key, value in terms.items():
                     sums[key] = sums.get(key, 0.0) + value.detach().mean() / c.grad_accum
-                skip = False
                 if acc.sync_gradients:
-                    # max_norm=inf only measures the norm (the clip coefficient is clamped to 1).
-                    params = itertools.chain(*(m.parameters() for m in self.trained_modules))  # the model (+ projector)
-                    grad_norm = acc.clip_grad_norm_(params, c.grad_clip or float("inf"))
-                    skip = self.guard.check(self.step + 1, sums, grad_norm)  # same answer on every rank
-                if not skip:
-                    self.optimizer.step()
-                elif acc.scaler is not None:  # fp16: the scaler saw the overflow when unscaling; lower its scale
-                    acc.scaler.update()
+                    grad_norm = self._grad_norm()
+                    skip = self.guard.flag(self.step + 1, position, sums, grad_norm, inputs_finite)
+                    self._optimizer_step(skip)
                 self.optimizer.zero_grad(set_to_none=True)
         # Constant decay as in DiT; with ema_warmup, timm's 1 - (1 + n)^(-2/3) ramp capped at ema_decay
         # (short runs: a 0.999 EMA would still hold ~13% of the initial weights after 2000 steps).
-        if not skip:
-            self.ema.update(self.raw_model, step=self.step + 1 if c.ema_warmup else None)
+        ema_update_(self.ema, self.raw_model, self.step + 1 if c.ema_warmup else None, skip)
         self.progress.step += 1
         self.epoch, self.offset = advance_position(self.epoch, self.offset, c.global_batch_size, len(self.data.dataset))
-        sums["grad_norm"] = torch.as_tensor(grad_norm, device=acc.device).float()
-        sums["lr"] = torch.tensor(lr, device=acc.device)
-        sums["skipped"] = torch.tensor(float(skip), device=acc.device)  # logged: the fraction of skipped steps
+        sums["grad_norm"] = grad_norm.float()
+        sums["skipped"] = skip  # logged: the fraction of skipped steps
         return sums
 
+    def lr_at(self, step: int) -> float:
+        """The backbone's lr for optimizer step `step` + 1 (linear warm-up over train.warmup_steps)."""
+        c = self.config.train
+        return c.lr * min(1.0, (step + 1) / c.warmup_steps) if c.warmup_steps else c.lr
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The global gradient norm of the trained modules (the model, plus REPA's projector),
+        clipped to train.grad_clip when that is set. Without clipping the gradients are only read:
+        a clip to infinity would rescale every gradient by 1."""
+        acc, clip = self.accelerator, self.config.train.grad_clip
+        params = [p for m in self.trained_modules for p in m.parameters() if p.grad is not None]
+        if clip or acc.scaler is not None:  # fp16: Accelerate unscales the gradients first
+            return acc.clip_grad_norm_(params, clip or float("inf"))
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
+
+    def _optimizer_step(self, skip: torch.Tensor) -> None:
+        """The update, masked by the guard's device flag. The fused AdamW takes it as found_inf (as
+        under a GradScaler): a flagged step changes no weight, moment or step count. fp16's GradScaler
+        owns found_inf, and an optimizer without a fused kernel has no mask: those read the flag."""
+        torch_optimizer = self.optimizer.optimizer
+        if self.fused and self.accelerator.scaler is None:
+            torch_optimizer.found_inf = skip
+            try:
+                self.optimizer.step()
+            finally:
+                del torch_optimizer.found_inf
+        elif not bool(skip):
+            self.optimizer.step()
+        elif self.accelerator.scaler is not None:  # the scaler saw the overflow when unscaling; lower its scale
+            self.accelerator.scaler.update()
+
+    def _nonfinite_rows(self, position: tuple[int, int]) -> str:
+        """Which samples of the global batch drawn at data position `position` hold non-finite values
+        (shard file and row for latents), read again from the dataset: the guard's report names them."""
+        c = self.config.train
+        dataset = self.data.dataset
+        sampler = GlobalBatchSampler(len(dataset), c.global_batch_size, 1, 0, 1, c.seed, *position)
+        found = []
+        for i in next(iter(sampler)):
+            sample = dataset[i][0]
+            sample = sample[0] if isinstance(sample, tuple) else sample
+            if not torch.isfinite(torch.as_tensor(sample).float()).all():
+                found.append(self._describe_row(i))
+        if not found:
+            return "its stored rows are finite: the non-finite values arose after reading them"
+        more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+        return "non-finite data: " + ", ".join(found[:5]) + more
+
+    def _describe_row(self, i: int) -> str:
+        dataset = self.data.dataset
+        if hasattr(dataset, "locate"):
+            shard, row = dataset.locate(i)
+            return f"{dataset._files[shard].name} row {row}"
+        return f"sample {i}"
+
     def _stop_requested(self) -> bool:
-        """Whether a stop signal arrived during this launch (agreed by all processes: collective)."""
-        return self._stop_flag is not None and self._stop_agreed(self._stop_flag)
+        """Whether a stop signal arrived during this launch (agreed by all processes now: collective)."""
+        return self.stop_agreement.should_stop(self.step, self._signals, force=True)
 
-    def _stop_agreed(self, flag: _StopFlag) -> bool:
-        """All ranks stop at the same step even if the signal reached them at different times."""
-        if self.accelerator.num_processes == 1:
-            return flag.requested
-        t = torch.tensor([1.0 if flag.requested else 0.0], device=self.accelerator.device)
-        return bool(self.accelerator.reduce(t, reduction="sum").item() > 0)
-
-    def _log_metrics(self, running: dict[str, torch.Tensor], count: int, elapsed: float, images: int) -> dict[str, float]:
+    def _log_metrics(self, running: dict[str, torch.Tensor], lr_sum: float, count: int, elapsed: float,
+                     images: int) -> dict[str, float]:
         acc = self.accelerator
         keys = sorted(running)
         local = torch.stack([running[k] / count for k in keys])
         mean = acc.reduce(local, reduction="mean")  # the logged loss is averaged over all processes
         metrics = {k: float(v) for k, v in zip(keys, mean.tolist())}
-        metrics["steps_per_sec"] = count / elapsed
-        metrics["images_per_sec"] = images / elapsed
+        metrics["lr"] = lr_sum / count
+        metrics.update(self._throughput(count, elapsed, images))
         metrics["train_seconds"] = round(self.train_seconds, 3)
         if acc.is_main_process:
             append_jsonl(self.run_dir / "logs" / METRICS_FILE, {"step": self.step, **metrics})
-            tracked = {f"train/{k}": v for k, v in metrics.items()}
+            tracked = {f"train/{k}": v for k, v in metrics.items() if v is not None}
             P = topology_matrix(self.raw_model) if self.learnable_topology else None
             if P is not None:
                 for j in range(P.shape[0]):
@@ -373,6 +438,33 @@ class Trainer:
             acc.log(tracked, step=self.step)
         return metrics
 
+    def _count_flops_per_image(self) -> float:
+        """Training FLOPs (forward + backward) of one image of this model, counted once on a copy: on
+        the meta device (no compute) where every layer runs there, else one image on the CPU. The
+        random state is put back, so counting changes no draw of the run."""
+        d = self.data
+
+        def count(device: str) -> float:
+            with torch.random.fork_rng(devices=[]), torch.device(device):
+                model = create_model(self.config.model.name, **self.model_kwargs)
+                x = torch.zeros(1, d.in_channels, d.input_size, d.input_size)
+                t, y = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+                return float(count_training_flops(model, x, t, y, autocast_dtype=None))
+
+        try:
+            return count("meta")
+        except (RuntimeError, NotImplementedError):  # a layer with no meta kernel (mHC's autocast region)
+            return count("cpu")
+
+    def _throughput(self, steps: int, elapsed: float, images: int) -> dict[str, float | None]:
+        """Rates over the last log interval: images/s in all and per process (one GPU each), the
+        model FLOP/s per process and its MFU against the device's peak (None when that is unknown)."""
+        n = self.accelerator.num_processes
+        per_process = images / elapsed / n
+        tflops = per_process * self.flops_per_image / 1e12
+        return {"steps_per_sec": steps / elapsed, "images_per_sec": images / elapsed, "images_per_s": per_process,
+                "tflops_per_s": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else None}
+
     def run(self) -> dict[str, Any]:
         acc, c = self.accelerator, self.config.train
         self.log.info("run dir %s: config.yaml, %s (text), logs/ (TensorBoard: tensorboard --logdir %s; %s), "
@@ -380,60 +472,74 @@ class Trainer:
                       self.run_dir, LOG_FILE, self.run_dir / "logs", METRICS_FILE,
                       ", logs/evals.jsonl + quality.png (evaluation)" if c.eval_every else "")
         n_params = sum(p.numel() for p in self.raw_model.parameters())
-        self.log.info("model %s (%s topology), %.2fM parameters; data %s; %d process(es) x %d per device x %d "
-                      "accumulation = global batch %d; mixed precision %s", self.config.model.name,
-                      self.config.model.topology, n_params / 1e6, describe(self.data), acc.num_processes,
-                      self.micro_batch, c.grad_accum, c.global_batch_size, c.mixed_precision)
+        self.log.info("model %s (%s topology), %.2fM parameters, %.2f GFLOP per training image; data %s; %d "
+                      "process(es) x %d per device x %d accumulation = global batch %d; mixed precision %s; MFU "
+                      "against %s TFLOP/s (%s)", self.config.model.name, self.config.model.topology, n_params / 1e6,
+                      self.flops_per_image / 1e9, describe(self.data), acc.num_processes, self.micro_batch,
+                      c.grad_accum, c.global_batch_size, c.mixed_precision, self.peak_tflops, self.peak_source)
         self.progress.last_saved = self.step if self.resumed_from is not None else -1
         self._train_seconds_at_start = self.train_seconds
         last: dict[str, float] = {}
-        batches = iter(self._loader())
         progress = tqdm(total=c.max_steps, initial=self.step, disable=not acc.is_main_process, desc="train",
                         dynamic_ncols=True)
         running: dict[str, torch.Tensor] = {}
-        count, tick = 0, time.perf_counter()
+        lr_sum, count, tick = 0.0, 0, time.perf_counter()
         stopped = False
-        with _StopFlag() as flag:
-            self._stop_flag = flag
+        # The handlers go in before the loader's workers fork: see stopping.py.
+        with StopSignals() as signals:
+            self._signals = signals
+            batches = iter(self._loader())
             for task in self.tasks:
                 task.start(self.context)
-            stopped = self._stop_agreed(flag)  # a stop during that work: checkpoint without another step
+            stopped = self._stop_requested()  # a stop during that work: checkpoint without another step
             while not stopped and self.step < c.max_steps:
                 started = time.perf_counter()
-                try:
-                    terms = self.train_step(batches)
-                except UserError as err:  # non-finite stop, unreadable data: nothing saved over the good checkpoints
-                    self.log.error("%s", err)  # in log.txt too
-                    progress.close()
-                    self._end()
-                    raise
+                lr_sum += self.lr_at(self.step)
+                terms = self.train_step(batches)
                 self.progress.train_seconds += time.perf_counter() - started
                 for k, v in terms.items():
                     running[k] = running.get(k, 0.0) + v
                 count += 1
                 progress.update(1)
-                if self.step % c.log_every == 0 or self.step == c.max_steps:
+                log_step = self.step % c.log_every == 0 or self.step == c.max_steps
+                if log_step or any(task.every and self.step % task.every == 0 for task in self.tasks):
+                    self._report_guard(progress)  # before any checkpoint: a stop is decided first, on every rank
+                if log_step:
                     elapsed = time.perf_counter() - tick
-                    last = self._log_metrics(running, count, elapsed, count * c.global_batch_size)
-                    progress.set_postfix(loss=f"{last['loss']:.4f}", steps_s=f"{last['steps_per_sec']:.2f}")
-                    self.log.info("step %d: loss %.4f, %.2f steps/s, %.1f images/s", self.step, last["loss"],
-                                  last["steps_per_sec"], last["images_per_sec"])
-                    running, count, tick = {}, 0, time.perf_counter()
+                    last = self._log_metrics(running, lr_sum, count, elapsed, count * c.global_batch_size)
+                    progress.set_postfix(loss=f"{last['loss']:.4f}", img_s_gpu=f"{last['images_per_s']:.1f}",
+                                         **({"mfu": f"{last['mfu']:.1%}"} if last["mfu"] is not None else {}))
+                    self.log.info("step %d: loss %.4f, %.2f steps/s, %.1f images/s (%.1f per process)%s", self.step,
+                                  last["loss"], last["steps_per_sec"], last["images_per_sec"], last["images_per_s"],
+                                  f", MFU {last['mfu']:.1%}" if last["mfu"] is not None else "")
+                    running, lr_sum, count, tick = {}, 0.0, 0, time.perf_counter()
                 for task in self.tasks:
                     task.maybe_run(self.context)
-                if self._stop_agreed(flag):
+                if self.stop_agreement.should_stop(self.step, signals):
                     stopped = True
-                    self.log.info("stop requested: saving step %d and exiting", self.step)
+                    self.log.info("stop requested (%s): saving step %d and exiting", signals.signal_name or "signal on another rank", self.step)
                     break
-        progress.close()
-        for task in self.tasks:
-            task.finish(self.context, stopped)
+            self._report_guard(progress)
+            progress.close()
+            for task in self.tasks:
+                task.finish(self.context, stopped)
         if acc.is_main_process:
             self._plot_loss()
         self._log_time_shares()
         self.log.info("done at step %d; outputs in %s", self.step, self.run_dir)
         self._end()
         return {"step": self.step, "stopped": stopped, "metrics": last, "run_dir": str(self.run_dir)}
+
+    def _report_guard(self, progress) -> None:
+        """The guard's report of the steps since the last one; a stop it decides ends the run here,
+        with nothing saved over the good checkpoints."""
+        try:
+            self.guard.report()
+        except UserError as err:
+            self.log.error("%s", err)  # in log.txt too
+            progress.close()
+            self._end()
+            raise
 
     def _end(self) -> None:
         """Ends the trackers and destroys the process group (else gloo aborts at exit), after dropping

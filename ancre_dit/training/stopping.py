@@ -1,0 +1,105 @@
+"""Stop signals: SIGTERM, SIGINT and SIGUSR1 ask for a clean stop (finish the step, checkpoint, exit).
+
+Where a signal can arrive, under every launcher:
+- the rank itself (torchrun forwards the signal it gets to each rank's process group; SLURM's
+  `--signal` and `scancel --signal` reach every process of the step; Ctrl-C reaches the terminal's
+  foreground group);
+- its DataLoader workers, which share the rank's process group. A worker killed by the signal
+  would make the loader raise in the rank and lose every step since the last checkpoint, so workers
+  never die of it: `worker_signal_handlers` (their worker_init_fn) passes the request on to the rank
+  as SIGUSR1 and keeps serving batches. The rank's handler is installed before the workers fork, so
+  a signal in the instant between the fork and worker_init_fn only sets a flag in the worker's copy.
+
+A second Ctrl-C (SIGINT more than REPEAT_SECONDS after the first) still interrupts at once. Copies
+of one request never escalate: SIGUSR1, which is what workers forward, never does, and a SIGINT
+that reaches a rank twice in a burst (a job-wide signal that torchrun also forwards) asks for one
+clean stop.
+
+Ranks agree on stopping over a CPU (gloo) process group every `check_every` steps: the agreement
+never waits on the GPU queue, and a signal that reached one rank only stops all of them at the
+same step. The stop latency is at most `check_every` steps plus the checkpoint's write.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+REPEAT_SECONDS = 2.0
+
+
+class StopSignals:
+    """Context manager: while active, a stop signal sets `requested` instead of killing the process."""
+
+    def __init__(self):
+        self.requested = False
+        self.signal_name: str | None = None
+        self._first_sigint: float | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        for sig in STOP_SIGNALS:
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (some notebook runners): no handler
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._first_sigint is not None and now - self._first_sigint > REPEAT_SECONDS:
+                raise KeyboardInterrupt
+            self._first_sigint = self._first_sigint or now
+        self.requested = True
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def _forward_to_parent(signum, frame) -> None:
+    try:
+        os.kill(os.getppid(), signal.SIGUSR1)
+    except ProcessLookupError:  # the rank is gone: the worker ends with the loader's own checks
+        pass
+
+
+def worker_signal_handlers(worker_id: int) -> None:
+    """DataLoader worker_init_fn: stop signals are passed on to the rank, never fatal here."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _forward_to_parent)
+
+
+class StopAgreement:
+    """`should_stop(step, signals)`: whether every rank stops after this step. Collective at the
+    steps where `step % check_every == 0` (and at `force=True` calls, which every rank makes at the
+    same point); elsewhere it answers False without communicating."""
+
+    def __init__(self, num_processes: int, check_every: int):
+        self.num_processes, self.check_every = num_processes, max(1, check_every)
+        self._group = None
+        if num_processes > 1:
+            # Gloo on the host even when training uses NCCL: this flag must not queue behind GPU work.
+            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+
+    def should_stop(self, step: int, signals: StopSignals | None, force: bool = False) -> bool:
+        local = bool(signals is not None and signals.requested)
+        if self.num_processes == 1:
+            return local
+        if not force and step % self.check_every:
+            return False
+        return self.agree(local)
+
+    def agree(self, local: bool) -> bool:
+        """True on every rank when any rank's flag is set (a host-side all-reduce of one integer)."""
+        flag = torch.tensor([int(local)], dtype=torch.int32)  # on the host: nothing waits on the device
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
