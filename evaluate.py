@@ -4,6 +4,8 @@
         --inception-weights weights/weights-inception-2015-12-05-6726825d.pth [--metrics fid,sfid,is,precision,recall,kid] \\
         [--json results.json] [--batch-size 250]
     python evaluate.py --save-ref-stats ref.npz --images IMAGES_DIR --inception-weights FILE [--image-size 256] [--with-images]
+    python evaluate.py --samples samples.npz --ref REF.npz --metrics fd_dinov2 --dinov2-weights FILE \\
+        [--dinov2-model vit_large_patch14_dinov2]   # FD-DINOv2 (EDM2 / dgm-eval protocol; no Inception needed)
     python evaluate.py --samples samples.npz --digits      # offline check for the 8x8 digits default (not FID-50K)
     python evaluate.py --run RUN_DIR [--steps 500,1000] [eval.num_samples=5000 ...]
         # every checkpoint of a training run, with its config's eval section, into RUN_DIR/logs/evals.jsonl
@@ -35,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local weights-inception-2015-12-05-6726825d.pth (default: $ANCRE_INCEPTION_WEIGHTS); "
                         "never downloaded")
     p.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
-                   help="comma-separated subset of fid,sfid,is,precision,recall,kid (default: ADM's five)")
+                   help="comma-separated subset of fid,sfid,is,precision,recall,kid,fd_dinov2 (default: ADM's five)")
+    p.add_argument("--dinov2-weights", default=os.environ.get("ANCRE_DINOV2_WEIGHTS"),
+                   help="local timm weights file of --dinov2-model for fd_dinov2 (and --save-ref-stats); "
+                        "default $ANCRE_DINOV2_WEIGHTS; never downloaded")
+    p.add_argument("--dinov2-model", default="vit_large_patch14_dinov2",
+                   help="timm name of the DINOv2 network (default vit_large_patch14_dinov2, ViT-L/14)")
     p.add_argument("--json", help="also write the results (+ sample count, reference, weights file) here")
     p.add_argument("--batch-size", type=int, help="images per Inception batch (default 250 on GPU, 32 on CPU)")
     p.add_argument("--device", help="cuda, cuda:1, cpu, ... (default: cuda when available)")
@@ -107,7 +114,8 @@ def _save_ref(args) -> int:
     out = save_reference_stats(args.images, args.save_ref_stats, args.inception_weights,
                                image_size=args.image_size or 256, with_images=args.with_images,
                                max_images=args.max_images, seed=args.seed, batch_size=args.batch_size,
-                               device=args.device, workers=args.workers)
+                               device=args.device, workers=args.workers, dinov2_weights=args.dinov2_weights,
+                               dinov2_model=args.dinov2_model)
     print(f"reference statistics written to {out}")
     return 0
 
@@ -153,14 +161,22 @@ def main() -> int:
     from ancre_dit.evaluation.inception import check_weights
     from ancre_dit.evaluation.pipeline import evaluate, format_table
 
-    try:
-        check_weights(args.inception_weights)
-    except UserError as err:
-        raise UserError(f"{err}; for the 8x8 digits default, --digits gives an offline check instead") from None
+    from ancre_dit.evaluation.pipeline import parse_metrics
+
+    metrics = parse_metrics(args.metrics)
+    if any(m != "fd_dinov2" for m in metrics):  # FD-DINOv2 alone needs no Inception
+        try:
+            check_weights(args.inception_weights)
+        except UserError as err:
+            raise UserError(f"{err}; for the 8x8 digits default, --digits gives an offline check instead") from None
+    if "fd_dinov2" in metrics and not args.dinov2_weights:
+        raise UserError("fd_dinov2 needs --dinov2-weights FILE (a local timm weights file of --dinov2-model; "
+                        "nothing is downloaded)")
     result = evaluate(args.samples, args.ref, args.inception_weights, metrics=args.metrics,
                       batch_size=args.batch_size, device=args.device, is_split_size=args.is_split_size,
                       pr_k=args.pr_k, fid_method=args.fid_method, kid_subsets=args.kid_subsets,
-                      kid_subset_size=args.kid_subset_size, image_size=args.image_size, workers=args.workers)
+                      kid_subset_size=args.kid_subset_size, image_size=args.image_size, workers=args.workers,
+                      dinov2_weights=args.dinov2_weights, dinov2_model=args.dinov2_model)
     print(format_table(result))
     if args.json:
         _write_json(args.json, {"metrics": result.metrics, **result.info, "sampling": _sampling(args.samples)})

@@ -1,17 +1,25 @@
-"""The VAE of latent models: loading a diffusers AutoencoderKL (a local folder; a hub id only when
-the user passes one), encoding images to scaled moments (latent extraction) and decoding latents to
-uint8 images in chunks (sampling and the trainer's sample grids)."""
+"""The VAE of latent models: loading a diffusers autoencoder (a local folder; a hub id only when the
+user passes one), encoding images to scaled moments (latent extraction) and decoding latents to
+uint8 images in chunks (sampling and the trainer's sample grids).
+
+The autoencoder classes are one table (`VAE_CLASSES`), picked by the folder's config `_class_name`:
+AutoencoderKL of any latent channel count (SD's 4, SD3 / FLUX's 16, ...) and AutoencoderDC (DC-AE,
+deterministic: its posterior std is 0). Latents may be normalised per channel with dataset
+statistics (`data.latent_norm: channel`); `LoadedVAE.channel_mean/std` then undo it before decoding."""
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 
 from .data.adm_npz import to_uint8
+from .data.latent_norm import latent_norm_from_spec
 from .errors import UserError
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -26,6 +34,49 @@ class LoadedVAE:
     shift_factor: float | None
     downsample: int
     latent_channels: int
+    kind: str = "AutoencoderKL"
+    channel_mean: torch.Tensor | None = None  # set: latents are (z - mean) / std per channel (latent_norm channel)
+    channel_std: torch.Tensor | None = None
+
+
+def _kl_downsample(config: Any) -> int:
+    return 2 ** (len(config.block_out_channels) - 1)
+
+
+def _dc_downsample(config: Any) -> int:
+    return 2 ** (len(config.encoder_block_out_channels) - 1)
+
+
+def _kl_moments(vae: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    posterior = vae.encode(x).latent_dist
+    return posterior.mean.float(), posterior.std.float()
+
+
+def _dc_moments(vae: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    z = vae.encode(x).latent.float()
+    return z, torch.zeros_like(z)
+
+
+# config `_class_name` -> (downsampling factor from the config, images -> posterior (mean, std)).
+VAE_CLASSES: dict[str, tuple[Any, Any]] = {
+    "AutoencoderKL": (_kl_downsample, _kl_moments),
+    "AutoencoderDC": (_dc_downsample, _dc_moments),
+}
+
+
+def _vae_class(source: str, subfolder: str | None, is_local: bool) -> str:
+    """The autoencoder class a folder's config.json names (hub ids: AutoencoderKL, as before)."""
+    if not is_local:
+        return "AutoencoderKL"
+    path = Path(source) / (subfolder or "") / "config.json"
+    try:
+        name = json.loads(path.read_text()).get("_class_name", "AutoencoderKL")
+    except (OSError, ValueError, AttributeError):
+        raise UserError(f"{path} is not a readable JSON config; pass a diffusers VAE folder") from None
+    if name not in VAE_CLASSES:
+        raise UserError(f"{path} names the class {name}, which is not a VAE this package loads; pass a folder of "
+                        f"one of {', '.join(VAE_CLASSES)}")
+    return name
 
 
 def resolve_vae_dir(name: str) -> tuple[str, str | None]:
@@ -47,25 +98,47 @@ def resolve_vae_dir(name: str) -> tuple[str, str | None]:
 
 def load_vae(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32,
              scaling_factor: float | None = None) -> LoadedVAE:
-    """Loads the VAE in eval mode on `device` in `dtype`; any loading failure is one clear UserError."""
-    from diffusers import AutoencoderKL  # heavy import, only when a VAE is really needed
+    """Loads the VAE in eval mode on `device` in `dtype`; any loading failure is one clear UserError.
+    Scaling and shift factors come from the VAE's config (`scaling_factor` overrides the first)."""
+    import diffusers  # heavy import, only when a VAE is really needed
 
     source, subfolder = resolve_vae_dir(name)
     is_local = Path(source).expanduser().is_dir()
+    kind = _vae_class(source, subfolder, is_local)
     try:
-        vae = AutoencoderKL.from_pretrained(source, subfolder=subfolder, local_files_only=is_local, torch_dtype=dtype)
+        vae = getattr(diffusers, kind).from_pretrained(source, subfolder=subfolder, local_files_only=is_local,
+                                                       torch_dtype=dtype)
     except Exception as err:  # noqa: BLE001 - diffusers raises many kinds; all mean "cannot load"
         where = "the folder" if is_local else "the hub (needs network; or download it and pass the folder)"
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise UserError(f"could not load AutoencoderKL from {where} {name}: {first}") from None
+        raise UserError(f"could not load {kind} from {where} {name}: {first}") from None
     config = vae.config
     factor = float(scaling_factor if scaling_factor is not None else config.scaling_factor)
     shift = getattr(config, "shift_factor", None)
     vae = vae.to(device=device).eval().requires_grad_(False)
     return LoadedVAE(vae=vae, name=name, scaling_factor=factor,
                      shift_factor=None if shift is None else float(shift),
-                     downsample=2 ** (len(config.block_out_channels) - 1),
-                     latent_channels=int(config.latent_channels))
+                     downsample=VAE_CLASSES[kind][0](config), latent_channels=int(config.latent_channels), kind=kind)
+
+
+def check_vae_fits(name: str, latent_shape: tuple[int, int, int], image_size: int, what: str = "data.vae") -> None:
+    """Refuses a local VAE folder whose latents (channels, downsampling) are not those of the data,
+    from its config alone (no weights loaded), so a run fails at start rather than at its first grid."""
+    source, subfolder = resolve_vae_dir(name)
+    if not Path(source).expanduser().is_dir():
+        return  # a hub id: checked when it is loaded
+    kind = _vae_class(source, subfolder, True)
+    config = json.loads((Path(source) / (subfolder or "") / "config.json").read_text())
+    ns = SimpleNamespace(**config)
+    try:
+        channels, down = int(config["latent_channels"]), VAE_CLASSES[kind][0](ns)
+    except (KeyError, AttributeError, TypeError, ValueError):
+        raise UserError(f"{what} {name}: its config.json lacks latent_channels or its block channels") from None
+    c, h, _ = latent_shape
+    if channels != c or image_size // down != h:
+        raise UserError(f"{what} {name} makes {channels}x{image_size // down}x{image_size // down} latents of "
+                        f"{image_size} px images but the data holds {c}x{h}x{h}; name the VAE the latents were "
+                        "extracted with")
 
 
 def to_vae_input(images: torch.Tensor) -> torch.Tensor:
@@ -82,8 +155,7 @@ def encode_moments(loaded: LoadedVAE, images: torch.Tensor) -> tuple[torch.Tenso
     vae = loaded.vae
     param = next(vae.parameters())
     x = to_vae_input(images).to(device=param.device, dtype=param.dtype)
-    posterior = vae.encode(x).latent_dist
-    mean, std = posterior.mean.float(), posterior.std.float()
+    mean, std = VAE_CLASSES[loaded.kind][1](vae, x)
     if loaded.shift_factor is not None:
         mean = mean - loaded.shift_factor
     return mean * loaded.scaling_factor, std * loaded.scaling_factor
@@ -98,6 +170,9 @@ def load_run_vae(data_spec: dict[str, Any], latent_channels: int, vae: str | Non
         raise UserError("this checkpoint samples VAE latents but its run names no VAE; pass --vae DIR "
                         "(the local diffusers AutoencoderKL folder the latents were extracted with)")
     loaded = load_vae(str(named), device, scaling_factor=data_spec.get("scaling_factor"))
+    norm = latent_norm_from_spec(data_spec)  # trained on (x - mean) / std: decoding undoes it first
+    if norm is not None:
+        loaded.channel_mean, loaded.channel_std = norm.mean, norm.std
     if loaded.latent_channels != latent_channels:
         raise UserError(f"VAE {named} has {loaded.latent_channels} latent channels but the model samples "
                         f"{latent_channels}; pass the VAE the latents were extracted with (--vae DIR)")
@@ -112,6 +187,8 @@ def decode_to_uint8(loaded: LoadedVAE, z: torch.Tensor, chunk: int = 32) -> np.n
     param = next(vae.parameters())
     out = []
     for part in z.split(chunk):
+        if loaded.channel_mean is not None:
+            part = part.float() * loaded.channel_std.to(part.device) + loaded.channel_mean.to(part.device)
         latents = part.to(param.device, param.dtype) / loaded.scaling_factor
         if loaded.shift_factor is not None:
             latents = latents + loaded.shift_factor

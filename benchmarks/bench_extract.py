@@ -7,6 +7,12 @@ and the whole extraction (scripts/extract_latents.py's code path, shards written
 
     python -m benchmarks.bench_extract                                  # CPU, a few images
     python -m benchmarks.bench_extract --device cuda --vae-dtype bf16 --sd-images 512 --batch-size 64 --num-workers 8
+    python -m benchmarks.bench_extract --containers imagefolder,hf,parquet,wds --tiny-images 256 --batch-size 32
+
+With --containers, the same JPEGs are also stored as a Hugging Face dataset (save_to_disk), a
+parquet folder and WebDataset tars, and each container is timed (listing, decoding + crop alone,
+and the whole extraction with the tiny VAE); the shards of every container are checked to be
+bitwise those of the image folder.
 
 The tiny VAE runs at 32 px by default: its attention block works at half the crop size, so at
 256 px it attends over 128x128 positions and is slower than the real SD-VAE.
@@ -26,6 +32,7 @@ from PIL import Image
 from ancre_dit.cli import run_cli
 from ancre_dit.latents.extract import DistContext, ExtractConfig, run_extraction
 from ancre_dit.data.image_folder import CroppedImages, list_image_folder
+from ancre_dit.latents.sources import open_source
 from ancre_dit.vae import DTYPES, encode_moments, load_vae
 
 ARCHS = {
@@ -103,6 +110,69 @@ def bench(arch: str, n: int, image_size: int, args: argparse.Namespace, work: Pa
           f"VAE encode (image+flip) {encode_rate:.2f} img/s | end-to-end {total_rate:.2f} img/s", flush=True)
 
 
+def build_containers(folder: Path, work: Path, per_tar: int = 1000) -> dict[str, Path]:
+    """The images of `folder`, in its listing order, as an HF dataset, parquet files and tars."""
+    import io
+    import tarfile
+
+    import datasets
+
+    listing = list_image_folder(folder, require_classes=True)
+    rows = [((folder / f).read_bytes(), f, y) for f, y in zip(listing.files, listing.labels)]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=listing.class_names)})
+    ds = datasets.Dataset.from_dict({"image": [{"bytes": b, "path": f} for b, f, _ in rows],
+                                     "label": [y for _, _, y in rows]}, features=features)
+    out = {"imagefolder": folder, "hf": work / "hf", "parquet": work / "parquet", "wds": work / "wds"}
+    ds.save_to_disk(str(out["hf"]))
+    out["parquet"].mkdir()
+    ds.to_parquet(str(out["parquet"] / "train-00000.parquet"))
+    out["wds"].mkdir()
+    for t in range(0, len(rows), per_tar):
+        with tarfile.open(out["wds"] / f"train-{t // per_tar:04d}.tar", "w") as tar:
+            for i, (data, _, y) in enumerate(rows[t:t + per_tar], start=t):
+                for name, payload in ((f"{i:08d}.jpg", data), (f"{i:08d}.cls", str(y).encode())):
+                    info = tarfile.TarInfo(name)
+                    info.size = len(payload)
+                    tar.addfile(info, io.BytesIO(payload))
+    return out
+
+
+def bench_containers(names: list[str], n: int, image_size: int, args: argparse.Namespace, work: Path) -> None:
+    from diffusers import AutoencoderKL
+
+    data = work / f"images-{n}"
+    if not data.exists():
+        make_images(data, n)
+    containers = build_containers(data, work / "containers")
+    vae_dir = work / "vae-tiny"
+    torch.manual_seed(0)
+    AutoencoderKL(in_channels=3, out_channels=3, **ARCHS["tiny"]).save_pretrained(vae_dir)
+    reference = None
+    for name in names:
+        t0 = time.perf_counter()
+        source = open_source(str(containers[name]))
+        list_s = time.perf_counter() - t0
+        images = source.images(image_size, 8)
+        t0 = time.perf_counter()
+        for i in range(len(images)):
+            images[i]
+        decode_rate = n / (time.perf_counter() - t0)
+        out = work / f"latents-{name}"
+        cfg = ExtractConfig(data_path=str(containers[name]), vae=str(vae_dir), out=str(out), image_size=image_size,
+                            shard_size=args.shard_size, batch_size=args.batch_size, num_workers=args.num_workers)
+        t0 = time.perf_counter()
+        run_extraction(cfg, DistContext(device=torch.device(args.device)))
+        total_rate = n / (time.perf_counter() - t0)
+        from safetensors.torch import load_file
+        shards = [load_file(p) for p in sorted(out.glob("shard-*.safetensors"))]
+        reference = reference or shards
+        same = all(torch.equal(a[k], b[k]) for a, b in zip(shards, reference) for k in ("mean", "std", "label"))
+        print(f"RESULT container={name} images={n} image_size={image_size} batch={args.batch_size} "
+              f"workers={args.num_workers} threads={torch.get_num_threads()} | listing {list_s:.2f} s | "
+              f"decode+crop {decode_rate:.1f} img/s | end-to-end (tiny VAE) {total_rate:.2f} img/s | "
+              f"latents bitwise equal to {names[0]}'s: {same}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--archs", default="tiny,sd-vae", help="comma-separated: tiny, sd-vae")
@@ -116,8 +186,12 @@ def main() -> int:
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--vae-dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--containers", help="comma-separated imagefolder,hf,parquet,wds: time each container instead")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_extract_") as tmp:
+        if args.containers:
+            bench_containers(args.containers.split(","), args.tiny_images, args.tiny_size, args, Path(tmp))
+            return 0
         for arch in args.archs.split(","):
             tiny = arch == "tiny"
             bench(arch, args.tiny_images if tiny else args.sd_images, args.tiny_size if tiny else args.sd_size,

@@ -1,6 +1,8 @@
-"""Encode an ImageNet-style folder into VAE latent shards (resumable; one or many processes).
+"""Encode ImageNet-style images into VAE latent shards (resumable; one or many processes).
 
     python scripts/extract_latents.py --data-path IMAGENET/train --vae VAE_DIR --out LATENT_DIR
+    python scripts/extract_latents.py --data-path HF_DATASET_DIR ...     # save_to_disk folder or parquet files
+    python scripts/extract_latents.py --data-path 'SHARDS/imagenet-train-{0000..1023}.tar' ...   # WebDataset
     accelerate launch --num_processes 8 scripts/extract_latents.py --data-path ... --vae-dtype bf16
     python scripts/extract_latents.py --verify LATENT_DIR
     python scripts/extract_latents.py ... --keep-images     # also the uint8 crops, for REPA (3 x S x S bytes each)
@@ -19,8 +21,16 @@ from ancre_dit.errors import UserError
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data-path", help="folder with one subfolder of images per class (labels: sorted folder order)")
-    p.add_argument("--vae", help="local diffusers AutoencoderKL folder (or a hub id, if you have network)")
+    p.add_argument("--data-path", help="an image folder (one subfolder per class; labels: sorted folder order), a "
+                   "Hugging Face dataset (save_to_disk folder or a folder of parquet files) or WebDataset tar shards "
+                   "(a folder of .tar files or a brace pattern)")
+    p.add_argument("--format", choices=["imagefolder", "hf", "wds"], default=None,
+                   help="the container of --data-path (default: detected from the path)")
+    p.add_argument("--image-column", default="image", help="Hugging Face datasets: the image column (default image)")
+    p.add_argument("--label-column", default="label",
+                   help="Hugging Face datasets: the label column (default label; class names from its ClassLabel)")
+    p.add_argument("--vae", help="local diffusers VAE folder, AutoencoderKL (any channel count) or AutoencoderDC "
+                   "(or a hub id, if you have network)")
     p.add_argument("--out", help="output folder for manifest.json + shard-XXXXX.safetensors")
     p.add_argument("--image-size", type=int, default=256, help="ADM center-crop size (default 256)")
     p.add_argument("--shard-size", type=int, default=5000, help="images per shard (default 5000)")
@@ -79,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ExtractConfig(data_path=args.data_path, vae=args.vae, out=args.out, image_size=args.image_size,
                             shard_size=args.shard_size, batch_size=args.batch_size, num_workers=workers,
                             vae_dtype=args.vae_dtype, scaling_factor=args.scaling_factor, min_side=args.min_side,
-                            max_shards=args.max_shards, keep_images=args.keep_images)
+                            max_shards=args.max_shards, keep_images=args.keep_images,
+                            data_format=args.format, image_column=args.image_column, label_column=args.label_column)
         run_extraction(cfg, DistContext(rank=state.process_index, world=state.num_processes, device=state.device,
                                         barrier=state.wait_for_everyone))
     return 0

@@ -154,6 +154,12 @@ def world(tmp_path_factory) -> Path:
         from ancre_dit.latents.extract import ExtractConfig, run_extraction
         run_extraction(ExtractConfig(str(w / "images"), str(w / "vae"), str(w / "extracted"), image_size=16,
                                      shard_size=4, batch_size=4))
+        from containers import make_hf, make_wds, relabel_parquet
+        make_hf(w / "images", w / "parquet_jpg", parquet=True, image_column="jpg")
+        relabel_parquet(make_hf(w / "images", w / "parquet", parquet=True), w / "parquet_label_5", 5)
+        make_wds(w / "images", w / "wds_no_label", drop_label_of=1)
+        _copy(w / "vae", w / "vae_unet", lambda p: p.write_text(p.read_text().replace('"AutoencoderKL"', '"UNet2DModel"')),
+              "config.json")
         rng = np.random.default_rng(0)
         save_adm_npz(w / "digits.npz", rng.integers(0, 256, (10, 8, 8), dtype=np.uint8), np.arange(10))
         save_adm_npz(w / "nolabels.npz", rng.integers(0, 256, (10, 8, 8), dtype=np.uint8))
@@ -270,6 +276,12 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     # -- train.py: the data ----------------------------------------------------------------------
     ("latent dir missing", "train", lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", f"data.path={w / 'none'}"],
      "does not exist"),
+    ("latent_norm channel without statistics", "train",
+     lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", f"data.path={w / 'latents'}", "data.image_size=16",
+                "data.latent_norm=channel"], "data.latent_norm=channel needs the per-channel statistics"),
+    ("data.vae contradicts the latents", "train",
+     lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", f"data.path={w / 'latents'}", "data.image_size=16",
+                f"data.vae={w / 'vae'}"], "makes 4x8x8 latents of 16 px images but the data holds 4x2x2"),
     ("latent shard deleted", "train", lambda w: [*_cfg(w), _fresh(w), "data.kind=latents",
                                                  f"data.path={w / 'latents_missing_shard'}"], "lacks 1 shard"),
     ("latent shard truncated", "train", lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", "data.image_size=16",
@@ -412,6 +424,18 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("extract into a folder whose manifest is a list", "extract",
      lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "foreign_list"),
                 "--image-size", "16"], "not a latent manifest of this package"),
+    ("extract parquet without the named columns", "extract",
+     lambda w: ["--data-path", str(w / "parquet_jpg"), "--vae", str(w / "vae"), "--out", str(w / "lat")],
+     "has no column 'image'"),
+    ("extract tar with an image and no label", "extract",
+     lambda w: ["--data-path", str(w / "wds_no_label"), "--vae", str(w / "vae"), "--out", str(w / "lat")],
+     "has an image but no .cls label"),
+    ("extract label outside the class list", "extract",
+     lambda w: ["--data-path", str(w / "parquet_label_5"), "--vae", str(w / "vae"), "--out", str(w / "lat")],
+     "has label 5, outside the 2 classes"),
+    ("extract vae folder of an unknown class", "extract",
+     lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae_unet"), "--out", str(w / "lat"),
+                "--image-size", "16"], "names the class UNet2DModel"),
     ("extract into a file", "extract",
      lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "a_file")], "is a file"),
     # -- scripts/topology.py show ------------------------------------------------------------------

@@ -311,7 +311,7 @@ def test_metric_names_come_from_the_evaluation_package():
     from ancre_dit.evaluation.evaluator import EVAL_METRICS
     from ancre_dit.evaluation.pipeline import ADM_METRICS, DEFAULT_METRICS, METRICS
 
-    assert EVAL_METRICS == ("digits", *ADM_METRICS) and DEFAULT_METRICS == ADM_METRICS
+    assert EVAL_METRICS == ("digits", *ADM_METRICS, "fd_dinov2") and DEFAULT_METRICS == ADM_METRICS
     assert set(ADM_METRICS) < set(METRICS)
 
 

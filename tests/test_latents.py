@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, load_script, one_torch_thread
+from helpers import ROOT, load_script, one_torch_thread, subprocess_env
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -130,7 +130,7 @@ def test_manifest_report_and_labels(reference, image_dir):
 @pytest.mark.slow
 def test_two_processes_give_identical_shards(reference, image_dir, vae_dir, tmp_path):
     out = tmp_path / "two"
-    env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1")
+    env = subprocess_env()  # this checkout's code, one thread, CPU
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
            "--data-path", str(image_dir), "--vae", str(vae_dir), "--out", str(out), "--image-size", str(SIZE),
            "--shard-size", str(SHARD), "--batch-size", str(BATCH)]

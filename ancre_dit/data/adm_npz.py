@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from ..errors import MissingFileError, UserError
 
-STAT_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
+STAT_KEYS = ("mu", "sigma", "mu_s", "sigma_s", "mu_dinov2", "sigma_dinov2")  # the last two: FD-DINOv2
 
 
 @dataclass

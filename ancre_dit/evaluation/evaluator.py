@@ -28,7 +28,7 @@ from .heldout import HeldOutSet, heldout_terms
 from .pipeline import ADM_METRICS
 
 EVALS_FILE = "evals.jsonl"
-EVAL_METRICS = ("digits", *ADM_METRICS)  # what eval.metrics accepts
+EVAL_METRICS = ("digits", *ADM_METRICS, "fd_dinov2")  # what eval.metrics accepts
 LOWER_IS_BETTER = ("loss", "mse", "fd", "fid", "sfid", "kid", "vb")  # substrings of metric names
 
 
@@ -46,6 +46,8 @@ def evaluation_identity(settings, data_kind: str) -> dict[str, Any]:
     keep = ("num_samples", "batch_size", "sampler", "steps", "cfg_scales", "seed", "ref", "heldout_loss",
             "heldout_draws", "heldout_max", "val_path", "heldout_from_train")
     identity = {k: getattr(settings, k) for k in keep}
+    if "fd_dinov2" in (settings.metrics or []):  # only then: older entries keep matching
+        identity["dinov2_model"] = settings.dinov2_model
     identity["metrics"] = resolve_metrics(settings, data_kind)
     identity["cfg_scales"] = [float(c) for c in settings.cfg_scales]
     return identity
@@ -93,8 +95,10 @@ class Evaluator:
         self.inception = [m for m in self.metrics if m in ADM_METRICS]
         if self.metrics and decoder is None:
             raise UserError("the evaluation samples images but no decoder is available; set data.vae")
+        self.dinov2 = "fd_dinov2" in self.metrics
         self._extractor = None
         self._ref_side = None
+        self._dinov2_ref: tuple[np.ndarray, np.ndarray] | None = None
 
     # -- public -----------------------------------------------------------------------------
     def evaluate(self, model: torch.nn.Module, raw_model: torch.nn.Module | None = None,
@@ -166,6 +170,8 @@ class Evaluator:
                                      np.concatenate([f["digits_pred"] for f in features]), labels))
         if self.inception:
             out.update(self._inception_scores(features))
+        if self.dinov2:
+            out["fd_dinov2"] = self._fd_dinov2(np.concatenate([f["dinov2"] for f in features]))
         return out
 
     def _features(self, images: np.ndarray) -> dict[str, np.ndarray]:
@@ -177,7 +183,27 @@ class Evaluator:
             from ..data.adm_npz import to_rgb_uint8
             pool, spatial, logits = self._get_extractor().batch(to_rgb_uint8(images))
             out.update(pool=pool.numpy(), spatial=spatial.numpy(), logits=logits.numpy())
+        if self.dinov2:
+            out["dinov2"] = self._dinov2_extractor().batch(images).numpy()
         return out
+
+    def _dinov2_extractor(self):
+        from .dinov2 import get_dinov2_extractor
+        return get_dinov2_extractor(self.settings.dinov2_weights, self.settings.dinov2_model, self.state.device)
+
+    def _fd_dinov2(self, features: np.ndarray) -> float:
+        """FD-DINOv2 against eval.ref: its stored mu_dinov2 / sigma_dinov2, else its images (once per run)."""
+        from .dinov2 import stored_dinov2_stats
+        from .metrics import feature_statistics, frechet_distance_to_features
+        from .pipeline import default_batch_size, dinov2_features
+
+        if self._dinov2_ref is None:
+            self._dinov2_ref = stored_dinov2_stats(self.settings.ref)
+        if self._dinov2_ref is None:
+            ref = dinov2_features(self.settings.ref, self._dinov2_extractor(),
+                                  default_batch_size(torch.device(self.state.device)), name="reference")
+            self._dinov2_ref = feature_statistics(ref)
+        return frechet_distance_to_features(features, *self._dinov2_ref)
 
     def _get_extractor(self):
         if self._extractor is None:

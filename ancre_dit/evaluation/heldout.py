@@ -8,6 +8,7 @@ once from a seeded generator, so two evaluations differ only by the weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,9 +32,11 @@ class HeldOutSet:
 
 
 def build_heldout_set(dataset: Dataset, kind: str, *, max_examples: int, draws: int, seed: int,
-                      objective: Objective) -> HeldOutSet:
+                      objective: Objective, latent_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+                      ) -> HeldOutSet:
     """The first `max_examples` items of `dataset` (digits: the held-out split; latents: stored
-    moments, turned into one fixed posterior draw per row), `draws` rows each."""
+    moments, turned into one fixed posterior draw per row, normalised as training normalises them),
+    `draws` rows each."""
     n = min(len(dataset), max_examples)
     if n < 1:
         raise UserError("the held-out set is empty; raise eval.heldout_from_train or point eval.val_path at data")
@@ -44,6 +47,8 @@ def build_heldout_set(dataset: Dataset, kind: str, *, max_examples: int, draws: 
     if kind == "latents":  # the same augmentation as training (flip + posterior draw), drawn once
         from ..data.latents import draw_latents_from_moments
         x = draw_latents_from_moments(x, generator=g)
+        if latent_norm is not None:
+            x = latent_norm(x.float())
     x = x.float()
     m = len(y)
     t = objective.evaluation_times(m)  # evenly spread over the process (DDPM timesteps, flow t)

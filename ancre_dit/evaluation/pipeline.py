@@ -42,7 +42,7 @@ _log = logging.getLogger("ancre_dit")
 # The metric names, defined here only. ADM's set: evaluate.py's default, and the Inception metrics the
 # in-training evaluation takes (evaluator.py's EVAL_METRICS adds "digits"); KID is evaluate.py's alone.
 ADM_METRICS = ("fid", "sfid", "is", "precision", "recall")
-METRICS = (*ADM_METRICS, "kid")
+METRICS = (*ADM_METRICS, "kid", "fd_dinov2")  # fd_dinov2: DINOv2 features (dinov2.py), not Inception's
 DEFAULT_METRICS = ADM_METRICS
 
 
@@ -186,11 +186,22 @@ def parse_metrics(metrics: str | tuple[str, ...] | list[str]) -> tuple[str, ...]
 def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.PathLike | None, weights: str | os.PathLike,
              metrics=DEFAULT_METRICS, batch_size: int | None = None, device: str | torch.device | None = None,
              is_split_size: int = 5000, pr_k: int = 3, fid_method: str = "sqrtm", kid_subsets: int = 100,
-             kid_subset_size: int = 1000, image_size: int | None = None, workers: int = 0) -> EvaluationResult:
+             kid_subset_size: int = 1000, image_size: int | None = None, workers: int = 0,
+             dinov2_weights: str | os.PathLike | None = None, dinov2_model: str | None = None) -> EvaluationResult:
     """Scores `samples` against `ref` (None is allowed when only IS is asked for); returns the metrics
-    and what they were computed from (sample count, reference, weights file and its sha256, settings)."""
+    and what they were computed from (sample count, reference, weights file and its sha256, settings).
+    fd_dinov2 needs `dinov2_weights` (a timm file of `dinov2_model`) and no Inception weights."""
     metrics = parse_metrics(metrics)
     device = torch.device(device) if device is not None else default_device()
+    if "fd_dinov2" in metrics:
+        dinov2 = _fd_dinov2(samples, ref, dinov2_weights, dinov2_model, batch_size or default_batch_size(device),
+                            device, fid_method, image_size, workers)
+        rest = tuple(m for m in metrics if m != "fd_dinov2")
+        if not rest:
+            return EvaluationResult({"fd_dinov2": dinov2.metrics["fd_dinov2"]}, dinov2.info)
+        result = evaluate(samples, ref, weights, rest, batch_size, device, is_split_size, pr_k, fid_method, kid_subsets,
+                          kid_subset_size, image_size, workers)
+        return EvaluationResult({**result.metrics, **dinov2.metrics}, {**result.info, **dinov2.info})
     batch_size = batch_size or default_batch_size(device)
     start = time.time()
     extractor_fn = lambda: get_extractor(weights, device)  # noqa: E731
@@ -236,6 +247,55 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
         "seconds": round(time.time() - start, 1),
     }
     return EvaluationResult(values, info)
+
+
+def _fd_dinov2(samples, ref, weights, model, batch_size: int, device: torch.device, fid_method: str,
+               image_size: int | None, workers: int) -> EvaluationResult:
+    """FD-DINOv2 of `samples` against `ref` (its stored mu_dinov2 / sigma_dinov2, else its images)."""
+    from .dinov2 import DINOV2_MODEL, get_dinov2_extractor
+
+    if ref is None:
+        raise UserError("fd_dinov2 needs a reference (--ref)")
+    model = model or DINOV2_MODEL
+    extractor = get_dinov2_extractor(weights, model, device)  # fail on bad weights before reading images
+    start = time.time()
+    feats = dinov2_features(samples, extractor, batch_size, None, workers, "samples")
+    ref_batch = ref if isinstance(ref, ADMBatch) else (open_adm_npz(ref) if Path(ref).is_file() else None)
+    if ref_batch is not None and {"mu_dinov2", "sigma_dinov2"} <= set(ref_batch.stats):
+        mu, sigma, source = ref_batch.stats["mu_dinov2"], ref_batch.stats["sigma_dinov2"], "stored"
+        value = (frechet_distance_to_features(feats, mu, sigma) if fid_method == "eigh"
+                 else frechet_distance(*feature_statistics(feats), mu, sigma, method=fid_method))
+    else:
+        size = image_size or _image_size(samples)
+        ref_feats = dinov2_features(ref_batch if ref_batch is not None else ref, extractor, batch_size, size, workers,
+                                    "reference")
+        value = frechet_distance(*feature_statistics(feats), *feature_statistics(ref_feats), method=fid_method)
+        source = "features"
+    info = {"num_samples": len(feats), "samples": _describe(samples), "reference": _describe(ref),
+            "dinov2_model": model, "dinov2_weights": str(Path(weights).resolve()),
+            "dinov2_weights_sha256": sha256_file(weights), "dinov2_reference_statistics": source,
+            "dinov2_seconds": round(time.time() - start, 1)}
+    return EvaluationResult({"fd_dinov2": value}, info)
+
+
+def _image_size(source) -> int | None:
+    batch = source if isinstance(source, ADMBatch) else (open_adm_npz(source) if Path(source).is_file() else None)
+    return None if batch is None or batch.images is None else int(batch.images.shape[1])
+
+
+def dinov2_features(source, extractor, batch_size: int, image_size: int | None = None, workers: int = 0,
+                    name: str = "images") -> np.ndarray:
+    """DINOv2 CLS features of every image of an ADMBatch, an npz or a folder (centre-cropped to
+    `image_size`, as the Inception path reads folders)."""
+    if not isinstance(source, ADMBatch) and Path(source).is_dir():
+        files = list_image_folder(source).paths()
+        return extractor.extract(ImageFolderBatches(files, image_size, batch_size, workers), len(files),
+                                 desc=f"dinov2: {name}")
+    batch = source if isinstance(source, ADMBatch) else open_adm_npz(source)
+    if batch.images is None:
+        raise UserError(f"fd_dinov2 needs images of the {name} (arr_0) or its stored mu_dinov2 / sigma_dinov2 "
+                        "(evaluate.py --save-ref-stats ... --dinov2-weights FILE)")
+    return extractor.extract(iterate_batches(batch.images, batch_size), len(batch.images), desc=f"dinov2: {name}")
 
 
 def compute_metrics(samples: ADMBatch | str | os.PathLike, ref: str | os.PathLike | ADMBatch | None,
@@ -300,10 +360,10 @@ def _describe(source) -> str | None:
 def format_table(result: EvaluationResult) -> str:
     """Results as an aligned two-column text table, with the sample count and reference."""
     names = {"fid": "FID", "sfid": "sFID", "is": "Inception Score", "precision": "Precision", "recall": "Recall",
-             "kid": "KID", "kid_std": "KID std"}
+             "kid": "KID", "kid_std": "KID std", "fd_dinov2": "FD-DINOv2"}
     rows = [(names.get(k, k), display(v)) for k, v in result.metrics.items()]
     info = result.info
-    rows += [("samples", str(info["num_samples"])), ("reference", str(info["reference"] or "none (IS only)")),
-             ("reference stats", str(info["reference_statistics"]))]
+    rows += [("samples", str(info.get("num_samples", "-"))), ("reference", str(info.get("reference") or "none (IS only)")),
+             ("reference stats", str(info.get("reference_statistics", info.get("dinov2_reference_statistics"))))]
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)

@@ -24,12 +24,19 @@ from ..errors import UserError
 def save_reference_stats(images_dir: str | os.PathLike, out: str | os.PathLike, weights: str | os.PathLike,
                          image_size: int = 256, with_images: bool = False, max_images: int | None = None,
                          seed: int = 0, batch_size: int | None = None, device: str | torch.device | None = None,
-                         workers: int = 0) -> Path:
+                         workers: int = 0, dinov2_weights: str | os.PathLike | None = None,
+                         dinov2_model: str | None = None) -> Path:
     """Center-crops every image of `images_dir` to `image_size` (ADM's crop, as in training),
     computes Inception statistics and writes them (and optionally the images) to `out`.
-    `max_images` keeps a seeded random subset (a sorted prefix of ImageNet would be a few classes)."""
+    `max_images` keeps a seeded random subset (a sorted prefix of ImageNet would be a few classes).
+    With `dinov2_weights`, also FD-DINOv2's mu_dinov2 / sigma_dinov2 from the same crops."""
     device = torch.device(device) if device is not None else default_device()
     extractor = get_extractor(weights, device)  # fail on bad weights before reading any image
+    dinov2 = None
+    if dinov2_weights:
+        from .dinov2 import DINOV2_MODEL, get_dinov2_extractor
+        dinov2 = get_dinov2_extractor(dinov2_weights, dinov2_model or DINOV2_MODEL, device)
+    dinov2_parts: list[np.ndarray] = []
     listing = list_image_folder(images_dir)
     files, labels = listing.paths(), listing.labels
     if max_images is not None and max_images < len(files):
@@ -45,11 +52,16 @@ def save_reference_stats(images_dir: str | os.PathLike, out: str | os.PathLike, 
         for batch in batches:
             if with_images:
                 kept.append(batch)
+            if dinov2 is not None:
+                dinov2_parts.append(dinov2.batch(batch).numpy().astype(np.float64))
             yield batch
 
     features = extractor.extract(keep_images(), total=len(files), desc="inception: reference images")
     mu, sigma = feature_statistics(features.pool)
     mu_s, sigma_s = feature_statistics(features.spatial)
     images = np.concatenate(kept) if with_images else None
+    extra = {}
+    if dinov2 is not None:
+        extra["mu_dinov2"], extra["sigma_dinov2"] = feature_statistics(np.concatenate(dinov2_parts))
     return save_adm_npz(out, images, labels if with_images else None,
-                        mu=mu, sigma=sigma, mu_s=mu_s, sigma_s=sigma_s)
+                        mu=mu, sigma=sigma, mu_s=mu_s, sigma_s=sigma_s, **extra)

@@ -1,7 +1,8 @@
-"""Image folder -> VAE latent shards: the work of one process of a (possibly multi-process) run.
+"""Images -> VAE latent shards: the work of one process of a (possibly multi-process) run.
 
-Shard k holds the images at positions [k * shard_size, (k + 1) * shard_size) of the sorted file
-list, minus skipped files, and is written by process k % world. Images are batched within a shard
+Shard k holds the images at positions [k * shard_size, (k + 1) * shard_size) of the source's listing
+(sources.py: the sorted file list of a folder, the rows of a dataset, the samples of the tars), minus
+skipped images, and is written by process k % world. Images are batched within a shard
 only, so a shard's batches (and hence its values) do not depend on how many processes ran. Process 0
 writes the manifest and the report once every shard is on disk (after a barrier).
 """
@@ -17,14 +18,17 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ancre_dit.errors import UserError
 from ancre_dit.data.latents import (FORMAT_NAME, FORMAT_VERSION, IMAGE_KEY, MANIFEST_NAME, REPORT_NAME,
                                     shard_file_name)
-from ancre_dit.data.image_folder import CroppedImages, ImageList, LoadedImage, list_image_folder
+from ancre_dit.data.image_folder import LoadedImage
+from ancre_dit.data.latent_norm import channel_statistics, moment_sums
 from ancre_dit.files import write_atomic
+from ancre_dit.latents.sources import ImageSource, open_source
 from ancre_dit.latents.shards import (checksum_path, read_checksum, read_shard_meta, remove_stale_tmp,
                                       shard_is_complete, write_shard)
 from ancre_dit.vae import DTYPES, LoadedVAE, encode_moments, load_vae
@@ -47,6 +51,9 @@ class ExtractConfig:
     min_side: int = 8  # images with a shorter side are skipped as "too small"
     max_shards: int | None = None  # stop after this many new shards per process (split a job; tests)
     keep_images: bool = False  # also store each uint8 crop (REPA's encoder input): 3 x S x S bytes per image
+    data_format: str | None = None  # imagefolder | hf | wds; None: detected from data_path (sources.py)
+    image_column: str = "image"  # Hugging Face datasets: the image and label columns
+    label_column: str = "label"
 
 
 @dataclass
@@ -66,7 +73,7 @@ class ExtractResult:
     manifest: Path | None  # set on process 0 when the whole set is complete
 
 
-def _fingerprint(cfg: ExtractConfig, images: ImageList, vae: LoadedVAE) -> dict[str, Any]:
+def _fingerprint(cfg: ExtractConfig, images: ImageSource, vae: LoadedVAE) -> dict[str, Any]:
     """What must match for a rerun to reuse existing shards (same data, VAE, crop and sharding)."""
     rows = "\n".join(f"{p}\t{y}" for p, y in zip(images.files, images.labels))
     listing = hashlib.sha256(rows.encode()).hexdigest()
@@ -77,6 +84,8 @@ def _fingerprint(cfg: ExtractConfig, images: ImageList, vae: LoadedVAE) -> dict[
                    "file_list_sha256": listing}
     if cfg.keep_images:  # only when set: extractions without images keep their fingerprint (and resume)
         fingerprint["keep_images"] = True
+    if images.format != "imagefolder":  # likewise: image-folder extractions keep theirs
+        fingerprint["source"] = images.format
     return fingerprint
 
 
@@ -148,7 +157,7 @@ class _ShardBuffer:
         return out
 
 
-def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageList, buf: _ShardBuffer) -> int:
+def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageSource, buf: _ShardBuffer) -> int:
     for it in items:
         if it.action != "ok":
             buf.report.append([it.position, images.files[it.position], it.action, it.detail])
@@ -182,7 +191,7 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
         raise UserError(f"--vae-dtype must be one of {', '.join(DTYPES)}, got {cfg.vae_dtype}")
     if cfg.vae_dtype != "fp32" and ctx.device.type != "cuda":
         raise UserError(f"--vae-dtype {cfg.vae_dtype} is for GPUs; on {ctx.device.type} the VAE runs in fp32 (drop the flag)")
-    images = list_image_folder(cfg.data_path, require_classes=True)
+    images = open_source(cfg.data_path, cfg.data_format, cfg.image_column, cfg.label_column)
     vae = load_vae(cfg.vae, ctx.device, DTYPES[cfg.vae_dtype], cfg.scaling_factor)
     if cfg.image_size % vae.downsample:
         raise UserError(f"--image-size {cfg.image_size} is not a multiple of the VAE's downsampling factor "
@@ -211,7 +220,7 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
               f"{cfg.shard_size} in {out}; latents {list(latent_shape)} on {ctx.device} ({cfg.vae_dtype}), "
               f"{ctx.world} process(es); process 0: {len(pending)} to write, {len(reused)} already done", flush=True)
 
-    loader = DataLoader(CroppedImages(images, cfg.image_size, cfg.min_side), batch_sampler=[p for _, p, _ in plan],
+    loader = DataLoader(images.images(cfg.image_size, cfg.min_side), batch_sampler=[p for _, p, _ in plan],
                         num_workers=cfg.num_workers, collate_fn=list)
     bar = tqdm(total=sum(len(p) for _, p, _ in plan), unit="img", disable=ctx.rank != 0, smoothing=0.1,
                desc=f"encoding (process 0 of {ctx.world})")
@@ -222,8 +231,10 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
         _encode_batch(vae, items, images, buf)
         bar.update(len(positions))
         if last:
-            meta = {"shard": shard, "count": len(buf.labels), "extraction": fingerprint, "report": buf.report}
-            write_shard(out, shard, buf.tensors(), meta)
+            tensors = buf.tensors()
+            meta = {"shard": shard, "count": len(buf.labels), "extraction": fingerprint, "report": buf.report,
+                    "stats": moment_sums(tensors["mean"].numpy(), tensors["std"].numpy())}
+            write_shard(out, shard, tensors, meta)
             written.append(shard)
             bar.set_postfix(shards=f"{len(written)}/{len(pending)}")
             buf = _ShardBuffer(latent_shape, kept)
@@ -236,14 +247,20 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
     return ExtractResult(num_shards, written, reused, manifest)
 
 
-def write_manifest(out: Path, cfg: ExtractConfig, images: ImageList, vae: LoadedVAE,
+def _shard_sums(path: Path) -> dict[str, Any]:
+    """moment_sums of a shard written before shards carried them (a resumed older extraction)."""
+    tensors = load_file(str(path))
+    return moment_sums(tensors["mean"].numpy(), tensors["std"].numpy())
+
+
+def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: LoadedVAE,
                    latent_shape: tuple[int, int, int], fingerprint: dict[str, Any], num_shards: int) -> Path | None:
     """Writes manifest.json + the report when every shard is present (else says what is missing).
 
     Checksums come from the checksum files written next to each shard (hashed from the bytes
     written, or verified when a rerun reused the shard), so this does not reread the whole set.
     """
-    shards, report, missing = [], [], []
+    shards, report, missing, stats = [], [], [], []
     for k in range(num_shards):
         path = out / shard_file_name(k)
         digest, meta = read_checksum(path), read_shard_meta(path)
@@ -252,6 +269,7 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageList, vae: Loaded
             continue
         shards.append({"file": path.name, "count": int(meta["count"]), "sha256": digest})
         report += meta["report"]
+        stats.append(meta.get("stats") or _shard_sums(path))
     if missing:
         print(f"{len(missing)} of {num_shards} shards not written yet (first: {missing[0]}); "
               "rerun the same command to finish (finished shards are kept)", flush=True)
@@ -260,6 +278,7 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageList, vae: Loaded
     lines = ["index\tpath\taction\tdetail"] + ["\t".join(str(v) for v in row) for row in report]
     write_atomic(out / REPORT_NAME, ("\n".join(lines) + "\n").encode())
     num_images = sum(s["count"] for s in shards)
+    channel_mean, channel_std = channel_statistics(stats)
     manifest = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION,
         "num_images": num_images, "num_files": len(images.files),
@@ -267,6 +286,8 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageList, vae: Loaded
         "num_converted": sum(1 for row in report if row[2] == "converted"),
         "num_shards": num_shards, "shard_size": cfg.shard_size,
         "latent_shape": list(latent_shape), "dtype": "float16",
+        # per channel, of the posterior samples over all images and flips (data.latent_norm=channel)
+        "channel_mean": channel_mean, "channel_std": channel_std,
         "tensors": {"mean": "(n, 2, C, h, w) posterior mean * scaling_factor; [:, 1] = flipped image",
                     "std": "(n, 2, C, h, w) posterior std * scaling_factor",
                     "label": "(n,) class index", "index": "(n,) position in the sorted file list",
@@ -276,7 +297,7 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageList, vae: Loaded
         "vae": vae.name, "vae_dtype": cfg.vae_dtype,
         "scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor,
         "image_size": cfg.image_size, "crop": "adm_center_crop", "flip": True,
-        "data_path": str(cfg.data_path), "num_classes": len(images.class_names),
+        "data_path": str(cfg.data_path), "source": images.describe(), "num_classes": len(images.class_names),
         "class_names": images.class_names, "report": REPORT_NAME,
         "extraction": fingerprint, "shards": shards,
     }

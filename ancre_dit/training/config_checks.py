@@ -132,6 +132,14 @@ def _check_eval_metrics(config: Config) -> None:
     metrics = resolve_metrics(e, kind)
     if "digits" in metrics and kind != "digits":
         raise UserError(f"eval.metrics=digits scores 8x8 digits, but data.kind={kind}; use fid (with eval.ref)")
+    if "fd_dinov2" in metrics:
+        if not e.ref or not Path(e.ref).exists():
+            raise MissingFileError(f"eval.metrics fd_dinov2 needs eval.ref (an npz with images or mu_dinov2 / "
+                                   f"sigma_dinov2, or a folder of images); got {e.ref}")
+        if not e.dinov2_weights or not Path(e.dinov2_weights).is_file():
+            from ..models.timm_weights import weights_hint
+            raise MissingFileError(f"eval.metrics fd_dinov2 needs eval.dinov2_weights (got {e.dinov2_weights}); "
+                                   f"{weights_hint(e.dinov2_model, 'eval.dinov2_weights=PATH')}")
     inception = ", ".join(m for m in metrics if m in ADM_METRICS)
     if not inception:
         return

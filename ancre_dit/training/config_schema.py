@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from ..diffusion import ALL_SAMPLERS, OBJECTIVES, TIME_SAMPLINGS
+from ..data.latent_norm import LATENT_NORMS
 from ..errors import UserError
 from ..evaluation.evaluator import EVAL_METRICS
 from ..models import DIT_MODELS, TOPOLOGIES
@@ -134,6 +135,8 @@ class DataConfig:
     num_workers: int = ranged(4, ge=0, hint="0 = load in the main process")
     vae: str | None = None            # local VAE folder for sample grids (latents; default: manifest's)
     in_memory: bool = False           # latents: load every shard into RAM once (batches are then an index_select)
+    # latents: scale = as stored (VAE scaling/shift); channel = also (x - mean) / std per channel (manifest stats)
+    latent_norm: str = choice("scale", LATENT_NORMS, "latent normalisation")
 
 
 @dataclass
@@ -191,7 +194,8 @@ class EvalConfig:
 
     Samples come from the EMA weights with a fixed seed, sampler and step count, once per cfg scale.
     `metrics`: "digits" (held-out classifier accuracy + Fréchet distance on that classifier's
-    features; NOT FID) and/or Inception metrics (fid, sfid, is, precision, recall) against `ref`;
+    features; NOT FID) and/or Inception metrics (fid, sfid, is, precision, recall) and fd_dinov2
+    (DINOv2 features, `dinov2_weights`) against `ref`;
     null = digits on digits data, fid when `ref` is set, else none (held-out loss only)."""
     num_samples: int = ranged(1000, ge=1)
     batch_size: int = ranged(250, ge=1)  # images per sampling part (part j goes to process j % world)
@@ -203,6 +207,8 @@ class EvalConfig:
     metrics: list[str] | None = choice(None, EVAL_METRICS, "metric")
     ref: str | None = None            # ADM reference npz, or one from evaluate.py --save-ref-stats
     inception_weights: str | None = None
+    dinov2_weights: str | None = None  # fd_dinov2: local timm weights file of dinov2_model
+    dinov2_model: str = "vit_large_patch14_dinov2"
     heldout_loss: bool = True         # loss on fixed held-out examples with fixed noise and times
     heldout_draws: int = ranged(4, ge=1)    # (noise, time) pairs per held-out example
     heldout_max: int = ranged(1000, ge=1)   # at most this many held-out examples (the first ones)

@@ -23,6 +23,7 @@ from torch.utils.data import Dataset, Subset
 
 from ..errors import UserError
 from ..data.image_folder import list_image_folder, load_rgb
+from ..data.latent_norm import ChannelNorm, latent_norm_from_manifest
 from ..models import DIT_MODELS
 from .config import Config
 from .stopping import worker_signal_handlers
@@ -43,6 +44,7 @@ class DataInfo:
     random_flip: bool = False
     heldout: Dataset | None = None   # fixed held-out examples of the evaluation's held-out loss
     latents: Any = None              # the LatentShardDataset behind `dataset` (latents only)
+    latent_norm: ChannelNorm | None = None  # data.latent_norm=channel: applied to every posterior draw
 
 
 class _ImageFolderArrays(Dataset):
@@ -83,13 +85,19 @@ def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
         if int(m["image_size"]) != d.image_size:
             raise UserError(f"the latents in {d.path} were extracted at {m['image_size']} px but data.image_size="
                             f"{d.image_size}; set data.image_size={m['image_size']}")
+        if d.vae:
+            from ..vae import check_vae_fits
+            check_vae_fits(d.vae, ds.latent_shape, int(m["image_size"]))
         train_set, heldout = _split_latents(ds, config)
         info = DataInfo(train_set, "latents", h, c, ds.num_classes, int(m["image_size"]), 3,
                         vae=d.vae or m.get("vae"), scaling_factor=float(m["scaling_factor"]), heldout=heldout,
-                        latents=ds)
+                        latents=ds, latent_norm=latent_norm_from_manifest(d.latent_norm, m, f"{d.path}/manifest.json"))
     else:
         ds = _ImageFolderArrays(d.path, d.image_size)
         info = DataInfo(ds, "images", d.image_size, 3, len(ds.images.class_names), d.image_size, 3, random_flip=True)
+    if d.latent_norm != "scale" and info.kind != "latents":
+        raise UserError(f"data.latent_norm={d.latent_norm} applies to VAE latents; data.kind={d.kind} trains on "
+                        "pixels (drop data.latent_norm)")
     if info.input_size % patch_size:
         what = "latent side" if info.kind == "latents" else "data.image_size"
         raise UserError(f"{what} {info.input_size} is not divisible by the patch size {patch_size} of "
@@ -163,6 +171,8 @@ def prepare_batch(info: DataInfo, batch: tuple, device: torch.device, generator:
     if info.kind == "latents":
         from ..data.latents import draw_latents_from_moments
         x, flip = draw_latents_from_moments(x, generator=generator, return_flip=True)
+        if info.latent_norm is not None:
+            x = info.latent_norm(x)
         if clean_images:
             if images is None:
                 raise UserError("REPA needs the clean images, but the latent loader gave none; open the latents "

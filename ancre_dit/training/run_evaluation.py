@@ -33,7 +33,7 @@ def build_run_evaluator(config: Config, data, objective, decoder, state, log: Ca
     heldout = None
     if e.heldout_loss and data.heldout is not None:
         heldout = build_heldout_set(data.heldout, data.kind, max_examples=e.heldout_max, draws=e.heldout_draws,
-                                    seed=e.seed, objective=objective)
+                                    seed=e.seed, objective=objective, latent_norm=data.latent_norm)
     return Evaluator(e, data_kind=data.kind, num_classes=data.num_classes, objective=objective, heldout=heldout,
                      decoder=decoder, state=state, log=log)
 

@@ -225,7 +225,8 @@ class Trainer:
     def data_spec(self) -> dict[str, Any]:
         d = self.data
         return {"kind": d.kind, "image_size": d.image_size, "image_channels": d.image_channels,
-                "num_classes": d.num_classes, "vae": d.vae, "scaling_factor": d.scaling_factor}
+                "num_classes": d.num_classes, "vae": d.vae, "scaling_factor": d.scaling_factor,
+                **(d.latent_norm.spec() if d.latent_norm is not None else {})}
 
     def model_spec(self) -> dict[str, Any]:
         return make_model_spec(self.config.model.name, self.model_kwargs, self.objective.spec(), self.data_spec(),

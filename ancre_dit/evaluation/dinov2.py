@@ -1,0 +1,101 @@
+"""FD-DINOv2: the Fréchet distance between DINOv2 ViT-L/14 CLS features (Stein et al.'s dgm-eval,
+EDM2's second metric), from a local timm weights file.
+
+Protocol (EDM2's / dgm-eval's): uint8 images -> float in [0, 1], resized to 224 x 224 with bicubic
+interpolation and antialiasing (torch's F.interpolate, EDM2's call), normalised with ImageNet's
+mean and std; the feature is the CLS token after the final norm (1024-d for ViT-L/14); the
+statistics and the distance are FID's (`metrics.feature_statistics`, `frechet_distance`).
+
+How it relates to other implementations: EDM2 and dgm-eval load Meta's model through torch.hub,
+which interpolates its 37 x 37 position embedding to the 16 x 16 grid of a 224 px image at every
+forward; timm resamples it once when the weights are loaded (bicubic), so features differ
+slightly and values agree closely but not to the digit. torch-fidelity's `fd-dinov2` also loads
+through torch.hub (no local file), and resizes with TF1-style bilinear interpolation without
+antialiasing, which gives different features, hence different numbers: compare FD-DINOv2 values
+only between runs of one implementation.
+
+Reference statistics are stored in the reference npz as `mu_dinov2` / `sigma_dinov2`
+(evaluate.py --save-ref-stats with --dinov2-weights) and used as they are, like Inception's.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..data.adm_npz import to_rgb_uint8
+from ..errors import MissingFileError, UserError
+from ..models.timm_weights import load_timm_weights, weights_hint
+
+DINOV2_MODEL = "vit_large_patch14_dinov2"
+RESOLUTION = 224
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+STAT_KEYS = ("mu_dinov2", "sigma_dinov2")
+
+
+def preprocess(images: torch.Tensor) -> torch.Tensor:
+    """uint8 (N, H, W, 3) -> the network's input (N, 3, 224, 224), EDM2's resize and normalisation."""
+    x = images.permute(0, 3, 1, 2).to(torch.float32) / 255.0
+    x = F.interpolate(x, size=(RESOLUTION, RESOLUTION), mode="bicubic", align_corners=False, antialias=True)
+    mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+class DinoV2Extractor:
+    """A timm DINOv2 ViT built for 224 px, weights from `weights` (nothing is downloaded)."""
+
+    def __init__(self, weights: str | os.PathLike, model: str = DINOV2_MODEL, device: str | torch.device = "cpu"):
+        import timm
+
+        if not weights or not Path(weights).is_file():
+            raise MissingFileError(f"--dinov2-weights {weights} does not exist; "
+                                   f"{weights_hint(model, '--dinov2-weights PATH')}")
+        try:
+            net = timm.create_model(model, pretrained=False, num_classes=0, img_size=RESOLUTION)
+        except (RuntimeError, TypeError, ValueError) as err:
+            raise UserError(f"--dinov2-model {model} is not a timm ViT ({' '.join(str(err).split())})") from None
+        load_timm_weights(net, weights, model, flag="--dinov2-weights", name_flag="--dinov2-model")
+        self.net = net.eval().requires_grad_(False).to(device)
+        self.weights, self.model, self.device = Path(weights), model, torch.device(device)
+
+    @torch.no_grad()
+    def batch(self, images: np.ndarray) -> torch.Tensor:
+        """uint8 (N, H, W[, 1|3]) -> float32 CLS features (N, D) on the CPU."""
+        x = preprocess(torch.from_numpy(np.require(to_rgb_uint8(images), requirements="CW")).to(self.device))
+        tokens = self.net.forward_features(x)
+        return tokens[:, 0].float().cpu()
+
+    def extract(self, batches: Iterable[np.ndarray], total: int | None = None, desc: str = "dinov2") -> np.ndarray:
+        out = [self.batch(b).numpy() for b in tqdm(batches, total=None, desc=desc, unit="batch",
+                                                   disable=total is not None and total < 1000)]
+        return np.concatenate(out).astype(np.float64) if out else np.zeros((0, self.net.num_features))
+
+
+_EXTRACTORS: dict[tuple, DinoV2Extractor] = {}
+
+
+def get_dinov2_extractor(weights: str | os.PathLike, model: str = DINOV2_MODEL,
+                         device: str | torch.device = "cpu") -> DinoV2Extractor:
+    """A loaded extractor, cached per (weights file, its mtime, model, device); one in memory at a time."""
+    path = Path(weights) if weights else Path("")
+    key = (str(path.resolve()), path.stat().st_mtime_ns if path.is_file() else None, model, str(device))
+    if key not in _EXTRACTORS:
+        _EXTRACTORS.clear()
+        _EXTRACTORS[key] = DinoV2Extractor(weights, model, device)
+    return _EXTRACTORS[key]
+
+
+def stored_dinov2_stats(path: str | os.PathLike | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(mu, sigma) stored in a reference npz, or None."""
+    if path is None or not Path(path).is_file() or not str(path).endswith(".npz"):
+        return None
+    with np.load(path) as data:
+        if all(k in data.files for k in STAT_KEYS):
+            return data["mu_dinov2"].astype(np.float64), data["sigma_dinov2"].astype(np.float64)
+    return None

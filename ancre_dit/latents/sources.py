@@ -1,0 +1,341 @@
+"""Where extraction reads its images: an image folder, a Hugging Face dataset (save_to_disk folder or
+parquet files) or WebDataset tar shards, behind one interface.
+
+Every container yields the same thing: a listing (one name and one label per image, in a fixed
+order, plus the class names) and a Dataset that maps a position of that listing to a LoadedImage.
+The image's encoded bytes are decoded by the image folder's own `load_and_crop` (same PIL decoding,
+RGB conversion and ADM crop), so the same images give bitwise the same crops, hence the same
+latents, whatever container they come in. `open_source` picks the container from the path.
+"""
+from __future__ import annotations
+
+import bisect
+import io
+import os
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from torch.utils.data import Dataset
+
+from ancre_dit.data.image_folder import CroppedImages, LoadedImage, list_image_folder, load_and_crop
+from ancre_dit.errors import MissingFileError, UserError
+
+FORMATS = ("imagefolder", "hf", "wds")
+WDS_IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")  # first present wins, in this order
+WDS_LABEL_KEY = "cls"
+_HF_DISK_FILES = ("state.json", "dataset_info.json")
+_HF_DICT_FILE = "dataset_dict.json"
+
+
+@dataclass
+class ImageSource:
+    """A listed container: `files[i]` names image i (report, fingerprint), `labels[i]` its class."""
+    format: str
+    path: str
+    files: list[str]
+    labels: list[int]
+    class_names: list[str]
+    _open: Callable[[int, int], Dataset] = field(repr=False)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def images(self, image_size: int, min_side: int) -> Dataset:
+        """position -> LoadedImage (ADM crop at `image_size`; a bad image is reported, not raised)."""
+        return self._open(image_size, min_side)
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest's record of where the images came from."""
+        return {"format": self.format, "path": self.path, **self.options}
+
+
+def detect_format(path: str) -> str:
+    """imagefolder | hf | wds from what the path holds (see `open_source`)."""
+    if "{" in path or path.endswith(".tar"):
+        return "wds"
+    root = Path(path)
+    if not root.is_dir():
+        raise MissingFileError(f"--data-path {path} is not a folder, a .tar file or a brace pattern of tars")
+    if any((root / name).is_file() for name in (*_HF_DISK_FILES, _HF_DICT_FILE)):
+        return "hf"
+    if any(root.glob("*.tar")):
+        return "wds"
+    if next(root.rglob("*.parquet"), None) is not None:
+        return "hf"
+    return "imagefolder"
+
+
+def open_source(path: str, fmt: str | None = None, image_column: str = "image",
+                label_column: str = "label") -> ImageSource:
+    """Lists the images at `path`. Without `fmt`: tar files or a brace pattern are WebDataset, a
+    folder with save_to_disk's files or with parquet files is a Hugging Face dataset, any other
+    folder an image folder (one subfolder per class)."""
+    fmt = fmt or detect_format(path)
+    if fmt not in FORMATS:
+        raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {fmt}")
+    if fmt == "imagefolder":
+        listing = list_image_folder(path, require_classes=True)
+        return ImageSource("imagefolder", str(path), listing.files, listing.labels, listing.class_names,
+                           lambda size, min_side: CroppedImages(listing, size, min_side))
+    if fmt == "hf":
+        return _open_hf(path, image_column, label_column)
+    return _open_wds(path)
+
+
+def _check_labels(labels: list[int], class_names: list[str], where: Callable[[int], str]) -> None:
+    for i, y in enumerate(labels):
+        if not 0 <= y < len(class_names):
+            raise UserError(f"{where(i)} has label {y}, outside the {len(class_names)} classes [0, {len(class_names)}); "
+                            "remove unlabelled rows (e.g. a test split's -1) or fix the class list")
+
+
+def _decode(position: int, data: bytes | None, path: str | None, image_size: int, min_side: int) -> LoadedImage:
+    source = io.BytesIO(data) if data is not None else path
+    if source is None:
+        return LoadedImage(position, None, "skipped", "no image bytes")
+    array, action, detail = load_and_crop(source, image_size, min_side)
+    return LoadedImage(position, array, action, detail)
+
+
+# -- Hugging Face datasets -----------------------------------------------------------------------
+
+def _class_names(features: Any, label_column: str, labels: list[int]) -> list[str]:
+    """ClassLabel names when the label column has them, else "0".."max" (plain integer labels)."""
+    from datasets import ClassLabel
+
+    feature = features.get(label_column) if features is not None else None
+    if isinstance(feature, ClassLabel):
+        return list(feature.names)
+    return [str(k) for k in range(max(labels, default=-1) + 1)]
+
+
+def _check_columns(names: list[str], image_column: str, label_column: str, where: str) -> None:
+    missing = [c for c in (image_column, label_column) if c not in names]
+    if missing:
+        raise UserError(f"{where} has no column {', '.join(map(repr, missing))} (columns: {', '.join(names)}); "
+                        "name them with --image-column / --label-column")
+
+
+def _image_paths(column: Any) -> list[str | None]:
+    """The `path` field of an Image column (struct of bytes and path), read without the bytes."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_struct(column.type) and column.type.get_field_index("path") >= 0:
+        return pc.struct_field(column, "path").to_pylist()
+    return [None] * len(column)
+
+
+def _row_image(value: Any) -> tuple[bytes | None, str | None]:
+    if isinstance(value, dict):
+        return value.get("bytes"), value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value), None
+    raise UserError(f"the image column holds {type(value).__name__} values, not encoded images; "
+                    "store it as a datasets Image feature (bytes) or name the right --image-column")
+
+
+def _open_hf(path: str, image_column: str, label_column: str) -> ImageSource:
+    import datasets  # only when a Hugging Face dataset is read
+
+    root = Path(path)
+    options = {"image_column": image_column, "label_column": label_column}
+    if (root / _HF_DICT_FILE).is_file():
+        splits = sorted(p.name for p in root.iterdir() if p.is_dir())
+        raise UserError(f"{path} holds a DatasetDict with splits {', '.join(splits)}; pass one split's folder, "
+                        f"e.g. --data-path {root / (splits[0] if splits else 'train')}")
+    if any((root / name).is_file() for name in _HF_DISK_FILES):
+        try:
+            ds = datasets.load_from_disk(str(root))
+        except Exception as err:  # noqa: BLE001 - any failure means "not a readable saved dataset"
+            raise UserError(f"{path} is not a readable save_to_disk dataset ({str(err).splitlines()[0]})") from None
+        _check_columns(ds.column_names, image_column, label_column, path)
+        table = ds.with_format("arrow").select_columns([image_column, label_column])[:]
+        labels = [int(y) if y is not None else -1 for y in table.column(label_column).to_pylist()]
+        names = _class_names(ds.features, label_column, labels)
+        paths = _image_paths(table.column(image_column))
+        files = [f"{i}" + (f" {p}" if p else "") for i, p in enumerate(paths)]
+        _check_labels(labels, names, lambda i: f"{path} row {i}")
+        return ImageSource("hf", path, files, labels, names,
+                           lambda size, min_side: _ArrowRows(ds, image_column, size, min_side), options)
+    return _open_parquet(root, image_column, label_column, options)
+
+
+def _open_parquet(root: Path, image_column: str, label_column: str, options: dict[str, Any]) -> ImageSource:
+    import datasets
+    import pyarrow.parquet as pq
+
+    paths = sorted(root.rglob("*.parquet"))
+    if not paths:
+        raise MissingFileError(f"{root} holds no parquet files nor a save_to_disk dataset")
+    labels, files, names, counts = [], [], None, []
+    for p in paths:
+        f = pq.ParquetFile(p)
+        _check_columns(f.schema_arrow.names, image_column, label_column, str(p))
+        part = f.read(columns=[label_column]).column(label_column).to_pylist()
+        labels += [int(y) if y is not None else -1 for y in part]
+        rel = p.relative_to(root)
+        has_paths = f.schema_arrow.field(image_column).type.num_fields > 0  # an Image struct, not plain bytes
+        paths_here = (_image_paths(f.read(columns=[f"{image_column}.path"]).column(image_column)) if has_paths
+                      else [None] * len(part))  # only the path field: the image bytes are not read here
+        files += [f"{rel}:{i}" + (f" {q}" if q else "") for i, q in enumerate(paths_here)]
+        counts.append(len(part))
+        if names is None:  # the class list of the first file's features (HF writes them in the schema)
+            features = datasets.Features.from_arrow_schema(f.schema_arrow)
+            names = features.get(label_column)
+            names = list(names.names) if isinstance(names, datasets.ClassLabel) else None
+    names = names if names is not None else [str(k) for k in range(max(labels, default=-1) + 1)]
+    _check_labels(labels, names, lambda i: f"{root} image {files[i]}")
+    parquet = [str(p) for p in paths]
+    return ImageSource("hf", str(root), files, labels, names,
+                       lambda size, min_side: _ParquetRows(parquet, counts, image_column, size, min_side), options)
+
+
+class _ArrowRows(Dataset):
+    """Rows of a save_to_disk dataset (memory-mapped Arrow) -> LoadedImage, bytes decoded by PIL."""
+
+    def __init__(self, ds: Any, column: str, image_size: int, min_side: int):
+        self.ds = ds.with_format("arrow").select_columns([column])
+        self.column, self.image_size, self.min_side = column, image_size, min_side
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, position: int) -> LoadedImage:
+        value = self.ds[position].column(self.column)[0].as_py()
+        return _decode(position, *_row_image(value), self.image_size, self.min_side)
+
+
+class _ParquetRows(Dataset):
+    """Rows of parquet files -> LoadedImage; reads one row group at a time and keeps the last one,
+    since extraction asks for consecutive positions."""
+
+    def __init__(self, paths: list[str], counts: list[int], column: str, image_size: int, min_side: int):
+        self.paths, self.column, self.image_size, self.min_side = paths, column, image_size, min_side
+        self.starts = [0]
+        for n in counts:
+            self.starts.append(self.starts[-1] + n)
+        self._files: dict[int, Any] = {}
+        self._group: tuple[int, int, int, list] | None = None  # (file, group, first row, values)
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getstate__(self) -> dict[str, Any]:  # open files stay in the process that opened them
+        return {**self.__dict__, "_files": {}, "_group": None}
+
+    def __getitem__(self, position: int) -> LoadedImage:
+        import pyarrow.parquet as pq
+
+        k = bisect.bisect_right(self.starts, position) - 1
+        row = position - self.starts[k]
+        g = self._group
+        if g is None or g[0] != k or not g[2] <= row < g[2] + len(g[3]):
+            f = self._files.setdefault(k, pq.ParquetFile(self.paths[k]))
+            first = 0
+            for group in range(f.metadata.num_row_groups):
+                n = f.metadata.row_group(group).num_rows
+                if row < first + n:
+                    break
+                first += n
+            values = f.read_row_group(group, columns=[self.column]).column(self.column).to_pylist()
+            g = self._group = (k, group, first, values)
+        return _decode(position, *_row_image(g[3][row - g[2]]), self.image_size, self.min_side)
+
+
+# -- WebDataset tar shards -----------------------------------------------------------------------
+
+def _wds_urls(path: str) -> list[str]:
+    from webdataset.shardlists import expand_urls  # webdataset's own brace expansion
+
+    if Path(path).is_dir():
+        urls = sorted(str(p) for p in Path(path).glob("*.tar"))
+        if not urls:
+            raise MissingFileError(f"{path} holds no .tar files")
+        return urls
+    urls = expand_urls(path)
+    missing = [u for u in urls if not Path(u).is_file()]
+    if missing:
+        raise MissingFileError(f"{missing[0]} (from --data-path {path}) does not exist; "
+                               f"{len(missing)} of {len(urls)} tar files are missing")
+    return urls
+
+
+def _index_tar(url: str) -> list[tuple[str, int, int, int]]:
+    """(key, byte offset, size of the image member, label) of each sample of one tar, in order.
+
+    Samples are grouped as webdataset groups them (its `base_plus_ext` split of member names,
+    suffixes case-insensitive, a sample = consecutive members with one key). The tar is indexed with
+    the standard library's tarfile rather than streamed by webdataset's pipeline because extraction
+    needs random access by position: shards are written by different processes and a resumed run
+    reads only the shards it misses, which a sequential stream cannot do without rereading.
+    """
+    from webdataset.tariterators import base_plus_ext
+
+    samples: list[tuple[str, int, int, int]] = []
+    with open(url, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
+        groups: list[tuple[str, dict[str, tarfile.TarInfo]]] = []
+        for member in tar:
+            if not member.isfile():
+                continue
+            key, ext = base_plus_ext(member.name)
+            if key is None:
+                continue
+            if not groups or groups[-1][0] != key:
+                groups.append((key, {}))
+            groups[-1][1][ext.lower()] = member
+        for key, members in groups:
+            image = next((members[k] for k in WDS_IMAGE_KEYS if k in members), None)
+            if image is None:
+                continue  # not an image sample (e.g. a lone metadata file)
+            if WDS_LABEL_KEY not in members:
+                raise UserError(f"{url}: sample {key} has an image but no .{WDS_LABEL_KEY} label; every sample "
+                                f"needs a {key}.{WDS_LABEL_KEY} member holding its class index")
+            text = tar.extractfile(members[WDS_LABEL_KEY]).read().decode(errors="replace").strip()
+            try:
+                label = int(text)
+            except ValueError:
+                raise UserError(f"{url}: {key}.{WDS_LABEL_KEY} holds {text[:20]!r}, not a class index") from None
+            samples.append((key, image.offset_data, image.size, label))
+    return samples
+
+
+def _open_wds(path: str) -> ImageSource:
+    urls = _wds_urls(path)
+    files, labels, where = [], [], []
+    for t, url in enumerate(urls):
+        for key, offset, size, label in _index_tar(url):
+            files.append(f"{Path(url).name}/{key}")
+            labels.append(label)
+            where.append((t, offset, size))
+    if not files:
+        raise MissingFileError(f"no {'/'.join(WDS_IMAGE_KEYS)} samples in the tar files of {path}")
+    bad = next((i for i, y in enumerate(labels) if y < 0), None)
+    if bad is not None:
+        raise UserError(f"{files[bad]} has label {labels[bad]}, outside the classes [0, ...); "
+                        "remove unlabelled samples")
+    names = [str(k) for k in range(max(labels) + 1)]
+    return ImageSource("wds", path, files, labels, names,
+                       lambda size, min_side: _TarMembers(urls, where, size, min_side))
+
+
+class _TarMembers(Dataset):
+    """Indexed tar members -> LoadedImage: one seek and read per image."""
+
+    def __init__(self, urls: list[str], where: list[tuple[int, int, int]], image_size: int, min_side: int):
+        self.urls, self.where, self.image_size, self.min_side = urls, where, image_size, min_side
+        self._handles: dict[int, Any] = {}
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_handles": {}}
+
+    def __getitem__(self, position: int) -> LoadedImage:
+        t, offset, size = self.where[position]
+        f = self._handles.get(t)
+        if f is None:
+            f = self._handles[t] = open(self.urls[t], "rb")
+        data = os.pread(f.fileno(), size, offset)
+        return _decode(position, data, None, self.image_size, self.min_side)
