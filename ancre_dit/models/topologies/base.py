@@ -115,14 +115,30 @@ class WeightedHistoryTopology(ResidualTopology):
         if mode not in self.MODES:
             raise UserError(f"unknown ancre_mode {mode!r}; choose add (the official form) or replace")
         self.mode = mode
-        self.edges = edges if edges is not None else [list(range(j + 1)) for j in range(num_blocks)]
-        if mode == "replace":  # every block subtracts its own input: the previous source is always an edge
-            self.edges = [sorted(set(e) | {j}) for j, e in enumerate(self.edges)]
+        # The dtype the kept history is stored in under bf16 autocast (model.history_dtype): the
+        # stream itself, fed from block to block, keeps its own dtype.
+        self.history_dtype = torch.float32
+        self.set_edges(edges if edges is not None else [list(range(j + 1)) for j in range(num_blocks)])
+
+    def set_edges(self, edges: list[list[int]]) -> None:
+        """The sources each block reads (`edges[j]` for block j+1); the others are skipped in the
+        forward and the backward."""
+        if self.mode == "replace":  # every block subtracts its own input: the previous source is always an edge
+            edges = [sorted(set(e) | {j}) for j, e in enumerate(edges)]
+        self.edges = [list(e) for e in edges]
         # How each block's weights are read from its row of P, decided once: a contiguous run of
         # sources is a slice (a view), anything else an index list (a gather).
         self._row_selectors = [None if not e else slice(e[0], e[-1] + 1) if e == list(range(e[0], e[-1] + 1)) else e
                                for e in self.edges]
         self._routing_plan = RoutingPlan(self.edges)
+
+    def _history_cast(self, h0: torch.Tensor) -> torch.dtype | None:
+        """bfloat16 when the history is kept in bf16 and the model runs under bf16 autocast, else None."""
+        device = h0.device.type
+        if (self.history_dtype == torch.bfloat16 and torch.is_autocast_enabled(device)
+                and torch.get_autocast_dtype(device) == torch.bfloat16 and h0.dtype != torch.bfloat16):
+            return torch.bfloat16
+        return None
 
     def mixing_weights(self) -> torch.Tensor:
         """The weights the skip sums use: P (add), or P minus the identity (replace: the block's own
@@ -138,7 +154,8 @@ class WeightedHistoryTopology(ResidualTopology):
         fused = self.fused_aggregation and not torch.compiler.is_compiling()
         routing = (GradientRouting(self._routing_plan) if fused and self.route_gradients and torch.is_grad_enabled()
                    else None)
-        history = [h0]
+        cast = self._history_cast(h0)
+        history = [h0 if cast is None else h0.to(cast)]
         h = h0
         self.emit_state(0, h)
         for j, block in enumerate(blocks):
@@ -150,7 +167,7 @@ class WeightedHistoryTopology(ResidualTopology):
                 for i in edges:
                     out = torch.addcmul(out, history[i], weights[j, i])
             h = out
-            history.append(h)
+            history.append(h if cast is None else h.to(cast))
             self.emit_state(j + 1, h)
         return h
 
@@ -174,6 +191,24 @@ class FixedTopology(WeightedHistoryTopology):
 
     def probabilities(self) -> torch.Tensor:
         return self.weights
+
+
+# model.history_dtype: the dtype of a weighted-history topology's kept history under bf16 autocast.
+HISTORY_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def configure_aggregation(topology: ResidualTopology, history_dtype: str = "float32", topk: int = 0) -> None:
+    """Applies model.history_dtype (to the topologies that keep a weighted history; the others have
+    none to store) and model.topology_topk (only topologies that can sparsify take it)."""
+    if history_dtype not in HISTORY_DTYPES:
+        raise UserError(f"unknown history_dtype {history_dtype!r}; choose one of {', '.join(HISTORY_DTYPES)}")
+    if isinstance(topology, WeightedHistoryTopology):
+        topology.history_dtype = HISTORY_DTYPES[history_dtype]
+    if topk:
+        if not hasattr(topology, "enable_topk"):
+            raise UserError(f"topology_topk applies to topology ancre only, not {type(topology).__name__}; "
+                            "set model.topology_topk=0")
+        topology.enable_topk(topk)
 
 
 def save_topology_json(path: str | Path, probabilities: torch.Tensor, **extra) -> None:
