@@ -19,9 +19,10 @@ eager fused aggregation with its gradient routing in `aggregation.py`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -72,6 +73,12 @@ class ResidualTopology(nn.Module):
     def check_blocks(self, blocks: Sequence[nn.Module]) -> None:
         if len(blocks) != self.num_blocks:
             raise ValueError(f"topology was built for {self.num_blocks} blocks, got {len(blocks)}")
+
+    @contextlib.contextmanager
+    def exact_state_gradients(self) -> Iterator[None]:
+        """While on, a gradient taken with respect to a state given to `state_hook` is its whole
+        gradient (the diagnostics' backward decay). Every topology's is, but ANCRe's fused routing."""
+        yield
 
     def forward(self, h0: torch.Tensor, blocks: Sequence[nn.Module], c: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -139,6 +146,17 @@ class WeightedHistoryTopology(ResidualTopology):
                 and torch.get_autocast_dtype(device) == torch.bfloat16 and h0.dtype != torch.bfloat16):
             return torch.bfloat16
         return None
+
+    @contextlib.contextmanager
+    def exact_state_gradients(self) -> Iterator[None]:
+        """The plain chain meanwhile: the fused routing hands part of each history tensor's gradient
+        straight to the node that made it, so autograd never sees that part arrive at the state."""
+        fused = self.fused_aggregation
+        self.fused_aggregation = False
+        try:
+            yield
+        finally:
+            self.fused_aggregation = fused
 
     def mixing_weights(self) -> torch.Tensor:
         """The weights the skip sums use: P (add), or P minus the identity (replace: the block's own
