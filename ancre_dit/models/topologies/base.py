@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ...errors import MissingFileError, UserError
-from .aggregation import GradientRouting, RoutingPlan, weighted_sum
+from .aggregation import GradientRouting, RoutingPlan, StackedPlan, StackedTrunk, stacked_sum, weighted_sum
 
 
 class TopologyNotDefined(ValueError):
@@ -115,6 +115,10 @@ class WeightedHistoryTopology(ResidualTopology):
 
     fused_aggregation = True  # False: the addcmul chain in eager mode too (benchmarks and pinned tests compare both)
     route_gradients = True  # False: each edge hands its source its own gradient (the form before routing; benchmarks)
+    # True: the stacked aggregation (one store for the history, one product per node forward and per
+    # source backward, a Gram product for the weights) where every block has a source; False: the
+    # per-edge fused sums above (benchmarks compare both)
+    stacked_history = True
     MODES = ("add", "replace")
 
     def __init__(self, num_blocks: int, edges: list[list[int]] | None = None, mode: str = "add"):
@@ -138,6 +142,7 @@ class WeightedHistoryTopology(ResidualTopology):
         self._row_selectors = [None if not e else slice(e[0], e[-1] + 1) if e == list(range(e[0], e[-1] + 1)) else e
                                for e in self.edges]
         self._routing_plan = RoutingPlan(self.edges)
+        self._stacked_plan = StackedPlan(self.edges) if StackedPlan.applies(self.edges) else None
 
     def _history_cast(self, h0: torch.Tensor) -> torch.dtype | None:
         """bfloat16 when the history is kept in bf16 and the model runs under bf16 autocast, else None."""
@@ -173,6 +178,8 @@ class WeightedHistoryTopology(ResidualTopology):
         routing = (GradientRouting(self._routing_plan) if fused and self.route_gradients and torch.is_grad_enabled()
                    else None)
         cast = self._history_cast(h0)
+        if fused and self.stacked_history and self._stacked_plan is not None:
+            return self._stacked_forward(h0, blocks, c, weights, cast)
         history = [h0 if cast is None else h0.to(cast)]
         h = h0
         self.emit_state(0, h)
@@ -186,6 +193,17 @@ class WeightedHistoryTopology(ResidualTopology):
                     out = torch.addcmul(out, history[i], weights[j, i])
             h = out
             history.append(h if cast is None else h.to(cast))
+            self.emit_state(j + 1, h)
+        return h
+
+    def _stacked_forward(self, h0, blocks, c, weights, cast):
+        """The eager trunk with the stacked aggregation (aggregation.py, `_StackedNode`)."""
+        kept0 = h0 if cast is None else h0.to(cast)
+        trunk = StackedTrunk(self._stacked_plan, kept0, cast or h0.dtype)
+        h = h0
+        self.emit_state(0, h)
+        for j, block in enumerate(blocks):
+            h = stacked_sum(self.run_block(block, h, c), weights, trunk, j, kept0 if j == 0 else None)
             self.emit_state(j + 1, h)
         return h
 
