@@ -131,18 +131,17 @@ def weighted_sum(out: torch.Tensor, weights: torch.Tensor, sources: Sequence[tor
 class StackedPlan:
     """What the stacked aggregation needs to know of `edges` (every block reads at least one source).
 
-    The history h_1..h_{K-1} lives in one (K-1, N) store, so a block's skip sum is one matrix-vector
+    The history h_0..h_{K-1} lives in one (K, N) store, so a block's skip sum is one matrix-vector
     product over its sources (each read once, instead of a read-modify-write of the sum per edge);
     the backward keeps every node's output gradient in one (K, N) buffer, so each h_i's skip
-    gradient is one product over the gradients of the blocks that read it, and the logit gradients
-    are one Gram product of those gradients with the history, at the end.
+    gradient is one product over the gradients of the blocks that read it, and the weights'
+    gradient is one Gram product of those gradients with the history, at the end.
     """
 
     def __init__(self, edges: list[list[int]]):
         K = len(edges)
         self.edges = edges
         self.readers = [[r for r in range(K) if i in edges[r]] for i in range(K)]  # readers of source i
-        self.stored = [[i for i in e if i >= 1] for e in edges]  # sources of node j held in the store
         self.mask = torch.zeros(K, K, dtype=torch.bool)
         for j, e in enumerate(edges):
             self.mask[j, e] = True
@@ -160,30 +159,37 @@ def _row_alias(store: torch.Tensor, k: int, shape: torch.Size) -> torch.Tensor:
     """Row k of `store` as a tensor of its own: same memory, but its own version counter, so writing
     the next rows does not look to autograd like a change of a tensor some block saved."""
     row = torch.empty(0, dtype=store.dtype, device=store.device)
-    n = store.shape[1]
     strides = torch.empty(shape, device="meta").stride()
-    return row.set_(store.untyped_storage(), store.storage_offset() + k * n, shape, strides)
+    return row.set_(store.untyped_storage(), store.storage_offset() + k * store.shape[1], shape, strides)
 
 
-def _accumulate(into: torch.Tensor, base: torch.Tensor, rows: torch.Tensor, indices: list[int],
-                weights: torch.Tensor, first: int = 0) -> None:
-    """into = base + sum_k weights[k] * rows[indices[k] - first] (flat tensors), each row read once."""
-    if _contiguous(indices) and rows.dtype == into.dtype == base.dtype:
-        a, b = indices[0] - first, indices[-1] - first + 1
-        torch.addmv(base, rows[a:b].t(), weights.to(into.dtype), out=into)
+def _accumulate(into: torch.Tensor, base: torch.Tensor | None, rows: torch.Tensor, indices: list[int],
+                weights: torch.Tensor) -> None:
+    """into = base + sum_k weights[k] * rows[indices[k]] (flat tensors; no base: zero), each row read once."""
+    if _contiguous(indices) and rows.dtype == into.dtype and (base is None or base.dtype == into.dtype):
+        block = rows[indices[0]:indices[-1] + 1].t()
+        if base is None:
+            torch.mv(block, weights.to(into.dtype), out=into)
+        else:
+            torch.addmv(base, block, weights.to(into.dtype), out=into)
         return
-    into.copy_(base)
+    if base is None:
+        into.zero_()
+    else:
+        into.copy_(base)
     for k, i in enumerate(indices):
-        into.addcmul_(rows[i - first], weights[k])
+        into.addcmul_(rows[i], weights[k])
 
 
 class StackedTrunk:
-    """One forward's history store and, in the backward, the nodes' output gradients."""
+    """One forward's history store (h_0 copied in as row 0) and, in the backward, the nodes'
+    output gradients."""
 
     def __init__(self, plan: StackedPlan, h0: torch.Tensor, dtype: torch.dtype):
         K = len(plan.edges)
-        self.plan, self.h0, self.shape = plan, h0, h0.shape
-        self.store = torch.empty((K - 1, h0.numel()), dtype=dtype, device=h0.device)
+        self.plan, self.shape = plan, h0.shape
+        self.store = torch.empty((K, h0.numel()), dtype=dtype, device=h0.device)
+        self.store[0].copy_(h0.detach().reshape(-1))
         self.grads: torch.Tensor | None = None
         self.done: list[bool] = []
 
@@ -192,28 +198,23 @@ class _StackedNode(torch.autograd.Function):
     """h_{j+1} = out + sum_i w[j, i] h_i over node j's sources, with `StackedTrunk` holding the history.
 
     Every node takes the whole weight matrix; node 0, whose backward autograd runs last (every later
-    node depends on its output through the blocks), returns its gradient, the Gram product, and
+    node depends on its output through the blocks), returns its gradient (the Gram product) and
     h_0's. Node j returns its block's output gradient: what autograd brought plus the skip-sum
     reads of h_{j+1} by the later nodes, taken from their stored gradients.
     """
 
     @staticmethod
     def forward(ctx, out, weights, h0, trunk: StackedTrunk, j: int):
-        plan, store = trunk.plan, trunk.store
-        K = len(plan.edges)
-        dtype = torch.promote_types(out.dtype, store.dtype if plan.stored[j] else out.dtype)
-        if 0 in plan.edges[j]:
-            dtype = torch.promote_types(dtype, trunk.h0.dtype)
-        in_store = j < K - 1 and dtype == store.dtype  # the output is itself the store's row
-        result = _row_alias(store, j, out.shape) if in_store else torch.empty(out.shape, dtype=dtype, device=out.device)
+        store, edges = trunk.store, trunk.plan.edges[j]
+        K = store.shape[0]
+        dtype = torch.promote_types(out.dtype, store.dtype)
+        in_store = j < K - 1 and dtype == store.dtype  # the output is itself the store's next row
+        result = _row_alias(store, j + 1, out.shape) if in_store else torch.empty(out.shape, dtype=dtype,
+                                                                                  device=out.device)
         flat = result.view(-1)
-        w = weights[j]
-        stored = plan.stored[j]
-        _accumulate(flat, out.reshape(-1).to(dtype), store, stored, w[stored] if stored else w[:0], first=1)
-        if 0 in plan.edges[j]:
-            flat.addcmul_(trunk.h0.reshape(-1), w[0])
-        if j < K - 1 and not in_store:
-            store[j].copy_(flat)
+        _accumulate(flat, out.reshape(-1).to(dtype), store, edges, weights[j, edges])
+        if j < K - 1 and not in_store:  # e.g. a bf16 history under a fp32 stream
+            store[j + 1].copy_(flat)
         ctx.trunk, ctx.j = trunk, j
         ctx.weights = weights.detach()
         return result
@@ -227,43 +228,36 @@ class _StackedNode(torch.autograd.Function):
             trunk.grads = torch.empty((K, grad.numel()), dtype=grad.dtype, device=grad.device)
             trunk.done = [False] * K
         grads = trunk.grads
+        # the nodes that read h_{j+1} and ran (a loss on an inner state leaves the later ones out)
         readers = [r for r in plan.readers[j + 1] if trunk.done[r]] if j + 1 < K else []
         G = grads[j]
         _accumulate(G, grad.reshape(-1).to(G.dtype), grads, readers, W[readers, j + 1] if readers else W[:0, 0])
         trunk.done[j] = True
         grad_weights = grad_h0 = None
         if j == 0:
-            done = [r for r in range(K) if trunk.done[r]]
             if ctx.needs_input_grad[2]:
                 readers0 = [r for r in plan.readers[0] if trunk.done[r]]
                 grad_h0 = torch.empty(trunk.shape, dtype=G.dtype, device=G.device)
-                _accumulate(grad_h0.view(-1), torch.zeros_like(G), grads, readers0, W[readers0, 0])
+                _accumulate(grad_h0.view(-1), None, grads, readers0, W[readers0, 0])
             if ctx.needs_input_grad[1]:
-                grad_weights = _gram(grads, trunk.h0.reshape(-1), trunk.store, W.dtype)
-                valid = plan.mask.to(W.device) & torch.tensor(trunk.done, device=W.device)[:, None]
-                grad_weights = grad_weights.masked_fill(~valid, 0)
+                ran = torch.tensor(trunk.done, device=W.device)[:, None]
+                grad_weights = _gram(grads, trunk.store, W.dtype).masked_fill(~(plan.mask.to(W.device) & ran), 0)
             trunk.grads, trunk.done = None, []  # (a second backward of a kept graph starts afresh)
         return G.view(grad.shape), grad_weights, grad_h0, None, None
 
 
-def _gram(grads: torch.Tensor, h0: torch.Tensor, store: torch.Tensor, dtype: torch.dtype,
-          chunk: int = 1 << 20) -> torch.Tensor:
-    """(K, K) matrix of <grads[r], h_i>, h_0 then the store's rows: every tensor read once."""
-    K = grads.shape[0]
-    out = torch.zeros(K, K, dtype=torch.promote_types(grads.dtype, dtype), device=grads.device)
-    history = [h0[None], store]
-    if all(h.dtype == grads.dtype for h in history):
-        out[:, :1] = grads @ h0[:, None]
-        out[:, 1:] = grads @ store.t()
-        return out.to(dtype)
-    for s in range(0, grads.shape[1], chunk):  # mixed dtypes: in chunks, so no full-size upcast copy
-        g = grads[:, s:s + chunk]
-        out[:, :1] += g @ h0[s:s + chunk, None].to(g.dtype)
-        out[:, 1:] += g @ store[:, s:s + chunk].t().to(g.dtype)
+def _gram(grads: torch.Tensor, store: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 20) -> torch.Tensor:
+    """(K, K) matrix of <grads[r], h_i>: every tensor read once (in chunks when the dtypes differ,
+    so no full-size upcast copy is made)."""
+    if store.dtype == grads.dtype:
+        return (grads @ store.t()).to(dtype)
+    out = torch.zeros(grads.shape[0], store.shape[0], dtype=grads.dtype, device=grads.device)
+    for s in range(0, grads.shape[1], chunk):
+        out += grads[:, s:s + chunk] @ store[:, s:s + chunk].t().to(grads.dtype)
     return out.to(dtype)
 
 
 def stacked_sum(out: torch.Tensor, weights: torch.Tensor, trunk: StackedTrunk, j: int,
                 h0: torch.Tensor | None = None) -> torch.Tensor:
-    """Node j's output (see `_StackedNode`); node 0 also takes h_0 (the history's copy) as an input."""
+    """Node j's output (see `_StackedNode`); node 0 also takes h_0 as an input (for its gradient)."""
     return _StackedNode.apply(out, weights, h0, trunk, j)

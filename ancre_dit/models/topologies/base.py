@@ -198,12 +198,11 @@ class WeightedHistoryTopology(ResidualTopology):
 
     def _stacked_forward(self, h0, blocks, c, weights, cast):
         """The eager trunk with the stacked aggregation (aggregation.py, `_StackedNode`)."""
-        kept0 = h0 if cast is None else h0.to(cast)
-        trunk = StackedTrunk(self._stacked_plan, kept0, cast or h0.dtype)
+        trunk = StackedTrunk(self._stacked_plan, h0, cast or h0.dtype)
         h = h0
         self.emit_state(0, h)
         for j, block in enumerate(blocks):
-            h = stacked_sum(self.run_block(block, h, c), weights, trunk, j, kept0 if j == 0 else None)
+            h = stacked_sum(self.run_block(block, h, c), weights, trunk, j, h0 if j == 0 else None)
             self.emit_state(j + 1, h)
         return h
 
