@@ -1,5 +1,6 @@
-"""ANCRe's aggregation in eager mode: the fused weighted sum of a block's history and the routing of
-its gradients across blocks.
+"""ANCRe's aggregation in eager mode: the stacked form (the history in one store, one product per
+block forward and per source backward, the weights' gradient one Gram product) and, for layouts
+where some block reads no source, the fused weighted sum with its gradient routing across blocks.
 
 Written by hand: autograd's backward of the plain `addcmul` chain makes fresh per-edge temporaries
 (see `_WeightedSum`), and no library offers a weighted history sum. Used by `WeightedHistoryTopology`

@@ -108,9 +108,10 @@ class WeightedHistoryTopology(ResidualTopology):
     The weighted sum is a running sum over the kept history list (no stacked (K, ...) tensor), so
     activation memory matches the cascaded model. `edges[j]` lists the sources that can carry a
     non-zero weight into block j+1, so fixed sparse layouts skip their zero edges entirely.
-    In eager mode the sum of each block is one `_WeightedSum` (a fused autograd function whose
-    backward routes the history gradients itself, see aggregation.py); under torch.compile it is
-    the plain `addcmul` chain, which the compiler fuses itself.
+    In eager mode the history lives in one store and each block's sum is one `_StackedNode` (one
+    product over its sources; the backward also keeps the gradients stacked, see aggregation.py),
+    or, where a block reads no source, one `_WeightedSum` whose backward routes the history
+    gradients; under torch.compile it is the plain `addcmul` chain, which the compiler fuses itself.
     """
 
     fused_aggregation = True  # False: the addcmul chain in eager mode too (benchmarks and pinned tests compare both)
@@ -175,11 +176,11 @@ class WeightedHistoryTopology(ResidualTopology):
         self.check_blocks(blocks)
         weights = self.mixing_weights()
         fused = self.fused_aggregation and not torch.compiler.is_compiling()
-        routing = (GradientRouting(self._routing_plan) if fused and self.route_gradients and torch.is_grad_enabled()
-                   else None)
         cast = self._history_cast(h0)
         if fused and self.stacked_history and self._stacked_plan is not None:
             return self._stacked_forward(h0, blocks, c, weights, cast)
+        routing = (GradientRouting(self._routing_plan) if fused and self.route_gradients and torch.is_grad_enabled()
+                   else None)
         history = [h0 if cast is None else h0.to(cast)]
         h = h0
         self.emit_state(0, h)
