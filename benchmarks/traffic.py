@@ -24,13 +24,24 @@ def _new() -> Passes:
     return {f"{phase} {kind}": Counter() for phase in ("forward", "backward") for kind in ("read", "write")}
 
 
-def _contiguous(indices: list[int]) -> bool:
-    return bool(indices) and indices == list(range(indices[0], indices[-1] + 1))
-
-
 def readers_of(edges: list[list[int]]) -> list[list[int]]:
     K = len(edges)
     return [[r for r in range(K) if i in edges[r]] for i in range(K)]
+
+
+def _accumulate_passes(read: Counter, write: Counter, indices: list[int], rows: int, into: int,
+                       base: bool = True) -> None:
+    """The passes of one `_accumulate` over `indices` (`rows`, `into`: bytes per element of the rows
+    read and of the sum; `base`: a base tensor is added, else the sum starts from zero)."""
+    if indices and rows == into:  # one matrix-vector product per run of consecutive rows
+        runs = sum(1 for k, i in enumerate(indices) if k == 0 or indices[k - 1] != i - 1)
+        read[rows] += len(indices)
+        read[into] += runs - (0 if base else 1)  # the base, then the running sum at each later run
+        write[into] += runs
+    else:  # the base copied (or zeroed), then one addcmul_ per row
+        read[into] += (1 if base else 0) + len(indices)
+        read[rows] += len(indices)
+        write[into] += 1 + len(indices)
 
 
 def stacked_passes(edges: list[list[int]], stream: int = 4, history: int = 4) -> Passes:
@@ -40,23 +51,12 @@ def stacked_passes(edges: list[list[int]], stream: int = 4, history: int = 4) ->
     fr, fw, br, bw = p["forward read"], p["forward write"], p["backward read"], p["backward write"]
     fr[stream] += 1; fw[history] += 1                    # h_0 into the store
     for j, e in enumerate(edges):
-        if _contiguous(e) and history == stream:        # one addmv over the sources
-            fr[stream] += 1; fr[history] += len(e); fw[stream] += 1
-        else:                                           # the base copied, then one addcmul_ per edge
-            fr[stream] += 1 + len(e); fr[history] += len(e); fw[stream] += 1 + len(e)
+        _accumulate_passes(fr, fw, e, history, stream)
         if j < K - 1 and history != stream:             # the state's history copy
             fr[stream] += 1; fw[history] += 1
-    for j in range(K):
-        r = readers[j + 1] if j + 1 < K else []
-        if _contiguous(r):
-            br[stream] += 1 + len(r); bw[stream] += 1
-        else:
-            br[stream] += 1 + 2 * len(r); bw[stream] += 1 + len(r)
-    r0 = readers[0]                                     # h_0's gradient
-    if _contiguous(r0):
-        br[stream] += len(r0); bw[stream] += 1
-    else:
-        bw[stream] += 1 + len(r0); br[stream] += 2 * len(r0)
+    for j in range(K):                                  # each node's output gradient
+        _accumulate_passes(br, bw, readers[j + 1] if j + 1 < K else [], stream, stream)
+    _accumulate_passes(br, bw, readers[0], stream, stream, base=False)  # h_0's gradient
     if history == stream:                               # the Gram product
         br[stream] += K; br[history] += K
     else:                                               # (in chunks: the history chunk upcast first)

@@ -152,10 +152,6 @@ class StackedPlan:
         return bool(edges) and all(edges)
 
 
-def _contiguous(indices: list[int]) -> bool:
-    return bool(indices) and indices == list(range(indices[0], indices[-1] + 1))
-
-
 def _row_alias(store: torch.Tensor, k: int, shape: torch.Size) -> torch.Tensor:
     """Row k of `store` as a tensor of its own: same memory, but its own version counter, so writing
     the next rows does not look to autograd like a change of a tensor some block saved."""
@@ -164,15 +160,32 @@ def _row_alias(store: torch.Tensor, k: int, shape: torch.Size) -> torch.Tensor:
     return row.set_(store.untyped_storage(), store.storage_offset() + k * store.shape[1], shape, strides)
 
 
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted indices as maximal runs of consecutive ones: [0, 1, 4] -> [(0, 2), (4, 5)]."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
 def _accumulate(into: torch.Tensor, base: torch.Tensor | None, rows: torch.Tensor, indices: list[int],
                 weights: torch.Tensor) -> None:
-    """into = base + sum_k weights[k] * rows[indices[k]] (flat tensors; no base: zero), each row read once."""
-    if _contiguous(indices) and rows.dtype == into.dtype and (base is None or base.dtype == into.dtype):
-        block = rows[indices[0]:indices[-1] + 1].t()
-        if base is None:
-            torch.mv(block, weights.to(into.dtype), out=into)
-        else:
-            torch.addmv(base, block, weights.to(into.dtype), out=into)
+    """into = base + sum_k weights[k] * rows[indices[k]] (flat tensors; no base: zero), each row read
+    once: one matrix-vector product per run of consecutive rows (one addcmul per row across dtypes)."""
+    if indices and rows.dtype == into.dtype and (base is None or base.dtype == into.dtype):
+        w, k = weights.to(into.dtype), 0
+        for a, b in _runs(indices):
+            block, part = rows[a:b].t(), w[k:k + b - a]
+            if k:
+                into.addmv_(block, part)
+            elif base is None:
+                torch.mv(block, part, out=into)
+            else:
+                torch.addmv(base, block, part, out=into)
+            k += b - a
         return
     if base is None:
         into.zero_()
