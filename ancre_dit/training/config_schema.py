@@ -117,7 +117,8 @@ class ModelConfig:
     # to push toward sparse topologies (ancre_dit.models.topologies.analysis.tsallis_entropy); 0 = off.
     topology_entropy_weight: float = ranged(0.0, ge=0, hint="0 = off")
     # The dtype of a weighted-history topology's kept history under bf16 autocast (the stream
-    # itself keeps its own): bfloat16 halves the bytes the aggregation reads.
+    # itself keeps its own): bfloat16 halves the bytes of the history reads where the sums run
+    # fused (compiled); the eager form then sums edge by edge (BENCHMARKS.md, traffic model).
     history_dtype: str = choice("float32", HISTORY_DTYPES, "history dtype")
     # Sparse ANCRe: from train.topology_sparsify_step on, each block keeps its K strongest incoming
     # edges (the softmax renormalised over them, the others skipped); 0 = dense throughout.
