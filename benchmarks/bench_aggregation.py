@@ -7,7 +7,9 @@ Forms, all of one `ANCReTopology` (same logits, same inputs), interleaved round 
     chain      the plain addcmul chain (what torch.compile sees; autograd's backward)
     fused      the fused weighted sum, each edge handing its source its own gradient
     routed     the fused weighted sum with the history gradients accumulated in place once per
-               tensor (the default since 2026-11-30; topologies/aggregation.py, `RoutingPlan`)
+               tensor (topologies/aggregation.py, `RoutingPlan`)
+    stacked    the history in one store, one product per node forward and per source backward, the
+               weights' gradient one Gram product (the eager default; aggregation.py, `StackedPlan`)
     compiled   (--compile) the chain under torch.compile (inductor), which fuses it itself
     none       (--block linear) the blocks alone, no skip sums (and none-compiled with --compile)
 
@@ -19,6 +21,12 @@ counted too: on Linux every fresh multi-MiB tensor is new memory from the kernel
     python -m benchmarks.bench_aggregation --depth 12 --tokens 256 --width 768 --batch-size 2   # DiT-B/2
     python -m benchmarks.bench_aggregation --compile
     python -m benchmarks.bench_aggregation --compile --block linear      # graphs split at every block
+
+--traffic prints, instead of timing anything, the bytes the aggregation moves per training step of a
+model (benchmarks/traffic.py: the eager stacked form and the floor, fp32 and bf16 history), and with
+--gpu the time that takes at the GPU's bandwidth and, given --cascaded-ms, the floor ratio:
+
+    python -m benchmarks.bench_aggregation --traffic --model DiT-B/2 --batch-size 256 --gpu H200 --cascaded-ms 83.03
 """
 from __future__ import annotations
 
@@ -35,10 +43,14 @@ import torch
 
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
+from ancre_dit.models import DIT_MODELS
+from ancre_dit.models.dit import DIT_SIZES
 from ancre_dit.models.topologies import CascadedTopology
 from ancre_dit.models.topologies.ancre import ANCReTopology
+from benchmarks import traffic
+from benchmarks.traffic import BANDWIDTH_TBS
 
-FORMS = ("chain", "fused", "routed")
+FORMS = ("chain", "fused", "routed", "stacked")
 
 
 class ScaleBlock(torch.nn.Module):
@@ -77,7 +89,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block", choices=("scale", "linear"), default="scale",
                    help="stand-in block: a scalar multiply, or a width x width linear map (splits compiled graphs); "
                         "'linear' also times the blocks alone ('none', no skip sums)")
+    p.add_argument("--traffic", action="store_true", help="print the bytes the aggregation moves per step; time nothing")
+    p.add_argument("--model", default="DiT-B/2", help="--traffic: the model (DiT-S/2, DiT-B/2, DiT-XL/2, ...)")
+    p.add_argument("--image-size", type=int, default=256, help="--traffic: pixels (latents are 8x smaller)")
+    p.add_argument("--topk", type=int, default=2, help="--traffic: also count sparse ANCRe keeping this many edges")
+    p.add_argument("--gpu", choices=sorted(BANDWIDTH_TBS), help="--traffic: the time those bytes take at its bandwidth")
+    p.add_argument("--cascaded-ms", type=float, help="--traffic: the plain DiT's step time there, for the floor ratio")
     args = p.parse_args(argv)
+    if args.traffic:
+        if args.model not in DIT_MODELS:
+            raise UserError(f"unknown model {args.model!r}; choose one of {', '.join(DIT_MODELS)}")
+        if args.cascaded_ms is not None and (args.gpu is None or args.cascaded_ms <= 0):
+            raise UserError("--cascaded-ms needs --gpu and a positive step time")
     if min(args.depth, args.batch_size, args.tokens, args.width, args.rounds, args.steps) < 1:
         raise UserError("--depth, --batch-size, --tokens, --width, --rounds and --steps must be at least 1")
     return args
@@ -91,7 +114,8 @@ def make_topology(form: str, depth: int) -> ANCReTopology:
         for logits in topology.logits:
             logits.copy_(0.01 * torch.randn(logits.shape, generator=g))
     topology.fused_aggregation = form != "chain"
-    topology.route_gradients = form == "routed"
+    topology.route_gradients = form in ("routed", "stacked")
+    topology.stacked_history = form == "stacked"
     return topology
 
 
@@ -167,8 +191,51 @@ def measure(args) -> dict[str, list[float]]:
     return times
 
 
+def traffic_report(args) -> dict[str, dict[str, float]]:
+    """Prints (and returns) the bytes per training step of each form and history dtype."""
+    size, patch = DIT_MODELS[args.model]
+    depth, width, _ = DIT_SIZES[size]
+    tokens = (args.image_size // 8 // patch) ** 2
+    N = args.batch_size * tokens * width
+    print(f"# aggregation traffic  {args.model}  batch {args.batch_size}  activation {args.batch_size}x{tokens}x{width} "
+          f"= {N / 1e6:.1f}M elements ({N * 4 / 1e6:.0f} MB fp32)  {depth} blocks  fp32 stream, bf16 autocast")
+    bandwidth = BANDWIDTH_TBS.get(args.gpu)
+    print(f"\n{'form':<22}{'history':>8}{'edges':>7}" + "".join(f"{k:>15}" for k in ("fwd read GB", "fwd write GB",
+          "bwd read GB", "bwd write GB", "total GB")) + (f"{'ms @ ' + args.gpu:>13}" if bandwidth else "")
+          + (f"{'x cascaded':>13}" if args.cascaded_ms else ""))
+    layouts = [("dense", traffic.dense_edges(depth))]
+    if 1 <= args.topk < depth:
+        layouts.append((f"top-{args.topk}", traffic.topk_edges(depth, args.topk)))
+    results = {}
+    for layout, edges in layouts:
+        for form, count in (("stacked (eager)", traffic.stacked_passes), ("floor", traffic.floor_passes)):
+            for history, nbytes in (("fp32", 4), ("bf16", 2)):
+                b = traffic.total_bytes(count(edges, 4, nbytes), N)
+                total = sum(b.values())
+                row = f"{layout + ' ' + form:<22}{history:>8}{sum(map(len, edges)):>7}" + "".join(
+                    f"{v / 1e9:>15.2f}" for v in (*b.values(), total))
+                entry = {**{k: v / 1e9 for k, v in b.items()}, "total_gb": total / 1e9}
+                if bandwidth:
+                    ms = total / (bandwidth * 1e12) * 1e3
+                    row += f"{ms:>13.2f}"
+                    entry["ms"] = ms
+                    if args.cascaded_ms:
+                        entry["ratio"] = (args.cascaded_ms + ms) / args.cascaded_ms
+                        row += f"{entry['ratio']:>12.3f}x"
+                print(row)
+                results[f"{layout} {form} {history}"] = entry
+    if args.cascaded_ms:
+        print(f"x cascaded = (cascaded {args.cascaded_ms:g} ms + bytes / {bandwidth:g} TB/s) / cascaded; "
+              "the floor rows are the least any implementation can reach")
+    return results
+
+
 def main(argv=None) -> None:
-    measure(parse_args(argv))
+    args = parse_args(argv)
+    if args.traffic:
+        traffic_report(args)
+    else:
+        measure(args)
 
 
 if __name__ == "__main__":

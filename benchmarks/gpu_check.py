@@ -53,6 +53,10 @@ TOPOLOGIES = ("cascaded", "ancre", "denseformer", "hc", "mhc")
 # Compiled only, last: a topology or backbone with its options, as bench_peer's variants name them.
 NEWER_VARIANTS = ("dar:query=static,chunk=4", "dar:query=static-t,chunk=4", "attnres:block=0",
                   "cascaded:norm=rmsnorm,mlp=swiglu,pos_embed=rope2d,qk_norm=true")
+# Compiled, right after compiled cascaded and ancre (their ratios are against compiled cascaded):
+# ANCRe with its history in bf16, and sparse ANCRe timed with its top-2 wiring (the smoke run's
+# 2-block model keeps 1).
+ANCRE_VARIANTS = ("ancre:history_dtype=bfloat16", "ancre:topology_topk=2")
 DIFFUSION = {"objective": "ddpm", "learn_sigma": True}  # DiT's schedule (build_objective fills in the rest)
 
 
@@ -111,6 +115,8 @@ def training_run(name: str, overrides: dict, topology: str, compiled: bool, cfg:
     base, options = topology_variant(topology)
     model = create_model(name, topology=base, input_size=cfg["input_size"], in_channels=4, num_classes=1000,
                          **overrides, **options).to(device).train()
+    if getattr(model.topology, "topk", 0):  # sparse ANCRe: timed after its switch, with the kept edges only
+        model.topology.sparsify()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     runner = torch.compile(model, backend=cfg["compile_backend"]) if compiled else model
     g = torch.Generator().manual_seed(0)
@@ -314,6 +320,8 @@ def main(argv=None) -> None:
 
     plan = [(m, o, topo, False) for m, o in cfg["models"].items() for topo in TOPOLOGIES]
     for_targets = [(m, o, topo, True) for topo in ("cascaded", "ancre") for m, o in cfg["models"].items()]
+    for_targets += [(m, o, v.replace("topk=2", "topk=1") if args.smoke else v, True)
+                    for v in ANCRE_VARIANTS for m, o in cfg["models"].items()]
     # the smoke run compiles cascaded, ancre and the newer variants (options through create_model):
     # enough to keep each path working
     other_compiled = [] if args.smoke else [(m, o, topo, True) for m, o in cfg["models"].items() for topo in TOPOLOGIES[2:]]

@@ -138,3 +138,25 @@ def test_diagnose_refuses_bad_times_and_outputs(tmp_path):
         main(["diagnose", str(tmp_path), "--out", str(tmp_path / "file")])
     with pytest.raises(UserError, match="neither a checkpoint folder nor a run"):
         main(["diagnose", str(tmp_path), "--out", str(tmp_path / "d")])
+
+
+@pytest.mark.parametrize("mode", ["add", "replace"])
+def test_grad_rms_of_ancre_is_the_gradient_autograd_gives_on_the_plain_chain(mode):
+    """The fused aggregation hands part of each state's gradient to the node that made it, after
+    autograd has read the state's: the profile must still report the whole gradient."""
+    from helpers import randomize
+
+    objective = build_objective(FLOW)
+    x, y, draws = probe()
+    model = randomize(create_model("DiT-S/2", depth=4, topology="ancre", ancre_mode=mode, **KW)).double()
+    x, draws = x.double(), tuple(d.double() for d in draws)
+    profile = depth_profile(model, objective, x, y, draws)
+    assert model.topology.fused_aggregation  # (restored)
+    states = []
+    model.topology.fused_aggregation = False  # the plain addcmul chain, autograd's own backward
+    model.topology.state_hook = lambda k, z: states.append(z)
+    loss = objective.losses(model, x, y, draws)["loss"].mean()
+    model.topology.state_hook = None
+    expected = [float(g.pow(2).mean().sqrt()) for g in torch.autograd.grad(loss, states)]
+    np.testing.assert_allclose(profile["grad_rms"], expected, rtol=1e-6)  # (the profile rounds to fp32)
+    assert min(expected[1:-1]) > 0

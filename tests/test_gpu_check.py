@@ -49,7 +49,7 @@ def test_a_failing_item_is_recorded_and_the_files_are_written_after_every_item(t
     # on disk before sampling ran: eager training, then the compiled runs the targets need
     assert [(r["topology"], r["compile"]) for r in seen_on_disk["training"]] == [
         ("cascaded", False), ("ancre", False), ("denseformer", False), ("hc", False), ("mhc", False),
-        ("cascaded", True), ("ancre", True)]
+        ("cascaded", True), ("ancre", True), ("ancre:history_dtype=bfloat16", True), ("ancre:topology_topk=1", True)]
     assert seen_on_disk["loader"]["images_per_s"] == 5.0
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     hc = next(r for r in report["training"] if r["topology"] == "hc")
@@ -83,7 +83,8 @@ def test_smoke_run_through_the_device_wrapper_writes_every_measurement(tmp_path)
         assert r["step_ms"] > 0 and r["flops_per_step"] > 0 and r["time_ratio"] > 0
     assert eager[0]["time_ratio"] == 1.0
     compiled = [r["topology"] for r in report["training"] if r["compile"]]
-    assert compiled == ["cascaded", "ancre", *gpu_check.NEWER_VARIANTS]  # the newer ones last, with their options
+    assert compiled == ["cascaded", "ancre", "ancre:history_dtype=bfloat16", "ancre:topology_topk=1",
+                        *gpu_check.NEWER_VARIANTS]  # the newer ones last, with their options
     newer = [r for r in report["training"] if r["topology"] in gpu_check.NEWER_VARIANTS]
     assert all(r["flops_per_step"] > 0 for r in newer)  # no eager run to take the count from: their own (for MFU)
     assert all(r["step_ms"] > 0 and r["time_ratio"] > 0 for r in report["training"])

@@ -196,12 +196,19 @@ def test_bf16_autocast_runs_and_stays_close_to_fp32(topology):
     assert (half.float() - full).abs().max() < 0.05 * full.abs().max()
 
 
-def test_mhc_keeps_its_streams_in_fp32_under_bf16_autocast():
-    _, model = pair("mhc")
+@pytest.mark.parametrize("topology", ["hc", "hc-dynamic", "mhc"])
+def test_streams_stay_fp32_under_bf16_autocast(topology):
+    """Every stream after every block is fp32 (a bf16 einsum would round them at each sublayer)."""
+    _, model = pair(topology)
+    perturb_topology(model, scale=0.1)
     x, t, y = inputs()
+    states = []
+    model.topology.state_hook = lambda k, z: states.append(z)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         h0, c = model.embed(x, t, y)
         assert model.topology(h0.bfloat16(), model.blocks, c).dtype == torch.float32
+        assert model.topology(h0, model.blocks, c).dtype == torch.float32
+    assert len(states) == 2 * (model.topology.num_blocks + 1) and all(z.dtype == torch.float32 for z in states)
 
 
 @pytest.mark.slow

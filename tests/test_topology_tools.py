@@ -119,6 +119,7 @@ def test_zero_edges_of_a_pruned_frozen_topology_cost_nothing(monkeypatch):
     for fused in (True, False):
         with monkeypatch.context() as patch:
             patch.setattr(WeightedHistoryTopology, "fused_aggregation", fused)
+            patch.setattr(WeightedHistoryTopology, "stacked_history", False)  # (the stacked form: below)
             if fused:  # (the fused sum uses addcmul inside: count its sources only)
                 patch.setattr(topology_base, "weighted_sum",
                               lambda out, w, sources, *routing: calls.extend([1] * len(sources)) or real_fused(out, w, sources, *routing))
@@ -132,6 +133,10 @@ def test_zero_edges_of_a_pruned_frozen_topology_cost_nothing(monkeypatch):
         assert sparse_calls == int((pruned != 0).sum()) == 1 + 2 * (K - 1)
         assert len(calls) - sparse_calls == K * (K + 1) // 2
         torch.testing.assert_close(out_sparse, out_dense, rtol=0, atol=1e-6)
+    stacked = FixedTopology(pruned)  # the stacked form reads the kept edges only, and agrees
+    assert sum(map(len, stacked._stacked_plan.edges)) == int((pruned != 0).sum())
+    with torch.no_grad():
+        torch.testing.assert_close(stacked(h0, blocks, c), out_dense, rtol=1e-5, atol=1e-5)
 
 
 def test_tsallis_entropy_values_and_gradient():

@@ -29,11 +29,12 @@ def collect_states(model: torch.nn.Module, objective: Objective, x: torch.Tensor
     topology = model.topology
     states: list[torch.Tensor] = []
     topology.state_hook = lambda k, z: states.append(z)
-    try:
-        loss = objective.losses(model, x, y, draws)["loss"].mean()
-    finally:
-        topology.state_hook = None
-    grads = torch.autograd.grad(loss, states, allow_unused=True)
+    with topology.exact_state_gradients():
+        try:
+            loss = objective.losses(model, x, y, draws)["loss"].mean()
+        finally:
+            topology.state_hook = None
+        grads = torch.autograd.grad(loss, states, allow_unused=True)
     return loss.detach(), [s.detach() for s in states], [torch.zeros_like(s) if g is None else g for s, g in
                                                         zip(states, grads)]
 

@@ -16,7 +16,7 @@ from timm.models.vision_transformer import PatchEmbed
 from ..errors import UserError
 from .embeddings import LabelEmbedder, TimestepEmbedder, get_2d_sincos_pos_embed
 from .layers import DEFAULTS, POS_EMBEDS, axial_rope, check_choice, make_attention, make_mlp, make_norm
-from .topologies import ResidualTopology, build_topology
+from .topologies import ResidualTopology, build_topology, configure_aggregation
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -97,12 +97,16 @@ class DiT(nn.Module):
         mlp: str = DEFAULTS["mlp"],
         pos_embed: str = DEFAULTS["pos_embed"],
         qk_norm: bool = DEFAULTS["qk_norm"],
+        history_dtype: str = "float32",
+        topology_topk: int = 0,
         **topology_options,
     ):
         """`topology` is a registered name (see topologies/registry.py) or a built module;
         `topology_options` are the options it takes, e.g. tau=0.01 for ANCRe, hc_streams=4 for HC.
         `norm` (layernorm | rmsnorm), `mlp` (gelu | swiglu), `pos_embed` (sincos | rope2d: axial 2D
-        RoPE on q and k, the absolute embedding then zero) and `qk_norm` choose the block's layers."""
+        RoPE on q and k, the absolute embedding then zero) and `qk_norm` choose the block's layers.
+        `history_dtype` (float32 | bfloat16: the weighted history kept under bf16 autocast) and
+        `topology_topk` (ANCRe's edges per block once sparsified, 0 = dense) tune the aggregation."""
         super().__init__()
         check_choice("pos_embed", pos_embed, POS_EMBEDS)  # norm and mlp are checked where their layers are built
         if input_size % patch_size:
@@ -139,6 +143,7 @@ class DiT(nn.Module):
         with torch.random.fork_rng(devices=[]):
             self.topology = (topology if isinstance(topology, ResidualTopology)
                              else build_topology(topology, depth, hidden_size, **topology_options))
+            configure_aggregation(self.topology, history_dtype, topology_topk)
         self.initialize_weights()
 
     def initialize_weights(self) -> None:

@@ -15,7 +15,7 @@ from ..evaluation.inception import WEIGHTS_NAME, WEIGHTS_URL
 from ..evaluation.pipeline import ADM_METRICS
 from ..models import DIT_MODELS
 from ..models.dit import DIT_SIZES
-from ..models.topologies import all_topology_options
+from ..models.topologies import all_topology_options, topology_entry
 from .config_schema import (Config, DataConfig, EvalConfig, ModelConfig, check_fields, or_list,
                             topology_options_of)
 
@@ -24,6 +24,7 @@ def validate_config(config: Config) -> None:
     """Checks that need neither the data nor the process group; one UserError for the first problem."""
     check_fields(config)
     _check_topology_options(config.model)
+    _check_sparsify(config)
     _check_width_heads(config.model)
     _check_data_path(config.data)
     objective = _check_diffusion(config)
@@ -41,6 +42,29 @@ def _check_topology_options(m: ModelConfig) -> None:
         if key in registered:  # resolve_options names an unknown one
             registered[key].check(f"model.{key}", value)
     topology_options_of(m)
+
+
+def _check_sparsify(config: Config) -> None:
+    """Sparse ANCRe: topk and the step come together, on a topology that can sparsify, within the run."""
+    m, t = config.model, config.train
+    if not m.topology_topk and not t.topology_sparsify_step:
+        return
+    if not topology_entry(m.topology).sparse:
+        raise UserError(f"model.topology_topk applies to topology ancre only (model.topology={m.topology} "
+                        "has no per-block softmax to sparsify); remove it")
+    if not t.topology_sparsify_step:
+        raise UserError(f"model.topology_topk={m.topology_topk} needs train.topology_sparsify_step (the step "
+                        "after which each block keeps its strongest edges)")
+    if not m.topology_topk:
+        raise UserError(f"train.topology_sparsify_step={t.topology_sparsify_step} needs model.topology_topk "
+                        "(the edges each block keeps)")
+    blocks = m.depth or DIT_SIZES[DIT_MODELS[m.name][0]][0]
+    if m.topology_topk >= blocks:
+        raise UserError(f"model.topology_topk={m.topology_topk} keeps every edge: the deepest of the {blocks} "
+                        f"blocks has {blocks} sources; choose 1..{blocks - 1}")
+    if t.topology_sparsify_step > t.max_steps:
+        raise UserError(f"train.topology_sparsify_step={t.topology_sparsify_step} is beyond "
+                        f"train.max_steps={t.max_steps}; choose a step within the run")
 
 
 def _check_width_heads(m: ModelConfig) -> None:

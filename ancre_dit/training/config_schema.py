@@ -19,7 +19,7 @@ from ..evaluation.evaluator import EVAL_METRICS
 from ..models import DIT_MODELS, TOPOLOGIES
 from ..models.layers import DEFAULTS as BLOCK_DEFAULTS
 from ..models.layers import MLPS, NORMS, POS_EMBEDS
-from ..models.topologies import resolve_options
+from ..models.topologies import HISTORY_DTYPES, resolve_options
 from ..sampling.guidance import check_guidance_scale
 
 DATA_KINDS = ("digits", "latents", "images")
@@ -117,9 +117,21 @@ class ModelConfig:
     # Weight of the Tsallis-entropy (q = 2) penalty on ANCRe's incoming weights, added to the loss
     # to push toward sparse topologies (ancre_dit.models.topologies.analysis.tsallis_entropy); 0 = off.
     topology_entropy_weight: float = ranged(0.0, ge=0, hint="0 = off")
+    # The dtype of a weighted-history topology's kept history under bf16 autocast (the stream
+    # itself keeps its own): bfloat16 halves the bytes of the history reads where the sums run
+    # fused (compiled); the eager form then sums edge by edge (BENCHMARKS.md, traffic model).
+    history_dtype: str = choice("float32", HISTORY_DTYPES, "history dtype")
+    # Sparse ANCRe: from train.topology_sparsify_step on, each block keeps its K strongest incoming
+    # edges (the softmax renormalised over them, the others skipped); 0 = dense throughout.
+    topology_topk: int = ranged(0, ge=0, hint="0 = dense")
     # Topology options, set as `model.<option>=value` (model.tau, model.hc_streams, ...): the ones
     # given, plus the chosen topology's defaults once loaded. The registry declares them.
     topology_options: dict[str, Any] = field(default_factory=dict)
+
+
+# Model fields recorded in a run's model spec only where they differ from these, so that the specs
+# of runs from before they existed stay what they were (and those runs resume).
+AGGREGATION_DEFAULTS = {"history_dtype": "float32", "topology_topk": 0}
 
 
 def topology_options_of(m: ModelConfig) -> dict[str, Any]:
@@ -155,6 +167,8 @@ class TrainConfig:
     topology_lr_mult: float = ranged(1.0, ge=0, hint="0 = routing held at its initial values")
     topology_warmup_steps: int = ranged(0, ge=0, hint="steps with the routing held at its initial values")
     topology_weight_decay: float = ranged(0.0, ge=0)
+    # With model.topology_topk: the step after which the topology is sparsified (dense up to it).
+    topology_sparsify_step: int = ranged(0, ge=0, hint="0 = never")
     grad_clip: float = ranged(0.0, ge=0, hint="max global grad norm; 0 = off")
     ema_decay: float = ranged(0.9999, ge=0, le=1)
     ema_warmup: bool = False          # ramp the decay up from 0 (timm's warmup), for short runs

@@ -235,6 +235,34 @@ class DiagnosticsTask(PeriodicTask):
             self.seconds += time.perf_counter() - start
 
 
+class SparsifyTopologyTask(PeriodicTask):
+    """Sparse ANCRe: after train.topology_sparsify_step, each block keeps its model.topology_topk
+    strongest incoming edges of the training weights, and the EMA copy keeps the same ones. Runs on
+    every process (the choice is a function of the weights, equal on all of them), before the
+    checkpoint of that step, so the checkpoint holds the kept edges."""
+    name = "topology sparsify"
+
+    def __init__(self, step: int):
+        super().__init__(0)
+        self.step = step
+
+    def due(self, ctx: RunContext) -> bool:
+        return ctx.progress.step == self.step
+
+    def start(self, ctx: RunContext) -> None:
+        """A run stopped right after the switch step but before its tasks ran switches now."""
+        if ctx.progress.step >= self.step and not ctx.raw_model.topology.is_sparse:
+            self.run(ctx)
+
+    def run(self, ctx: RunContext) -> None:
+        topology = ctx.raw_model.topology
+        topology.sparsify()
+        ctx.ema_model.topology.sparsify(topology.kept)
+        ctx.log.info("step %d: topology sparsified: each block keeps its %d strongest incoming edges (%d of %d)",
+                     ctx.progress.step, topology.topk, int(topology.kept.sum()),
+                     topology.num_blocks * (topology.num_blocks + 1) // 2)
+
+
 class CheckpointTask(PeriodicTask):
     """A checkpoint every train.ckpt_every steps and at the end (collective)."""
     name = "checkpoints"
@@ -250,9 +278,12 @@ class CheckpointTask(PeriodicTask):
 
 
 def build_tasks(ctx: RunContext) -> list[PeriodicTask]:
-    """In the order they run at a step: grid, evaluation, checkpoint (so a checkpoint follows its evaluation)."""
+    """In the order they run at a step: sparsify, grid, diagnostics, evaluation, checkpoint (so a checkpoint
+    follows its evaluation)."""
     c = ctx.config.train
     tasks: list[PeriodicTask] = [SampleGridTask(c.sample_every), DiagnosticsTask(ctx)]
+    if c.topology_sparsify_step:  # first: the grid, diagnostics and checkpoint of that step see the sparse topology
+        tasks.insert(0, SparsifyTopologyTask(c.topology_sparsify_step))
     if c.eval_every:
         tasks.append(EvaluationTask(ctx))
     tasks.append(CheckpointTask(c.ckpt_every))

@@ -35,7 +35,7 @@ from ..checkpoint import load_safetensors_checked
 from . import checkpointing as ckpt
 from .config import flat_config, save_config
 from .config_checks import check_batch_layout, diffusion_spec
-from .config_schema import Config, topology_options_of
+from .config_schema import AGGREGATION_DEFAULTS, Config, topology_options_of
 from .ema import ema_update_
 from .guards import NonFiniteGuard
 from .stopping import StopAgreement, StopSignals
@@ -182,7 +182,8 @@ class Trainer:
                 kwargs[key] = getattr(m, key)
         # The block's layer choices only where they differ from the DiT block: specs of default runs
         # (and of runs from before the choices existed) stay what they were, so those runs resume.
-        kwargs.update({key: getattr(m, key) for key, default in BLOCK_DEFAULTS.items() if getattr(m, key) != default})
+        kwargs.update({key: getattr(m, key) for key, default in {**BLOCK_DEFAULTS, **AGGREGATION_DEFAULTS}.items()
+                       if getattr(m, key) != default})
         return kwargs  # width / heads were checked with the config
 
     def _build_repa(self) -> RepaAlignment | None:

@@ -6,8 +6,8 @@ from . import ancre, peers, depth_attention  # noqa: F401  (registers the built-
 from .ancre import (ANCReTopology, LearnableScalarsTopology, OutgoingANCReTopology, UnnormalizedTopology,
                     first_previous_weights, fixed_dense_weights)
 from .depth_attention import DepthAttentionTopology
-from .base import (CascadedTopology, FixedTopology, ResidualTopology, TopologyNotDefined, WeightedHistoryTopology,
-                   load_topology_json, save_topology_json)
+from .base import (HISTORY_DTYPES, CascadedTopology, FixedTopology, ResidualTopology, TopologyNotDefined,
+                   WeightedHistoryTopology, configure_aggregation, load_topology_json, save_topology_json)
 from .peers import DenseFormerTopology, HyperConnectionTopology, ManifoldHyperConnectionTopology, sinkhorn_knopp
 from .registry import (TOPOLOGIES, TopologyEntry, TopologyOption, all_topology_options, build_topology,
                        register_topology, resolve_options, restore_topology, topology_entry, unregister_topology)
@@ -19,4 +19,5 @@ __all__ = [
     "ANCReTopology", "OutgoingANCReTopology", "UnnormalizedTopology", "LearnableScalarsTopology",
     "DenseFormerTopology", "HyperConnectionTopology", "DepthAttentionTopology", "ManifoldHyperConnectionTopology", "sinkhorn_knopp",
     "fixed_dense_weights", "first_previous_weights", "load_topology_json", "save_topology_json",
+    "HISTORY_DTYPES", "configure_aggregation",
 ]

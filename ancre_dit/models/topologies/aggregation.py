@@ -1,5 +1,6 @@
-"""ANCRe's aggregation in eager mode: the fused weighted sum of a block's history and the routing of
-its gradients across blocks.
+"""ANCRe's aggregation in eager mode: the stacked form (the history in one store, one product per
+block forward and per source backward, the weights' gradient one Gram product) and, for layouts
+where some block reads no source, the fused weighted sum with its gradient routing across blocks.
 
 Written by hand: autograd's backward of the plain `addcmul` chain makes fresh per-edge temporaries
 (see `_WeightedSum`), and no library offers a weighted history sum. Used by `WeightedHistoryTopology`
@@ -124,3 +125,153 @@ def weighted_sum(out: torch.Tensor, weights: torch.Tensor, sources: Sequence[tor
     trunk, `routing` and `node` (the block index) let each source's gradient be accumulated in place
     across blocks instead of once per edge."""
     return _WeightedSum.apply(out, weights, routing, node, *sources)
+
+
+# -- the stacked aggregation: each history tensor read once per edge forward, once per source backward --
+
+class StackedPlan:
+    """What the stacked aggregation needs to know of `edges` (every block reads at least one source).
+
+    The history h_0..h_{K-1} lives in one (K, N) store, so a block's skip sum is one matrix-vector
+    product over its sources (each read once, instead of a read-modify-write of the sum per edge);
+    the backward keeps every node's output gradient in one (K, N) buffer, so each h_i's skip
+    gradient is one product over the gradients of the blocks that read it, and the weights'
+    gradient is one Gram product of those gradients with the history, at the end.
+    """
+
+    def __init__(self, edges: list[list[int]]):
+        K = len(edges)
+        self.edges = edges
+        self.readers = [[r for r in range(K) if i in edges[r]] for i in range(K)]  # readers of source i
+        self.mask = torch.zeros(K, K, dtype=torch.bool)
+        for j, e in enumerate(edges):
+            self.mask[j, e] = True
+
+    @staticmethod
+    def applies(edges: list[list[int]]) -> bool:
+        return bool(edges) and all(edges)
+
+
+def _row_alias(store: torch.Tensor, k: int, shape: torch.Size) -> torch.Tensor:
+    """Row k of `store` as a tensor of its own: same memory, but its own version counter, so writing
+    the next rows does not look to autograd like a change of a tensor some block saved."""
+    row = torch.empty(0, dtype=store.dtype, device=store.device)
+    strides = torch.empty(shape, device="meta").stride()
+    return row.set_(store.untyped_storage(), store.storage_offset() + k * store.shape[1], shape, strides)
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted indices as maximal runs of consecutive ones: [0, 1, 4] -> [(0, 2), (4, 5)]."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def _accumulate(into: torch.Tensor, base: torch.Tensor | None, rows: torch.Tensor, indices: list[int],
+                weights: torch.Tensor) -> None:
+    """into = base + sum_k weights[k] * rows[indices[k]] (flat tensors; no base: zero), each row read
+    once: one matrix-vector product per run of consecutive rows (one addcmul per row across dtypes)."""
+    if indices and rows.dtype == into.dtype and (base is None or base.dtype == into.dtype):
+        w, k = weights.to(into.dtype), 0
+        for a, b in _runs(indices):
+            block, part = rows[a:b].t(), w[k:k + b - a]
+            if k:
+                into.addmv_(block, part)
+            elif base is None:
+                torch.mv(block, part, out=into)
+            else:
+                torch.addmv(base, block, part, out=into)
+            k += b - a
+        return
+    if base is None:
+        into.zero_()
+    else:
+        into.copy_(base)
+    for k, i in enumerate(indices):
+        into.addcmul_(rows[i], weights[k])
+
+
+class StackedTrunk:
+    """One forward's history store (h_0 copied in as row 0) and, in the backward, the nodes'
+    output gradients."""
+
+    def __init__(self, plan: StackedPlan, h0: torch.Tensor, dtype: torch.dtype):
+        K = len(plan.edges)
+        self.plan, self.shape = plan, h0.shape
+        self.store = torch.empty((K, h0.numel()), dtype=dtype, device=h0.device)
+        self.store[0].copy_(h0.detach().reshape(-1))
+        self.grads: torch.Tensor | None = None
+        self.done: list[bool] = []
+
+
+class _StackedNode(torch.autograd.Function):
+    """h_{j+1} = out + sum_i w[j, i] h_i over node j's sources, with `StackedTrunk` holding the history.
+
+    Every node takes the whole weight matrix; node 0, whose backward autograd runs last (every later
+    node depends on its output through the blocks), returns its gradient (the Gram product) and
+    h_0's. Node j returns its block's output gradient: what autograd brought plus the skip-sum
+    reads of h_{j+1} by the later nodes, taken from their stored gradients.
+    """
+
+    @staticmethod
+    def forward(ctx, out, weights, h0, trunk: StackedTrunk, j: int):
+        store, edges = trunk.store, trunk.plan.edges[j]
+        K = store.shape[0]
+        dtype = torch.promote_types(out.dtype, store.dtype)
+        in_store = j < K - 1 and dtype == store.dtype  # the output is itself the store's next row
+        result = _row_alias(store, j + 1, out.shape) if in_store else torch.empty(out.shape, dtype=dtype,
+                                                                                  device=out.device)
+        flat = result.view(-1)
+        _accumulate(flat, out.reshape(-1).to(dtype), store, edges, weights[j, edges])
+        if j < K - 1 and not in_store:  # e.g. a bf16 history under a fp32 stream
+            store[j + 1].copy_(flat)
+        ctx.trunk, ctx.j = trunk, j
+        ctx.weights = weights.detach()
+        return result
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        trunk, j, W = ctx.trunk, ctx.j, ctx.weights
+        plan, K = trunk.plan, len(trunk.plan.edges)
+        if trunk.grads is None:  # the first node autograd reaches
+            trunk.grads = torch.empty((K, grad.numel()), dtype=grad.dtype, device=grad.device)
+            trunk.done = [False] * K
+        grads = trunk.grads
+        # the nodes that read h_{j+1} and ran (a loss on an inner state leaves the later ones out)
+        readers = [r for r in plan.readers[j + 1] if trunk.done[r]] if j + 1 < K else []
+        G = grads[j]
+        _accumulate(G, grad.reshape(-1).to(G.dtype), grads, readers, W[readers, j + 1] if readers else W[:0, 0])
+        trunk.done[j] = True
+        grad_weights = grad_h0 = None
+        if j == 0:
+            if ctx.needs_input_grad[2]:
+                readers0 = [r for r in plan.readers[0] if trunk.done[r]]
+                grad_h0 = torch.empty(trunk.shape, dtype=G.dtype, device=G.device)
+                _accumulate(grad_h0.view(-1), None, grads, readers0, W[readers0, 0])
+            if ctx.needs_input_grad[1]:
+                ran = torch.tensor(trunk.done, device=W.device)[:, None]
+                grad_weights = _gram(grads, trunk.store, W.dtype).masked_fill(~(plan.mask.to(W.device) & ran), 0)
+            trunk.grads, trunk.done = None, []  # (a second backward of a kept graph starts afresh)
+        return G.view(grad.shape), grad_weights, grad_h0, None, None
+
+
+def _gram(grads: torch.Tensor, store: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 20) -> torch.Tensor:
+    """(K, K) matrix of <grads[r], h_i>: every tensor read once (in chunks when the dtypes differ,
+    so no full-size upcast copy is made)."""
+    if store.dtype == grads.dtype:
+        return (grads @ store.t()).to(dtype)
+    out = torch.zeros(grads.shape[0], store.shape[0], dtype=grads.dtype, device=grads.device)
+    for s in range(0, grads.shape[1], chunk):
+        out += grads[:, s:s + chunk] @ store[:, s:s + chunk].t().to(grads.dtype)
+    return out.to(dtype)
+
+
+def stacked_sum(out: torch.Tensor, weights: torch.Tensor, trunk: StackedTrunk, j: int,
+                h0: torch.Tensor | None = None) -> torch.Tensor:
+    """Node j's output (see `_StackedNode`); node 0 also takes h_0 as an input (for its gradient)."""
+    return _StackedNode.apply(out, weights, h0, trunk, j)

@@ -74,10 +74,57 @@ class ANCReTopology(_PerBlockLogits):
                     logits[0 if init == "first" else j] = init_gap * float(tau)
 
     def probabilities(self) -> torch.Tensor:
-        return torch.softmax(self.logit_matrix(float("-inf")) / self.tau, dim=self.softmax_dim)
+        logits = self.logit_matrix(float("-inf"))
+        if self.topk:  # a sparse topology: the softmax renormalised over the kept edges
+            logits = logits.masked_fill(~self.kept, float("-inf"))
+        return torch.softmax(logits / self.tau, dim=self.softmax_dim)
+
+    # -- sparse ANCRe: dense until train.topology_sparsify_step, then the topk strongest incoming edges
+    topk = 0
+
+    def enable_topk(self, topk: int) -> None:
+        """Makes the topology sparsifiable: `sparsify()` will keep each block's `topk` strongest
+        incoming edges. The kept edges are the buffer `kept` (K, K) (all edges until then), so a
+        checkpoint carries them and loading one restores the sparse wiring."""
+        if self.softmax_dim != 1:
+            raise UserError("topology_topk needs the ingoing softmax (topology ancre)")
+        if not 1 <= topk < self.num_blocks:
+            raise UserError(f"topology_topk={topk} must be between 1 and {self.num_blocks - 1} (the deepest of the "
+                            f"{self.num_blocks} blocks has {self.num_blocks} sources); lower it")
+        self.topk = int(topk)
+        self.register_buffer("kept", torch.tril(torch.ones(self.num_blocks, self.num_blocks, dtype=torch.bool)))
+
+    @property
+    def is_sparse(self) -> bool:
+        return bool(self.topk) and int(self.kept.sum()) < self.num_blocks * (self.num_blocks + 1) // 2
+
+    def sparsify(self, kept: torch.Tensor | None = None) -> None:
+        """Keeps each block's `topk` strongest incoming edges (by weight; ties to the earlier source),
+        or the edges of `kept` (another copy's mask, e.g. the training weights' for the EMA)."""
+        if not self.topk:
+            raise RuntimeError("sparsify() needs enable_topk() first")
+        if kept is None:
+            with torch.no_grad():
+                P = self.probabilities().detach().cpu()
+            kept = torch.zeros_like(self.kept, device="cpu")
+            for j in range(self.num_blocks):
+                order = torch.argsort(-P[j, : j + 1], stable=True)
+                kept[j, order[: self.topk]] = True
+        with torch.no_grad():
+            self.kept.copy_(kept)
+        self._edges_from_mask()
+
+    def _edges_from_mask(self) -> None:
+        kept = self.kept.cpu()
+        self.set_edges([[i for i in range(j + 1) if kept[j, i]] for j in range(self.num_blocks)])
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.topk:  # a checkpoint of a sparse run brings its kept edges: rewire to them
+            self._edges_from_mask()
 
     def extra_repr(self) -> str:
-        return f"num_blocks={self.num_blocks}, tau={self.tau.item():g}"
+        return f"num_blocks={self.num_blocks}, tau={self.tau.item():g}" + (f", topk={self.topk}" if self.topk else "")
 
 
 class OutgoingANCReTopology(ANCReTopology):
@@ -135,7 +182,7 @@ def first_previous_weights(num_blocks: int) -> torch.Tensor:
 register_topology("cascaded", summary="plain DiT")(lambda num_blocks, hidden_size: CascadedTopology(num_blocks))
 
 
-@register_topology("ancre", options={**TAU, **MODE, **START},
+@register_topology("ancre", options={**TAU, **MODE, **START}, sparse=True,
                    summary="ANCRe: ingoing softmax over all earlier outputs, block 1's logit frozen")
 def build_ancre(num_blocks: int, hidden_size: int | None, tau: float, ancre_mode: str, topology_init: str,
                 topology_init_gap: float) -> ResidualTopology:

@@ -19,16 +19,17 @@ eager fused aggregation with its gradient routing in `aggregation.py`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ...errors import MissingFileError, UserError
-from .aggregation import GradientRouting, RoutingPlan, weighted_sum
+from .aggregation import GradientRouting, RoutingPlan, StackedPlan, StackedTrunk, stacked_sum, weighted_sum
 
 
 class TopologyNotDefined(ValueError):
@@ -73,6 +74,12 @@ class ResidualTopology(nn.Module):
         if len(blocks) != self.num_blocks:
             raise ValueError(f"topology was built for {self.num_blocks} blocks, got {len(blocks)}")
 
+    @contextlib.contextmanager
+    def exact_state_gradients(self) -> Iterator[None]:
+        """While on, a gradient taken with respect to a state given to `state_hook` is its whole
+        gradient (the diagnostics' backward decay). Every topology's is, but ANCRe's fused routing."""
+        yield
+
     def forward(self, h0: torch.Tensor, blocks: Sequence[nn.Module], c: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -101,13 +108,18 @@ class WeightedHistoryTopology(ResidualTopology):
     The weighted sum is a running sum over the kept history list (no stacked (K, ...) tensor), so
     activation memory matches the cascaded model. `edges[j]` lists the sources that can carry a
     non-zero weight into block j+1, so fixed sparse layouts skip their zero edges entirely.
-    In eager mode the sum of each block is one `_WeightedSum` (a fused autograd function whose
-    backward routes the history gradients itself, see aggregation.py); under torch.compile it is
-    the plain `addcmul` chain, which the compiler fuses itself.
+    In eager mode the history lives in one store and each block's sum is one `_StackedNode` (one
+    product over its sources; the backward also keeps the gradients stacked, see aggregation.py),
+    or, where a block reads no source, one `_WeightedSum` whose backward routes the history
+    gradients; under torch.compile it is the plain `addcmul` chain, which the compiler fuses itself.
     """
 
     fused_aggregation = True  # False: the addcmul chain in eager mode too (benchmarks and pinned tests compare both)
     route_gradients = True  # False: each edge hands its source its own gradient (the form before routing; benchmarks)
+    # True: the stacked aggregation (one store for the history, one product per node forward and per
+    # source backward, a Gram product for the weights) where every block has a source; False: the
+    # per-edge fused sums above (benchmarks compare both)
+    stacked_history = True
     MODES = ("add", "replace")
 
     def __init__(self, num_blocks: int, edges: list[list[int]] | None = None, mode: str = "add"):
@@ -115,14 +127,42 @@ class WeightedHistoryTopology(ResidualTopology):
         if mode not in self.MODES:
             raise UserError(f"unknown ancre_mode {mode!r}; choose add (the official form) or replace")
         self.mode = mode
-        self.edges = edges if edges is not None else [list(range(j + 1)) for j in range(num_blocks)]
-        if mode == "replace":  # every block subtracts its own input: the previous source is always an edge
-            self.edges = [sorted(set(e) | {j}) for j, e in enumerate(self.edges)]
+        # The dtype the kept history is stored in under bf16 autocast (model.history_dtype): the
+        # stream itself, fed from block to block, keeps its own dtype.
+        self.history_dtype = torch.float32
+        self.set_edges(edges if edges is not None else [list(range(j + 1)) for j in range(num_blocks)])
+
+    def set_edges(self, edges: list[list[int]]) -> None:
+        """The sources each block reads (`edges[j]` for block j+1); the others are skipped in the
+        forward and the backward."""
+        if self.mode == "replace":  # every block subtracts its own input: the previous source is always an edge
+            edges = [sorted(set(e) | {j}) for j, e in enumerate(edges)]
+        self.edges = [list(e) for e in edges]
         # How each block's weights are read from its row of P, decided once: a contiguous run of
         # sources is a slice (a view), anything else an index list (a gather).
         self._row_selectors = [None if not e else slice(e[0], e[-1] + 1) if e == list(range(e[0], e[-1] + 1)) else e
                                for e in self.edges]
         self._routing_plan = RoutingPlan(self.edges)
+        self._stacked_plan = StackedPlan(self.edges) if StackedPlan.applies(self.edges) else None
+
+    def _history_cast(self, h0: torch.Tensor) -> torch.dtype | None:
+        """bfloat16 when the history is kept in bf16 and the model runs under bf16 autocast, else None."""
+        device = h0.device.type
+        if (self.history_dtype == torch.bfloat16 and torch.is_autocast_enabled(device)
+                and torch.get_autocast_dtype(device) == torch.bfloat16 and h0.dtype != torch.bfloat16):
+            return torch.bfloat16
+        return None
+
+    @contextlib.contextmanager
+    def exact_state_gradients(self) -> Iterator[None]:
+        """The plain chain meanwhile: the fused routing hands part of each history tensor's gradient
+        straight to the node that made it, so autograd never sees that part arrive at the state."""
+        fused = self.fused_aggregation
+        self.fused_aggregation = False
+        try:
+            yield
+        finally:
+            self.fused_aggregation = fused
 
     def mixing_weights(self) -> torch.Tensor:
         """The weights the skip sums use: P (add), or P minus the identity (replace: the block's own
@@ -136,9 +176,12 @@ class WeightedHistoryTopology(ResidualTopology):
         self.check_blocks(blocks)
         weights = self.mixing_weights()
         fused = self.fused_aggregation and not torch.compiler.is_compiling()
+        cast = self._history_cast(h0)
+        if fused and self.stacked_history and self._stacked_plan is not None:
+            return self._stacked_forward(h0, blocks, c, weights, cast)
         routing = (GradientRouting(self._routing_plan) if fused and self.route_gradients and torch.is_grad_enabled()
                    else None)
-        history = [h0]
+        history = [h0 if cast is None else h0.to(cast)]
         h = h0
         self.emit_state(0, h)
         for j, block in enumerate(blocks):
@@ -150,7 +193,17 @@ class WeightedHistoryTopology(ResidualTopology):
                 for i in edges:
                     out = torch.addcmul(out, history[i], weights[j, i])
             h = out
-            history.append(h)
+            history.append(h if cast is None else h.to(cast))
+            self.emit_state(j + 1, h)
+        return h
+
+    def _stacked_forward(self, h0, blocks, c, weights, cast):
+        """The eager trunk with the stacked aggregation (aggregation.py, `_StackedNode`)."""
+        trunk = StackedTrunk(self._stacked_plan, h0, cast or h0.dtype)
+        h = h0
+        self.emit_state(0, h)
+        for j, block in enumerate(blocks):
+            h = stacked_sum(self.run_block(block, h, c), weights, trunk, j, h0 if j == 0 else None)
             self.emit_state(j + 1, h)
         return h
 
@@ -174,6 +227,24 @@ class FixedTopology(WeightedHistoryTopology):
 
     def probabilities(self) -> torch.Tensor:
         return self.weights
+
+
+# model.history_dtype: the dtype of a weighted-history topology's kept history under bf16 autocast.
+HISTORY_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def configure_aggregation(topology: ResidualTopology, history_dtype: str = "float32", topk: int = 0) -> None:
+    """Applies model.history_dtype (to the topologies that keep a weighted history; the others have
+    none to store) and model.topology_topk (only topologies that can sparsify take it)."""
+    if history_dtype not in HISTORY_DTYPES:
+        raise UserError(f"unknown history_dtype {history_dtype!r}; choose one of {', '.join(HISTORY_DTYPES)}")
+    if isinstance(topology, WeightedHistoryTopology):
+        topology.history_dtype = HISTORY_DTYPES[history_dtype]
+    if topk:
+        if not hasattr(topology, "enable_topk"):
+            raise UserError(f"topology_topk applies to topology ancre only, not {type(topology).__name__}; "
+                            "set model.topology_topk=0")
+        topology.enable_topk(topk)
 
 
 def save_topology_json(path: str | Path, probabilities: torch.Tensor, **extra) -> None:

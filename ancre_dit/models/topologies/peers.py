@@ -99,7 +99,7 @@ class _StreamTopology(ResidualTopology):
     every sublayer by `_sublayer`, summed at the end."""
 
     streams: int
-    fp32_streams = False  # mHC keeps its streams in fp32 under autocast
+    fp32_streams = False  # HC and mHC keep their streams in fp32 under autocast
 
     def forward(self, h0, blocks, c):
         self.check_blocks(blocks)
@@ -169,15 +169,21 @@ class HyperConnectionTopology(_StreamTopology):
         return a_m, a_r, b
 
     def _sublayer(self, l, H, branch, mod):
-        a_m, a_r, b = self.coefficients(l, H)
-        if self.dynamic:
-            x = torch.einsum("...sd,...s->...d", H, a_m)
-            mixed = torch.einsum("...sd,...sr->...rd", H, a_r)
-        else:
-            x = torch.einsum("...sd,s->...d", H, a_m)
-            mixed = torch.einsum("...sd,sr->...rd", H, a_r)
+        # The coefficients and the stream mixing in fp32 with autocast off, as mHC's: under bf16
+        # autocast the einsums would round every stream to bf16 at every sublayer.
+        with torch.autocast(device_type=H.device.type, enabled=False):
+            a_m, a_r, b = self.coefficients(l, H)
+            if self.dynamic:
+                x = torch.einsum("...sd,...s->...d", H, a_m)
+                mixed = torch.einsum("...sd,...sr->...rd", H, a_r)
+            else:
+                x = torch.einsum("...sd,s->...d", H, a_m)
+                mixed = torch.einsum("...sd,sr->...rd", H, a_r)
         out = branch(x, *mod)
-        return mixed + b.unsqueeze(-1) * out.unsqueeze(-2)
+        with torch.autocast(device_type=H.device.type, enabled=False):
+            return mixed + b.unsqueeze(-1) * out.to(mixed.dtype).unsqueeze(-2)
+
+    fp32_streams = True
 
     def no_matrix_reason(self) -> str:
         return (f"{'hc-dynamic' if self.dynamic else 'hc'} mixes {self.streams} residual streams around each sublayer"

@@ -59,6 +59,9 @@ class TopologyEntry:
     # options when the options alone are not enough, e.g. a frozen topology whose JSON is gone.
     restore: Callable[..., "ResidualTopology"] | None = None
     summary: str = ""
+    # True: it can drop to each block's model.topology_topk strongest incoming edges after
+    # train.topology_sparsify_step (its module has `enable_topk` and `sparsify`).
+    sparse: bool = False
 
 
 TOPOLOGIES: dict[str, TopologyEntry] = {}
@@ -67,7 +70,7 @@ TOPOLOGIES: dict[str, TopologyEntry] = {}
 def register_topology(name: str, *, options: Mapping[str, TopologyOption] | None = None,
                       check: Callable[[dict[str, Any]], None] | None = None,
                       restore: Callable[..., "ResidualTopology"] | None = None,
-                      summary: str = "") -> Callable:
+                      summary: str = "", sparse: bool = False) -> Callable:
     """Decorator: registers `build(num_blocks, hidden_size, **options)` under `name`."""
     def decorator(build: Callable[..., "ResidualTopology"]) -> Callable[..., "ResidualTopology"]:
         if name in TOPOLOGIES:
@@ -76,7 +79,7 @@ def register_topology(name: str, *, options: Mapping[str, TopologyOption] | None
             known = all_topology_options().get(key)
             if known is not None and known.type is not option.type:
                 raise ValueError(f"topology option {key!r} is already registered with type {known.type.__name__}")
-        TOPOLOGIES[name] = TopologyEntry(name, build, dict(options or {}), check, restore, summary)
+        TOPOLOGIES[name] = TopologyEntry(name, build, dict(options or {}), check, restore, summary, sparse)
         return build
     return decorator
 
