@@ -50,14 +50,15 @@ class SamplingPlan:
 
 def plan_sampling(model: torch.nn.Module, objective: ObjectiveLike, *, sampler: str | None = None,
                   steps: int | None = None, guidance: Guidance = Guidance(), precision: str = "fp32",
-                  sde: SDEOptions = SDEOptions()) -> SamplingPlan:
-    """Checks the flags once; sampler and steps default to the objective's (DDPM: ddpm-250; flow: heun-25)."""
+                  sde: SDEOptions = SDEOptions(), compile: bool = False) -> SamplingPlan:
+    """Checks the flags once; sampler and steps default to the objective's (DDPM: ddpm-250; flow: heun-25).
+    `compile`: torch.compile the network with static shapes (feed it batches of one size)."""
     objective = build_objective(objective)
     sampler = sampler or objective.default_sampler
     steps = objective.default_steps(sampler) if steps is None else int(steps)
     objective.check_sampler(sampler, steps)
     net = unwrap_model(model)
-    denoiser = GuidedDenoiser(net, guidance, precision, objective.normalized_time)
+    denoiser = GuidedDenoiser(net, guidance, precision, objective.normalized_time, compile=compile)
     return SamplingPlan(net, objective, sampler, steps, denoiser, sde)
 
 

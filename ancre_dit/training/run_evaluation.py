@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import UserError
+from ..hardware import configure_precision
 from . import checkpointing as ckpt
 from .config import Config, load_config
 
@@ -122,6 +123,7 @@ def _evaluate(run_dir: Path, config: Config, selected: list[tuple[int, Path]], s
     from .data import build_data
 
     log = log if state.is_main_process else (lambda *a, **k: None)
+    configure_precision(state.device, config.train.tf32)  # as the run's in-training evaluations computed
     spec = load_model_spec(selected[-1][1])
     data = build_data(config)
     objective = build_objective(spec["diffusion"])  # old specs (no objective) build DDPM
