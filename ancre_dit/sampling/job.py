@@ -4,7 +4,8 @@ The N samples are cut into parts of `batch_size` consecutive indices; part j goe
 j % world_size. Each finished part is written atomically to OUT.parts/part-<start>-<end>.npz,
 so a rerun of the same command skips what is done. Since a part's batch is the same whatever the
 number of processes, and each sample has its own random streams, the merged file is identical
-for 1 or many processes. Rank 0 merges the parts in index order into one ADM npz.
+for 1 or many processes. Rank 0 waits for the others' part files (no collective) and merges the
+parts in index order into one ADM npz; the other processes exit once their parts are written.
 """
 from __future__ import annotations
 
@@ -221,22 +222,37 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
         save_adm_npz(part_path(folder, start, end), images, labels[start:end])
         bar.update(end - start)
     bar.close()
-    state.wait_for_everyone()
+    if not is_main:
+        # Done: no collective after this point, so a long merge on the main process (minutes at
+        # 50K images) never holds this process in a barrier that can time out.
+        return out
 
-    if is_main:
-        t0 = time.time()
-        images = merge_parts(folder, ranges, labels, out)
-        log(f"wrote {out}: arr_0 uint8 {tuple(images.shape)}, arr_1 labels ({time.time() - t0:.1f}s to merge)")
-        record = write_sampling_record(out, {**job_identity(s, spec), "num_samples": s.num_samples,
-                                             "protocol": s.protocol})
-        log(f"wrote the sampling settings to {record} (evaluate.py copies them into its results)")
-        if s.png_dir:
-            write_pngs(images, Path(s.png_dir))
-            log(f"wrote {len(images)} PNGs to {s.png_dir}")
-        if s.grid:
-            write_grid(images[: s.grid_max], labels[: s.grid_max], num_classes, Path(s.grid))
-            log(f"wrote grid of {min(len(images), s.grid_max)} images to {s.grid}")
-        if not s.keep_parts:
-            shutil.rmtree(folder, ignore_errors=True)
-    state.wait_for_everyone()
+    wait_for_parts(folder, ranges, log)
+    t0 = time.time()
+    images = merge_parts(folder, ranges, labels, out)
+    log(f"wrote {out}: arr_0 uint8 {tuple(images.shape)}, arr_1 labels ({time.time() - t0:.1f}s to merge)")
+    record = write_sampling_record(out, {**job_identity(s, spec), "num_samples": s.num_samples,
+                                         "protocol": s.protocol})
+    log(f"wrote the sampling settings to {record} (evaluate.py copies them into its results)")
+    if s.png_dir:
+        write_pngs(images, Path(s.png_dir))
+        log(f"wrote {len(images)} PNGs to {s.png_dir}")
+    if s.grid:
+        write_grid(images[: s.grid_max], labels[: s.grid_max], num_classes, Path(s.grid))
+        log(f"wrote grid of {min(len(images), s.grid_max)} images to {s.grid}")
+    if not s.keep_parts:
+        shutil.rmtree(folder, ignore_errors=True)
     return out
+
+
+def wait_for_parts(folder: Path, ranges: list[tuple[int, int]], log=print, poll_seconds: float = 2.0) -> None:
+    """Blocks until every part file exists (written atomically by whichever process drew it). A file
+    wait, not a barrier: the processes may finish far apart (a resumed job gives some of them
+    nothing left to do) and no collective timeout applies. A process that dies takes the job down
+    with it under torchrun / accelerate launch, so this wait never outlives a failed job."""
+    missing = [r for r in ranges if not part_path(folder, *r).is_file()]
+    if missing:
+        log(f"waiting for {len(missing)} part(s) from the other processes")
+    while missing:
+        time.sleep(poll_seconds)
+        missing = [r for r in missing if not part_path(folder, *r).is_file()]
