@@ -3,6 +3,8 @@ topologies or widths can be compared at equal compute (MFU in benchmarks/gpu_che
 FLOPs axis of a study's curves)."""
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 __all__ = ["count_training_flops"]
@@ -23,7 +25,8 @@ def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tenso
 
     counter = FlopCounterMode(display=False)
     with counter, sdpa_kernel(SDPBackend.MATH):
-        with torch.autocast(x.device.type, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        # No autocast context at all in fp32, so that a model on the meta device (shapes only) can be counted.
+        with torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext():
             out = model(x, t, y)
         out.float().square().mean().backward()
     model.zero_grad(set_to_none=True)
