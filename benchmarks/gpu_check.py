@@ -33,6 +33,8 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -88,11 +90,17 @@ def sizes(args) -> dict:
         return dict(models={"DiT-S/2": dict(depth=2, hidden_size=32, num_heads=2)}, input_size=8,
                     batch=args.batch_size or 2, steps=args.steps or 2, warmup=1, compile_backend="eager",
                     loader=dict(shards=6, per_shard=8, side=4, batch=4, batches=3, workers=min(args.loader_workers, 1)),
-                    sampling=dict(images=2, ddpm=3, dpm=2), inception=dict(images=2, batch=2, size=64))
+                    sampling=dict(images=2, ddpm=3, dpm=2), inception=dict(images=2, batch=2, size=64),
+                    trainer=dict(models=("dit-s2",), topologies=("ancre",), shards=2, per_shard=16, side=2, batch=4,
+                                 steps=6, log_every=2, workers=1, compile=False,
+                                 model_overrides=["model.depth=2", "model.hidden_size=32", "model.num_heads=2"]))
     return dict(models={"DiT-S/2": {}, "DiT-B/2": {}}, input_size=32, batch=args.batch_size or 256,
                 steps=args.steps or 20, warmup=3, compile_backend="inductor",
                 loader=dict(shards=100, per_shard=400, side=32, batch=256, batches=100, workers=args.loader_workers),
-                sampling=dict(images=64, ddpm=250, dpm=25), inception=dict(images=1024, batch=256, size=299))
+                sampling=dict(images=64, ddpm=250, dpm=25), inception=dict(images=1024, batch=256, size=299),
+                trainer=dict(models=("dit-b2", "dit-s2"), topologies=("ancre", "cascaded"), shards=16, per_shard=1024,
+                             side=32, batch=args.batch_size or 256, steps=300, log_every=50, workers=8, compile=True,
+                             model_overrides=[]))
 
 
 def peak_tflops(args, device: torch.device) -> tuple[float | None, str]:
@@ -107,6 +115,7 @@ def sync(device: torch.device) -> None:
 
 def training_run(name: str, overrides: dict, topology: str, compiled: bool, cfg: dict, device: torch.device) -> dict:
     """Step time, peak memory and FLOPs of one (model, topology, compile) in bf16 autocast."""
+    fresh_dynamo()
     torch.manual_seed(0)
     base, options = topology_variant(topology)
     model = create_model(name, topology=base, input_size=cfg["input_size"], in_channels=4, num_classes=1000,
@@ -130,6 +139,7 @@ def training_run(name: str, overrides: dict, topology: str, compiled: bool, cfg:
         step()
     sync(device)
     warmup_s = time.perf_counter() - start
+    graphs = check_compiled(f"{name} {topology}") if compiled else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
@@ -146,7 +156,30 @@ def training_run(name: str, overrides: dict, topology: str, compiled: bool, cfg:
         torch.cuda.empty_cache()
     return {"model": name, "topology": topology, "compile": compiled, "batch": b, "step_ms": step_s * 1e3,
             "images_per_s": b / step_s, "peak_memory_bytes": peak, "flops_per_step": flops,
-            "warmup_and_compile_s": warmup_s}
+            "warmup_and_compile_s": warmup_s, "compiled_graphs": graphs}
+
+
+def fresh_dynamo() -> None:
+    """Forget every earlier compile: dynamo recompiles one code object at most
+    torch._dynamo.config.recompile_limit times (8), then runs it eager without a word, so the
+    later models of one process would otherwise be timed eager under a "compiled" label."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def check_compiled(label: str) -> int:
+    """The number of graphs dynamo compiled since fresh_dynamo(); an item meant to run compiled that
+    compiled none (it fell back to eager) raises, so it is reported as FAILED, not timed eager."""
+    from torch._dynamo.utils import counters
+
+    graphs = int(counters["stats"]["unique_graphs"])
+    if graphs < 1 or not counters["frames"]["ok"]:
+        raise RuntimeError(f"{label} was meant to run compiled but dynamo compiled no graph (frames "
+                           f"{dict(counters['frames'])}): it would have been timed eager")
+    return graphs
 
 
 def loader_run(cfg: dict) -> dict:
@@ -207,6 +240,82 @@ def inception_run(cfg: dict, device: torch.device) -> dict:
             "image_size": c["size"], "weights": "random (timing only)"}
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def trainer_command(model: str, topology: str, cfg: dict, data: Path, run_dir: Path, processes: int,
+                    device: torch.device, max_steps: int | None = None) -> list[str]:
+    """`accelerate launch train.py` as a user runs it: the recipe (bf16, EMA, non-finite guard, the
+    latent loader with its workers, compile on a GPU), on synthetic latents, every GPU of the machine."""
+    t = cfg["trainer"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
+              "--num_machines", "1", "--mixed_precision", "bf16", "--dynamo_backend", "no"]
+    launch += ["--multi_gpu"] if processes > 1 else []
+    launch += ["--cpu"] if device.type == "cpu" else []
+    overrides = [f"run_dir={run_dir}", f"data.path={data}", f"data.image_size={8 * t['side']}",
+                 f"data.num_workers={t['workers']}", f"train.max_steps={max_steps or t['steps']}",
+                 f"train.global_batch_size={t['batch'] * processes}", f"train.log_every={t['log_every']}",
+                 "train.ckpt_every=1000000", "train.sample_every=0", "train.eval_every=0", "train.mixed_precision=bf16",
+                 f"train.compile={str(t['compile']).lower()}", "log.tensorboard=false", *t["model_overrides"]]
+    # TODO(at merge, once the trainer logs MFU): pass f"train.peak_tflops={...}" on a CPU too, so that
+    # the smoke run reads an mfu as well.
+    return [*launch, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / f"{model}-{topology}.yaml"), *overrides]
+
+
+def read_trainer_metrics(run_dir: Path, skip_first: int = 1) -> dict:
+    """Throughput from a run's logs/metrics.jsonl: the median over log lines after the first
+    `skip_first` (compile and loader start-up), of the keys the trainer logs."""
+    from ancre_dit.files import read_jsonl
+
+    rows = read_jsonl(run_dir / "logs" / "metrics.jsonl")
+    if not rows:
+        raise RuntimeError(f"{run_dir}/logs/metrics.jsonl holds no log line")
+    steady = rows[skip_first:] or rows[-1:]
+    result: dict = {"steps": rows[-1]["step"], "log_lines": len(rows), "log_lines_used": len(steady)}
+    for key in ("images_per_sec", "images_per_s", "mfu", "tflops_per_s"):
+        values = [r[key] for r in steady if r.get(key) is not None]
+        result[key] = float(np.median(values)) if values else None
+    return result
+
+
+def trainer_run(model: str, topology: str, cfg: dict, device: torch.device, processes: int) -> dict:
+    """train.py through accelerate launch on synthetic latents; images/s (and MFU) from its metrics.jsonl."""
+    from benchmarks import bench_loader
+
+    t = cfg["trainer"]
+    with tempfile.TemporaryDirectory(prefix="gpu_check_trainer_") as tmp:
+        data = bench_loader.write_synthetic_latents(Path(tmp) / "latents", t["shards"], t["per_shard"],
+                                                    (4, t["side"], t["side"]))
+        run_dir = Path(tmp) / "run"
+        start = time.perf_counter()
+        proc = subprocess.run(trainer_command(model, topology, cfg, data, run_dir, processes, device),
+                              capture_output=True, text=True, env=child_env(), cwd=tmp)
+        seconds = time.perf_counter() - start
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+            raise RuntimeError(f"train.py exited {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}")
+        metrics = read_trainer_metrics(run_dir)
+    return {"model": model, "topology": topology, "processes": processes, "batch_per_process": t["batch"],
+            "compile": t["compile"], "mixed_precision": "bf16", "loader_workers": t["workers"], "wall_s": seconds,
+            **metrics}
+
+
+def child_env() -> dict:
+    """This checkout first on the child's path (the check runs from a tree, not an install)."""
+    path = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep + path if path else ''}", "PYTHONUNBUFFERED": "1"}
+
+
+def trainer_summary(rows: list[dict], device_name: str, peak: float | None) -> dict:
+    """gpu_check.json's "trainer": every train.py run, and the MFU a study's --dry-run takes (that of
+    the largest model measured, ancre preferred)."""
+    measured = [r for r in rows if r.get("images_per_sec")]
+    order = {"dit-b2": 2, "dit-s2": 1}
+    best = max(measured, key=lambda r: (order.get(r["model"], 0), r["topology"] == "ancre"), default=None)
+    return {"device": device_name, "peak_tflops": peak, "runs": rows,
+            "mfu": best.get("mfu") if best else None, "mfu_from": f"{best['model']} {best['topology']}" if best else None}
+
+
 def add_ratios_and_mfu(training: list[dict], peak: float | None) -> None:
     flops = {(r["model"], r["topology"]): r["flops_per_step"] for r in training if r.get("flops_per_step")}
     ref = {(r["model"], r["compile"]): r for r in training if r["topology"] == "cascaded" and "step_ms" in r}
@@ -245,6 +354,18 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['model']} | {r['topology']} | {r['compile']} | {r['batch']} | {r['step_ms']:.1f} | "
                      f"{r['images_per_s']:.1f} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['time_ratio'], '.3f')} | "
                      f"{_fmt(peak, '.2f')} | {_fmt(r['memory_ratio'], '.3f')} |")
+    trainer = report.get("trainer") or {}
+    if trainer:
+        lines += ["", "## train.py (accelerate launch, bf16, EMA, guard, latent loader; medians after the first log line)",
+                  "", "| recipe | processes | batch/process | compile | images/s (all) | images/s per GPU | MFU | wall s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in trainer.get("runs", []):
+            if "images_per_sec" not in r:
+                lines.append(f"| {r['model']}-{r['topology']} | {not_measured(r)} |||||||")
+                continue
+            lines.append(f"| {r['model']}-{r['topology']} | {r['processes']} | {r['batch_per_process']} | {r['compile']} | "
+                         f"{r['images_per_sec']:.1f} | {_fmt(r['images_per_s'], '.1f')} | {_fmt(r['mfu'], '.1%')} | "
+                         f"{r['wall_s']:.0f} |")
     lines += ["", "## Other throughputs", ""]
     loader = report.get("loader") or {}
     lines.append(f"- loader: {_fmt(loader.get('images_per_s'), ',.0f')} images/s ({loader.get('workers')} workers, "
@@ -337,6 +458,14 @@ def main(argv=None) -> None:
 
     for item in plan + for_targets:
         train_item(*item)
+    processes = max(1, torch.cuda.device_count()) if device.type == "cuda" else 1
+    trainer_rows = []
+    for m in cfg["trainer"]["models"]:
+        for topo in cfg["trainer"]["topologies"]:
+            r = guarded(f"train.py {m}-{topo} x{processes}", lambda: trainer_run(m, topo, cfg, device, processes))
+            trainer_rows.append({"model": m, "topology": topo, **r})
+            report["trainer"] = trainer_summary(trainer_rows, name, peak)
+            write_report()
     report["loader"] = guarded("loader", lambda: loader_run(cfg))
     write_report()
     for m, o in cfg["models"].items():
