@@ -438,10 +438,28 @@ def test_multi_gpu_jobs_launch_torchrun_with_the_node_rank():
     assert command[1:3] == ["-m", "torch.distributed.run"]
     assert {"--nnodes=2", "--nproc_per_node=8", "--node_rank=1", "--master_addr=node-a"} <= set(command)
     assert command[-3:] == ["train.py", "--config", "c.yaml"]
+    # torchrun waits for its workers' checkpoint as long as the job's grace, which fits SLURM's early signal
+    from ancre_dit.studies.cluster import GRACE_S, SIGNAL_DELAY_S
+    assert f"--shutdown-timeout={GRACE_S}" in command and job.grace_s == GRACE_S < SIGNAL_DELAY_S
     single = StudyRun("a-s0", "/runs/a-s0", ["train.py"], gpus_per_node=1).command(SimpleNamespace(num_nodes=1))
     assert single[1:] == ["train.py"]
     import pickle
     assert pickle.loads(pickle.dumps(job)).train_args == job.train_args
+
+
+def test_the_training_child_outlives_slurms_early_signal():
+    """SLURM's --signal=USR2@N reaches every process of the job step: the training child ignores it
+    (its default action would kill train.py before the job's SIGTERM asks it to checkpoint)."""
+    import subprocess
+    import sys
+
+    from ancre_dit.studies.cluster import _ignore_submitit_signal
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; print('up', flush=True); time.sleep(3)"],
+                             stdout=subprocess.PIPE, text=True, preexec_fn=_ignore_submitit_signal)
+    assert child.stdout.readline() == "up\n"
+    child.send_signal(signal.SIGUSR2)
+    assert child.wait(timeout=20) == 0
 
 
 def test_a_baseline_per_arm_compares_each_depth_with_its_own_plain_dit(tmp_path):
