@@ -13,6 +13,10 @@ Measures, and writes to OUT/gpu_check.json and OUT/gpu_check.md:
   loader     images/s of the trainer's latent loader (synthetic shards, batch 256, 8 workers)
   sampling   images/s of DDPM-250 and DPM-Solver-25 with guidance 1.5, bf16 (latents, no VAE decode)
   inception  images/s of inception-v3-compat feature extraction (random weights: timing only)
+  trainer    train.py itself through `accelerate launch` on every GPU (synthetic latents, the recipe's
+             bf16, EMA, guard, loader workers and compile): images/s and MFU from its metrics.jsonl
+  pipeline   a user's path (gpu_check_pipeline.py): train under torchrun, SIGTERM half way, resume,
+             sample.py DDPM-250 and DPM-Solver, evaluate.py with random Inception weights
 
 Work runs in priority order (eager training, which also counts the FLOPs; compiled cascaded and
 ancre, which the two targets need; loader, sampling, Inception; then the other compiled topologies,
@@ -50,6 +54,7 @@ from ancre_dit.hardware import configure_precision, peak_tflops as device_peak_t
 from ancre_dit.models import create_model
 from ancre_dit.models.flops import count_training_flops
 from benchmarks.bench_peer import topology_variant
+from benchmarks.gpu_check_pipeline import markdown_rows, pipeline_run
 
 TOPOLOGIES = ("cascaded", "ancre", "denseformer", "hc", "mhc")
 # Compiled only, last: a topology or backbone with its options, as bench_peer's variants name them.
@@ -93,14 +98,20 @@ def sizes(args) -> dict:
                     sampling=dict(images=2, ddpm=3, dpm=2), inception=dict(images=2, batch=2, size=64),
                     trainer=dict(models=("dit-s2",), topologies=("ancre",), shards=2, per_shard=16, side=2, batch=4,
                                  steps=6, log_every=2, workers=1, compile=False,
-                                 model_overrides=["model.depth=2", "model.hidden_size=32", "model.num_heads=2"]))
+                                 model_overrides=["model.depth=2", "model.hidden_size=32", "model.num_heads=2"]),
+                    # TODO(at merge, once a stop spares the loader workers and a torchrun run resumes on the
+                    # CPU): launcher="torchrun" and workers=1, as on a GPU
+                    pipeline=dict(model="dit-s2-ancre", launcher="python", steps=6, log_every=1, workers=0, images=2,
+                                  dpm_steps=2, grace_s=300))
     return dict(models={"DiT-S/2": {}, "DiT-B/2": {}}, input_size=32, batch=args.batch_size or 256,
                 steps=args.steps or 20, warmup=3, compile_backend="inductor",
                 loader=dict(shards=100, per_shard=400, side=32, batch=256, batches=100, workers=args.loader_workers),
                 sampling=dict(images=64, ddpm=250, dpm=25), inception=dict(images=1024, batch=256, size=299),
                 trainer=dict(models=("dit-b2", "dit-s2"), topologies=("ancre", "cascaded"), shards=16, per_shard=1024,
                              side=32, batch=args.batch_size or 256, steps=300, log_every=50, workers=8, compile=True,
-                             model_overrides=[]))
+                             model_overrides=[]),
+                pipeline=dict(model="dit-s2-ancre", launcher="torchrun", steps=200, log_every=10, workers=8, images=256, dpm_steps=25,
+                              grace_s=300))
 
 
 def peak_tflops(args, device: torch.device) -> tuple[float | None, str]:
@@ -366,6 +377,9 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['model']}-{r['topology']} | {r['processes']} | {r['batch_per_process']} | {r['compile']} | "
                          f"{r['images_per_sec']:.1f} | {_fmt(r['images_per_s'], '.1f')} | {_fmt(r['mfu'], '.1%')} | "
                          f"{r['wall_s']:.0f} |")
+    if report.get("pipeline"):
+        lines += ["", "## A user's path (torchrun, synthetic latents, tiny random VAE and Inception)", "",
+                  *markdown_rows(report["pipeline"])]
     lines += ["", "## Other throughputs", ""]
     loader = report.get("loader") or {}
     lines.append(f"- loader: {_fmt(loader.get('images_per_s'), ',.0f')} images/s ({loader.get('workers')} workers, "
@@ -466,6 +480,10 @@ def main(argv=None) -> None:
             trainer_rows.append({"model": m, "topology": topo, **r})
             report["trainer"] = trainer_summary(trainer_rows, name, peak)
             write_report()
+    pipeline = guarded("pipeline: train, SIGTERM, resume, sample, evaluate",
+                       lambda: pipeline_run(cfg, device, processes, child_env()))
+    report["pipeline"] = pipeline if isinstance(pipeline, list) else [{"stage": "pipeline", **pipeline}]
+    write_report()
     report["loader"] = guarded("loader", lambda: loader_run(cfg))
     write_report()
     for m, o in cfg["models"].items():

@@ -42,6 +42,8 @@ def test_a_failing_item_is_recorded_and_the_files_are_written_after_every_item(t
     monkeypatch.setattr(gpu_check, "loader_run", lambda cfg: {"images_per_s": 5.0, "workers": 1, "batch": 4,
                                                                "shards": 6, "in_memory_0_workers_images_per_s": 9.0})
     monkeypatch.setattr(gpu_check, "sampling_run", fake_sampling)
+    monkeypatch.setattr(gpu_check, "pipeline_run", lambda cfg, device, n, env: [
+        {"stage": "train, SIGTERM to python at step 3", "seconds": 2.0, "result": "checkpoint at step 3"}])
     monkeypatch.setattr(gpu_check, "trainer_run", lambda m, topo, cfg, device, n: {
         "processes": n, "batch_per_process": 4, "compile": False, "images_per_sec": 50.0, "images_per_s": 50.0,
         "mfu": 0.3 if m == "dit-s2" else None, "wall_s": 1.0})
@@ -104,8 +106,16 @@ def test_smoke_run_through_the_device_wrapper_writes_every_measurement(tmp_path)
     assert run["images_per_sec"] > 0 and run["log_lines"] == 3
     # TODO(at merge, with the trainer's MFU logging and train.peak_tflops passed by the smoke run):
     # assert run["images_per_s"] > 0 and 0 < run["mfu"] < 1 and report["trainer"]["mfu"] == run["mfu"]
+    # a user's path: SIGTERM half way -> a checkpoint before the end, resumed to the end, sampled, evaluated
+    stages = report["pipeline"]
+    assert [r["stage"].split(" at step")[0] for r in stages] == [
+        "train, SIGTERM to python", "train --resume auto", "sample.py ddpm-250, 2 images",
+        "sample.py dpm-solver-2, 2 images", "evaluate.py fid,is (random Inception weights)"]
+    stopped = int(stages[0]["result"].split("checkpoint at step ")[1].split()[0])
+    assert 0 < stopped < 6 and stages[1]["result"] == f"step {stopped} -> 6" and "fid " in stages[4]["result"]
     text = (out / "gpu_check.md").read_text()
     assert "| DiT-S/2 | mhc | False |" in text and "no verdict" in text
+    assert "| train --resume auto |" in text
 
 
 def test_training_flops_match_the_dit_papers_count_attention_included():
