@@ -106,7 +106,7 @@ def sizes(args) -> dict:
     return dict(models={"DiT-S/2": {}, "DiT-B/2": {}}, input_size=32, batch=args.batch_size or 256,
                 steps=args.steps or 20, warmup=3, compile_backend="inductor",
                 loader=dict(shards=100, per_shard=400, side=32, batch=256, batches=100, workers=args.loader_workers),
-                sampling=dict(images=64, ddpm=250, dpm=25), inception=dict(images=1024, batch=256, size=299),
+                sampling=dict(images=256, ddpm=250, dpm=25), inception=dict(images=1024, batch=256, size=299),
                 trainer=dict(models=("dit-b2", "dit-s2"), topologies=("ancre", "cascaded"), shards=16, per_shard=1024,
                              side=32, batch=args.batch_size or 256, steps=300, log_every=50, workers=8, compile=True,
                              model_overrides=[]),
@@ -221,14 +221,23 @@ def sampling_run(name: str, overrides: dict, cfg: dict, device: torch.device) ->
     rows = []
     precision = "bf16"  # the GPU run's setting; the CPU smoke run takes the same path (CPU autocast)
     sample_latents(model, DIFFUSION, labels[:2], sampler="dpm-solver", steps=2, guidance=Guidance(1.5), precision=precision)
-    for sampler, steps in (("ddpm", c["ddpm"]), ("dpm-solver", c["dpm"])):
+    # sample.py --compile as well on a GPU (the smoke run leaves it to the test suite: inductor on a CPU is slow)
+    runs = [("ddpm", c["ddpm"], False), ("dpm-solver", c["dpm"], False)] + ([] if cfg["compile_backend"] == "eager"
+                                                                           else [("ddpm", c["ddpm"], True)])
+    for sampler, steps, compiled in runs:
+        if compiled:  # one warm-up batch compiles (static shapes: the timed batch has the same size)
+            fresh_dynamo()
+            sample_latents(model, DIFFUSION, labels, sampler=sampler, steps=2, guidance=Guidance(1.5),
+                           precision=precision, compile=True)
+            check_compiled(f"sampling {name}")
         sync(device)
         start = time.perf_counter()
-        sample_latents(model, DIFFUSION, labels, sampler=sampler, steps=steps, guidance=Guidance(1.5), precision=precision)
+        sample_latents(model, DIFFUSION, labels, sampler=sampler, steps=steps, guidance=Guidance(1.5), precision=precision,
+                       compile=compiled)
         sync(device)
         seconds = time.perf_counter() - start
         rows.append({"model": name, "sampler": sampler, "steps": steps, "cfg_scale": 1.5, "images": len(labels),
-                     "precision": precision, "images_per_s": len(labels) / seconds})
+                     "precision": precision, "compile": compiled, "images_per_s": len(labels) / seconds})
     return rows
 
 
@@ -387,7 +396,8 @@ def markdown(report: dict) -> str:
                  f"{_fmt(loader.get('in_memory_0_workers_images_per_s'), ',.0f')} images/s"
                  f"{'' if 'images_per_s' in loader else ' ' + not_measured(loader)}")
     for r in report.get("sampling", []):
-        lines.append(f"- sampling {r['model']} {r['sampler']}-{r['steps']} cfg {r['cfg_scale']} ({r['precision']}): "
+        lines.append(f"- sampling {r['model']} {r['sampler']}-{r['steps']} cfg {r['cfg_scale']} ({r['precision']}"
+                     f"{', compiled' if r.get('compile') else ''}, batch {r.get('images')}): "
                      f"{r['images_per_s']:.2f} images/s" if "images_per_s" in r else f"- sampling {r['model']}: {not_measured(r)}")
     inc = report.get("inception") or {}
     lines.append(f"- inception: {_fmt(inc.get('images_per_s'), ',.1f')} images/s (batch {inc.get('batch')}, "
