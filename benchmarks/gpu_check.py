@@ -483,6 +483,10 @@ def main(argv=None) -> None:
     for item in plan + for_targets:
         train_item(*item)
     processes = max(1, torch.cuda.device_count()) if device.type == "cuda" else 1
+    pipeline = guarded("pipeline: train, SIGTERM, resume, sample, evaluate",
+                       lambda: pipeline_run(cfg, device, processes, child_env()))
+    report["pipeline"] = pipeline if isinstance(pipeline, list) else [{"stage": "pipeline", **pipeline}]
+    write_report()
     trainer_rows = []
     for m in cfg["trainer"]["models"]:
         for topo in cfg["trainer"]["topologies"]:
@@ -490,10 +494,6 @@ def main(argv=None) -> None:
             trainer_rows.append({"model": m, "topology": topo, **r})
             report["trainer"] = trainer_summary(trainer_rows, name, peak)
             write_report()
-    pipeline = guarded("pipeline: train, SIGTERM, resume, sample, evaluate",
-                       lambda: pipeline_run(cfg, device, processes, child_env()))
-    report["pipeline"] = pipeline if isinstance(pipeline, list) else [{"stage": "pipeline", **pipeline}]
-    write_report()
     report["loader"] = guarded("loader", lambda: loader_run(cfg))
     write_report()
     for m, o in cfg["models"].items():
