@@ -3,8 +3,8 @@
 train.py under torchrun (or alone) -> SIGTERM to the launcher in the middle (it forwards it to the ranks,
 which checkpoint and exit) -> `--resume auto` to the end -> sample.py with DDPM-250 and DPM-Solver
 (a random tiny VAE decodes) -> evaluate.py with random Inception weights (timing and plumbing, not
-a real FID). Each stage is a subprocess running the commands as a user types them; the result is
-one row per stage, printed as one table by gpu_check.
+a real FID). Training runs as a user launches it (subprocesses); sample.py's and evaluate.py's
+main() run in this process with their command lines. One row per stage, one table in gpu_check.
 """
 from __future__ import annotations
 
@@ -37,6 +37,19 @@ def _run(cmd: list[str], env: dict, cwd: Path, what: str) -> float:
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
         raise RuntimeError(f"{what} exited {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}")
+    return time.perf_counter() - start
+
+
+def _in_process(script: str, argv: list[str]) -> float:
+    """A command's main() in this process, with its argv: the same code path as the command line,
+    without a second interpreter and torch import per stage."""
+    import runpy
+    from unittest import mock
+
+    start = time.perf_counter()
+    main = runpy.run_path(str(ROOT / script))["main"]
+    with mock.patch.object(sys, "argv", [script, *argv]):
+        main(argv) if script == "sample.py" else main()
     return time.perf_counter() - start
 
 
@@ -109,21 +122,20 @@ def pipeline_run(cfg: dict, device, processes: int, env: dict) -> list[dict]:
         samples = {}
         for sampler, steps in (("ddpm", 250), ("dpm-solver", p["dpm_steps"])):
             out_npz = tmp / f"{sampler}.npz"
-            cmd = [sys.executable, str(ROOT / "sample.py"), "--ckpt", str(ckpt), "--vae", str(vae), "--sampler", sampler,
-                   "--steps", str(steps), "--num-samples", str(p["images"]), "--batch-size", str(p["images"]),
-                   "--precision", "bf16", "--out", str(out_npz), *(["--cpu"] if device.type == "cpu" else [])]
-            seconds = _run(cmd, env, tmp, f"sample.py --sampler {sampler}")
+            argv = ["--ckpt", str(ckpt), "--vae", str(vae), "--sampler", sampler, "--steps", str(steps),
+                    "--num-samples", str(p["images"]), "--batch-size", str(p["images"]), "--precision", "bf16",
+                    "--out", str(out_npz), *(["--cpu"] if device.type == "cpu" else [])]
+            seconds = _in_process("sample.py", argv)
             samples[sampler] = out_npz
             rows.append({"stage": f"sample.py {sampler}-{steps}, {p['images']} images", "seconds": seconds,
-                         "result": f"{p['images'] / seconds:.2f} images/s with start-up"})
+                         "result": f"{p['images'] / seconds:.2f} images/s with model and VAE loading"})
 
         # 4. Evaluate one sample set against the other with random Inception weights.
         weights = write_random_inception_weights(tmp / "random-inception.pth")
         report = tmp / "eval.json"
-        seconds = _run([sys.executable, str(ROOT / "evaluate.py"), "--samples", str(samples["ddpm"]), "--ref",
-                        str(samples["dpm-solver"]), "--inception-weights", str(weights), "--metrics", "fid,is",
-                        "--fid-method", "eigh", "--json", str(report), "--device", device.type],
-                       env, tmp, "evaluate.py")
+        seconds = _in_process("evaluate.py", ["--samples", str(samples["ddpm"]), "--ref", str(samples["dpm-solver"]),
+                                              "--inception-weights", str(weights), "--metrics", "fid,is",
+                                              "--fid-method", "eigh", "--json", str(report), "--device", device.type])
         metrics = json.loads(report.read_text()).get("metrics", {})
         rows.append({"stage": "evaluate.py fid,is (random Inception weights)", "seconds": seconds,
                      "result": ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())})
