@@ -10,7 +10,7 @@ import torch
 
 from ancre_dit.cli import run_cli
 from ancre_dit.models import create_model
-from benchmarks import gpu_check
+from benchmarks import gpu_check, gpu_check_trainer
 from helpers import ROOT, subprocess_env
 
 
@@ -148,6 +148,6 @@ def test_trainer_metrics_are_medians_after_the_first_log_line(tmp_path):
              {"step": 150, "images_per_sec": 320.0, "mfu": 0.43}, {"step": 200, "images_per_sec": 310.0, "mfu": 0.42}]
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    got = gpu_check.read_trainer_metrics(tmp_path)
+    got = gpu_check_trainer.read_trainer_metrics(tmp_path)
     assert (got["steps"], got["log_lines_used"], got["images_per_sec"], got["mfu"], got["images_per_s"]) == \
         (200, 3, 310.0, 0.42, None)
