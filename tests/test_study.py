@@ -162,6 +162,7 @@ def test_imagenet_studies_validate_without_their_data(name, capsys, tmp_path):
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "data path" in err
 
 
+@pytest.mark.slow  # the bill counts the FLOPs of each arm's model
 @pytest.mark.parametrize("name", [n for n in SHIPPED if n.startswith("digits")])
 def test_digits_studies_validate(name, capsys):
     code, out, err = cli(capsys, "run", str(ROOT / "studies" / f"{name}.yaml"), "--dry-run")
@@ -413,7 +414,7 @@ def test_slurm_options_reach_sbatch_and_the_runs_show_as_submitted(tmp_path, cap
     assert "cascaded-s0 (job 4242_0)" in out
     script = (tmp_path / "job.sh").read_text()
     for line in ("--partition=gpu", "--account=acc", "--gpus-per-node=8", "--nodes=2", "--ntasks-per-node=1",
-                 "--time=600", "--array=0-3%3", "--signal=USR2@120"):
+                 "--time=600", "--array=0-3%3", "--signal=USR2@180"):  # cluster.SIGNAL_DELAY_S, docs/cluster.md
         assert f"#SBATCH {line}\n" in script
     code, out, _ = cli(capsys, "status", str(path))
     assert out.count(" submitted ") == 4
