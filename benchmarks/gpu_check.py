@@ -13,6 +13,10 @@ Measures, and writes to OUT/gpu_check.json and OUT/gpu_check.md:
   loader     images/s of the trainer's latent loader (synthetic shards, batch 256, 8 workers)
   sampling   images/s of DDPM-250 and DPM-Solver-25 with guidance 1.5, bf16 (latents, no VAE decode)
   inception  images/s of inception-v3-compat feature extraction (random weights: timing only)
+  trainer    train.py itself through `accelerate launch` on every GPU (synthetic latents, the recipe's
+             bf16, EMA, guard, loader workers and compile): images/s and MFU from its metrics.jsonl
+  pipeline   a user's path (gpu_check_pipeline.py): train under torchrun, SIGTERM half way, resume,
+             sample.py DDPM-250 and DPM-Solver, evaluate.py with random Inception weights
 
 Work runs in priority order (eager training, which also counts the FLOPs; compiled cascaded and
 ancre, which the two targets need; loader, sampling, Inception; then the other compiled topologies,
@@ -48,6 +52,8 @@ from ancre_dit.hardware import configure_precision, peak_tflops as device_peak_t
 from ancre_dit.models import create_model
 from ancre_dit.models.flops import count_training_flops
 from benchmarks.bench_peer import topology_variant
+from benchmarks.gpu_check_pipeline import markdown_rows, pipeline_run
+from benchmarks.gpu_check_trainer import child_env, trainer_run, trainer_summary
 
 TOPOLOGIES = ("cascaded", "ancre", "denseformer", "hc", "mhc")
 # Compiled only, last: a topology or backbone with its options, as bench_peer's variants name them.
@@ -92,11 +98,23 @@ def sizes(args) -> dict:
         return dict(models={"DiT-S/2": dict(depth=2, hidden_size=32, num_heads=2)}, input_size=8,
                     batch=args.batch_size or 2, steps=args.steps or 2, warmup=1, compile_backend="eager",
                     loader=dict(shards=6, per_shard=8, side=4, batch=4, batches=3, workers=min(args.loader_workers, 1)),
-                    sampling=dict(images=2, ddpm=3, dpm=2), inception=dict(images=2, batch=2, size=64))
+                    sampling=dict(images=2, ddpm=3, dpm=2), inception=dict(images=2, batch=2, size=64),
+                    trainer=dict(models=("dit-s2",), topologies=("ancre",), shards=2, per_shard=16, side=2, batch=4,
+                                 steps=6, log_every=2, workers=1, compile=False,
+                                 model_overrides=["model.depth=2", "model.hidden_size=32", "model.num_heads=2"]),
+                    # TODO(at merge, once a stop spares the loader workers and a torchrun run resumes on the
+                    # CPU): launcher="torchrun" and workers=1, as on a GPU
+                    pipeline=dict(model="dit-s2-ancre", launcher="python", steps=6, log_every=1, workers=0, images=2,
+                                  dpm_steps=2, grace_s=300))
     return dict(models={"DiT-S/2": {}, "DiT-B/2": {}}, input_size=32, batch=args.batch_size or 256,
                 steps=args.steps or 20, warmup=3, compile_backend="inductor",
                 loader=dict(shards=100, per_shard=400, side=32, batch=256, batches=100, workers=args.loader_workers),
-                sampling=dict(images=64, ddpm=250, dpm=25), inception=dict(images=1024, batch=256, size=299))
+                sampling=dict(images=256, ddpm=250, dpm=25), inception=dict(images=1024, batch=256, size=299),
+                trainer=dict(models=("dit-b2", "dit-s2"), topologies=("ancre", "cascaded"), shards=16, per_shard=1024,
+                             side=32, batch=args.batch_size or 256, steps=300, log_every=50, workers=8, compile=True,
+                             model_overrides=[]),
+                pipeline=dict(model="dit-s2-ancre", launcher="torchrun", steps=200, log_every=10, workers=8, images=256, dpm_steps=25,
+                              grace_s=300))
 
 
 def peak_tflops(args, device: torch.device) -> tuple[float | None, str]:
@@ -111,6 +129,7 @@ def sync(device: torch.device) -> None:
 
 def training_run(name: str, overrides: dict, topology: str, compiled: bool, cfg: dict, device: torch.device) -> dict:
     """Step time, peak memory and FLOPs of one (model, topology, compile) in bf16 autocast."""
+    fresh_dynamo()
     torch.manual_seed(0)
     base, options = topology_variant(topology)
     model = create_model(name, topology=base, input_size=cfg["input_size"], in_channels=4, num_classes=1000,
@@ -136,6 +155,7 @@ def training_run(name: str, overrides: dict, topology: str, compiled: bool, cfg:
         step()
     sync(device)
     warmup_s = time.perf_counter() - start
+    graphs = check_compiled(f"{name} {topology}") if compiled else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
@@ -152,7 +172,30 @@ def training_run(name: str, overrides: dict, topology: str, compiled: bool, cfg:
         torch.cuda.empty_cache()
     return {"model": name, "topology": topology, "compile": compiled, "batch": b, "step_ms": step_s * 1e3,
             "images_per_s": b / step_s, "peak_memory_bytes": peak, "flops_per_step": flops,
-            "warmup_and_compile_s": warmup_s}
+            "warmup_and_compile_s": warmup_s, "compiled_graphs": graphs}
+
+
+def fresh_dynamo() -> None:
+    """Forget every earlier compile: dynamo recompiles one code object at most
+    torch._dynamo.config.recompile_limit times (8), then runs it eager without a word, so the
+    later models of one process would otherwise be timed eager under a "compiled" label."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def check_compiled(label: str) -> int:
+    """The number of graphs dynamo compiled since fresh_dynamo(); an item meant to run compiled that
+    compiled none (it fell back to eager) raises, so it is reported as FAILED, not timed eager."""
+    from torch._dynamo.utils import counters
+
+    graphs = int(counters["stats"]["unique_graphs"])
+    if graphs < 1 or not counters["frames"]["ok"]:
+        raise RuntimeError(f"{label} was meant to run compiled but dynamo compiled no graph (frames "
+                           f"{dict(counters['frames'])}): it would have been timed eager")
+    return graphs
 
 
 def loader_run(cfg: dict) -> dict:
@@ -183,14 +226,23 @@ def sampling_run(name: str, overrides: dict, cfg: dict, device: torch.device) ->
     rows = []
     precision = "bf16"  # the GPU run's setting; the CPU smoke run takes the same path (CPU autocast)
     sample_latents(model, DIFFUSION, labels[:2], sampler="dpm-solver", steps=2, guidance=Guidance(1.5), precision=precision)
-    for sampler, steps in (("ddpm", c["ddpm"]), ("dpm-solver", c["dpm"])):
+    # sample.py --compile as well on a GPU (the smoke run leaves it to the test suite: inductor on a CPU is slow)
+    runs = [("ddpm", c["ddpm"], False), ("dpm-solver", c["dpm"], False)] + ([] if cfg["compile_backend"] == "eager"
+                                                                           else [("ddpm", c["ddpm"], True)])
+    for sampler, steps, compiled in runs:
+        if compiled:  # one warm-up batch compiles (static shapes: the timed batch has the same size)
+            fresh_dynamo()
+            sample_latents(model, DIFFUSION, labels, sampler=sampler, steps=2, guidance=Guidance(1.5),
+                           precision=precision, compile=True)
+            check_compiled(f"sampling {name}")
         sync(device)
         start = time.perf_counter()
-        sample_latents(model, DIFFUSION, labels, sampler=sampler, steps=steps, guidance=Guidance(1.5), precision=precision)
+        sample_latents(model, DIFFUSION, labels, sampler=sampler, steps=steps, guidance=Guidance(1.5), precision=precision,
+                       compile=compiled)
         sync(device)
         seconds = time.perf_counter() - start
         rows.append({"model": name, "sampler": sampler, "steps": steps, "cfg_scale": 1.5, "images": len(labels),
-                     "precision": precision, "images_per_s": len(labels) / seconds})
+                     "precision": precision, "compile": compiled, "images_per_s": len(labels) / seconds})
     return rows
 
 
@@ -251,6 +303,21 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['model']} | {r['topology']} | {r['compile']} | {r['batch']} | {r['step_ms']:.1f} | "
                      f"{r['images_per_s']:.1f} | {_fmt(r['mfu'], '.1%')} | {_fmt(r['time_ratio'], '.3f')} | "
                      f"{_fmt(peak, '.2f')} | {_fmt(r['memory_ratio'], '.3f')} |")
+    trainer = report.get("trainer") or {}
+    if trainer:
+        lines += ["", "## train.py (accelerate launch, bf16, EMA, guard, latent loader; medians after the first log line)",
+                  "", "| recipe | processes | batch/process | compile | images/s (all) | images/s per GPU | MFU | wall s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in trainer.get("runs", []):
+            if "images_per_sec" not in r:
+                lines.append(f"| {r['model']}-{r['topology']} | {not_measured(r)} |||||||")
+                continue
+            lines.append(f"| {r['model']}-{r['topology']} | {r['processes']} | {r['batch_per_process']} | {r['compile']} | "
+                         f"{r['images_per_sec']:.1f} | {_fmt(r['images_per_s'], '.1f')} | {_fmt(r['mfu'], '.1%')} | "
+                         f"{r['wall_s']:.0f} |")
+    if report.get("pipeline"):
+        lines += ["", "## A user's path (torchrun, synthetic latents, tiny random VAE and Inception)", "",
+                  *markdown_rows(report["pipeline"])]
     lines += ["", "## Other throughputs", ""]
     loader = report.get("loader") or {}
     lines.append(f"- loader: {_fmt(loader.get('images_per_s'), ',.0f')} images/s ({loader.get('workers')} workers, "
@@ -258,7 +325,8 @@ def markdown(report: dict) -> str:
                  f"{_fmt(loader.get('in_memory_0_workers_images_per_s'), ',.0f')} images/s"
                  f"{'' if 'images_per_s' in loader else ' ' + not_measured(loader)}")
     for r in report.get("sampling", []):
-        lines.append(f"- sampling {r['model']} {r['sampler']}-{r['steps']} cfg {r['cfg_scale']} ({r['precision']}): "
+        lines.append(f"- sampling {r['model']} {r['sampler']}-{r['steps']} cfg {r['cfg_scale']} ({r['precision']}"
+                     f"{', compiled' if r.get('compile') else ''}, batch {r.get('images')}): "
                      f"{r['images_per_s']:.2f} images/s" if "images_per_s" in r else f"- sampling {r['model']}: {not_measured(r)}")
     inc = report.get("inception") or {}
     lines.append(f"- inception: {_fmt(inc.get('images_per_s'), ',.1f')} images/s (batch {inc.get('batch')}, "
@@ -345,6 +413,18 @@ def main(argv=None) -> None:
 
     for item in plan + for_targets:
         train_item(*item)
+    processes = max(1, torch.cuda.device_count()) if device.type == "cuda" else 1
+    pipeline = guarded("pipeline: train, SIGTERM, resume, sample, evaluate",
+                       lambda: pipeline_run(cfg, device, processes, child_env()))
+    report["pipeline"] = pipeline if isinstance(pipeline, list) else [{"stage": "pipeline", **pipeline}]
+    write_report()
+    trainer_rows = []
+    for m in cfg["trainer"]["models"]:
+        for topo in cfg["trainer"]["topologies"]:
+            r = guarded(f"train.py {m}-{topo} x{processes}", lambda: trainer_run(m, topo, cfg, device, processes))
+            trainer_rows.append({"model": m, "topology": topo, **r})
+            report["trainer"] = trainer_summary(trainer_rows, name, peak)
+            write_report()
     report["loader"] = guarded("loader", lambda: loader_run(cfg))
     write_report()
     for m, o in cfg["models"].items():

@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Runs a study (arms x seeds of training runs from one YAML file), shows where it stands, reports it.
 
-    python scripts/study.py run STUDY.yaml [--jobs N] [--executor local|slurm|submitit-local] [--dry-run]
+    python scripts/study.py run STUDY.yaml [--jobs N] [--executor local|slurm|submitit-local] [--dry-run [--mfu F]]
     python scripts/study.py status STUDY.yaml
     python scripts/study.py report STUDY.yaml            # <out>/report/report.md + curves_*.png
 
 `run` trains every run not finished yet (`train.py --resume auto`: a rerun continues), N at a time
 on this machine, or as SLURM jobs through submitit (--partition, --gpus-per-node, --nodes,
 --time-min, --account, --slurm-array-parallelism; defaults from the study's slurm: section).
---dry-run validates every run's config and prints the runs, creating nothing; --no-check-paths
+--dry-run validates every run's config and prints the runs and each arm's training compute in GPU-hours
+(--mfu, --gpu / --gpu-peak-tflops, --gpu-check gpu_check.json), creating nothing; --no-check-paths
 leaves out the checks that data, reference and weight paths exist (a machine without the data).
 """
 from __future__ import annotations
@@ -26,6 +27,12 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("command", choices=("run", "status", "report"))
     p.add_argument("study", help="study YAML file (studies/*.yaml)")
     p.add_argument("--dry-run", action="store_true", help="validate every run's config and print the runs; write nothing")
+    bill = p.add_argument_group("--dry-run's compute bill (GPU-hours = FLOPs / (MFU x peak); default 40% of an "
+                                "H100/H200's 989 TFLOP/s)")
+    bill.add_argument("--mfu", type=float, help="model FLOP utilisation as a fraction, e.g. 0.4")
+    bill.add_argument("--gpu-peak-tflops", type=float, help="the GPU's dense bf16 peak, TFLOP/s")
+    bill.add_argument("--gpu", help="the GPU by name (A100, H100, H200, B200, ...): its peak from the device table")
+    bill.add_argument("--gpu-check", help="a gpu_check.json: the trainer MFU (and peak) the GPU check measured")
     p.add_argument("--no-check-paths", action="store_true",
                    help="do not require data.path, eval.ref, eval.inception_weights, eval.val_path to exist here")
     p.add_argument("--jobs", type=int, default=1, help="local executor: runs at once (cores split between them)")
@@ -50,6 +57,8 @@ def parse_args(argv: list[str] | None = None):
     for key, flag in (("gpus_per_node", "gpus_per_node"), ("nodes", "nodes"), ("time_min", "time_min"),
                       ("array_parallelism", "slurm_array_parallelism"), ("cpus_per_task", "cpus_per_task")):
         check_cluster_value(key, getattr(args, flag), f"--{flag.replace('_', '-')}")
+    if not args.dry_run and any(v is not None for v in (args.mfu, args.gpu_peak_tflops, args.gpu, args.gpu_check)):
+        raise UserError("--mfu, --gpu-peak-tflops, --gpu and --gpu-check price a --dry-run; add --dry-run")
     if args.command != "run" and (args.dry_run or args.jobs != 1 or args.executor != "local" or args.force):
         raise UserError(f"--dry-run, --jobs, --executor and --force apply to run, not {args.command}")
     if args.jobs != 1 and args.executor != "local":
@@ -83,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"report written to {path} (+ summary.json, curves_*.png)")
         return 0
     if args.dry_run:
-        print(actions.dry_run(study, check_paths))
+        from ancre_dit.studies.costs import compute_rate
+
+        rate = compute_rate(args.mfu, args.gpu_peak_tflops, args.gpu, args.gpu_check)
+        print(actions.dry_run(study, check_paths, rate))
         return 0
     if not TRAIN_SCRIPT.is_file():
         raise UserError(f"{TRAIN_SCRIPT} not found: run studies from a checkout of ancre-dit")

@@ -27,6 +27,10 @@ def test_shipped_configs_load(tmp_path):
     for path in CONFIGS:
         raw = yaml.safe_load(path.read_text())
         if raw["data"]["kind"] == "latents":  # the paper recipe; its data path is checked at load
+            # ImageNet recipes compile, as their reference scripts do; ANCRe's take the current scripts' tau
+            assert raw["train"]["compile"] is True, path.name
+            if raw["model"]["topology"] == "ancre":
+                assert raw["model"]["tau"] == 0.1 and "0.01" in path.read_text().split("run_dir:")[0], path.name
             (tmp_path / "lat").mkdir(exist_ok=True)
             if path.stem.startswith("repa-"):  # REPA's recipe: SiT's, plus the alignment (its weights file is checked)
                 (tmp_path / "dinov2.pth").touch()
@@ -46,8 +50,8 @@ def test_shipped_configs_load(tmp_path):
                 continue
             assert (c.train.global_batch_size, c.train.max_steps, c.train.lr, c.train.ema_decay) == (256, 400000, 1e-4, 0.9999)
             # learn_sigma: on for DiT's DDPM, off for SiT's flow objective (sit-*.yaml).
-            assert (c.train.mixed_precision, c.train.ckpt_every, c.model.topology_options["tau"], c.model.learn_sigma, c.model.class_dropout) == \
-                ("bf16", 50000, 0.01, c.diffusion.objective == "ddpm", 0.1)
+            assert (c.train.mixed_precision, c.train.ckpt_every, c.model.learn_sigma, c.model.class_dropout) == \
+                ("bf16", 50000, c.diffusion.objective == "ddpm", 0.1)
             assert c.diffusion.objective == ("flow" if path.stem.startswith("sit-") else "ddpm")
         else:
             c = load_config(path)

@@ -10,7 +10,7 @@ import torch
 
 from ancre_dit.cli import run_cli
 from ancre_dit.models import create_model
-from benchmarks import gpu_check
+from benchmarks import gpu_check, gpu_check_trainer
 from helpers import ROOT, subprocess_env
 
 
@@ -42,6 +42,11 @@ def test_a_failing_item_is_recorded_and_the_files_are_written_after_every_item(t
     monkeypatch.setattr(gpu_check, "loader_run", lambda cfg: {"images_per_s": 5.0, "workers": 1, "batch": 4,
                                                                "shards": 6, "in_memory_0_workers_images_per_s": 9.0})
     monkeypatch.setattr(gpu_check, "sampling_run", fake_sampling)
+    monkeypatch.setattr(gpu_check, "pipeline_run", lambda cfg, device, n, env: [
+        {"stage": "train, SIGTERM to python at step 3", "seconds": 2.0, "result": "checkpoint at step 3"}])
+    monkeypatch.setattr(gpu_check, "trainer_run", lambda m, topo, cfg, device, n: {
+        "processes": n, "batch_per_process": 4, "compile": False, "images_per_sec": 50.0, "images_per_s": 50.0,
+        "mfu": 0.3 if m == "dit-s2" else None, "wall_s": 1.0})
     monkeypatch.setattr(gpu_check, "inception_run", lambda cfg, device: {"images_per_s": 3.0, "batch": 2,
                                                                           "image_size": 64, "weights": "random"})
     gpu_check.main(["--smoke", "--out", str(tmp_path)])
@@ -58,7 +63,10 @@ def test_a_failing_item_is_recorded_and_the_files_are_written_after_every_item(t
     assert [r["topology"] for r in report["training"]][-4:] == list(gpu_check.NEWER_VARIANTS)  # after Inception
     assert report["sampling"] == [{"model": "DiT-S/2", "failed": "ValueError: sampler broke"}]
     assert report["inception"]["images_per_s"] == 3.0
+    assert seen_on_disk["trainer"]["runs"][0]["images_per_sec"] == 50.0  # train.py runs before sampling
+    assert (report["trainer"]["mfu"], report["trainer"]["mfu_from"]) == (0.3, "dit-s2 ancre")
     text = (tmp_path / "gpu_check.md").read_text()
+    assert "| dit-s2-ancre | 1 | 4 | False | 50.0 | 50.0 | 30.0% | 1 |" in text
     assert "| DiT-S/2 | hc | False | FAILED: RuntimeError: CUDA out of memory. |" in text
     assert "- sampling DiT-S/2: FAILED: ValueError: sampler broke" in text
     assert not list(tmp_path.glob("*.tmp"))
@@ -93,8 +101,22 @@ def test_smoke_run_through_the_device_wrapper_writes_every_measurement(tmp_path)
         ("ddpm", 1.5, "bf16"), ("dpm-solver", 1.5, "bf16")]  # the GPU run's path, through CPU autocast
     assert all(r["images_per_s"] > 0 for r in report["sampling"])
     assert report["inception"]["images_per_s"] > 0
+    # train.py itself, through accelerate launch on synthetic latents, read back from its metrics.jsonl
+    (run,) = report["trainer"]["runs"]
+    assert (run["model"], run["processes"], run["steps"], run["mixed_precision"]) == ("dit-s2", 1, 6, "bf16")
+    assert run["images_per_sec"] > 0 and run["log_lines"] == 3
+    # TODO(at merge, with the trainer's MFU logging and train.peak_tflops passed by the smoke run):
+    # assert run["images_per_s"] > 0 and 0 < run["mfu"] < 1 and report["trainer"]["mfu"] == run["mfu"]
+    # a user's path: SIGTERM half way -> a checkpoint before the end, resumed to the end, sampled, evaluated
+    stages = report["pipeline"]
+    assert [r["stage"].split(" at step")[0] for r in stages] == [
+        "train, SIGTERM to python", "train --resume auto", "sample.py ddpm-250, 2 images",
+        "sample.py dpm-solver-2, 2 images", "evaluate.py fid,is (random Inception weights)"]
+    stopped = int(stages[0]["result"].split("checkpoint at step ")[1].split()[0])
+    assert 0 < stopped < 6 and stages[1]["result"] == f"step {stopped} -> 6" and "fid " in stages[4]["result"]
     text = (out / "gpu_check.md").read_text()
     assert "| DiT-S/2 | mhc | False |" in text and "no verdict" in text
+    assert "| train --resume auto |" in text
 
 
 def test_training_flops_match_the_dit_papers_count_attention_included():
@@ -107,3 +129,26 @@ def test_training_flops_match_the_dit_papers_count_attention_included():
     flops = gpu_check.count_training_flops(model, x, t, y, autocast_dtype=None)  # bf16 on this CPU: 13x slower
     assert flops == pytest.approx(3 * 2 * 6.06e9, rel=0.01)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_item_meant_to_be_compiled_that_did_not_compile_fails():
+    """After dynamo's recompile limit a "compiled" model runs eager without a word: the check resets
+    dynamo before each item and refuses a compiled item that compiled no graph."""
+    gpu_check.fresh_dynamo()
+    with pytest.raises(RuntimeError, match="meant to run compiled but dynamo compiled no graph"):
+        gpu_check.check_compiled("DiT-S/2 ancre")
+    torch.compile(lambda x: x.sin() + 1, backend="eager")(torch.ones(3))
+    assert gpu_check.check_compiled("tiny") == 1
+    gpu_check.fresh_dynamo()
+    with pytest.raises(RuntimeError):
+        gpu_check.check_compiled("after a reset")
+
+
+def test_trainer_metrics_are_medians_after_the_first_log_line(tmp_path):
+    lines = [{"step": 50, "images_per_sec": 10.0}, {"step": 100, "images_per_sec": 300.0, "mfu": 0.41},
+             {"step": 150, "images_per_sec": 320.0, "mfu": 0.43}, {"step": 200, "images_per_sec": 310.0, "mfu": 0.42}]
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    got = gpu_check_trainer.read_trainer_metrics(tmp_path)
+    assert (got["steps"], got["log_lines_used"], got["images_per_sec"], got["mfu"], got["images_per_s"]) == \
+        (200, 3, 310.0, 0.42, None)

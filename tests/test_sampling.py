@@ -2,9 +2,11 @@
 ADM respacing, sharded/resumed jobs, VAE decoding and the one-line errors."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +15,11 @@ import torch
 from helpers import ROOT, TINY_DIT, load_script, tiny_model
 
 from ancre_dit.diffusion import build_objective
+from ancre_dit.cli import SingleProcess
 from ancre_dit.errors import UserError
 from ancre_dit.sampling import GuidedDenoiser, Guidance, SampleNoise, sample_images, sample_latents
 from ancre_dit.sampling import job as job_module
+from ancre_dit.sampling.decode import decode_pixels
 from ancre_dit.diffusion.ddpm import ddpm_loop, respaced_diffusion
 from ancre_dit.checkpoint import make_model_spec, write_model_files
 
@@ -157,6 +161,79 @@ def test_interrupted_job_resumes_only_missing_parts(digits_ckpt, tmp_path, monke
     # Resuming with other settings would mix two jobs: refused.
     with pytest.raises(UserError, match="different job"):
         run_sample(*args[:-1], "--cfg-scale", "3")
+
+
+def test_padded_part_keeps_its_samples():
+    """--compile pads the last part to the batch size; the real samples stay those of (seed, i)."""
+    model = random_model()
+    plan = job_module.plan_sampling(model, DIFFUSION, steps=3, guidance=Guidance(2.0))
+    labels, indices = np.array([3, 1]), np.array([6, 7])
+    plain = job_module.sample_part(plan, labels, indices=indices, seed=4, decoder=decode_pixels)
+    seen, forward = [], model.forward
+    model.forward = lambda x, *a, **k: seen.append(len(x)) or forward(x, *a, **k)
+    padded = job_module.sample_part(plan, labels, indices=indices, seed=4, decoder=decode_pixels, pad_to=5)
+    del model.forward
+    assert set(seen) == {10}  # 5 samples, conditional and unconditional halves in one forward
+    assert padded.shape == plain.shape == (2, 8, 8, 1)
+    assert np.abs(padded.astype(int) - plain.astype(int)).max() <= 1  # float32 kernels may block otherwise
+
+
+@pytest.mark.slow
+def test_compiled_sampling_gives_the_eager_images(digits_ckpt, tmp_path):
+    from torch._dynamo.utils import counters
+
+    args = ["--ckpt", str(digits_ckpt), "--num-samples", "5", "--batch-size", "4", "--steps", "3", "--cfg-scale", "2"]
+    run_sample(*args, "--out", str(tmp_path / "eager.npz"))
+    torch._dynamo.reset()
+    counters.clear()
+    run_sample(*args, "--out", str(tmp_path / "compiled.npz"), "--compile")
+    # It really ran compiled, and the ragged last part (1 of 5) was padded: one graph, no recompile.
+    assert counters["frames"]["ok"] >= 1 and counters["stats"]["unique_graphs"] == 1
+    with np.load(tmp_path / "eager.npz") as e, np.load(tmp_path / "compiled.npz") as c:
+        assert e["arr_0"].std() > 10 and np.array_equal(e["arr_1"], c["arr_1"])
+        assert np.abs(e["arr_0"].astype(int) - c["arr_0"].astype(int)).max() <= 2
+
+
+def test_sampling_sets_up_precision_as_the_trainer(digits_ckpt, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(job_module, "configure_precision", lambda device, tf32: calls.append((str(device), tf32)))
+    args = ["--ckpt", str(digits_ckpt), "--num-samples", "1", "--steps", "2", "--out", str(tmp_path / "s.npz")]
+    run_sample(*args)
+    run_sample(*args, "--no-tf32")
+    assert calls == [("cpu", True), ("cpu", False)]
+
+
+class _Rank(SingleProcess):
+    """Process `rank` of `world` without a process group (the job's merge path needs no collective)."""
+
+    def __init__(self, rank: int, world: int):
+        super().__init__(cpu=True)
+        self.process_index, self.num_processes, self.is_main_process = rank, world, rank == 0
+
+
+def test_ranks_leave_once_their_parts_are_written_and_the_main_one_merges(digits_ckpt, tmp_path, monkeypatch):
+    args = ["--ckpt", str(digits_ckpt), "--num-samples", "7", "--batch-size", "3", "--steps", "2"]
+    run_sample(*args, "--out", str(tmp_path / "one.npz"))
+    out = tmp_path / "two.npz"
+    monkeypatch.setattr(job_module, "job_processes", lambda cpu: contextlib.nullcontext(_Rank(1, 2)))
+    run_sample(*args, "--out", str(out))  # rank 1 writes part 3-6 and returns: no barrier, no merge
+    assert not out.exists() and [p.name for p in (tmp_path / "two.parts").glob("part-*")] == ["part-0000003-0000006.npz"]
+    monkeypatch.setattr(job_module, "job_processes", lambda cpu: contextlib.nullcontext(_Rank(0, 2)))
+    run_sample(*args, "--out", str(out))
+    with np.load(tmp_path / "one.npz") as one, np.load(out) as two:
+        assert np.array_equal(one["arr_0"], two["arr_0"]) and np.array_equal(one["arr_1"], two["arr_1"])
+
+
+def test_main_process_waits_for_the_part_files(tmp_path):
+    ranges = [(0, 2), (2, 3)]
+    job_module.save_adm_npz(job_module.part_path(tmp_path, 0, 2), np.zeros((2, 4, 4, 3), np.uint8), [0, 1])
+    late = threading.Timer(0.3, lambda: job_module.save_adm_npz(job_module.part_path(tmp_path, 2, 3),
+                                                                np.zeros((1, 4, 4, 3), np.uint8), [2]))
+    late.start()
+    said = []
+    job_module.wait_for_parts(tmp_path, ranges, said.append, poll_seconds=0.05)
+    late.join()
+    assert job_module.part_path(tmp_path, 2, 3).is_file() and said == ["waiting for 1 part(s) from the other processes"]
 
 
 # -- guidance ---------------------------------------------------------------------------------

@@ -98,9 +98,59 @@ def test_dry_run_validates_every_run_and_creates_nothing(tmp_path, capsys, env):
     assert not (tmp_path / "out").exists()
 
 
+def _bill(out: str) -> dict[str, list[str]]:
+    lines = out[out.index("training compute at"):].splitlines()
+    return {line.split()[0]: line.split() for line in lines[3:] if line and not line.startswith("total")}
+
+
+def test_dry_run_prices_each_arm_in_gpu_hours(tmp_path, capsys, env):
+    from ancre_dit.studies.costs import flops_per_image
+
+    path = write_study(tmp_path / "s.yaml", overrides={**TINY, "train.max_steps": 1000})
+    code, out, err = cli(capsys, "run", str(path), "--dry-run")
+    assert code == 0, err
+    assert "at 40% MFU of 989 TFLOP/s per GPU (default MFU 40%; peak of an H100/H200 (default)" in out
+    # The tiny DiT on 8x8x1 digits: FLOPs per image counted from the config, x batch 16 x 1000 steps x 2 seeds.
+    per_image = flops_per_image({"model": {"name": "DiT-T/2", "kwargs": dict(
+        topology="cascaded", input_size=8, in_channels=1, num_classes=10, learn_sigma=False, class_dropout_prob=0.1,
+        depth=2, hidden_size=32, num_heads=2)}})
+    hours = per_image * 16 * 1000 * 2 / (0.4 * 989e12) / 3600
+    row = _bill(out)["cascaded"]
+    assert row[1:4] == ["2", f"{per_image * 16 / 1e12:.3g}", "1000"] and float(row[5].replace(",", "")) == \
+        pytest.approx(hours, abs=0.06)
+    # Half the MFU: twice the hours; an A100's peak from the table; a GPU check's measured trainer MFU.
+    check = tmp_path / "gpu_check.json"
+    check.write_text(json.dumps({"trainer": {"mfu": 0.2, "peak_tflops": 312.0, "device": "NVIDIA A100"}}))
+    for flags, mfu, peak in ((["--mfu", "0.2"], 0.2, 989), (["--gpu", "A100"], 0.4, 312),
+                             (["--gpu-peak-tflops", "500"], 0.4, 500), (["--gpu-check", str(check)], 0.2, 312)):
+        code, out, err = cli(capsys, "run", str(path), "--dry-run", *flags)
+        assert code == 0 and f"at {mfu:.0%} MFU of {peak:g} TFLOP/s" in out, (flags, err)
+    for flags, message in ((["--mfu", "40"], "--mfu 40.0 must be a fraction"), (["--gpu", "Z9"], "--gpu Z9: no peak"),
+                           (["--mfu", "0.3"], "add --dry-run")):
+        code, _, err = cli(capsys, "run", str(path), *(["--dry-run"] if "add" not in message else []), *flags)
+        assert code == 2 and message in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_config_model_is_the_trained_model(tmp_path, tiny_run_config, fresh_accelerate):
+    """The bill counts the network the trainer builds: the kwargs from a config equal a run's spec."""
+    from ancre_dit.checkpoint import load_model_spec
+    from ancre_dit.studies.costs import data_shape
+    from ancre_dit.training import train
+    from ancre_dit.training.model_setup import model_kwargs
+
+    config = tiny_run_config("train.max_steps=1", "train.ckpt_every=1", "model.norm=rmsnorm")
+    train(config)
+    size, channels, classes, _ = data_shape(config)
+    saved = load_model_spec(Path(config.run_dir) / "checkpoints" / "0000001")
+    assert json.loads(json.dumps(model_kwargs(config.model, size, channels, classes))) == saved["model"]["kwargs"]
+
+
 SHIPPED = sorted(p.stem for p in (ROOT / "studies").glob("*.yaml"))
 
 
+@pytest.mark.slow  # the bill counts DiT-B/2's FLOPs for each topology
 @pytest.mark.parametrize("name", [n for n in SHIPPED if n.startswith("imagenet")])
 def test_imagenet_studies_validate_without_their_data(name, capsys, tmp_path):
     code, out, err = cli(capsys, "run", str(ROOT / "studies" / f"{name}.yaml"), "--dry-run", "--no-check-paths")
@@ -112,6 +162,7 @@ def test_imagenet_studies_validate_without_their_data(name, capsys, tmp_path):
         assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and "data path" in err
 
 
+@pytest.mark.slow  # the bill counts the FLOPs of each arm's model
 @pytest.mark.parametrize("name", [n for n in SHIPPED if n.startswith("digits")])
 def test_digits_studies_validate(name, capsys):
     code, out, err = cli(capsys, "run", str(ROOT / "studies" / f"{name}.yaml"), "--dry-run")
@@ -363,7 +414,7 @@ def test_slurm_options_reach_sbatch_and_the_runs_show_as_submitted(tmp_path, cap
     assert "cascaded-s0 (job 4242_0)" in out
     script = (tmp_path / "job.sh").read_text()
     for line in ("--partition=gpu", "--account=acc", "--gpus-per-node=8", "--nodes=2", "--ntasks-per-node=1",
-                 "--time=600", "--array=0-3%3", "--signal=USR2@120"):
+                 "--time=600", "--array=0-3%3", "--signal=USR2@180"):  # cluster.SIGNAL_DELAY_S, docs/cluster.md
         assert f"#SBATCH {line}\n" in script
     code, out, _ = cli(capsys, "status", str(path))
     assert out.count(" submitted ") == 4
@@ -388,10 +439,28 @@ def test_multi_gpu_jobs_launch_torchrun_with_the_node_rank():
     assert command[1:3] == ["-m", "torch.distributed.run"]
     assert {"--nnodes=2", "--nproc_per_node=8", "--node_rank=1", "--master_addr=node-a"} <= set(command)
     assert command[-3:] == ["train.py", "--config", "c.yaml"]
+    # torchrun waits for its workers' checkpoint as long as the job's grace, which fits SLURM's early signal
+    from ancre_dit.studies.cluster import GRACE_S, SIGNAL_DELAY_S
+    assert f"--shutdown-timeout={GRACE_S}" in command and job.grace_s == GRACE_S < SIGNAL_DELAY_S
     single = StudyRun("a-s0", "/runs/a-s0", ["train.py"], gpus_per_node=1).command(SimpleNamespace(num_nodes=1))
     assert single[1:] == ["train.py"]
     import pickle
     assert pickle.loads(pickle.dumps(job)).train_args == job.train_args
+
+
+def test_the_training_child_outlives_slurms_early_signal():
+    """SLURM's --signal=USR2@N reaches every process of the job step: the training child ignores it
+    (its default action would kill train.py before the job's SIGTERM asks it to checkpoint)."""
+    import subprocess
+    import sys
+
+    from ancre_dit.studies.cluster import _ignore_submitit_signal
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; print('up', flush=True); time.sleep(3)"],
+                             stdout=subprocess.PIPE, text=True, preexec_fn=_ignore_submitit_signal)
+    assert child.stdout.readline() == "up\n"
+    child.send_signal(signal.SIGUSR2)
+    assert child.wait(timeout=20) == 0
 
 
 def test_a_baseline_per_arm_compares_each_depth_with_its_own_plain_dit(tmp_path):

@@ -50,26 +50,27 @@ class SamplingPlan:
 
 def plan_sampling(model: torch.nn.Module, objective: ObjectiveLike, *, sampler: str | None = None,
                   steps: int | None = None, guidance: Guidance = Guidance(), precision: str = "fp32",
-                  sde: SDEOptions = SDEOptions()) -> SamplingPlan:
-    """Checks the flags once; sampler and steps default to the objective's (DDPM: ddpm-250; flow: heun-25)."""
+                  sde: SDEOptions = SDEOptions(), compile: bool = False) -> SamplingPlan:
+    """Checks the flags once; sampler and steps default to the objective's (DDPM: ddpm-250; flow: heun-25).
+    `compile`: torch.compile the network with static shapes (feed it batches of one size)."""
     objective = build_objective(objective)
     sampler = sampler or objective.default_sampler
     steps = objective.default_steps(sampler) if steps is None else int(steps)
     objective.check_sampler(sampler, steps)
     net = unwrap_model(model)
-    denoiser = GuidedDenoiser(net, guidance, precision, objective.normalized_time)
+    denoiser = GuidedDenoiser(net, guidance, precision, objective.normalized_time, compile=compile)
     return SamplingPlan(net, objective, sampler, steps, denoiser, sde)
 
 
 def sample_latents(model: torch.nn.Module, objective: ObjectiveLike, labels: Sequence[int] | np.ndarray | torch.Tensor,
                    *, indices: Sequence[int] | np.ndarray | None = None, seed: int = 0, sampler: str | None = None,
                    steps: int | None = None, guidance: Guidance = Guidance(), precision: str = "fp32",
-                   sde: SDEOptions = SDEOptions()) -> torch.Tensor:
+                   sde: SDEOptions = SDEOptions(), compile: bool = False) -> torch.Tensor:
     """x_0 (N, C, H, W) float32 for the given labels; sample j uses the random streams of (seed, indices[j])
     (indices default to 0..N-1), so it does not depend on the batch it is in (dopri5 excepted: its
     adaptive steps follow the whole batch). `objective`: an Objective or a spec (a checkpoint's spec["diffusion"])."""
     plan = plan_sampling(model, objective, sampler=sampler, steps=steps, guidance=guidance, precision=precision,
-                         sde=sde)
+                         sde=sde, compile=compile)
     labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
     if labels.ndim != 1 or len(labels) == 0:
         raise UserError("labels must be a non-empty 1-D list of class ids")

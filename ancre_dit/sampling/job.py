@@ -4,7 +4,8 @@ The N samples are cut into parts of `batch_size` consecutive indices; part j goe
 j % world_size. Each finished part is written atomically to OUT.parts/part-<start>-<end>.npz,
 so a rerun of the same command skips what is done. Since a part's batch is the same whatever the
 number of processes, and each sample has its own random streams, the merged file is identical
-for 1 or many processes. Rank 0 merges the parts in index order into one ADM npz.
+for 1 or many processes. Rank 0 waits for the others' part files (no collective) and merges the
+parts in index order into one ADM npz; the other processes exit once their parts are written.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from ..data.adm_npz import load_adm_npz, save_adm_npz
 from ..diffusion import SDEOptions
 from ..errors import UserError
 from ..files import write_atomic
+from ..hardware import configure_precision
 from .api import SamplingPlan, plan_sampling
 from .decode import Decoder, build_decoder
 from .guidance import Guidance
@@ -60,6 +62,8 @@ class JobSettings:
     grid_max: int = 100
     keep_parts: bool = False
     cpu: bool = False
+    tf32: bool = True                 # TF32 matmuls on CUDA, as the trainer (train.tf32) and DiT's sampler
+    compile: bool = False             # torch.compile the network, static shapes (the last part padded)
     protocol: str | None = None  # a named preset (protocols.py) the settings follow
 
 
@@ -77,7 +81,8 @@ def part_path(folder: Path, start: int, end: int) -> Path:
 
 def job_identity(settings: JobSettings, spec: dict) -> dict:
     """What decides the content of a part; a rerun may resume only if this is unchanged. The sample
-    count is left out on purpose: sample i does not depend on it, so a job can be extended."""
+    count is left out on purpose: sample i does not depend on it, so a job can be extended; so are the
+    numerics-only switches (tf32, compile), which change a sample within rounding only."""
     keep = ("weights", "batch_size", "sampler", "steps", "cfg_scale", "cfg_channels", "guidance_interval",
             "seed", "label_mode", "classes", "precision", "vae", "sde_last_step", "sde_last_step_size",
             "sde_diffusion_norm")
@@ -109,9 +114,15 @@ def check_settings(s: JobSettings) -> Guidance:
 
 
 def sample_part(plan: SamplingPlan, labels: np.ndarray, *, indices: np.ndarray, seed: int,
-                decoder: Decoder) -> np.ndarray:
-    """One part's uint8 images (labels already checked at the job's edge)."""
-    return decoder(plan.latents(torch.as_tensor(labels, dtype=torch.long), indices, seed))
+                decoder: Decoder, pad_to: int | None = None) -> np.ndarray:
+    """One part's uint8 images (labels already checked at the job's edge). `pad_to`: a shorter part
+    is filled up to that many samples (the next indices, the last label) and the extra ones are
+    dropped, so a compiled network sees one batch shape; sample i still depends on (seed, i) alone."""
+    n = len(indices)
+    if pad_to is not None and n < pad_to:
+        indices = np.concatenate([indices, np.arange(indices[-1] + 1, indices[-1] + 1 + pad_to - n)])
+        labels = np.concatenate([labels, np.full(pad_to - n, labels[-1])])
+    return decoder(plan.latents(torch.as_tensor(labels, dtype=torch.long), indices, seed)[:n])
 
 
 def _check_or_write_identity(folder: Path, identity: dict, is_main: bool) -> None:
@@ -164,16 +175,18 @@ def run_job(s: JobSettings) -> Path:
     """Samples s.num_samples images into s.out (+ PNG folder, grid); returns s.out."""
     guidance = check_settings(s)
     with job_processes(s.cpu) as state:
+        configure_precision(state.device, s.tf32)
         model, spec = load_trained_model(s.ckpt, s.weights, state.device)
         return _run_model(model, spec, s, guidance, state)
 
 
 def sample_parts(plan: SamplingPlan, labels: np.ndarray, ranges: list[tuple[int, int]], *,
-                 decoder: Decoder, seed: int) -> Iterator[tuple[int, int, np.ndarray]]:
+                 decoder: Decoder, seed: int, pad_to: int | None = None) -> Iterator[tuple[int, int, np.ndarray]]:
     """(start, end, uint8 images) of each part in `ranges`, from a checked plan around a model in
     memory. Sample i uses the streams of (seed, i), so a part is the same whatever process draws it."""
     for start, end in ranges:
-        yield start, end, sample_part(plan, labels[start:end], indices=np.arange(start, end), seed=seed, decoder=decoder)
+        yield start, end, sample_part(plan, labels[start:end], indices=np.arange(start, end), seed=seed,
+                                      decoder=decoder, pad_to=pad_to)
 
 
 def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Guidance, state) -> Path:
@@ -182,7 +195,7 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
     num_classes = int(model.num_classes)
     check_protocol_fits(s.protocol, spec, int(model.in_channels))
     plan = plan_sampling(model, spec["diffusion"], sampler=s.sampler, steps=s.steps, guidance=guidance,
-                         precision=s.precision, sde=sde_options(s))
+                         precision=s.precision, sde=sde_options(s), compile=s.compile)
     s = replace(s, sampler=plan.sampler, steps=plan.steps)  # the defaults resolved, for the log and the job identity
     if s.classes is not None:
         s = replace(s, classes=check_classes(s.classes, num_classes))
@@ -205,26 +218,43 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
     done = sum(e - b for b, e in mine) - sum(e - b for b, e in todo)
     bar = tqdm(total=sum(e - b for b, e in mine), initial=done, unit="img", desc=f"rank {rank}/{world}",
                disable=not is_main, dynamic_ncols=True)
-    for start, end, images in sample_parts(plan, labels, todo, decoder=decoder, seed=s.seed):
+    # dopri5's adaptive steps follow the whole batch, so padding would change its samples.
+    pad_to = s.batch_size if s.compile and s.sampler != "dopri5" else None
+    for start, end, images in sample_parts(plan, labels, todo, decoder=decoder, seed=s.seed, pad_to=pad_to):
         save_adm_npz(part_path(folder, start, end), images, labels[start:end])
         bar.update(end - start)
     bar.close()
-    state.wait_for_everyone()
+    if not is_main:
+        # Done: no collective after this point, so a long merge on the main process (minutes at
+        # 50K images) never holds this process in a barrier that can time out.
+        return out
 
-    if is_main:
-        t0 = time.time()
-        images = merge_parts(folder, ranges, labels, out)
-        log(f"wrote {out}: arr_0 uint8 {tuple(images.shape)}, arr_1 labels ({time.time() - t0:.1f}s to merge)")
-        record = write_sampling_record(out, {**job_identity(s, spec), "num_samples": s.num_samples,
-                                             "protocol": s.protocol})
-        log(f"wrote the sampling settings to {record} (evaluate.py copies them into its results)")
-        if s.png_dir:
-            write_pngs(images, Path(s.png_dir))
-            log(f"wrote {len(images)} PNGs to {s.png_dir}")
-        if s.grid:
-            write_grid(images[: s.grid_max], labels[: s.grid_max], num_classes, Path(s.grid))
-            log(f"wrote grid of {min(len(images), s.grid_max)} images to {s.grid}")
-        if not s.keep_parts:
-            shutil.rmtree(folder, ignore_errors=True)
-    state.wait_for_everyone()
+    wait_for_parts(folder, ranges, log)
+    t0 = time.time()
+    images = merge_parts(folder, ranges, labels, out)
+    log(f"wrote {out}: arr_0 uint8 {tuple(images.shape)}, arr_1 labels ({time.time() - t0:.1f}s to merge)")
+    record = write_sampling_record(out, {**job_identity(s, spec), "num_samples": s.num_samples,
+                                         "protocol": s.protocol})
+    log(f"wrote the sampling settings to {record} (evaluate.py copies them into its results)")
+    if s.png_dir:
+        write_pngs(images, Path(s.png_dir))
+        log(f"wrote {len(images)} PNGs to {s.png_dir}")
+    if s.grid:
+        write_grid(images[: s.grid_max], labels[: s.grid_max], num_classes, Path(s.grid))
+        log(f"wrote grid of {min(len(images), s.grid_max)} images to {s.grid}")
+    if not s.keep_parts:
+        shutil.rmtree(folder, ignore_errors=True)
     return out
+
+
+def wait_for_parts(folder: Path, ranges: list[tuple[int, int]], log=print, poll_seconds: float = 2.0) -> None:
+    """Blocks until every part file exists (written atomically by whichever process drew it). A file
+    wait, not a barrier: the processes may finish far apart (a resumed job gives some of them
+    nothing left to do) and no collective timeout applies. A process that dies takes the job down
+    with it under torchrun / accelerate launch, so this wait never outlives a failed job."""
+    missing = [r for r in ranges if not part_path(folder, *r).is_file()]
+    if missing:
+        log(f"waiting for {len(missing)} part(s) from the other processes")
+    while missing:
+        time.sleep(poll_seconds)
+        missing = [r for r in missing if not part_path(folder, *r).is_file()]

@@ -12,8 +12,11 @@ from .spec import Job, Study, path_stand_ins, validate
 from .status import RunStatus, format_table, run_status, status_table
 
 
-def dry_run(study: Study, check_paths: bool = True) -> str:
-    """Validates every run's config and the folder, writes nothing; returns the job table."""
+def dry_run(study: Study, check_paths: bool = True, rate=None) -> str:
+    """Validates every run's config and the folder, writes nothing; returns the job table and the
+    training bill of each arm at `rate` (costs.ComputeRate; default: costs.compute_rate())."""
+    from .costs import compute_rate, config_flops_per_step, format_bill
+
     configs = validate(study, check_paths)
     check_folder(study)
     rows, unchecked = [], {}
@@ -25,8 +28,15 @@ def dry_run(study: Study, check_paths: bool = True) -> str:
                      ", ".join(f"{k}={v}" for k, v in study.arms[job.arm].items()) or "-"))
     table = format_table(("run", "arm", "seed", "topology", "max_steps", "arm overrides"), rows)
     note = (f"\nnot checked (missing here, --no-check-paths): {', '.join(unchecked)}" if unchecked else "")
+    bill = {}
+    for job in study.jobs:  # arms x seeds: each seed of an arm is one more run of the same cost
+        c = configs[job.name]
+        per_step = config_flops_per_step(c)
+        runs, _, _ = bill.get(job.arm, (0, per_step, c.train.max_steps))
+        bill[job.arm] = (runs + 1, per_step, c.train.max_steps)
+    bill_text = format_bill([(arm, *row) for arm, row in bill.items()], rate or compute_rate())
     return (f"study {study.name}: {len(study.arms)} arms x {len(study.seeds)} seeds = {len(rows)} runs, all configs "
-            f"valid; baseline {study.baseline_label}; runs would go to {study.runs_dir}{note}\n\n{table}")
+            f"valid; baseline {study.baseline_label}; runs would go to {study.runs_dir}{note}\n\n{table}\n\n{bill_text}")
 
 
 def statuses(study: Study, configs: dict | None = None) -> list[RunStatus]:

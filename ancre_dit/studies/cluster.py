@@ -6,13 +6,14 @@ Each run is one job (a job array over the runs), whose callable launches the tra
 GPUs and nodes (one task per node: the callable runs once per node with that node's rank, and node
 0 is the rendezvous host). The callable is a `submitit.helpers.Checkpointable`: on a time limit or
 a preemption submitit calls its `checkpoint()`, which sends SIGTERM to the training (train.py saves
-a checkpoint and exits, within `grace_s`) and requeues the same callable; the requeued job resumes
+a checkpoint and exits, within `grace_s`: GRACE_S, inside SLURM's SIGNAL_DELAY_S) and requeues the same callable; the requeued job resumes
 exactly with `--resume auto`. Launch events go to the run's study_status.jsonl, as with the local
 executor, so `status` works from the login node.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import signal
 import subprocess
@@ -32,6 +33,12 @@ from .status import LOG, finished_at, last_error_line, record_event
 # Requeues after a time limit that a run may use (preemptions do not count): 400K steps at a few
 # days per run outlast most partitions' limits many times over.
 MAX_TIMEOUTS = 100
+# Before a time limit SLURM signals the job SIGNAL_DELAY_S early (submitit's --signal=USR2@N); the
+# job then gives the training GRACE_S to checkpoint (SIGTERM, then the step boundary, then the save),
+# torchrun included (its --shutdown-timeout, 30 s by default, would SIGKILL its workers sooner), and
+# keeps the rest for the requeue. See docs/cluster.md.
+SIGNAL_DELAY_S = 180
+GRACE_S = 120
 
 
 MINIMUM = {"gpus_per_node": 0, "nodes": 1, "time_min": 1, "array_parallelism": 1, "cpus_per_task": 1}
@@ -63,11 +70,21 @@ def _port(job_id: str) -> int:
     return 20000 + int(hashlib.sha256(job_id.encode()).hexdigest(), 16) % 20000
 
 
+def _ignore_submitit_signal() -> None:
+    """In the training child, before exec: SLURM's early signal (submitit's USR2) reaches every process
+    of the job step, and its default action would kill train.py, torchrun and the loader workers
+    before any checkpoint. They ignore it (an ignored signal stays ignored across exec); this job
+    answers it by sending SIGTERM (checkpoint())."""
+    from submitit.core.job_environment import JobEnvironment
+
+    signal.signal(getattr(signal, f"SIG{JobEnvironment.USR_SIG}"), signal.SIG_IGN)
+
+
 class StudyRun(Checkpointable):
     """One run as a submitit job; picklable (the running child is not part of its state)."""
 
     def __init__(self, name: str, run_dir: str, train_args: Sequence[str], gpus_per_node: int, threads: int | None = None,
-                 grace_s: float = 60.0, max_steps: int | None = None):
+                 grace_s: float = GRACE_S, max_steps: int | None = None):
         self.name, self.run_dir, self.train_args = name, run_dir, list(train_args)
         self.gpus_per_node, self.threads, self.grace_s, self.max_steps = gpus_per_node, threads, grace_s, max_steps
         self._child: subprocess.Popen | None = None
@@ -87,7 +104,8 @@ class StudyRun(Checkpointable):
             return [sys.executable, script, *args]
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc_per_node={gpus}",
                 f"--node_rank={env.node}", f"--master_addr={env.hostnames[0]}",
-                f"--master_port={_port(str(env.job_id))}", script, *args]
+                f"--master_port={_port(str(env.job_id))}", f"--shutdown-timeout={math.ceil(self.grace_s)}",
+                script, *args]
 
     def __call__(self) -> dict[str, Any]:
         import submitit
@@ -102,7 +120,8 @@ class StudyRun(Checkpointable):
         with open(run_dir / (LOG if main else f"study.node{env.node}.log"), "a") as log:
             log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} job {env.job_id}: {' '.join(command)}\n")
             log.flush()
-            self._child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env)
+            self._child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env,
+                                           preexec_fn=_ignore_submitit_signal)
             if main:
                 record_event(run_dir, "started", pid=self._child.pid, job_pid=os.getpid(), executor="submitit",
                              job_id=str(env.job_id))
@@ -158,7 +177,7 @@ def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: Clust
     if cluster == "slurm":
         params["nodes"] = options.nodes
         params["slurm_array_parallelism"] = options.array_parallelism
-        params["slurm_signal_delay_s"] = 120  # time for the checkpoint before SLURM's own kill
+        params["slurm_signal_delay_s"] = SIGNAL_DELAY_S  # time for the checkpoint and the requeue before the kill
         if options.partition:
             params["slurm_partition"] = options.partition
         if options.account:

@@ -1,15 +1,18 @@
 """Training FLOPs per step of each arm, so that arms of different cost (width, depth, peer
-topologies) can be compared at equal compute, not only at equal steps.
+topologies) can be compared at equal compute, not only at equal steps, and priced before a study
+runs (`study.py run --dry-run`: GPU-hours at a stated MFU and GPU peak).
 
 Counted once per model config (`ancre_dit.models.flops.count_training_flops`: network forward +
-backward, matrix products only) on a CPU, fp32, with a micro-batch of two images, from the model
-spec of one of the arm's checkpoints (the exact model the run trained, data shape included), then
-scaled to a step: per image x train.global_batch_size. Optimizer, EMA and the recomputation of
-train.grad_checkpointing are not in it. Cached in `<out>/flops.json`, keyed by the model spec.
+backward, matrix products only) on the meta device, fp32, with a micro-batch of two images, from the
+model spec of one of the arm's checkpoints (the exact model the run trained, data shape included) or,
+before any, of its config; then scaled to a step: per image x train.global_batch_size. Optimizer,
+EMA and the recomputation of train.grad_checkpointing are not in it. The report's counts are cached
+in `<out>/flops.json`, keyed by the model spec.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,8 +25,23 @@ CACHE = "flops.json"
 MICRO_BATCH = 2
 
 
+_COUNTED: dict[str, float] = {}  # per process: a study's arms and seeds share a few models
+
+
 def flops_per_image(model_spec: dict[str, Any]) -> float:
-    """Training FLOPs of one image through the model a checkpoint's model_spec.json describes."""
+    """Training FLOPs of one image through the model a checkpoint's model_spec.json describes.
+    Counted on the meta device (shapes only, no arithmetic: seconds for any size); a topology whose
+    code needs real tensors is counted on the CPU."""
+    key = json.dumps(model_spec["model"], sort_keys=True)
+    if key not in _COUNTED:
+        try:
+            _COUNTED[key] = _count(model_spec, "meta")
+        except (RuntimeError, NotImplementedError):
+            _COUNTED[key] = _count(model_spec, "cpu")
+    return _COUNTED[key]
+
+
+def _count(model_spec: dict[str, Any], device: str) -> float:
     import torch
 
     from ..models import create_model
@@ -31,12 +49,13 @@ def flops_per_image(model_spec: dict[str, Any]) -> float:
 
     kwargs = dict(model_spec["model"]["kwargs"])
     torch.manual_seed(0)
-    model = create_model(model_spec["model"]["name"], **kwargs).train()
     size, channels = int(kwargs.get("input_size", 32)), int(kwargs.get("in_channels", 4))
     classes = int(kwargs.get("num_classes", 1000))
-    x = torch.randn(MICRO_BATCH, channels, size, size)
-    t = torch.full((MICRO_BATCH,), 500, dtype=torch.long)
-    y = torch.arange(MICRO_BATCH) % max(1, classes)
+    with torch.device(device):
+        model = create_model(model_spec["model"]["name"], **kwargs).train()
+        x = torch.randn(MICRO_BATCH, channels, size, size)
+        t = torch.full((MICRO_BATCH,), 500, dtype=torch.long)
+        y = torch.arange(MICRO_BATCH) % max(1, classes)
     return count_training_flops(model, x, t, y, autocast_dtype=None) / MICRO_BATCH
 
 
@@ -76,3 +95,121 @@ def arm_flops_per_step(out: Path, arms: dict[str, tuple[Sequence[Path], int]]) -
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(cache_path, json.dumps(record, indent=1).encode())
     return result
+
+
+# -- the bill before the run (scripts/study.py run --dry-run) ----------------------------------------
+DEFAULT_MFU = 0.40          # the GPU check's target for DiT-B/2 training, compiled, bf16
+DEFAULT_GPU = "H100"        # a key of ancre_dit.hardware.PEAK_BF16_TFLOPS
+IMAGENET_CLASSES = 1000     # latents whose manifest is not at hand are taken as ImageNet's
+SD_VAE = (8, 4)             # (downsampling, channels) of the SD VAE the recipes name
+
+
+@dataclass(frozen=True)
+class ComputeRate:
+    """Sustained training FLOP/s = mfu x peak, and where each figure came from."""
+
+    mfu: float
+    peak_tflops: float
+    source: str
+
+    @property
+    def flops_per_second(self) -> float:
+        return self.mfu * self.peak_tflops * 1e12
+
+
+def _table_peak(gpu: str) -> float:
+    from ..hardware import PEAK_BF16_TFLOPS
+
+    for fragment, value in PEAK_BF16_TFLOPS:
+        if fragment.lower() in gpu.lower():
+            return value
+    raise UserError(f"--gpu {gpu}: no peak known for it (known: {', '.join(f for f, _ in PEAK_BF16_TFLOPS)}); "
+                    f"give its dense bf16 peak with --gpu-peak-tflops")
+
+
+def compute_rate(mfu: float | None = None, peak_tflops: float | None = None, gpu: str | None = None,
+                 gpu_check: str | Path | None = None) -> ComputeRate:
+    """The rate the estimate assumes: flags first, then the trainer figures of a gpu_check.json
+    (its "trainer" section: mfu, peak_tflops), then DEFAULT_MFU of a DEFAULT_GPU."""
+    if mfu is not None and not 0 < mfu <= 1:
+        raise UserError(f"--mfu {mfu} must be a fraction in (0, 1], e.g. --mfu 0.4 for 40%")
+    if peak_tflops is not None and not peak_tflops > 0:
+        raise UserError(f"--gpu-peak-tflops {peak_tflops} must be positive, e.g. 989 for an H100")
+    sources = []
+    measured: dict[str, Any] = {}
+    if gpu_check is not None:
+        path = Path(gpu_check)
+        try:
+            measured = json.loads(path.read_text()).get("trainer") or {}
+        except (OSError, json.JSONDecodeError, AttributeError) as err:
+            raise UserError(f"--gpu-check {path} is not a readable gpu_check.json ({err}); pass the file "
+                            f"benchmarks/gpu_check.py wrote") from None
+        if not measured.get("mfu"):
+            raise UserError(f"--gpu-check {path} holds no trainer MFU (its \"trainer\" section is missing or has "
+                            f"none); rerun the GPU check on a GPU, or give --mfu")
+    if mfu is None and measured:
+        mfu = float(measured["mfu"])
+        sources.append(f"MFU measured by the GPU check ({gpu_check})")
+    elif mfu is None:
+        mfu = DEFAULT_MFU
+        sources.append(f"default MFU {DEFAULT_MFU:.0%}")
+    else:
+        sources.append("MFU given")
+    if peak_tflops is None and gpu is not None:
+        peak_tflops = _table_peak(gpu)
+        sources.append(f"peak of {gpu} from the device table")
+    elif peak_tflops is None and measured.get("peak_tflops"):
+        peak_tflops = float(measured["peak_tflops"])
+        sources.append(f"peak of the GPU check's device {measured.get('device', '')}".rstrip())
+    elif peak_tflops is None:
+        peak_tflops = _table_peak(DEFAULT_GPU)
+        sources.append(f"peak of an {DEFAULT_GPU}/H200 (default)")
+    else:
+        sources.append("peak given")
+    return ComputeRate(mfu, peak_tflops, "; ".join(sources))
+
+
+def data_shape(config) -> tuple[int, int, int, str]:
+    """(model input side, channels, classes, how they were found) of a config's data, without
+    opening the dataset (a dry run may happen where the data is not)."""
+    d = config.data
+    if d.kind == "digits":
+        from ..data.digits import DIGITS_NUM_CLASSES
+        return 8, 1, DIGITS_NUM_CLASSES, "digits"
+    if d.kind == "latents":
+        from ..data.latents import read_manifest
+        try:
+            m = read_manifest(d.path)
+            c, h, _ = (int(s) for s in m["latent_shape"])
+            return h, c, int(m["num_classes"]), "the latents' manifest"
+        except (UserError, KeyError, TypeError, ValueError):
+            down, channels = SD_VAE
+            return d.image_size // down, channels, IMAGENET_CLASSES, "assumed: SD-VAE latents of ImageNet"
+    return d.image_size, 3, IMAGENET_CLASSES, "assumed: 1000 classes"
+
+
+def config_flops_per_step(config) -> float:
+    """Training FLOPs of one step (per image x train.global_batch_size) of the network a config builds."""
+    from ..training.model_setup import model_kwargs
+
+    size, channels, classes, _ = data_shape(config)
+    spec = {"name": config.model.name, "kwargs": model_kwargs(config.model, size, channels, classes)}
+    return flops_per_image({"model": spec}) * config.train.global_batch_size
+
+
+def format_bill(rows: list[tuple[str, int, float, int]], rate: ComputeRate) -> str:
+    """rows: (arm, runs, FLOPs per step, steps per run) -> the table and the study's total."""
+    from .status import format_table
+
+    table, total = [], 0.0
+    for arm, runs, per_step, steps in rows:
+        flops = per_step * steps * runs
+        total += flops
+        table.append((arm, runs, f"{per_step / 1e12:.3g}", steps, f"{flops / 1e18:.4g}",
+                      f"{flops / rate.flops_per_second / 3600:,.1f}"))
+    head = ("arm", "runs", "TFLOP/step", "steps/run", "EFLOP (all runs)", "GPU-hours")
+    hours = total / rate.flops_per_second / 3600
+    return (f"training compute at {rate.mfu:.0%} MFU of {rate.peak_tflops:g} TFLOP/s per GPU ({rate.source}; "
+            f"network forward + backward only: no optimizer, EMA, REPA encoder, evaluation or recomputation):\n"
+            f"{format_table(head, table)}\n"
+            f"total: {total / 1e18:.4g} EFLOP = {hours:,.1f} GPU-hours ({hours / 24:,.1f} GPU-days)")

@@ -129,7 +129,8 @@ class EvaluationTask(PeriodicTask):
     name = "evaluation"
 
     def __init__(self, ctx: RunContext):
-        from ..evaluation.evaluator import resolve_metrics, evaluated_steps
+        from ..evaluation.evaluator import resolve_metrics
+        from .agreement import agree_on_evaluated
         from .run_evaluation import build_run_evaluator
 
         super().__init__(ctx.config.train.eval_every)
@@ -137,8 +138,8 @@ class EvaluationTask(PeriodicTask):
         self.evaluator = build_run_evaluator(ctx.config, ctx.data, ctx.objective,
                                              decoder=ctx.decoder() if needs_decoder else None,
                                              state=ctx.accelerator, log=ctx.log.info)
-        # Read once, before anyone writes: every process then agrees on what is left to do.
-        self.done = evaluated_steps(ctx.run_dir, self.evaluator.identity)
+        # Read once, before anyone writes, by one process for all: every process agrees on what is left to do.
+        self.done = agree_on_evaluated(ctx.accelerator, ctx.run_dir, self.evaluator.identity)
 
     def due(self, ctx: RunContext) -> bool:
         return super().due(ctx) and ctx.progress.step not in self.done

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import UserError
+from ..hardware import configure_precision
 from . import checkpointing as ckpt
 from .config import Config, load_config
 
@@ -117,17 +118,18 @@ def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overri
 def _evaluate(run_dir: Path, config: Config, selected: list[tuple[int, Path]], state, log) -> list[dict[str, Any]]:
     from ..checkpoint import load_model_spec, load_trained_model
     from ..diffusion import build_objective
-    from ..evaluation.evaluator import evaluated_steps
     from ..sampling.decode import build_decoder
+    from .agreement import agree_on_evaluated
     from .data import build_data
 
     log = log if state.is_main_process else (lambda *a, **k: None)
+    configure_precision(state.device, config.train.tf32)  # as the run's in-training evaluations computed
     spec = load_model_spec(selected[-1][1])
     data = build_data(config)
     objective = build_objective(spec["diffusion"])  # old specs (no objective) build DDPM
     decoder = build_decoder(spec["data"], data.in_channels, config.data.vae, state.device)
     evaluator = build_run_evaluator(config, data, objective, decoder, state, log)
-    done = evaluated_steps(run_dir, evaluator.identity)
+    done = agree_on_evaluated(state, run_dir, evaluator.identity)
     todo = [(s, p) for s, p in selected if s not in done]
     log(f"evaluating {len(todo)} checkpoint(s) of {run_dir} ({len(selected) - len(todo)} already in evals.jsonl)")
     new = []

@@ -1,0 +1,23 @@
+"""The network a training config builds: create_model's keyword arguments from the config's model
+section and the data's shape. One function, so what a run trains and what a study's cost estimate
+counts (ancre_dit.studies.costs) are the same model."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..models.layers import DEFAULTS as BLOCK_DEFAULTS
+from .config_schema import ModelConfig, topology_options_of
+
+
+def model_kwargs(m: ModelConfig, input_size: int, in_channels: int, num_classes: int) -> dict[str, Any]:
+    """create_model(m.name, **model_kwargs(...)) is the run's network."""
+    kwargs: dict[str, Any] = dict(topology=m.topology, input_size=input_size, in_channels=in_channels,
+                                  num_classes=num_classes, learn_sigma=m.learn_sigma, class_dropout_prob=m.class_dropout)
+    kwargs.update(topology_options_of(m))
+    for key in ("depth", "hidden_size", "num_heads"):
+        if getattr(m, key) is not None:
+            kwargs[key] = getattr(m, key)
+    # The block's layer choices only where they differ from the DiT block: specs of default runs
+    # (and of runs from before the choices existed) stay what they were, so those runs resume.
+    kwargs.update({key: getattr(m, key) for key, default in BLOCK_DEFAULTS.items() if getattr(m, key) != default})
+    return kwargs

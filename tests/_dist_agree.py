@@ -1,0 +1,23 @@
+"""Worker for tests/test_agreement.py under torchrun: each rank is shown its own view of the run
+folder (BASE/view<rank>, as stale caches of a shared filesystem would), and prints what it was told."""
+import json
+import sys
+from pathlib import Path
+
+from ancre_dit.cli import job_processes, run_cli
+from ancre_dit.training.agreement import agree_on_evaluated, agree_on_resume
+
+
+def main() -> int:
+    base = Path(sys.argv[1])
+    with job_processes(cpu=True) as state:
+        view = base / f"view{state.process_index}"
+        done = agree_on_evaluated(state, view, {"num_samples": 4})
+        resume = agree_on_resume(state, "auto", view / "empty-or-damaged", warn=lambda *a: None)
+        print(json.dumps({"rank": state.process_index, "evaluated": sorted(done), "resume": resume}), flush=True)
+        agree_on_resume(state, "auto", base / "view0" / "damaged", warn=lambda *a: None)  # a UserError everywhere
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,69 @@
+"""One process decides what every process must agree on (the checkpoint to resume, the steps
+already evaluated); the others receive its answer, whatever they would have read themselves."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, subprocess_env
+
+from ancre_dit.cli import SingleProcess
+from ancre_dit.errors import UserError
+from ancre_dit.evaluation.evaluator import append_eval
+from ancre_dit.training.agreement import agree_on_evaluated, agree_on_resume, main_decides
+
+
+def _damaged_checkpoint(run_dir: Path) -> None:
+    folder = run_dir / "checkpoints" / "0000004"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text("{}")  # looks complete; its weights are missing
+
+
+def _views(base: Path) -> None:
+    """Rank 0 sees step 2 evaluated, an empty run, and one with only a damaged checkpoint; rank 1
+    sees no evaluation and a damaged checkpoint where rank 0 sees none."""
+    append_eval(base / "view0", {"step": 2, "settings": {"num_samples": 4}})
+    append_eval(base / "view0", {"step": 3, "settings": {"num_samples": 9}})  # other settings: not this one
+    (base / "view0" / "empty-or-damaged").mkdir()
+    _damaged_checkpoint(base / "view0" / "damaged")
+    (base / "view1").mkdir()
+    _damaged_checkpoint(base / "view1" / "empty-or-damaged")
+
+
+def test_one_process_decides_for_itself(tmp_path):
+    _views(tmp_path)
+    state = SingleProcess(cpu=True)
+    assert agree_on_evaluated(state, tmp_path / "view0", {"num_samples": 4}) == {2}
+    assert agree_on_resume(state, "auto", tmp_path / "view0" / "empty-or-damaged") is None
+    warned = []
+    with pytest.raises(UserError, match="every checkpoint"):
+        agree_on_resume(state, "auto", tmp_path / "view1" / "empty-or-damaged", warn=warned.append)
+    assert "skipping damaged checkpoint" in warned[0]
+    assert main_decides(state, lambda: 7) == 7
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_every_rank_receives_the_main_rank_answer(tmp_path):
+    _views(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(_free_port()), str(ROOT / "tests" / "_dist_agree.py"), str(tmp_path)],
+                          capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=240)
+    told = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+                  key=lambda d: d["rank"])
+    # Rank 1 alone would have found nothing evaluated and refused its damaged checkpoint.
+    assert told == [{"rank": 0, "evaluated": [2], "resume": None}, {"rank": 1, "evaluated": [2], "resume": None}], \
+        proc.stderr[-3000:]
+    # Rank 0's user error reaches both ranks as the same one line, and neither waits for the other.
+    assert proc.returncode != 0 and proc.stderr.count("error: --resume auto: every checkpoint") == 2, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
