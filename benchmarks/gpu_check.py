@@ -102,9 +102,9 @@ def sizes(args) -> dict:
                     trainer=dict(models=("dit-s2",), topologies=("ancre",), shards=2, per_shard=16, side=2, batch=4,
                                  steps=6, log_every=2, workers=1, compile=False,
                                  model_overrides=["model.depth=2", "model.hidden_size=32", "model.num_heads=2"]),
-                    # TODO(at merge, once a stop spares the loader workers and a torchrun run resumes on the
-                    # CPU): launcher="torchrun" and workers=1, as on a GPU
-                    pipeline=dict(model="dit-s2-ancre", launcher="python", steps=6, log_every=1, workers=0, images=2,
+                    # One process on the CPU: torchrun's start-up would double the smoke's time, and
+                    # tests/test_preemption.py covers stops and resumes under torchrun.
+                    pipeline=dict(model="dit-s2-ancre", launcher="python", steps=6, log_every=1, workers=1, images=2,
                                   dpm_steps=2, grace_s=300))
     return dict(models={"DiT-S/2": {}, "DiT-B/2": {}}, input_size=32, batch=args.batch_size or 256,
                 steps=args.steps or 20, warmup=3, compile_backend="inductor",

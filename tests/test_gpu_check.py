@@ -105,8 +105,7 @@ def test_smoke_run_through_the_device_wrapper_writes_every_measurement(tmp_path)
     (run,) = report["trainer"]["runs"]
     assert (run["model"], run["processes"], run["steps"], run["mixed_precision"]) == ("dit-s2", 1, 6, "bf16")
     assert run["images_per_sec"] > 0 and run["log_lines"] == 3
-    # TODO(at merge, with the trainer's MFU logging and train.peak_tflops passed by the smoke run):
-    # assert run["images_per_s"] > 0 and 0 < run["mfu"] < 1 and report["trainer"]["mfu"] == run["mfu"]
+    assert run["images_per_s"] > 0 and 0 < run["mfu"] < 1 and report["trainer"]["mfu"] == run["mfu"]
     # a user's path: SIGTERM half way -> a checkpoint before the end, resumed to the end, sampled, evaluated
     stages = report["pipeline"]
     assert [r["stage"].split(" at step")[0] for r in stages] == [

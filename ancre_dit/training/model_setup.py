@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..models.layers import DEFAULTS as BLOCK_DEFAULTS
-from .config_schema import ModelConfig, topology_options_of
+from .config_schema import AGGREGATION_DEFAULTS, ModelConfig, topology_options_of
 
 
 def model_kwargs(m: ModelConfig, input_size: int, in_channels: int, num_classes: int) -> dict[str, Any]:
@@ -17,7 +17,9 @@ def model_kwargs(m: ModelConfig, input_size: int, in_channels: int, num_classes:
     for key in ("depth", "hidden_size", "num_heads"):
         if getattr(m, key) is not None:
             kwargs[key] = getattr(m, key)
-    # The block's layer choices only where they differ from the DiT block: specs of default runs
-    # (and of runs from before the choices existed) stay what they were, so those runs resume.
-    kwargs.update({key: getattr(m, key) for key, default in BLOCK_DEFAULTS.items() if getattr(m, key) != default})
+    # The block's layer choices and the aggregation's settings only where they differ from their
+    # defaults: specs of default runs (and of runs from before the choices existed) stay what they
+    # were, so those runs resume.
+    kwargs.update({key: getattr(m, key) for key, default in {**BLOCK_DEFAULTS, **AGGREGATION_DEFAULTS}.items()
+                   if getattr(m, key) != default})
     return kwargs

@@ -28,15 +28,16 @@ from ..files import append_jsonl, read_jsonl
 from ..diffusion import build_objective
 from ..models import create_model
 from ..models.flops import count_training_flops
-from ..models.layers import DEFAULTS as BLOCK_DEFAULTS
 from ..models.topologies.analysis import check_entropy_topology, topology_entropy
 from ..checkpoint import WEIGHT_FILES, make_model_spec, write_model_files
 from ..checkpoint import load_safetensors_checked
 from . import checkpointing as ckpt
 from .config import flat_config, save_config
 from .config_checks import check_batch_layout, diffusion_spec
-from .config_schema import AGGREGATION_DEFAULTS, Config, topology_options_of
+from .config_schema import Config
+from .agreement import agree_on_resume
 from .ema import ema_update_
+from .model_setup import model_kwargs
 from .guards import NonFiniteGuard
 from .stopping import StopAgreement, StopSignals
 from .periodic import RunContext, TrainProgress, build_tasks, topology_matrix, write_topology_files
@@ -138,7 +139,7 @@ class Trainer:
 
         self.progress = TrainProgress()
         self.epoch, self.offset = 0, 0
-        self.resumed_from = ckpt.resolve_resume(resume, self.run_dir, warn=self.log.warning)
+        self.resumed_from = agree_on_resume(acc, resume, self.run_dir, warn=self.log.warning)  # one rank decides
         if self.resumed_from is not None:
             self._load(self.resumed_from)
         elif resume == "auto":
@@ -173,18 +174,8 @@ class Trainer:
 
     # -- setup helpers --------------------------------------------------------------------
     def _model_kwargs(self) -> dict[str, Any]:
-        m, d = self.config.model, self.data
-        kwargs: dict[str, Any] = dict(topology=m.topology, input_size=d.input_size, in_channels=d.in_channels,
-                                      num_classes=d.num_classes, learn_sigma=m.learn_sigma, class_dropout_prob=m.class_dropout)
-        kwargs.update(topology_options_of(m))
-        for key in ("depth", "hidden_size", "num_heads"):
-            if getattr(m, key) is not None:
-                kwargs[key] = getattr(m, key)
-        # The block's layer choices only where they differ from the DiT block: specs of default runs
-        # (and of runs from before the choices existed) stay what they were, so those runs resume.
-        kwargs.update({key: getattr(m, key) for key, default in {**BLOCK_DEFAULTS, **AGGREGATION_DEFAULTS}.items()
-                       if getattr(m, key) != default})
-        return kwargs  # width / heads were checked with the config
+        d = self.data
+        return model_kwargs(self.config.model, d.input_size, d.in_channels, d.num_classes)  # checked with the config
 
     def _build_repa(self) -> RepaAlignment | None:
         """REPA's encoder, projector and tap (repa.weight > 0), for this model's token grid and width."""
