@@ -44,7 +44,7 @@ from .periodic import RunContext, TrainProgress, build_tasks, topology_matrix, w
 from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, describe, load_latents_in_memory,
                    make_loader, prepare_batch)
 from .repa import RepaAlignment
-from .run_lock import abandon_new_run_dir, claim_run_dir
+from .run_lock import abandon_new_run_dir, claim_run_dir, release_run_dir
 
 LOG_FILE = "log.txt"
 METRICS_FILE = "metrics.jsonl"
@@ -489,7 +489,10 @@ class Trainer:
             while not stopped and self.step < c.max_steps:
                 started = time.perf_counter()
                 lr_sum += self.lr_at(self.step)
-                terms = self.train_step(batches)
+                try:
+                    terms = self.train_step(batches)
+                except UserError as err:  # unreadable data: nothing saved over the good checkpoints
+                    self._stop_with(err, progress)
                 self.progress.train_seconds += time.perf_counter() - started
                 for k, v in terms.items():
                     running[k] = running.get(k, 0.0) + v
@@ -511,7 +514,8 @@ class Trainer:
                     task.maybe_run(self.context)
                 if self.stop_agreement.should_stop(self.step, signals):
                     stopped = True
-                    self.log.info("stop requested (%s): saving step %d and exiting", signals.signal_name or "signal on another rank", self.step)
+                    self.log.info("stop requested: saving step %d and exiting (%s)", self.step,
+                                  signals.signal_name or "a signal to another rank")
                     break
             self._report_guard(progress)
             progress.close()
@@ -530,10 +534,14 @@ class Trainer:
         try:
             self.guard.report()
         except UserError as err:
-            self.log.error("%s", err)  # in log.txt too
-            progress.close()
-            self._end()
-            raise
+            self._stop_with(err, progress)
+
+    def _stop_with(self, err: UserError, progress) -> None:
+        """Ends the run on a user error (a non-finite stop, unreadable data), nothing saved."""
+        self.log.error("%s", err)  # in log.txt too
+        progress.close()
+        self._end()
+        raise err
 
     def _end(self) -> None:
         """Ends the trackers and destroys the process group (else gloo aborts at exit), after dropping
@@ -543,6 +551,8 @@ class Trainer:
         self.trained_modules = ()
         self.accelerator.free_memory()
         gc.collect()
+        if self.accelerator.is_main_process:
+            release_run_dir(self.run_dir)  # the training is over: the folder is free for the next one
         self.accelerator.end_training()
 
     def _log_time_shares(self) -> None:
