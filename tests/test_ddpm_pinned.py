@@ -1,6 +1,6 @@
 """DDPM through the objective interface computes what it did before objectives existed.
 
-The constants come from the code at commit 6540a01 (before the interface) on the same tiny seeded
+The constants come from the code as it was before the interface, on the same tiny seeded
 model with torch 2.14.1, where they matched bit for bit. Another CPU rounds differently (another
 vector width or matrix-kernel blocking changes the order of float additions), so the pins hold
 to a relative tolerance set well above that rounding and far below any change of formula: the
