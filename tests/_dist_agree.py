@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from ancre_dit.cli import job_processes, run_cli
+from ancre_dit.errors import UserError
 from ancre_dit.training.agreement import agree_on_evaluated, agree_on_resume
 
 
@@ -15,7 +16,11 @@ def main() -> int:
         done = agree_on_evaluated(state, view, {"num_samples": 4})
         resume = agree_on_resume(state, "auto", view / "empty-or-damaged", warn=lambda *a: None)
         print(json.dumps({"rank": state.process_index, "evaluated": sorted(done), "resume": resume}), flush=True)
-        agree_on_resume(state, "auto", base / "view0" / "damaged", warn=lambda *a: None)  # a UserError everywhere
+        try:
+            agree_on_resume(state, "auto", base / "view0" / "damaged", warn=lambda *a: None)  # a UserError everywhere
+        except UserError as err:
+            print(json.dumps({"rank": state.process_index, "error": str(err)}), flush=True)
+            raise
     return 0
 
 
