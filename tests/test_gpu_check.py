@@ -106,13 +106,16 @@ def test_smoke_run_through_the_device_wrapper_writes_every_measurement(tmp_path)
     assert (run["model"], run["processes"], run["steps"], run["mixed_precision"]) == ("dit-s2", 1, 6, "bf16")
     assert run["images_per_sec"] > 0 and run["log_lines"] == 3
     assert run["images_per_s"] > 0 and 0 < run["mfu"] < 1 and report["trainer"]["mfu"] == run["mfu"]
-    # a user's path: SIGTERM half way -> a checkpoint before the end, resumed to the end, sampled, evaluated
+    # a user's path: SIGTERM once 3 steps are logged (no step limit in reach) -> a checkpoint, resumed
+    # for 3 more steps, sampled, evaluated
     stages = report["pipeline"]
     assert [r["stage"].split(" at step")[0] for r in stages] == [
         "train, SIGTERM to python", "train --resume auto", "sample.py ddpm-250, 2 images",
         "sample.py dpm-solver-2, 2 images", "evaluate.py fid,is (random Inception weights)"]
+    signalled = int(stages[0]["stage"].split(" at step ")[1])
     stopped = int(stages[0]["result"].split("checkpoint at step ")[1].split()[0])
-    assert 0 < stopped < 6 and stages[1]["result"] == f"step {stopped} -> 6" and "fid " in stages[4]["result"]
+    assert 3 <= signalled <= stopped and stages[1]["result"] == f"step {stopped} -> {stopped + 3}"
+    assert "fid " in stages[4]["result"]
     text = (out / "gpu_check.md").read_text()
     assert "| DiT-S/2 | mhc | False |" in text and "no verdict" in text
     assert "| train --resume auto |" in text
