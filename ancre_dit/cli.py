@@ -16,7 +16,7 @@ BUG_REPORT = ("this is a bug in ancre-dit, not a problem with your input; please
               "issue tracker with the traceback above and the command you ran")
 
 
-# -- where a command writes (one rule for every --out; README, "Where outputs go") ------------------
+# -- where a command writes (one rule for every --out; docs/reliability.md, "Where outputs go") ------------------
 def output_file(path: str | os.PathLike, suffixes: Sequence[str], flag: str = "--out") -> Path:
     """A file a command writes: it must end in a suffix the command can write, must not be a folder,
     and its parent folders (created by the writer) must not be files. An existing file of that name
