@@ -1,0 +1,74 @@
+"""model.aggregation_kernel: the Triton kernels of the stacked aggregation against the plain chain,
+run on CPU tensors by Triton's interpreter in a child python (tests/triton_checks.py, TRITON_INTERPRET=1
+set before triton is imported, so this process and the other tests never see it); and the choice
+itself: the CPU default is today's torch path, triton where it cannot run is one clear error."""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ancre_dit.errors import UserError
+from ancre_dit.models.topologies import aggregation
+from ancre_dit.training.config_schema import ModelConfig
+from ancre_dit.training.model_setup import model_kwargs
+
+from helpers import ROOT, inputs, randomize, subprocess_env, tiny_model
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+@pytest.mark.slow
+@needs_triton
+def test_interpreted_kernels_equal_the_plain_chain():
+    """One child (its imports are most of its time): the trunk's output and the gradients of h_0, the
+    blocks and the logits equal the chain's within fp32 rounding, dense and sparse, add and replace,
+    fp32 and bf16 history, the kernels having run; and aggregation_kernel=triton on a tiny DiT gives
+    the torch path's output and gradients."""
+    env = {**subprocess_env(), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_checks.py"), "trunk", "model"],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0 and "trunk ok" in proc.stdout and "model ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_auto_on_the_cpu_is_the_torch_path_bitwise(monkeypatch):
+    """Even with the interpreter on: auto takes the kernels on CUDA only."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert aggregation.aggregation_kernels("auto", torch.device("cpu")) is None
+    assert aggregation.aggregation_kernels("torch", torch.device("cpu")) is None
+    x, t, y = inputs()
+    outs = []
+    for kernel in ("auto", "torch"):
+        model = randomize(tiny_model("ancre", depth=3, aggregation_kernel=kernel))
+        out = model(x, t, y)
+        out.square().mean().backward()
+        outs.append((out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
+
+
+def test_triton_where_its_kernels_cannot_run_is_one_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(UserError, match="aggregation_kernel=triton runs its kernels on a CUDA device"):
+        aggregation.aggregation_kernels("triton", torch.device("cpu"))
+    model = tiny_model("ancre", depth=2, aggregation_kernel="triton")  # triton is installed: it builds
+    with pytest.raises(UserError, match="use aggregation_kernel=auto"):
+        model(*inputs())
+    monkeypatch.setattr(aggregation, "triton_installed", lambda: False)
+    with pytest.raises(UserError, match=r"needs the triton package \(pip install 'ancre-dit\[triton\]'\)"):
+        tiny_model("ancre", depth=2, aggregation_kernel="triton")
+    assert aggregation.aggregation_kernels("auto", torch.device("cuda")) is None  # auto without triton: torch
+    with pytest.raises(UserError, match="unknown aggregation_kernel 'cuda'"):
+        tiny_model("ancre", depth=2, aggregation_kernel="cuda")
+
+
+def test_the_option_enters_the_model_spec_only_when_set():
+    """Specs of runs that leave it at auto stay as they were, so older runs resume."""
+    args = dict(input_size=8, in_channels=1, num_classes=10)
+    assert "aggregation_kernel" not in model_kwargs(ModelConfig(), **args)
+    assert model_kwargs(ModelConfig(aggregation_kernel="torch"), **args)["aggregation_kernel"] == "torch"
+    model = tiny_model("ancre", depth=2, aggregation_kernel="torch")
+    assert model.topology.aggregation_kernel == "torch"
