@@ -15,6 +15,7 @@ from ancre_dit.errors import UserError
 from ancre_dit.models.topologies import aggregation
 from ancre_dit.training.config_schema import ModelConfig
 from ancre_dit.training.model_setup import model_kwargs
+from benchmarks import traffic
 
 from helpers import ROOT, inputs, randomize, subprocess_env, tiny_model
 
@@ -26,12 +27,26 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 def test_interpreted_kernels_equal_the_plain_chain():
     """One child (its imports are most of its time): the trunk's output and the gradients of h_0, the
     blocks and the logits equal the chain's within fp32 rounding, dense and sparse, add and replace,
-    fp32 and bf16 history, the kernels having run; and aggregation_kernel=triton on a tiny DiT gives
-    the torch path's output and gradients."""
+    fp32 and bf16 history, the kernels having run; aggregation_kernel=triton on a tiny DiT gives the
+    torch path's output and gradients; and the bytes moved equal benchmarks/traffic.py's model."""
     env = {**subprocess_env(), "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_checks.py"), "trunk", "model"],
+    checks = ("trunk", "model", "traffic")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_checks.py"), *checks],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0 and "trunk ok" in proc.stdout and "model ok" in proc.stdout, proc.stderr[-3000:]
+    assert proc.returncode == 0 and all(f"{c} ok" in proc.stdout for c in checks), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("edges", [traffic.dense_edges(12), traffic.topk_edges(12, 2)], ids=["dense", "top-2"])
+def test_the_kernels_move_the_floors_bytes_but_h0s_copy(edges):
+    """Above the floor only h_0's copy into the store: its read and write with a fp32 history, its
+    read alone with a bf16 one (the floor writes every history row in bf16 anyway)."""
+    for history, extra in ((4, {"forward read": 1, "forward write": 1}), (2, {"forward read": 1})):
+        kernels, floor = traffic.triton_passes(edges, 4, history), traffic.floor_passes(edges, 4, history)
+        assert {k: sum(c.values()) - sum(floor[k].values()) for k, c in kernels.items()} == {
+            k: extra.get(k, 0) for k in kernels}
+    moved = {form: sum(traffic.total_bytes(count(edges, 4, 2), 1).values())
+             for form, count in (("kernels", traffic.triton_passes), ("torch", traffic.stacked_passes))}
+    assert moved["kernels"] < 0.6 * moved["torch"]  # a bf16 history: the torch ops sum it edge by edge
 
 
 def test_auto_on_the_cpu_is_the_torch_path_bitwise(monkeypatch):

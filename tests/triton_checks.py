@@ -1,6 +1,6 @@
 """Checks of the Triton aggregation kernels on CPU tensors, run by tests/test_triton_aggregation.py in
 a child python with TRITON_INTERPRET=1 (set before triton is first imported, and never in the test
-process itself): `python tests/triton_checks.py trunk model`. Exits non-zero on the first mismatch."""
+process itself): `python tests/triton_checks.py trunk model traffic`. Exits non-zero on the first mismatch."""
 from __future__ import annotations
 
 import os
@@ -125,7 +125,69 @@ def check_model() -> None:
     print("model ok")
 
 
+def check_traffic() -> None:
+    """The bytes the kernel path moves equal benchmarks/traffic.py's `triton_passes`: the torch ops
+    around the kernels counted by tests/test_traffic.py's dispatch-mode counter (paused while a kernel
+    runs: the interpreter's own copies are not the kernel's traffic), each launch by the rows it reads
+    and writes."""
+    import pytest
+    import test_traffic
+    from benchmarks import traffic
+
+    class Counter(test_traffic.ByteCounter):
+        current = None
+
+        def __init__(self):
+            super().__init__()
+            Counter.current = self
+
+    class Counted:
+        """A kernel whose launches add their own passes to the counter."""
+
+        def __init__(self, kernel, count):
+            self.kernel, self.count = kernel, count
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                counter = Counter.current
+                phase, counter.phase = counter.phase, None
+                try:
+                    return self.kernel[grid](*args, **kwargs)
+                finally:
+                    counter.phase = phase
+                    if phase is not None:
+                        self.count(counter, *args, **kwargs)
+            return launch
+
+    def sum_rows_passes(counter, out, copy, base, base_stride, rows, index, weights, stride, terms, n, HAS_BASE, HAS_COPY, BLOCK):
+        if HAS_BASE:
+            counter._add("read", base)
+        counter.passes[f"{counter.phase} read"][rows.element_size()] += terms
+        for t in (out, copy) if HAS_COPY else (out,):
+            counter._add("write", t)
+
+    def gram_passes(counter, partials, grads, store, *args, **kwargs):
+        counter._add("read", grads)
+        counter._add("read", store)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(test_traffic, "ByteCounter", Counter)
+    # a shape whose size no Gram partial (programs x 16 x 16 here) is a multiple of: those are not passes
+    mp.setattr(test_traffic, "SHAPE", (2, 8, 24))
+    mp.setattr(test_traffic, "N", 2 * 8 * 24)
+    mp.setattr(aggregation_triton, "_sum_rows_kernel", Counted(aggregation_triton._sum_rows_kernel, sum_rows_passes))
+    mp.setattr(aggregation_triton, "_gram_kernel", Counted(aggregation_triton._gram_kernel, gram_passes))
+    for mode, topk, history in (("add", 0, torch.float32), ("replace", 2, torch.float32), ("add", 0, torch.bfloat16)):
+        topology = test_traffic._ancre(5, mode, topk)
+        topology.aggregation_kernel, topology.history_dtype = "triton", history
+        counted = test_traffic._count(topology, mp, autocast=history != torch.float32)
+        expected = traffic.triton_passes(topology.edges, stream=4, history=history.itemsize)
+        assert counted == {k: +c for k, c in expected.items()}, (mode, topk, history, counted, expected)
+    mp.undo()
+    print("traffic ok")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     for name in sys.argv[1:]:
-        {"trunk": check_trunk, "model": check_model}[name]()
+        {"trunk": check_trunk, "model": check_model, "traffic": check_traffic}[name]()

@@ -37,12 +37,12 @@ def _rounded_for(ptr, x):
 
 
 @triton.jit
-def _sum_rows_kernel(out_ptr, copy_ptr, base_ptr, rows_ptr, index_ptr, weight_ptr, weight_stride, terms, n,
+def _sum_rows_kernel(out_ptr, copy_ptr, base_ptr, base_stride, rows_ptr, index_ptr, weight_ptr, weight_stride, terms, n,
                      HAS_BASE: tl.constexpr, HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
     if HAS_BASE:
-        acc = tl.load(base_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        acc = tl.load(base_ptr + offs * base_stride, mask=inside, other=0.0).to(tl.float32)
     else:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for e in range(terms):
@@ -80,11 +80,11 @@ def sum_rows(into: torch.Tensor, base: torch.Tensor | None, rows: torch.Tensor, 
     """into = base + sum_k weight_line[index[k]] * rows[index[k]] (flat tensors; no base: zero), summed
     in fp32 in that order, each row read once; `copy_to` (e.g. the bf16 history row) gets the same
     sum in its own dtype from the same pass."""
-    n = into.numel()
-    base = None if base is None else base.reshape(-1).contiguous()
+    n, has_base = into.numel(), base is not None
+    base = base.reshape(-1) if has_base else into  # a view where one exists (e.g. an expanded gradient)
     grid = (triton.cdiv(n, SUM_BLOCK),)
-    _sum_rows_kernel[grid](into, into if copy_to is None else copy_to, into if base is None else base, rows, index,
-                           weight_line, weight_line.stride(0), index.numel(), n, HAS_BASE=base is not None,
+    _sum_rows_kernel[grid](into, into if copy_to is None else copy_to, base, base.stride(0), rows, index,
+                           weight_line, weight_line.stride(0), index.numel(), n, HAS_BASE=has_base,
                            HAS_COPY=copy_to is not None, BLOCK=SUM_BLOCK)
 
 
