@@ -65,16 +65,23 @@ def test_auto_on_the_cpu_is_the_torch_path_bitwise(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1]))
 
 
-def test_triton_where_its_kernels_cannot_run_is_one_clear_error(monkeypatch):
+def test_triton_needs_the_package_and_elsewhere_than_cuda_runs_the_torch_ops(monkeypatch):
+    """A training on a machine without CUDA is refused (tests/test_bad_inputs.py); a model built with
+    it still runs where the kernels cannot (a FLOP count on the meta device, a CPU sampling): the
+    torch ops, bitwise."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for device in ("cpu", "meta"):
+        assert aggregation.aggregation_kernels("triton", torch.device(device)) is None
     with pytest.raises(UserError, match="aggregation_kernel=triton runs its kernels on a CUDA device"):
-        aggregation.aggregation_kernels("triton", torch.device("cpu"))
-    model = tiny_model("ancre", depth=2, aggregation_kernel="triton")  # triton is installed: it builds
-    with pytest.raises(UserError, match="use aggregation_kernel=auto"):
-        model(*inputs())
+        aggregation.check_aggregation_kernel("triton", cuda=False)
+    x, t, y = inputs()
+    outs = [randomize(tiny_model("ancre", depth=2, aggregation_kernel=k))(x, t, y) for k in ("triton", "torch")]
+    assert torch.equal(outs[0], outs[1])
     monkeypatch.setattr(aggregation, "triton_installed", lambda: False)
     with pytest.raises(UserError, match=r"needs the triton package \(pip install 'ancre-dit\[triton\]'\)"):
         tiny_model("ancre", depth=2, aggregation_kernel="triton")
+    with pytest.raises(UserError, match=r"needs the triton package"):
+        aggregation.aggregation_kernels("triton", torch.device("cuda"))
     assert aggregation.aggregation_kernels("auto", torch.device("cuda")) is None  # auto without triton: torch
     with pytest.raises(UserError, match="unknown aggregation_kernel 'cuda'"):
         tiny_model("ancre", depth=2, aggregation_kernel="cuda")

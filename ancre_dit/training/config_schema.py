@@ -122,7 +122,7 @@ class ModelConfig:
     # fused (compiled); the eager form then sums edge by edge (BENCHMARKS.md, traffic model).
     history_dtype: str = choice("float32", HISTORY_DTYPES, "history dtype")
     # The eager aggregation's sums as Triton kernels (the extra `triton`): auto = on CUDA when triton
-    # is installed, triton = required, torch = never; under torch.compile the compiled chain always.
+    # is installed, triton = the same with the package required, torch = never; compiled: the chain.
     aggregation_kernel: str = choice("auto", AGGREGATION_KERNELS, "aggregation kernel")
     # Sparse ANCRe: from train.topology_sparsify_step on, each block keeps its K strongest incoming
     # edges (the softmax renormalised over them, the others skipped); 0 = dense throughout.

@@ -20,8 +20,11 @@ from torch.autograd.function import once_differentiable
 
 from ...errors import UserError
 
-# model.aggregation_kernel: auto = the Triton kernels where they run (CUDA, eager, triton installed),
-# else the torch ops; triton = the kernels (an error where they cannot run); torch = never the kernels.
+# model.aggregation_kernel: auto = the Triton kernels on CUDA tensors when triton is installed, else
+# the torch ops; triton = the same, but triton must be installed (and a training needs a CUDA device);
+# torch = never the kernels. Elsewhere (CPU, meta: a FLOP count, a CPU sampling of a GPU run) and under
+# torch.compile the torch path runs, except that triton takes the kernels on CPU tensors under
+# Triton's interpreter (how the tests run them).
 AGGREGATION_KERNELS = ("auto", "triton", "torch")
 
 
@@ -35,8 +38,8 @@ def triton_interpreting() -> bool:
 
 
 def check_aggregation_kernel(choice: str, cuda: bool | None = None) -> None:
-    """A UserError if `choice` is unknown, or is triton where the kernels cannot run (`cuda`: whether
-    the model will run on a CUDA device; None: not known yet)."""
+    """A UserError if `choice` is unknown, or is triton without the package, or (`cuda` False: the
+    run will have no CUDA device) where its kernels would never run."""
     if choice not in AGGREGATION_KERNELS:
         raise UserError(f"unknown aggregation_kernel {choice!r}; choose one of {', '.join(AGGREGATION_KERNELS)}")
     if choice != "triton":
@@ -51,9 +54,10 @@ def check_aggregation_kernel(choice: str, cuda: bool | None = None) -> None:
 
 def aggregation_kernels(choice: str, device: torch.device) -> ModuleType | None:
     """The Triton kernels module if a forward on `device` runs them (see AGGREGATION_KERNELS), else None."""
-    if choice == "torch" or (choice == "auto" and (device.type != "cuda" or not triton_installed())):
+    runs_there = device.type == "cuda" or (choice == "triton" and device.type == "cpu" and triton_interpreting())
+    if choice == "torch" or not runs_there or (choice == "auto" and not triton_installed()):
         return None
-    check_aggregation_kernel(choice, cuda=device.type == "cuda")
+    check_aggregation_kernel(choice)  # triton without the package: the error that names the extra
     return importlib.import_module(".aggregation_triton", __package__)
 
 
