@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.bfloat16)
 SUM_BLOCK = 1024
 GRAM_PROGRAMS = 1024  # fixed, not per device: the partials, hence the rounding, are the same on every GPU
 MAX_ROWS = 128  # the Gram tile holds every row; deeper trunks take the torch product
@@ -71,7 +71,7 @@ def _gram_kernel(part_ptr, a_ptr, b_ptr, rows, n, tiles, ROWS: tl.constexpr, BLO
 
 
 def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors (fp32 / bf16 / fp16; fp64 stays with the torch ops)."""
+    """Whether the kernels take these tensors (fp32 / bf16; others stay with the torch ops)."""
     return all(t.dtype in DTYPES for t in tensors)
 
 
