@@ -161,7 +161,8 @@ def check_traffic() -> None:
                         self.count(counter, *args, **kwargs)
             return launch
 
-    def sum_rows_passes(counter, out, copy, base, base_stride, rows, index, weights, stride, terms, n, HAS_BASE, HAS_COPY, BLOCK):
+    def sum_rows_passes(counter, out, copy, base, base_stride, rows, index, weights, stride, terms, n, *,
+                        HAS_BASE, HAS_COPY, BLOCK):
         if HAS_BASE:
             counter._add("read", base)
         counter.passes[f"{counter.phase} read"][rows.element_size()] += terms

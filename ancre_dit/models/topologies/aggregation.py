@@ -309,7 +309,8 @@ class _StackedNode(torch.autograd.Function):
         G = grads[j]
         kernels = trunk.kernels if trunk.kernels is not None and trunk.kernels.supports(grad, grads, W) else None
         if kernels is not None:
-            kernels.sum_rows(G, grad, grads, plan.device_indices(readers, G.device), W[:, j + 1] if j + 1 < K else W[:, 0])
+            column = W[:, j + 1] if j + 1 < K else W[:, 0]  # (the last node has no readers: any column)
+            kernels.sum_rows(G, grad, grads, plan.device_indices(readers, G.device), column)
         else:
             _accumulate(G, grad.reshape(-1).to(G.dtype), grads, readers, W[readers, j + 1] if readers else W[:0, 0])
         trunk.done[j] = True
