@@ -1,7 +1,8 @@
 """model.aggregation_kernel: the Triton kernels of the stacked aggregation against the plain chain,
 run on CPU tensors by Triton's interpreter in a child python (tests/triton_checks.py, TRITON_INTERPRET=1
-set before triton is imported, so this process and the other tests never see it); and the choice
-itself: the CPU default is today's torch path, triton where it cannot run is one clear error."""
+set before triton is imported, so this process and the other tests never see it); the bytes they
+move against the floor; and the choice itself: the CPU default is today's torch path bitwise, triton
+needs the package, and where its kernels cannot run a model takes the torch ops."""
 from __future__ import annotations
 
 import importlib.util
