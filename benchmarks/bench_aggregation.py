@@ -23,7 +23,8 @@ counted too: on Linux every fresh multi-MiB tensor is new memory from the kernel
     python -m benchmarks.bench_aggregation --compile --block linear      # graphs split at every block
 
 --traffic prints, instead of timing anything, the bytes the aggregation moves per training step of a
-model (benchmarks/traffic.py: the eager stacked form and the floor, fp32 and bf16 history), and with
+model (benchmarks/traffic.py: the eager stacked form with the torch ops and with its Triton kernels,
+and the floor, fp32 and bf16 history), and with
 --gpu the time that takes at the GPU's bandwidth and, given --cascaded-ms, the floor ratio:
 
     python -m benchmarks.bench_aggregation --traffic --model DiT-B/2 --batch-size 256 --gpu H200 --cascaded-ms 83.03
@@ -208,7 +209,8 @@ def traffic_report(args) -> dict[str, dict[str, float]]:
         layouts.append((f"top-{args.topk}", traffic.topk_edges(depth, args.topk)))
     results = {}
     for layout, edges in layouts:
-        for form, count in (("stacked (eager)", traffic.stacked_passes), ("floor", traffic.floor_passes)):
+        for form, count in (("stacked (eager)", traffic.stacked_passes), ("stacked (triton)", traffic.triton_passes),
+                            ("floor", traffic.floor_passes)):
             for history, nbytes in (("fp32", 4), ("bf16", 2)):
                 b = traffic.total_bytes(count(edges, 4, nbytes), N)
                 total = sum(b.values())

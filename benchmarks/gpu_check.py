@@ -19,7 +19,8 @@ Measures, and writes to OUT/gpu_check.json and OUT/gpu_check.md:
              sample.py DDPM-250 and DPM-Solver, evaluate.py with random Inception weights
 
 Work runs in priority order (eager training, which also counts the FLOPs; compiled cascaded and
-ancre, which the two targets need; loader, sampling, Inception; then the other compiled topologies,
+ancre, which the two targets need, and on CUDA eager ancre with its Triton aggregation kernels and
+without; loader, sampling, Inception; then the other compiled topologies,
 and last the depth-attention topologies and the LightningDiT block)
 and stops starting new items once --budget-s is spent;
 skipped items are listed as such. An item that raises is recorded as FAILED with its error (traceback
@@ -63,6 +64,11 @@ NEWER_VARIANTS = ("dar:query=static,chunk=4", "dar:query=static-t,chunk=4", "att
 # ANCRe with its history in bf16, and sparse ANCRe timed with its top-2 wiring (the smoke run's
 # 2-block model keeps 1).
 ANCRE_VARIANTS = ("ancre:history_dtype=bfloat16", "ancre:topology_topk=2")
+# Eager, on CUDA only, after the compiled runs the targets need: ANCRe's stacked sums as Triton kernels
+# (required, so a run where they cannot run fails loudly; with the bf16 history, where they save the
+# most bytes) and as the torch ops (what auto takes without triton).
+KERNEL_VARIANTS = ("ancre:aggregation_kernel=triton", "ancre:aggregation_kernel=triton,history_dtype=bfloat16",
+                   "ancre:aggregation_kernel=torch")
 DIFFUSION = {"objective": "ddpm", "learn_sigma": True}  # DiT's schedule (build_objective fills in the rest)
 
 
@@ -390,6 +396,8 @@ def main(argv=None) -> None:
     for_targets = [(m, o, topo, True) for topo in ("cascaded", "ancre") for m, o in cfg["models"].items()]
     for_targets += [(m, o, v.replace("topk=2", "topk=1") if args.smoke else v, True)
                     for v in ANCRE_VARIANTS for m, o in cfg["models"].items()]
+    if device.type == "cuda":  # the kernels' device
+        for_targets += [(m, o, v, False) for v in KERNEL_VARIANTS for m, o in cfg["models"].items()]
     # the smoke run compiles cascaded, ancre and the newer variants (options through create_model):
     # enough to keep each path working
     other_compiled = [] if args.smoke else [(m, o, topo, True) for m, o in cfg["models"].items() for topo in TOPOLOGIES[2:]]

@@ -8,7 +8,8 @@ written once (and its history copy, when the history has its own dtype); backwar
 reader gradient read once (the skip gradient of its source), each node's incoming gradient read and
 its output gradient written once, and the weights' gradient one Gram pass over the K gradients and
 the K history tensors. tests/test_traffic.py checks the stacked model against a dispatch-mode count
-of the bytes the real ops touch.
+of the bytes the real ops touch. The Triton kernels (`aggregation_triton`, model.aggregation_kernel)
+make one pass per sum whatever the dtypes, with the history copy written from the same pass.
 """
 from __future__ import annotations
 
@@ -61,6 +62,24 @@ def stacked_passes(edges: list[list[int]], stream: int = 4, history: int = 4) ->
         br[stream] += K; br[history] += K
     else:                                               # (in chunks: the history chunk upcast first)
         br[history] += K; bw[stream] += K; br[stream] += 2 * K
+    return p
+
+
+def triton_passes(edges: list[list[int]], stream: int = 4, history: int = 4) -> Passes:
+    """The passes of the stacked aggregation with its Triton kernels: each sum reads its base and its
+    rows once and writes its result (and the next history row, when the history has its own dtype)
+    once; the Gram kernel reads every gradient and history row once."""
+    K, p, readers = len(edges), _new(), readers_of(edges)
+    fr, fw, br, bw = p["forward read"], p["forward write"], p["backward read"], p["backward write"]
+    fr[stream] += 1; fw[history] += 1                    # h_0 into the store (a torch copy)
+    for j, e in enumerate(edges):
+        fr[history] += len(e); fr[stream] += 1; fw[stream] += 1
+        if j < K - 1 and history != stream:
+            fw[history] += 1
+    for j in range(K):                                  # each node's output gradient
+        br[stream] += 1 + (len(readers[j + 1]) if j + 1 < K else 0); bw[stream] += 1
+    br[stream] += len(readers[0]); bw[stream] += 1      # h_0's gradient
+    br[stream] += K; br[history] += K                   # the Gram product
     return p
 
 

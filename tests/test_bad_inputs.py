@@ -203,7 +203,7 @@ def _cfg(w: Path) -> list[str]:
 FRESH = "fresh_run"
 # Cases refused while the trainer starts (after the config loaded): a new run folder is removed again.
 NO_RUN_FOLDER = {"entropy weight without a learned topology", "latent manifest count beyond a shard's rows",
-                 "latent shard listed twice", "latent shard of another channel count"}
+                 "latent shard listed twice", "latent shard of another channel count", "triton kernels without a GPU"}
 
 
 def _fresh(w: Path) -> str:
@@ -256,6 +256,10 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
      "needs model.topology_topk"),
     ("unknown history dtype", "train", lambda w: [*_cfg(w), _fresh(w), "model.history_dtype=float16"],
      "model.history_dtype"),
+    ("unknown aggregation kernel", "train", lambda w: [*_cfg(w), _fresh(w), "model.aggregation_kernel=cuda"],
+     "model.aggregation_kernel"),
+    ("triton kernels without a GPU", "train", lambda w: [*_cfg(w), _fresh(w), "model.aggregation_kernel=triton"],
+     "aggregation_kernel=triton runs its kernels on a CUDA device and none is in use"),
     ("unknown nonfinite policy", "train", lambda w: [*_cfg(w), _fresh(w), "train.nonfinite=ignore"], "train.nonfinite"),
     ("heads do not divide width", "train", lambda w: [*_cfg(w), _fresh(w), "model.num_heads=3"], "not divisible"),
     ("batch not divisible by accumulation", "train", lambda w: [*_cfg(w), _fresh(w), "train.grad_accum=3"],

@@ -99,6 +99,7 @@ class DiT(nn.Module):
         qk_norm: bool = DEFAULTS["qk_norm"],
         history_dtype: str = "float32",
         topology_topk: int = 0,
+        aggregation_kernel: str = "torch",
         **topology_options,
     ):
         """`topology` is a registered name (see topologies/registry.py) or a built module;
@@ -106,7 +107,8 @@ class DiT(nn.Module):
         `norm` (layernorm | rmsnorm), `mlp` (gelu | swiglu), `pos_embed` (sincos | rope2d: axial 2D
         RoPE on q and k, the absolute embedding then zero) and `qk_norm` choose the block's layers.
         `history_dtype` (float32 | bfloat16: the weighted history kept under bf16 autocast) and
-        `topology_topk` (ANCRe's edges per block once sparsified, 0 = dense) tune the aggregation."""
+        `topology_topk` (ANCRe's edges per block once sparsified, 0 = dense) and `aggregation_kernel`
+        (auto | triton | torch: the eager sums as Triton kernels on CUDA) tune the aggregation."""
         super().__init__()
         check_choice("pos_embed", pos_embed, POS_EMBEDS)  # norm and mlp are checked where their layers are built
         if input_size % patch_size:
@@ -143,7 +145,7 @@ class DiT(nn.Module):
         with torch.random.fork_rng(devices=[]):
             self.topology = (topology if isinstance(topology, ResidualTopology)
                              else build_topology(topology, depth, hidden_size, **topology_options))
-            configure_aggregation(self.topology, history_dtype, topology_topk)
+            configure_aggregation(self.topology, history_dtype, topology_topk, aggregation_kernel)
         self.initialize_weights()
 
     def initialize_weights(self) -> None:

@@ -8,6 +8,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..diffusion import Objective, build_objective
 from ..errors import MissingFileError, UserError
 from ..evaluation.evaluator import resolve_metrics
@@ -16,6 +18,7 @@ from ..evaluation.pipeline import ADM_METRICS
 from ..models import DIT_MODELS
 from ..models.dit import DIT_SIZES
 from ..models.topologies import all_topology_options, topology_entry
+from ..models.topologies.aggregation import check_aggregation_kernel
 from .config_schema import (Config, DataConfig, EvalConfig, ModelConfig, check_fields, or_list,
                             topology_options_of)
 
@@ -25,6 +28,7 @@ def validate_config(config: Config) -> None:
     check_fields(config)
     _check_topology_options(config.model)
     _check_sparsify(config)
+    check_aggregation_kernel(config.model.aggregation_kernel, cuda=torch.cuda.is_available())
     _check_width_heads(config.model)
     _check_data_path(config.data)
     objective = _check_diffusion(config)

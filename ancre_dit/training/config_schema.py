@@ -19,7 +19,7 @@ from ..evaluation.evaluator import EVAL_METRICS
 from ..models import DIT_MODELS, TOPOLOGIES
 from ..models.layers import DEFAULTS as BLOCK_DEFAULTS
 from ..models.layers import MLPS, NORMS, POS_EMBEDS
-from ..models.topologies import HISTORY_DTYPES, resolve_options
+from ..models.topologies import AGGREGATION_KERNELS, HISTORY_DTYPES, resolve_options
 from ..sampling.guidance import check_guidance_scale
 
 DATA_KINDS = ("digits", "latents", "images")
@@ -121,6 +121,9 @@ class ModelConfig:
     # itself keeps its own): bfloat16 halves the bytes of the history reads where the sums run
     # fused (compiled); the eager form then sums edge by edge (BENCHMARKS.md, traffic model).
     history_dtype: str = choice("float32", HISTORY_DTYPES, "history dtype")
+    # The eager aggregation's sums as Triton kernels (the extra `triton`): auto = on CUDA when triton
+    # is installed, triton = the same with the package required, torch = never; compiled: the chain.
+    aggregation_kernel: str = choice("torch", AGGREGATION_KERNELS, "aggregation kernel")
     # Sparse ANCRe: from train.topology_sparsify_step on, each block keeps its K strongest incoming
     # edges (the softmax renormalised over them, the others skipped); 0 = dense throughout.
     topology_topk: int = ranged(0, ge=0, hint="0 = dense")
@@ -131,7 +134,7 @@ class ModelConfig:
 
 # Model fields recorded in a run's model spec only where they differ from these, so that the specs
 # of runs from before they existed stay what they were (and those runs resume).
-AGGREGATION_DEFAULTS = {"history_dtype": "float32", "topology_topk": 0}
+AGGREGATION_DEFAULTS = {"history_dtype": "float32", "topology_topk": 0, "aggregation_kernel": "torch"}
 
 
 def topology_options_of(m: ModelConfig) -> dict[str, Any]:

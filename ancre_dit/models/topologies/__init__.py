@@ -6,6 +6,7 @@ from . import ancre, peers, depth_attention  # noqa: F401  (registers the built-
 from .ancre import (ANCReTopology, LearnableScalarsTopology, OutgoingANCReTopology, UnnormalizedTopology,
                     first_previous_weights, fixed_dense_weights)
 from .depth_attention import DepthAttentionTopology
+from .aggregation import AGGREGATION_KERNELS
 from .base import (HISTORY_DTYPES, CascadedTopology, FixedTopology, ResidualTopology, TopologyNotDefined,
                    WeightedHistoryTopology, configure_aggregation, load_topology_json, save_topology_json)
 from .peers import DenseFormerTopology, HyperConnectionTopology, ManifoldHyperConnectionTopology, sinkhorn_knopp
@@ -19,5 +20,5 @@ __all__ = [
     "ANCReTopology", "OutgoingANCReTopology", "UnnormalizedTopology", "LearnableScalarsTopology",
     "DenseFormerTopology", "HyperConnectionTopology", "DepthAttentionTopology", "ManifoldHyperConnectionTopology", "sinkhorn_knopp",
     "fixed_dense_weights", "first_previous_weights", "load_topology_json", "save_topology_json",
-    "HISTORY_DTYPES", "configure_aggregation",
+    "HISTORY_DTYPES", "AGGREGATION_KERNELS", "configure_aggregation",
 ]

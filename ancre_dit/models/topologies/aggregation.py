@@ -4,14 +4,61 @@ where some block reads no source, the fused weighted sum with its gradient routi
 
 Written by hand: autograd's backward of the plain `addcmul` chain makes fresh per-edge temporaries
 (see `_WeightedSum`), and no library offers a weighted history sum. Used by `WeightedHistoryTopology`
-(base.py) outside torch.compile, which fuses the plain chain itself.
+(base.py) outside torch.compile, which fuses the plain chain itself. On CUDA the stacked form's sums
+and Gram product can run as Triton kernels (aggregation_triton.py, model.aggregation_kernel).
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import os
+from types import ModuleType
 from typing import Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
+
+from ...errors import UserError
+
+# model.aggregation_kernel: auto = the Triton kernels on CUDA tensors when triton is installed, else
+# the torch ops; triton = the same, but triton must be installed (and a training needs a CUDA device);
+# torch (the default until the kernels have been measured on a GPU) = never the kernels. Elsewhere (CPU, meta: a FLOP count, a CPU sampling of a GPU run) and under
+# torch.compile the torch path runs, except that triton takes the kernels on CPU tensors under
+# Triton's interpreter (how the tests run them).
+AGGREGATION_KERNELS = ("auto", "triton", "torch")
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    """Triton's interpreter is on (TRITON_INTERPRET, read as Triton reads it): kernels run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def check_aggregation_kernel(choice: str, cuda: bool | None = None) -> None:
+    """A UserError if `choice` is unknown, or is triton without the package, or (`cuda` False: the
+    run will have no CUDA device) where its kernels would never run."""
+    if choice not in AGGREGATION_KERNELS:
+        raise UserError(f"unknown aggregation_kernel {choice!r}; choose one of {', '.join(AGGREGATION_KERNELS)}")
+    if choice != "triton":
+        return
+    if not triton_installed():
+        raise UserError("aggregation_kernel=triton needs the triton package (pip install 'ancre-dit[triton]'); "
+                        "or use aggregation_kernel=torch")
+    if cuda is False and not triton_interpreting():
+        raise UserError("aggregation_kernel=triton runs its kernels on a CUDA device and none is in use; "
+                        "use aggregation_kernel=torch")
+
+
+def aggregation_kernels(choice: str, device: torch.device) -> ModuleType | None:
+    """The Triton kernels module if a forward on `device` runs them (see AGGREGATION_KERNELS), else None."""
+    runs_there = device.type == "cuda" or (choice == "triton" and device.type == "cpu" and triton_interpreting())
+    if choice == "torch" or not runs_there or (choice == "auto" and not triton_installed()):
+        return None
+    check_aggregation_kernel(choice)  # triton without the package: the error that names the extra
+    return importlib.import_module(".aggregation_triton", __package__)
 
 
 class RoutingPlan:
@@ -146,6 +193,14 @@ class StackedPlan:
         self.mask = torch.zeros(K, K, dtype=torch.bool)
         for j, e in enumerate(edges):
             self.mask[j, e] = True
+        self._indices: dict[tuple, torch.Tensor] = {}
+
+    def device_indices(self, indices: list[int], device: torch.device) -> torch.Tensor:
+        """`indices` as an int32 tensor on `device`, made once (the kernels read their rows from it)."""
+        key = (tuple(indices), str(device))
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(indices, dtype=torch.int32, device=device)
+        return self._indices[key]
 
     @staticmethod
     def applies(edges: list[list[int]]) -> bool:
@@ -199,9 +254,10 @@ class StackedTrunk:
     """One forward's history store (h_0 copied in as row 0) and, in the backward, the nodes'
     output gradients."""
 
-    def __init__(self, plan: StackedPlan, h0: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, plan: StackedPlan, h0: torch.Tensor, dtype: torch.dtype, kernels: ModuleType | None = None):
         K = len(plan.edges)
         self.plan, self.shape = plan, h0.shape
+        self.kernels = kernels  # aggregation_triton, or None: the torch ops
         self.store = torch.empty((K, h0.numel()), dtype=dtype, device=h0.device)
         self.store[0].copy_(h0.detach().reshape(-1))
         self.grads: torch.Tensor | None = None
@@ -226,9 +282,15 @@ class _StackedNode(torch.autograd.Function):
         result = _row_alias(store, j + 1, out.shape) if in_store else torch.empty(out.shape, dtype=dtype,
                                                                                   device=out.device)
         flat = result.view(-1)
-        _accumulate(flat, out.reshape(-1).to(dtype), store, edges, weights[j, edges])
-        if j < K - 1 and not in_store:  # e.g. a bf16 history under a fp32 stream
-            store[j + 1].copy_(flat)
+        copy = j < K - 1 and not in_store  # e.g. a bf16 history under a fp32 stream
+        kernels = trunk.kernels
+        if kernels is not None and kernels.supports(out, store, weights):
+            kernels.sum_rows(flat, out, store, trunk.plan.device_indices(edges, out.device), weights[j],
+                             copy_to=store[j + 1] if copy else None)
+        else:
+            _accumulate(flat, out.reshape(-1).to(dtype), store, edges, weights[j, edges])
+            if copy:
+                store[j + 1].copy_(flat)
         ctx.trunk, ctx.j = trunk, j
         ctx.weights = weights.detach()
         return result
@@ -245,17 +307,28 @@ class _StackedNode(torch.autograd.Function):
         # the nodes that read h_{j+1} and ran (a loss on an inner state leaves the later ones out)
         readers = [r for r in plan.readers[j + 1] if trunk.done[r]] if j + 1 < K else []
         G = grads[j]
-        _accumulate(G, grad.reshape(-1).to(G.dtype), grads, readers, W[readers, j + 1] if readers else W[:0, 0])
+        kernels = trunk.kernels if trunk.kernels is not None and trunk.kernels.supports(grad, grads, W) else None
+        if kernels is not None:
+            column = W[:, j + 1] if j + 1 < K else W[:, 0]  # (the last node has no readers: any column)
+            kernels.sum_rows(G, grad, grads, plan.device_indices(readers, G.device), column)
+        else:
+            _accumulate(G, grad.reshape(-1).to(G.dtype), grads, readers, W[readers, j + 1] if readers else W[:0, 0])
         trunk.done[j] = True
         grad_weights = grad_h0 = None
         if j == 0:
             if ctx.needs_input_grad[2]:
                 readers0 = [r for r in plan.readers[0] if trunk.done[r]]
                 grad_h0 = torch.empty(trunk.shape, dtype=G.dtype, device=G.device)
-                _accumulate(grad_h0.view(-1), None, grads, readers0, W[readers0, 0])
+                if kernels is not None:
+                    kernels.sum_rows(grad_h0.view(-1), None, grads, plan.device_indices(readers0, G.device), W[:, 0])
+                else:
+                    _accumulate(grad_h0.view(-1), None, grads, readers0, W[readers0, 0])
             if ctx.needs_input_grad[1]:
                 ran = torch.tensor(trunk.done, device=W.device)[:, None]
-                grad_weights = _gram(grads, trunk.store, W.dtype).masked_fill(~(plan.mask.to(W.device) & ran), 0)
+                gram = kernels.gram(grads, trunk.store, W.dtype) if kernels is not None else None
+                if gram is None:
+                    gram = _gram(grads, trunk.store, W.dtype)
+                grad_weights = gram.masked_fill(~(plan.mask.to(W.device) & ran), 0)
             trunk.grads, trunk.done = None, []  # (a second backward of a kept graph starts afresh)
         return G.view(grad.shape), grad_weights, grad_h0, None, None
 

@@ -29,7 +29,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ...errors import MissingFileError, UserError
-from .aggregation import GradientRouting, RoutingPlan, StackedPlan, StackedTrunk, stacked_sum, weighted_sum
+from .aggregation import (GradientRouting, RoutingPlan, StackedPlan, StackedTrunk, aggregation_kernels,
+                          check_aggregation_kernel, stacked_sum, weighted_sum)
 
 
 class TopologyNotDefined(ValueError):
@@ -130,6 +131,9 @@ class WeightedHistoryTopology(ResidualTopology):
         # The dtype the kept history is stored in under bf16 autocast (model.history_dtype): the
         # stream itself, fed from block to block, keeps its own dtype.
         self.history_dtype = torch.float32
+        # model.aggregation_kernel: whether the eager stacked form runs its sums as Triton kernels
+        # (aggregation.py, AGGREGATION_KERNELS); under torch.compile the compiled chain in every case.
+        self.aggregation_kernel = "torch"
         self.set_edges(edges if edges is not None else [list(range(j + 1)) for j in range(num_blocks)])
 
     def set_edges(self, edges: list[list[int]]) -> None:
@@ -199,7 +203,8 @@ class WeightedHistoryTopology(ResidualTopology):
 
     def _stacked_forward(self, h0, blocks, c, weights, cast):
         """The eager trunk with the stacked aggregation (aggregation.py, `_StackedNode`)."""
-        trunk = StackedTrunk(self._stacked_plan, h0, cast or h0.dtype)
+        kernels = aggregation_kernels(self.aggregation_kernel, h0.device)
+        trunk = StackedTrunk(self._stacked_plan, h0, cast or h0.dtype, kernels)
         h = h0
         self.emit_state(0, h)
         for j, block in enumerate(blocks):
@@ -233,13 +238,17 @@ class FixedTopology(WeightedHistoryTopology):
 HISTORY_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def configure_aggregation(topology: ResidualTopology, history_dtype: str = "float32", topk: int = 0) -> None:
-    """Applies model.history_dtype (to the topologies that keep a weighted history; the others have
-    none to store) and model.topology_topk (only topologies that can sparsify take it)."""
+def configure_aggregation(topology: ResidualTopology, history_dtype: str = "float32", topk: int = 0,
+                          kernel: str = "torch") -> None:
+    """Applies model.history_dtype and model.aggregation_kernel (to the topologies that keep a
+    weighted history; the others have none to store or sum) and model.topology_topk (only
+    topologies that can sparsify take it)."""
     if history_dtype not in HISTORY_DTYPES:
         raise UserError(f"unknown history_dtype {history_dtype!r}; choose one of {', '.join(HISTORY_DTYPES)}")
+    check_aggregation_kernel(kernel)
     if isinstance(topology, WeightedHistoryTopology):
         topology.history_dtype = HISTORY_DTYPES[history_dtype]
+        topology.aggregation_kernel = kernel
     if topk:
         if not hasattr(topology, "enable_topk"):
             raise UserError(f"topology_topk applies to topology ancre only, not {type(topology).__name__}; "
