@@ -24,11 +24,15 @@ Processes and threads
   repo_root       the repository root (train.py, sample.py, configs/).
   subprocess_env  environment for a child python: this checkout on PYTHONPATH, one thread, CPU only.
 
+Parallel runs: under pytest-xdist (``-n auto``, what scripts/run_tests.sh does) each worker runs
+torch on one thread, so N workers use N cores instead of N x cores threads.
+
 Markers: ``@pytest.mark.slow`` for a test over ~2 s (training runs, subprocesses, torch.compile);
 ``python -m pytest -m "not slow"`` is the quick loop, ``bash scripts/run_tests.sh`` runs everything.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -37,6 +41,11 @@ import torch
 
 import helpers
 from ancre_dit.training.config import Config
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core: a thread each
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
