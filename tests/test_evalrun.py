@@ -33,8 +33,7 @@ EVAL = ["train.eval_every=1", "eval.num_samples=20", "eval.batch_size=8", "eval.
 
 
 @pytest.fixture(autouse=True)
-def _fresh_accelerate(tmp_path, monkeypatch):
-    monkeypatch.setenv("ANCRE_DIT_CACHE", str(tmp_path / "cache"))
+def _fresh_accelerate():
     reset_accelerate()
     yield
     reset_accelerate()
@@ -96,7 +95,7 @@ def test_one_and_two_process_evaluations_give_the_same_numbers(tmp_path):
     train(tiny_config(tmp_path / "one", "train.max_steps=2", "train.ckpt_every=2", *EVAL[1:]))
     reset_accelerate()
     shutil.copytree(tmp_path / "one", tmp_path / "two")
-    env = dict(subprocess_env(), ANCRE_DIT_CACHE=str(tmp_path / "cache"))
+    env = subprocess_env()
     args = [str(ROOT / "evaluate.py"), "--run"]
     one = subprocess.run([sys.executable, *args, str(tmp_path / "one")], capture_output=True, text=True, env=env,
                          cwd=ROOT, timeout=300)
@@ -115,7 +114,7 @@ def test_one_and_two_process_evaluations_give_the_same_numbers(tmp_path):
 def test_digits_metric_separates_real_digits_from_noise(tmp_path):
     from ancre_dit.data.adm_npz import to_uint8
     from ancre_dit.data.digits import DigitsDataset
-    from ancre_dit.evaluation.digits_classifier import _train, classify, digits_metric, digits_reference_scores
+    from ancre_dit.evaluation.digits import _classifier, classify, digits_metric, digits_reference_scores
 
     ref = digits_reference_scores()
     assert ref["real_heldout_acc"] > 0.9
@@ -127,9 +126,12 @@ def test_digits_metric_separates_real_digits_from_noise(tmp_path):
     assert real["digits_acc"] == pytest.approx(ref["real_heldout_acc"])
     assert real["digits_fd"] == pytest.approx(ref["real_heldout_fd"], rel=0.01)  # uint8 rounding only
     assert fake["digits_acc"] < 0.3 and fake["digits_fd"] > 10 * real["digits_fd"]
-    # deterministic training: a second network has the same weights bit for bit
-    a, b = _train().state_dict(), _train().state_dict()
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    # deterministic fit: a second classifier is the same bit for bit
+    first = _classifier()
+    _classifier.cache_clear()
+    second = _classifier()
+    assert first is not second and np.array_equal(first.support_, second.support_)
+    assert np.array_equal(first.dual_coef_, second.dual_coef_) and np.array_equal(first.intercept_, second.intercept_)
 
 
 def test_heldout_set_is_fixed_and_spreads_times():

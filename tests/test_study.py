@@ -40,10 +40,9 @@ TINY = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "train.
 
 @pytest.fixture
 def env(tmp_path, monkeypatch):
-    """Children (train.py, submitit's jobs) run this checkout on the CPU, with a private cache."""
+    """Children (train.py, submitit's jobs) run this checkout on the CPU."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
-    monkeypatch.setenv("ANCRE_DIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("ANCRE_DEBUG", raising=False)
     monkeypatch.chdir(tmp_path)
 
