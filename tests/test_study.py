@@ -22,8 +22,9 @@ from scipy.stats import t as student_t
 from helpers import ROOT, load_script
 
 from ancre_dit.cli import run_cli
-from ancre_dit.evaluation.compare import (Group, PairedSpeedup, SeedSpeedup, interval_curve, load_run,
-                                          paired_difference, paired_speedup, verdict)
+from ancre_dit.evaluation.comparison import (PairedSpeedup, SeedSpeedup, interval_curve, paired_difference,
+                                             paired_speedup, verdict)
+from ancre_dit.evaluation.run_curves import Group, load_run
 from ancre_dit.files import read_jsonl
 from ancre_dit.studies import load_study
 from ancre_dit.studies.spec import yaml_value
@@ -251,7 +252,7 @@ def test_t_interval_curve_and_flops_axis(tmp_path):
     t1 = 12.706204736
     assert half.tolist() == pytest.approx([t1 * 0.2 / math.sqrt(2) / math.sqrt(2), t1 * 0.1 / 2], rel=1e-6)
     a.flops_per_step = b.flops_per_step = 1e9
-    assert Group("g", [a, b]).curve("heldout_loss", "flops")[0].tolist() == [1e10, 2e10]
+    assert interval_curve(Group("g", [a, b]), "heldout_loss", "flops")[0].tolist() == [1e10, 2e10]
     assert interval_curve(Group("one", [a]), "heldout_loss")[2] is None
 
 
@@ -480,8 +481,8 @@ def test_a_baseline_per_arm_compares_each_depth_with_its_own_plain_dit(tmp_path)
     report.groups = {arm: Group(arm, [fake_run(tmp_path / arm, f"s{seed}", seed,
                                                {s: v + 0.01 * seed for s, v in points.items()}) for seed in (0, 1)])
                      for arm, points in curves.items()}
-    rows = {r["arm"]: r for r in report.metric_rows("heldout_loss")}
-    assert rows["depth2-cascaded"]["verdict"] == rows["depth4-cascaded"]["verdict"] == "baseline"
-    assert rows["depth4-ancre"]["speedup"].geomean == pytest.approx(2.0)  # 20 steps against 10
-    assert rows["depth2-ancre"]["speedup"].reached == 0  # never reaches depth 2's final 0.5
-    assert rows["depth4-ancre"]["difference"].mean == pytest.approx(-0.2)
+    rows = {r.group: r for r in report.metric_rows("heldout_loss")}
+    assert rows["depth2-cascaded"].verdict == rows["depth4-cascaded"].verdict == "baseline"
+    assert rows["depth4-ancre"].speedup.geomean == pytest.approx(2.0)  # 20 steps against 10
+    assert rows["depth2-ancre"].speedup.reached == 0  # never reaches depth 2's final 0.5
+    assert rows["depth4-ancre"].difference.mean == pytest.approx(-0.2)
