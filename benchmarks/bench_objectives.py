@@ -3,7 +3,7 @@
 
 Every (seed, objective, topology) is one `train` run of the digits config (sized by the flags; DDPM:
 learned sigma, hybrid loss; flow: velocity MSE, uniform time, learn_sigma off) with the in-training
-evaluation on; `compare.write_report` then writes one report per objective (topologies against each
+evaluation on; `comparison.write_report` then writes one report per objective (topologies against each
 other, seeds aggregated: curves, final values, steps to cascaded's final value). The final EMA
 weights of each run sample the same balanced labels with the same seed at every sampler of their
 objective, at one guidance scale: DDPM-250 and DPM-Solver-25, flow Euler-50, Heun-25, dopri5
@@ -96,7 +96,7 @@ def score(checkpoint: Path, sampler: str, steps: int | None, labels: np.ndarray,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ancre_dit.evaluation.compare import write_report
+    from ancre_dit.evaluation.comparison import write_report
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

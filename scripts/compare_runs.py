@@ -3,11 +3,12 @@
 
     python scripts/compare_runs.py RUN_A RUN_B ... --out REPORT_DIR [--group 'd12-ancre-*' ...] [--target fid/cfg1.5=20]
 
-Writes REPORT_DIR/report.md (final values, steps to reach a target, speedup against the first
-group), summary.json and curves_step.png / curves_images.png / curves_seconds.png (training loss,
-held-out loss and every evaluated metric on shared axes). Runs that differ only in train.seed are
-aggregated as mean ± std (shaded bands); --group patterns (matched against the run directory name)
-choose the groups instead.
+Writes REPORT_DIR/report.md (final values; every group against the first one, paired by seed:
+steps to the target, the speedup with its 95% interval and a verdict, as a study report computes
+them, see ancre_dit.evaluation.comparison), summary.json and curves_step.png / curves_images.png /
+curves_seconds.png (training loss, held-out loss and every evaluated metric on shared axes, the mean
+of a group with its t interval as a band). Runs that differ only in train.seed form a group;
+--group patterns (matched against the run directory name) choose the groups instead.
 """
 from __future__ import annotations
 
@@ -37,10 +38,11 @@ def main() -> int:
     p.add_argument("--group", action="append", default=[], metavar="PATTERN",
                    help="runs whose directory name matches PATTERN (fnmatch) form one group; repeatable")
     p.add_argument("--target", action="append", default=[], metavar="METRIC=VALUE",
-                   help="target of a metric (default: the first group's final value); repeatable")
+                   help="target of a metric for every seed (default: the first group's final value, seed by seed); "
+                        "repeatable")
     args = p.parse_args()
     output_folder(args.out, "comparison report", "report.md")
-    from ancre_dit.evaluation.compare import write_report
+    from ancre_dit.evaluation.comparison import write_report
 
     write_report(args.runs, args.out, args.group, _targets(args.target))
     print(f"report written to {Path(args.out) / 'report.md'} (+ summary.json, curves_*.png)")

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -22,8 +23,9 @@ from scipy.stats import t as student_t
 from helpers import ROOT, load_script
 
 from ancre_dit.cli import run_cli
-from ancre_dit.evaluation.compare import (Group, PairedSpeedup, SeedSpeedup, interval_curve, load_run,
-                                          paired_difference, paired_speedup, verdict)
+from ancre_dit.evaluation.comparison import (PairedSpeedup, SeedSpeedup, interval_curve, paired_difference,
+                                             paired_speedup, verdict)
+from ancre_dit.evaluation.run_curves import Group, load_run
 from ancre_dit.files import read_jsonl
 from ancre_dit.studies import load_study
 from ancre_dit.studies.spec import yaml_value
@@ -40,10 +42,9 @@ TINY = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "train.
 
 @pytest.fixture
 def env(tmp_path, monkeypatch):
-    """Children (train.py, submitit's jobs) run this checkout on the CPU, with a private cache."""
+    """Children (train.py, submitit's jobs) run this checkout on the CPU."""
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
-    monkeypatch.setenv("ANCRE_DIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("ANCRE_DEBUG", raising=False)
     monkeypatch.chdir(tmp_path)
 
@@ -252,7 +253,7 @@ def test_t_interval_curve_and_flops_axis(tmp_path):
     t1 = 12.706204736
     assert half.tolist() == pytest.approx([t1 * 0.2 / math.sqrt(2) / math.sqrt(2), t1 * 0.1 / 2], rel=1e-6)
     a.flops_per_step = b.flops_per_step = 1e9
-    assert Group("g", [a, b]).curve("heldout_loss", "flops")[0].tolist() == [1e10, 2e10]
+    assert interval_curve(Group("g", [a, b]), "heldout_loss", "flops")[0].tolist() == [1e10, 2e10]
     assert interval_curve(Group("one", [a]), "heldout_loss")[2] is None
 
 
@@ -481,8 +482,47 @@ def test_a_baseline_per_arm_compares_each_depth_with_its_own_plain_dit(tmp_path)
     report.groups = {arm: Group(arm, [fake_run(tmp_path / arm, f"s{seed}", seed,
                                                {s: v + 0.01 * seed for s, v in points.items()}) for seed in (0, 1)])
                      for arm, points in curves.items()}
-    rows = {r["arm"]: r for r in report.metric_rows("heldout_loss")}
-    assert rows["depth2-cascaded"]["verdict"] == rows["depth4-cascaded"]["verdict"] == "baseline"
-    assert rows["depth4-ancre"]["speedup"].geomean == pytest.approx(2.0)  # 20 steps against 10
-    assert rows["depth2-ancre"]["speedup"].reached == 0  # never reaches depth 2's final 0.5
-    assert rows["depth4-ancre"]["difference"].mean == pytest.approx(-0.2)
+    rows = {r.group: r for r in report.metric_rows("heldout_loss")}
+    assert rows["depth2-cascaded"].verdict == rows["depth4-cascaded"].verdict == "baseline"
+    assert rows["depth4-ancre"].speedup.geomean == pytest.approx(2.0)  # 20 steps against 10
+    assert rows["depth2-ancre"].speedup.reached == 0  # never reaches depth 2's final 0.5
+    assert rows["depth4-ancre"].difference.mean == pytest.approx(-0.2)
+
+
+def test_compare_runs_and_the_study_report_give_the_same_speedups(tmp_path, capsys, monkeypatch):
+    """The same runs, read as a study (arms) and by scripts/compare_runs.py (groups by pattern, the
+    baseline first): the same per-seed steps, speedups, intervals, differences and verdicts."""
+    from ancre_dit.studies.report import write_study_report
+    from ancre_dit.studies.status import RunStatus
+
+    monkeypatch.setattr("ancre_dit.figures.plot_panels", lambda *args, **kwargs: None)  # numbers only
+    study = load_study(write_study(tmp_path / "same.yaml", seeds=[0, 1, 2]))
+    rates = {"cascaded": [1.0, 1.1, 0.9], "ancre-tau0.1": [1.6, 2.1, 1.8]}  # ancre gets there ~twice as fast
+    for job in study.jobs:
+        rate = rates[job.arm][job.seed]
+        (job.run_dir / "logs").mkdir(parents=True)
+        (job.run_dir / "config.yaml").write_text(yaml.safe_dump({"train": {"seed": job.seed, "global_batch_size": 4}}))
+        (job.run_dir / "logs" / "evals.jsonl").write_text("".join(json.dumps(
+            {"step": s, "settings": {}, "metrics": {"heldout_loss": 1 / (1 + rate * s / 100),
+                                                    "digits_acc/cfg2": min(1.0, rate * s / 1000)}}) + "\n"
+            for s in range(100, 1100, 100)))
+    write_study_report(study, [RunStatus(job, "done", 1000, 1000, None) for job in study.jobs],
+                       {arm: 4 for arm in study.arms})
+    from_study = json.loads((study.report_dir / "summary.json").read_text())["metrics"]
+
+    runs = [str(job.run_dir) for arm in ("cascaded", "ancre-tau0.1") for job in study.jobs if job.arm == arm]
+    monkeypatch.setattr("sys.argv", ["compare_runs.py", *runs, "--out", str(tmp_path / "cmp"),
+                                     "--group", "cascaded-s*", "--group", "ancre-tau0.1-s*"])
+    with pytest.raises(SystemExit) as info:
+        run_cli(lambda: sys.exit(load_script(ROOT / "scripts" / "compare_runs.py").main()))
+    assert info.value.code == 0, capsys.readouterr().err
+    from_compare = json.loads((tmp_path / "cmp" / "summary.json").read_text())
+
+    assert set(from_compare) == set(from_study) == {"heldout_loss", "digits_acc/cfg2"}
+    for metric in from_study:
+        arm = from_study[metric]["arms"]["ancre-tau0.1"]
+        group = {row["group"]: row for row in from_compare[metric]["rows"]}["ancre-tau0.1-s*"]
+        assert arm["speedup"]["low"] is not None and arm["speedup"]["low"] > 1  # an interval, above 1
+        for key in ("speedup", "difference", "final", "verdict", "seeds"):
+            assert group[key] == arm[key], (metric, key)
+        assert arm["verdict"].startswith("faster by ")

@@ -134,7 +134,7 @@ class Evaluator:
             for cfg in self.settings.cfg_scales:
                 metrics.update({f"{k}/cfg{float(cfg):g}": v for k, v in self._sample_metrics(model, labels, cfg).items()})
             if "digits" in self.metrics and self.state.is_main_process:
-                from .digits_classifier import digits_reference_scores
+                from .digits import digits_reference_scores
                 reference.update(digits_reference_scores())
         return metrics, reference
 
@@ -165,7 +165,7 @@ class Evaluator:
             return {}
         out: dict[str, float] = {}
         if "digits" in self.metrics:
-            from .digits_classifier import digits_metric
+            from .digits import digits_metric
             out.update(digits_metric(np.concatenate([f["digits_features"] for f in features]),
                                      np.concatenate([f["digits_pred"] for f in features]), labels))
         if self.inception:
@@ -177,7 +177,7 @@ class Evaluator:
     def _features(self, images: np.ndarray) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         if "digits" in self.metrics:
-            from .digits_classifier import classify
+            from .digits import classify
             out["digits_features"], out["digits_pred"] = classify(images)
         if self.inception:
             from ..data.adm_npz import to_rgb_uint8

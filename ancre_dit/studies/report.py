@@ -1,9 +1,9 @@
 """A study's report: `<out>/report/report.md`, summary.json and curves_<axis>.png.
 
 Every run is listed with its state; the statistics use the finished runs (a run stopped half way
-would pass for a slow one), through `ancre_dit.evaluation.compare`: runs loaded and grouped by arm,
-mean curves with Student-t intervals over seeds, and, against the baseline arm and paired by seed,
-the final-value difference, the steps to the baseline's final value, the speedup and its verdict.
+would pass for a slow one), grouped by arm and compared by `ancre_dit.evaluation.comparison`: mean
+curves with Student-t intervals over seeds, and, against the baseline arm and paired by seed, the
+final-value difference, the steps to the baseline's final value, the speedup and its verdict.
 """
 from __future__ import annotations
 
@@ -12,19 +12,16 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-
 from ..errors import UserError
-from ..evaluation.compare import (AXES, FLOPS_AXIS, Group, PairedSpeedup, Run, final_value, interval_curve, load_run,
-                                  paired_difference, paired_speedup, verdict)
+from ..evaluation.comparison import (LEVEL, MetricRow, PairedSpeedup, metric_rows, row_summary, step_intervals,
+                                     write_curves)
 from ..evaluation.evaluator import is_heldout_part, is_lower_better
-from ..evaluation.stats import MeanInterval, mean_t_interval
+from ..evaluation.run_curves import Group, Run, load_run
+from ..evaluation.stats import MeanInterval
 from ..files import write_atomic
 from .costs import arm_flops_per_step
 from .spec import Study
 from .status import RunStatus
-
-LEVEL = 0.95
 
 
 def _metric_order(metrics: Sequence[str]) -> list[str]:
@@ -103,62 +100,22 @@ class StudyReport:
         """The baseline group when there is one baseline arm (None with a baseline per arm)."""
         return self.groups.get(self.study.baseline) if isinstance(self.study.baseline, str) else None
 
-    def metric_rows(self, metric: str) -> list[dict[str, Any]]:
-        rows = []
-        for arm, group in self.groups.items():
-            base_arm = self.study.baseline_of(arm)
-            base = self.groups.get(base_arm)
-            finals = [f[1] for r in group.runs if (f := final_value(r, metric)) is not None]
-            if not finals:
-                continue
-            row: dict[str, Any] = {"arm": arm, "seeds": len(finals), "final": mean_t_interval(finals, LEVEL),
-                                   "difference": None, "speedup": None, "verdict": None}
-            if base is not None and arm != base_arm:
-                row["difference"] = paired_difference(base.runs, group.runs, metric, LEVEL)
-                row["speedup"] = paired_speedup(base.runs, group.runs, metric, LEVEL)
-                row["verdict"] = verdict(row["speedup"]) if row["speedup"] is not None else "no seed paired with the baseline"
-            elif arm == base_arm:
-                row["verdict"] = "baseline"
-            else:
-                row["verdict"] = "the baseline has no finished run yet"
-            rows.append(row)
-        return rows
+    def metric_rows(self, metric: str) -> list[MetricRow]:
+        """Every arm that has the metric, against its baseline arm."""
+        return metric_rows(list(self.groups.values()), metric, self.study.baseline_of, level=LEVEL)
 
     def per_step(self, metric: str) -> dict[str, dict[int, tuple[float, float | None, float | None]]]:
         """arm -> step -> (mean, low, high) over the arm's seeds (low/high None for one run)."""
-        out = {}
-        for arm, group in self.groups.items():
-            curve = interval_curve(group, metric, "step", LEVEL)
-            if curve is not None:
-                x, mean, half = curve
-                out[arm] = {int(step): (float(m), None if half is None else float(m - h), None if half is None
-                                        else float(m + h)) for step, m, h in zip(x, mean, half if half is not None
-                                                                                  else [None] * len(x))}
-        return out
+        return step_intervals(list(self.groups.values()), metric, LEVEL)
+
+    def tables(self) -> dict[str, tuple[list[MetricRow], dict[str, dict[int, tuple]]]]:
+        """metric -> (its rows, its per-step intervals), computed once for the Markdown and the JSON."""
+        return {metric: (self.metric_rows(metric), self.per_step(metric)) for metric in self.metrics}
 
     def draw(self, folder: Path) -> list[str]:
         """curves_<axis>.png: one panel per metric, the mean over seeds of each arm with its t band."""
-        from ..figures import plot_panels
-
-        written = []
-        for axis, label in {**AXES, **FLOPS_AXIS}.items():
-            panels = {}
-            for metric in self.metrics:
-                if is_heldout_part(metric):
-                    continue
-                curves = {}
-                for arm, group in self.groups.items():
-                    curve = interval_curve(group, metric, axis, LEVEL)
-                    if curve is not None and np.isfinite(curve[0]).all():
-                        curves[arm] = curve
-                if curves:
-                    panels[metric] = curves
-            if panels:
-                name = f"curves_{axis}.png"
-                plot_panels(panels, folder / name, xlabel=label,
-                            title=f"{self.study.name}: mean over seeds, band = {LEVEL:.0%} t interval of the mean")
-                written.append(name)
-        return written
+        return write_curves(list(self.groups.values()), self.metrics, folder,
+                            f"{self.study.name}: mean over seeds, band = {LEVEL:.0%} t interval of the mean", LEVEL)
 
 
 def _how_to_read(study: Study) -> list[str]:
@@ -183,7 +140,7 @@ def _how_to_read(study: Study) -> list[str]:
         "(the interval includes 1, or it could not be computed: a single seed, or some seeds not reaching the "
         "target). No difference detected is not evidence of no difference: more seeds or steps narrow the "
         "interval.",
-        "- Metrics named digits_* are the digits classifier metric (accuracy, Fréchet distance on its features), "
+        "- Metrics named digits_* are the digits metric (an SVC's accuracy, Fréchet distance on pixels), "
         "NOT FID. heldout_mse* / heldout_vb* are parts of heldout_loss: tables only.",
         "- **FLOPs** per step: network forward + backward (matrix products, attention included) counted once per "
         "model config on a micro-batch, x global batch size; optimizer, EMA and gradient-checkpointing "
@@ -210,7 +167,7 @@ def _step_table(curves: dict[str, dict[int, tuple]]) -> list[str]:
     return lines + [""]
 
 
-def markdown(report: StudyReport, figures: Sequence[str]) -> str:
+def markdown(report: StudyReport, tables: dict[str, tuple[list[MetricRow], dict]], figures: Sequence[str]) -> str:
     study = report.study
     states = [s.state for s in report.statuses]
     lines = [f"# Study: {study.name}", ""]
@@ -237,45 +194,34 @@ def markdown(report: StudyReport, figures: Sequence[str]) -> str:
     if isinstance(study.baseline, str) and report.baseline is None:
         lines += [f"The baseline arm {study.baseline} has no finished run yet: no paired statistics.", ""]
     lines += ["## Verdicts", "", f"Speedup to the baseline's final value, paired by seed ({LEVEL:.0%} t interval).", ""]
-    tables = []
-    for metric in report.metrics:
-        rows = report.metric_rows(metric)
+    sections = []
+    for metric, (rows, steps) in tables.items():
         arrow = "lower is better" if is_lower_better(metric) else "higher is better"
         if not is_heldout_part(metric):
-            lines += [f"- **{metric}**, {r['arm']}: {r['verdict']}" for r in rows if r["verdict"] != "baseline"]
-        tables += [f"## {metric} ({arrow})", "",
+            lines += [f"- **{metric}**, {r.group}: {r.verdict}" for r in rows if r.verdict != "baseline"]
+        sections += [f"## {metric} ({arrow})", "",
                    "| arm | seeds | final value [95% t] | final - baseline, paired [95% t] | steps to the baseline's "
                    "final value, per seed | speedup [95% t] | verdict |", "|---|---|---|---|---|---|---|"]
         for r in rows:
-            tables.append(f"| {r['arm']} | {r['seeds']} | {_interval(r['final'])} | {_interval(r['difference'], True)} | "
-                          f"{_per_seed(r['speedup'])} | {_speedup(r['speedup'])} | {r['verdict']} |")
-        tables.append("")
+            sections.append(f"| {r.group} | {r.seeds} | {_interval(r.final)} | {_interval(r.difference, True)} | "
+                            f"{_per_seed(r.speedup)} | {_speedup(r.speedup)} | {r.verdict} |")
+        sections.append("")
         if metric != "train_loss" and not is_heldout_part(metric):
-            tables += _step_table(report.per_step(metric))
+            sections += _step_table(steps)
     if not report.metrics:
         lines.append("- no finished run yet")
-    lines += [""] + tables
+    lines += [""] + sections
     if figures:
         lines += ["## Curves", ""] + [f"![{name}]({name})" for name in figures] + [""]
     return "\n".join(lines + _how_to_read(study)) + "\n"
 
 
-def _summary(report: StudyReport) -> dict[str, Any]:
-    def interval(mi: MeanInterval | None) -> dict | None:
-        return None if mi is None else {"mean": mi.mean, "low": mi.low, "high": mi.high, "n": mi.n}
-
-    metrics = {}
-    for metric in report.metrics:
-        metrics[metric] = {"lower_is_better": is_lower_better(metric), "arms": {
-            r["arm"]: {"seeds": r["seeds"], "final": interval(r["final"]), "difference": interval(r["difference"]),
-                       "verdict": r["verdict"],
-                       "speedup": None if r["speedup"] is None else {
-                           "geomean": r["speedup"].geomean, "low": r["speedup"].low, "high": r["speedup"].high,
-                           "per_seed": [vars(s) for s in r["speedup"].seeds]}}
-            for r in report.metric_rows(metric)}}
+def _summary(report: StudyReport, tables: dict[str, tuple[list[MetricRow], dict]]) -> dict[str, Any]:
+    metrics = {metric: {"lower_is_better": is_lower_better(metric), "arms": {r.group: row_summary(r) for r in rows}}
+               for metric, (rows, _) in tables.items()}
     curves = {metric: {arm: {"step": list(points), "mean": [p[0] for p in points.values()],
                              "low": [p[1] for p in points.values()], "high": [p[2] for p in points.values()]}
-                       for arm, points in report.per_step(metric).items()} for metric in report.metrics}
+                       for arm, points in steps.items()} for metric, (_, steps) in tables.items()}
     return {"study": report.study.name, "baseline": report.study.baseline, "level": LEVEL, "curves": curves,
             "runs": [{"run": s.job.name, "arm": s.job.arm, "seed": s.job.seed, "state": s.state, "step": s.step,
                       "max_steps": s.max_steps, "exit_code": s.exit_code, "error": s.error} for s in report.statuses],
@@ -287,9 +233,8 @@ def write_study_report(study: Study, statuses: Sequence[RunStatus], batch_sizes:
     report = StudyReport(study, statuses, batch_sizes)
     folder = study.report_dir
     folder.mkdir(parents=True, exist_ok=True)
-    for old in folder.glob("curves_*.png"):  # an axis that has no curve any more must not keep an old figure
-        old.unlink()
     figures = report.draw(folder)
-    write_atomic(folder / "summary.json", json.dumps(_summary(report), indent=1).encode())
-    write_atomic(folder / "report.md", markdown(report, figures).encode())
+    tables = report.tables()
+    write_atomic(folder / "summary.json", json.dumps(_summary(report, tables), indent=1).encode())
+    write_atomic(folder / "report.md", markdown(report, tables, figures).encode())
     return folder / "report.md"

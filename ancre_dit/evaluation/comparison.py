@@ -1,0 +1,370 @@
+"""The comparison of training runs: steps to a target, the speedup with its interval, the verdict,
+and the curves figure. `scripts/compare_runs.py` and a study's report both use it.
+
+Each group (the seeds of one setting: a study's arm, compare_runs' group) is compared with its
+baseline group seed by seed, because runs of one seed share their data order and noise, so most of
+what differs between two seeds cancels in a pair:
+
+- target of seed s: the baseline's final value for s (or one given target for every seed);
+  steps_s: the first evaluated step at which a run's curve reaches it (<= when lower is better,
+  >= otherwise); the baseline reaches its own final value at its last step at the latest;
+- speedup_s = baseline steps_s / group steps_s, summarised as the geometric mean over seeds with a
+  Student-t interval on the log speedups (ratios compose by multiplication, so their logarithms are
+  the scale on which a mean and a symmetric interval make sense). A seed whose group never reaches
+  the target is censored (its speedup is below baseline steps_s / the group's last step): no interval;
+- final - baseline: the difference of final values, seed by seed, with the t interval of its mean;
+- the verdict reads the interval (see `verdict`).
+
+A mean curve over seeds crossing the first group's mean would mix seeds that never reach the target
+with seeds that do and give no interval: that is why the targets and the ratios are per seed.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..errors import UserError
+from .evaluator import is_heldout_part, is_lower_better
+from .run_curves import AXES, FLOPS_AXIS, Group, Run, group_runs, load_run
+from .stats import MeanInterval, mean_t_interval
+
+LEVEL = 0.95
+
+
+def steps_to_target(steps: np.ndarray, values: np.ndarray, target: float, lower_is_better: bool) -> int | None:
+    """The first step whose value reaches `target`; None if none does."""
+    reached = values <= target if lower_is_better else values >= target
+    hits = np.flatnonzero(reached)
+    return int(steps[hits[0]]) if len(hits) else None
+
+
+def interval_curve(group: Group, metric: str, axis: str = "step", level: float = LEVEL
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """(x, mean over the group's runs, half width of the Student-t interval of that mean, or None
+    for a single run) at every step all members have; None when a member lacks the metric."""
+    found = group.aligned(metric, axis)
+    if found is None:
+        return None
+    x, values = found
+    if len(group.runs) < 2:
+        return x, values[0], None
+    columns = [mean_t_interval(values[:, k], level) for k in range(values.shape[1])]
+    return x, np.array([c.mean for c in columns]), np.array([c.high - c.mean for c in columns])
+
+
+def final_value(run: Run, metric: str) -> tuple[int, float] | None:
+    """(last step, value there) of a run's metric; None when the run lacks it."""
+    series = run.series.get(metric)
+    if series is None or not len(series.step):
+        return None
+    return int(series.step[-1]), float(series.value[-1])
+
+
+@dataclass
+class SeedSpeedup:
+    """One seed of a paired comparison: the target, the first evaluated step at which the baseline
+    and the arm reach it, and their ratio. When the arm never reaches it (arm_steps None) the speedup
+    is censored: below `bound` = baseline steps / the arm's last step (it would have reached the
+    target after its last step at the earliest). baseline_steps is None only for a given target the
+    baseline never reaches."""
+    seed: int
+    target: float
+    baseline_steps: int | None
+    arm_steps: int | None
+    arm_final_step: int
+    speedup: float | None
+    bound: float | None
+
+
+@dataclass
+class PairedSpeedup:
+    """Speedups of an arm over the baseline, seed by seed, and their geometric mean with a t
+    interval on the log speedups (None unless every seed has a speedup and there are >= 2).
+    target: the one given for every seed, None when each seed's is the baseline's final value."""
+    metric: str
+    lower_is_better: bool
+    seeds: list[SeedSpeedup]
+    geomean: float | None
+    low: float | None
+    high: float | None
+    level: float
+    target: float | None = None
+
+    @property
+    def reached(self) -> int:
+        return sum(s.arm_steps is not None for s in self.seeds)
+
+
+def _by_seed(runs: Sequence[Run]) -> dict[int, Run]:
+    out: dict[int, Run] = {}
+    for run in runs:
+        if run.seed is None:
+            raise UserError(f"{run.path}/config.yaml gives no train.seed; seed-paired statistics need it")
+        if run.seed in out:
+            raise UserError(f"runs {out[run.seed].path} and {run.path} share train.seed={run.seed}; a seed-paired "
+                            f"comparison needs one run per seed")
+        out[run.seed] = run
+    return out
+
+
+def paired_speedup(baseline: Sequence[Run], arm: Sequence[Run], metric: str, level: float = LEVEL,
+                   target: float | None = None) -> PairedSpeedup | None:
+    """Steps to the target and their ratio, seed by seed (see the module docstring); the target of
+    each seed is the baseline's final value unless `target` is given. None when no seed has the
+    metric on both sides."""
+    lower = is_lower_better(metric)
+    base_runs, arm_runs = _by_seed(baseline), _by_seed(arm)
+    seeds: list[SeedSpeedup] = []
+    for seed in sorted(set(base_runs) & set(arm_runs)):
+        base, other = base_runs[seed].series.get(metric), arm_runs[seed].series.get(metric)
+        if base is None or other is None or not len(base.step) or not len(other.step):
+            continue
+        goal = float(base.value[-1]) if target is None else float(target)
+        base_steps = steps_to_target(base.step, base.value, goal, lower)
+        arm_steps = steps_to_target(other.step, other.value, goal, lower)
+        final = int(other.step[-1])
+        both = base_steps is not None and arm_steps is not None
+        seeds.append(SeedSpeedup(seed, goal, base_steps, arm_steps, final, base_steps / arm_steps if both else None,
+                                 base_steps / final if base_steps is not None and arm_steps is None else None))
+    if not seeds:
+        return None
+    geomean = low = high = None
+    if all(s.speedup is not None for s in seeds):
+        logs = mean_t_interval([math.log(s.speedup) for s in seeds], level)
+        geomean = math.exp(logs.mean)
+        if logs.low is not None:
+            low, high = math.exp(logs.low), math.exp(logs.high)
+    return PairedSpeedup(metric, lower, seeds, geomean, low, high, level, target)
+
+
+def paired_difference(baseline: Sequence[Run], arm: Sequence[Run], metric: str, level: float = LEVEL
+                      ) -> MeanInterval | None:
+    """Final value of the arm minus the baseline's, seed by seed, with the t interval of its mean
+    (None when no seed has the metric on both sides)."""
+    base_runs, arm_runs = _by_seed(baseline), _by_seed(arm)
+    diffs = []
+    for seed in sorted(set(base_runs) & set(arm_runs)):
+        a, b = final_value(arm_runs[seed], metric), final_value(base_runs[seed], metric)
+        if a is not None and b is not None:
+            diffs.append(a[1] - b[1])
+    return mean_t_interval(diffs, level) if diffs else None
+
+
+def _x(v: float) -> str:
+    return f"{v:.3g}x"
+
+
+def verdict(result: PairedSpeedup) -> str:
+    """One line: "faster by Gx [lo, hi]" when the interval of the geometric-mean speedup lies above
+    1, "slower by ..." when it lies below 1 (or when most seeds' arm never reaches the target; with a
+    given target, "faster" when most seeds' baseline never does), else "no difference detected at
+    this budget" (with the reason an interval is missing, if it is)."""
+    what = "the baseline's final value" if result.target is None else f"the target {result.target:.4g}"
+    n = len(result.seeds)
+    arm_only = sum(s.arm_steps is None and s.baseline_steps is not None for s in result.seeds)
+    base_only = sum(s.baseline_steps is None and s.arm_steps is not None for s in result.seeds)
+    neither = sum(s.baseline_steps is None and s.arm_steps is None for s in result.seeds)
+    if arm_only * 2 > n:
+        return f"slower: {what} not reached by {arm_only} of {n} seeds"
+    if base_only * 2 > n:
+        return f"faster: {what} reached by {base_only} of {n} seeds whose baseline does not reach it"
+    if arm_only or base_only or neither:
+        missing = [text for count, text in ((arm_only, f"not reached by {arm_only} of {n} seeds"),
+                                            (base_only, f"not reached by the baseline for {base_only} of {n} seeds"),
+                                            (neither, f"reached by neither for {neither} of {n} seeds")) if count]
+        return f"no difference detected at this budget ({'; '.join(missing)}: no interval)"
+    if result.low is None:
+        return f"no difference detected at this budget ({n} seed: no interval; speedup {_x(result.geomean)})"
+    span = f"[{result.low:.3g}, {result.high:.3g}]"
+    if result.low > 1:
+        return f"faster by {_x(result.geomean)} {span}"
+    if result.high < 1:
+        return f"slower by {_x(1 / result.geomean)} [{1 / result.high:.3g}, {1 / result.low:.3g}]"
+    return f"no difference detected at this budget (speedup {_x(result.geomean)} {span})"
+
+
+# -- a metric's rows: every group against its baseline -------------------------------------------
+@dataclass
+class MetricRow:
+    """One group's numbers for one metric: its final values over seeds (mean, std, t interval) and,
+    unless it is a baseline, the paired difference, speedup and verdict against its baseline."""
+    group: str
+    seeds: int  # runs of the group that have the metric
+    final_step: int  # the latest last step of those runs
+    final: MeanInterval
+    difference: MeanInterval | None
+    speedup: PairedSpeedup | None
+    verdict: str
+
+
+def metric_rows(groups: Sequence[Group], metric: str, baseline_of: Callable[[str], str], target: float | None = None,
+                level: float = LEVEL) -> list[MetricRow]:
+    """A row per group that has the metric; `baseline_of(label)` names the group it is compared
+    with (itself for a baseline), `target` replaces the baseline's final values when given."""
+    by_label = {g.label: g for g in groups}
+    rows = []
+    for group in groups:
+        finals = [f for r in group.runs if (f := final_value(r, metric)) is not None]
+        if not finals:
+            continue
+        row = MetricRow(group.label, len(finals), max(step for step, _ in finals),
+                        mean_t_interval([v for _, v in finals], level), None, None, "baseline")
+        base_label = baseline_of(group.label)
+        base = by_label.get(base_label)
+        if group.label == base_label:
+            pass
+        elif base is None:
+            row.verdict = "the baseline has no finished run yet"
+        else:
+            row.difference = paired_difference(base.runs, group.runs, metric, level)
+            row.speedup = paired_speedup(base.runs, group.runs, metric, level, target)
+            row.verdict = verdict(row.speedup) if row.speedup is not None else "no seed paired with the baseline"
+        rows.append(row)
+    return rows
+
+
+def step_intervals(groups: Sequence[Group], metric: str, level: float = LEVEL
+                   ) -> dict[str, dict[int, tuple[float, float | None, float | None]]]:
+    """group -> step -> (mean, low, high) over the group's seeds (low/high None for one run)."""
+    out = {}
+    for group in groups:
+        curve = interval_curve(group, metric, "step", level)
+        if curve is not None:
+            x, mean, half = curve
+            halves = half if half is not None else [None] * len(x)
+            out[group.label] = {int(step): (float(m), None if h is None else float(m - h), None if h is None
+                                            else float(m + h)) for step, m, h in zip(x, mean, halves)}
+    return out
+
+
+def interval_summary(mi: MeanInterval | None) -> dict[str, Any] | None:
+    return None if mi is None else {"mean": mi.mean, "low": mi.low, "high": mi.high, "n": mi.n}
+
+
+def row_summary(row: MetricRow) -> dict[str, Any]:
+    """A row as summary.json records it (the per-seed steps and speedups included)."""
+    speedup = row.speedup
+    return {"seeds": row.seeds, "final": interval_summary(row.final), "difference": interval_summary(row.difference),
+            "verdict": row.verdict,
+            "speedup": None if speedup is None else {"geomean": speedup.geomean, "low": speedup.low,
+                                                     "high": speedup.high, "per_seed": [vars(s) for s in speedup.seeds]}}
+
+
+# -- the one figure writer -----------------------------------------------------------------------
+def write_curves(groups: Sequence[Group], metrics: Sequence[str], folder: Path, title: str,
+                 level: float = LEVEL) -> list[str]:
+    """folder/curves_<axis>.png on every axis some group has (step, images, seconds, FLOPs): one panel
+    per metric (held-out loss parts: tables only), the mean over each group's seeds with its t
+    interval as a band. Figures of axes no curve has any more are removed. Returns the names written."""
+    from ..figures import plot_panels
+
+    for old in folder.glob("curves_*.png"):
+        old.unlink()
+    written = []
+    for axis, label in {**AXES, **FLOPS_AXIS}.items():
+        panels = {}
+        for metric in metrics:
+            if is_heldout_part(metric):
+                continue
+            curves = {g.label: c for g in groups
+                      if (c := interval_curve(g, metric, axis, level)) is not None and np.isfinite(c[0]).all()}
+            if curves:
+                panels[metric] = curves
+        if panels:
+            name = f"curves_{axis}.png"
+            plot_panels(panels, folder / name, xlabel=label, title=title)
+            written.append(name)
+    return written
+
+
+# -- compare_runs' report --------------------------------------------------------------------------
+def summarize(groups: Sequence[Group], targets: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
+    """metric -> {"target" (None: the baseline's final value per seed), "lower_is_better", "rows":
+    [MetricRow per group that has the metric]}, every group against the first one."""
+    targets = dict(targets or {})
+    metrics = list(dict.fromkeys(m for g in groups for r in g.runs for m in r.series))
+    baseline = groups[0].label
+    out: dict[str, dict[str, Any]] = {}
+    for metric in metrics:
+        rows = metric_rows(groups, metric, lambda _label: baseline, targets.get(metric))
+        if rows:
+            out[metric] = {"target": targets.get(metric), "lower_is_better": is_lower_better(metric), "rows": rows}
+    return out
+
+
+def _final_cell(final: MeanInterval) -> str:
+    return f"{final.mean:.4g}" if final.std is None else f"{final.mean:.4g} ± {final.std:.2g}"
+
+
+def _steps_cell(result: PairedSpeedup | None) -> str:
+    if result is None:
+        return "-"
+    cells = [str(s.arm_steps) if s.arm_steps is not None else f"not reached by {s.arm_final_step}" for s in result.seeds]
+    return cells[0] if len(cells) == 1 else "; ".join(f"s{s.seed}: {c}" for s, c in zip(result.seeds, cells))
+
+
+def _speedup_cell(result: PairedSpeedup | None) -> str:
+    if result is None or result.geomean is None:
+        return "-"
+    if result.low is None:
+        return f"{result.geomean:.2f}x"
+    return f"{result.geomean:.2f}x [{result.low:.2f}, {result.high:.2f}]"
+
+
+def markdown_report(groups: Sequence[Group], summary: dict[str, dict[str, Any]]) -> str:
+    lines = ["# Run comparison", "", "Groups (final value: mean ± std over the runs of a group, ddof=1):", ""]
+    for g in groups:
+        lines.append(f"- **{g.label}**: {', '.join(r.name for r in g.runs)}")
+    lines += ["", f"Every group is compared with the first ({groups[0].label}) seed by seed (train.seed): the "
+              "target of a seed is the baseline's final value for that seed unless given; steps to target = the "
+              "first evaluated step at which a run reaches it; speedup = the baseline's steps / the group's, as "
+              f"the geometric mean over seeds with a {LEVEL:.0%} Student-t interval on the log speedups; the "
+              "verdict reads that interval (faster / slower when it excludes 1). Metrics named digits_* are the "
+              "digits metric (SVC accuracy, pixel Fréchet distance), NOT FID.", ""]
+    for metric, info in summary.items():
+        arrow = "lower is better" if info["lower_is_better"] else "higher is better"
+        target = "the baseline's final value, per seed" if info["target"] is None else f"{info['target']:.4g}"
+        lines += [f"## {metric} ({arrow}; target {target})", "",
+                  "| group | final step | final value | steps to target | speedup | verdict |",
+                  "|---|---|---|---|---|---|"]
+        for row in info["rows"]:
+            lines.append(f"| {row.group} | {row.final_step} | {_final_cell(row.final)} | {_steps_cell(row.speedup)} | "
+                         f"{_speedup_cell(row.speedup)} | {row.verdict} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_report(run_dirs: Sequence[str | Path], out: str | Path, patterns: Sequence[str] = (),
+                 targets: dict[str, float] | None = None) -> dict[str, Any]:
+    """Loads the runs, writes OUT/report.md, OUT/summary.json and OUT/curves_<axis>.png; returns the summary."""
+    if not run_dirs:
+        raise UserError("pass at least one run directory")
+    missing = [str(p) for p in run_dirs if not Path(p).is_dir()]
+    if missing:
+        raise UserError(f"run directory {missing[0]} does not exist")
+    seen: dict[Path, str] = {}
+    for p in run_dirs:  # the same run twice would pass for a two-seed group with zero spread
+        if Path(p).resolve() in seen:
+            raise UserError(f"run {p} is given twice (also as {seen[Path(p).resolve()]}); pass each run once")
+        seen[Path(p).resolve()] = str(p)
+    runs = [load_run(p) for p in run_dirs]
+    known = sorted({m for run in runs for m in run.series})
+    unknown = sorted(set(targets or {}) - set(known))
+    if unknown:
+        raise UserError(f"--target {unknown[0]}: no run has that metric; the runs have {', '.join(known)}")
+    groups = group_runs(runs, patterns)
+    summary = summarize(groups, targets)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(markdown_report(groups, summary))
+    (out / "summary.json").write_text(json.dumps({
+        m: {"target": info["target"], "lower_is_better": info["lower_is_better"],
+            "rows": [{"group": r.group, "final_step": r.final_step, **row_summary(r)} for r in info["rows"]]}
+        for m, info in summary.items()}, indent=1))
+    write_curves(groups, list(summary), out, f"mean over the runs of a group, band = {LEVEL:.0%} t interval of the mean")
+    return summary
