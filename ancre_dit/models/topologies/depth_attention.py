@@ -38,9 +38,9 @@ import torch
 import torch.nn as nn
 
 from ...errors import UserError
+from ...ranges import Rule
 from .base import ResidualTopology, TopologyNotDefined
 from .peers import _width
-from ...ranges import Rule
 from .registry import TopologyOption, register_topology
 
 QUERIES = ("static", "static-t", "dynamic")

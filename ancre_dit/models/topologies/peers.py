@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from einops import reduce, repeat
 
 from ...errors import UserError
-from .base import ResidualTopology, TopologyNotDefined
 from ...ranges import Rule
+from .base import ResidualTopology, TopologyNotDefined
 from .registry import TopologyOption, register_topology
 
 # mHC's paper does not fix an initialisation; ours puts this much weight off the HC-style choice

@@ -9,7 +9,8 @@ A topology module registers a builder with the options (config keys) it takes:
 The options are checked once, by `resolve_options` (their rules, then the entry's own `check`),
 so builders and constructors trust what they are given. An entry also declares what tools need
 to know of the topology, so that no code outside this package tests names or classes: whether
-it has a (K, K) matrix, whether its weights depend on the timestep, whether it can sparsify.
+it has a (K, K) matrix, whether its weights depend on the timestep, whether its rows are softmax
+distributions, whether it can sparsify.
 
 The model (`create_model(..., topology="ancre", tau=0.1)`), the training config (`model.tau=0.1`),
 the trainer and the checkpoint loader all ask this registry; none of them tests names. (timm's
