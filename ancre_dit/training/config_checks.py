@@ -24,6 +24,7 @@ def validate_config(config: Config) -> None:
     Also records the options the topology is built with in model.topology_options (see below)."""
     check_fields(config)
     _resolve_topology_options(config.model)
+    _check_entropy(config.model)
     _check_sparsify(config)
     _check_width_heads(config.model)
     _check_data_path(config.data)
@@ -41,6 +42,10 @@ def _resolve_topology_options(m: ModelConfig) -> None:
     loaded config writes the same bytes. Options of other topologies are kept as given."""
     options = {**m.topology_options, **resolve_options(m.topology, m.topology_options, prefix="model.")}
     m.topology_options = {key: options[key] for key in all_topology_options() if key in options}
+
+
+def _check_entropy(m: ModelConfig) -> None:
+    """The entropy regulariser needs rows that are distributions, as the topology's entry declares."""
     if m.topology_entropy_weight and not topology_entry(m.topology).incoming_softmax:
         raise UserError(f"model.topology_entropy_weight needs the ancre topology (a learned softmax over each "
                         f"block's incoming edges), not {m.topology}; set it to 0 or use model.topology=ancre")
