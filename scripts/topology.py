@@ -86,14 +86,16 @@ def _checkpoint_of(path: Path) -> Path:
 
 
 def _attends_over_depth(path: Path) -> bool:
-    """A run or checkpoint of DAR / AttnRes (no topology.json: weights per token and timestep)."""
+    """A run or checkpoint of a topology whose weights depend on the token and the timestep (DAR,
+    AttnRes: no topology.json), as its registry entry declares."""
     from ancre_dit.checkpoint import load_model_spec
-    from ancre_dit.models.topologies.depth_attention import DEPTH_ATTENTION
+    from ancre_dit.models.topologies import topology_entry
 
     if not path.is_dir() or (path / "topology.json").is_file():
         return False
     try:
-        return load_model_spec(_checkpoint_of(path))["model"]["kwargs"].get("topology") in DEPTH_ATTENTION
+        name = load_model_spec(_checkpoint_of(path))["model"]["kwargs"].get("topology")
+        return name is not None and topology_entry(name).weights_per_time
     except UserError:
         return False
 

@@ -17,13 +17,14 @@ from pathlib import Path
 from helpers import ROOT as REPO
 
 PACKAGE = REPO / "ancre_dit"
-TOP_LEVEL_MODULES = {"__init__", "cli", "errors", "files", "hardware", "vae"}
+TOP_LEVEL_MODULES = {"__init__", "cli", "errors", "files", "hardware", "ranges", "vae"}
 # What each part of the package may import (besides itself and the standard or third-party libraries).
-SHARED = {"errors", "files", "hardware"}
+SHARED = {"errors", "files", "hardware", "ranges"}
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "files": set(),
     "hardware": set(),
+    "ranges": {"errors"},
     "cli": {"errors"},
     "models": SHARED,
     "data": SHARED,

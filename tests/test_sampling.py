@@ -428,3 +428,25 @@ def test_bad_input_gives_one_clear_line(digits_ckpt, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     assert proc.stderr.startswith("error: --cfg-scale -1.0 is negative")
+
+
+def test_guidance_errors_name_the_value_and_the_sampling_job_names_its_flags():
+    """Guidance serves sample.py, the training grids and the evaluations: its errors say what the value
+    is; the sampling job checks the same rules under the flags the user typed."""
+    cases = [(dict(scale=-1.0), "guidance scale -1.0 is negative", "--cfg-scale -1.0 is negative"),
+             (dict(channels=0), "guided channels 0 must be at least 1", "--cfg-channels 0 must be at least 1"),
+             (dict(interval=(0.0, 700.0)), "guidance interval 0,700 must lie in [0, 1]",
+              "--guidance-interval 0,700 must lie in [0, 1]")]
+    flags = {"scale": "cfg_scale", "channels": "cfg_channels", "interval": "guidance_interval"}
+    for given, library, command in cases:
+        with pytest.raises(UserError) as err:
+            Guidance(**given)
+        assert str(err.value).startswith(library) and "--" not in str(err.value)
+        (key, value), = given.items()
+        settings = job_module.JobSettings(ckpt="ckpt", out="o.npz", num_samples=1, **{flags[key]: value})
+        with pytest.raises(UserError) as err:
+            job_module.check_settings(settings)
+        assert str(err.value).startswith(command)
+    with pytest.raises(UserError, match="no unconditional mode for guidance") as err:
+        GuidedDenoiser(tiny_model("cascaded", class_dropout_prob=0.0), Guidance(2.0))
+    assert "--" not in str(err.value)

@@ -9,8 +9,9 @@ import torch
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.models import create_model
-from ancre_dit.models.topologies import (TOPOLOGIES, CascadedTopology, TopologyOption, register_topology,
-                                         resolve_options, unregister_topology)
+from ancre_dit.models.topologies import (TOPOLOGIES, CascadedTopology, TopologyNotDefined, TopologyOption,
+                                         register_topology, resolve_options, unregister_topology)
+from ancre_dit.ranges import Rule
 from ancre_dit.checkpoint import load_trained_model
 from ancre_dit.training import load_config, train
 from helpers import TINY_DIT, TINY_NAME, TINY_TRAIN, reset_accelerate, tiny_model
@@ -91,6 +92,56 @@ def test_registry_holds_every_builtin_with_its_options():
     assert resolve_options("mhc", {}) == {"hc_streams": 4, "sinkhorn_iters": 20}
     with pytest.raises(UserError, match="tau must be positive"):
         resolve_options("ancre", {"tau": 0.0})
+
+
+def test_a_config_load_checks_each_topology_option_once(gain_topology):
+    """One rule per option, run once per config load (resolve_options), and once more only where
+    create_model builds the topology; builders and constructors trust what they are given."""
+    seen = []
+    register_topology("test-counted", options={"count_me": TopologyOption(
+        float, 1.0, "an option whose rule counts its checks", Rule(gt=0, check=lambda key, value: seen.append(key)))})(
+        lambda num_blocks, hidden_size, count_me: GainTopology(num_blocks, count_me))
+    assert seen == ["count_me"]  # its default, once, when registered
+    seen.clear()
+    try:
+        config = load_config(None, [*TINY_TRAIN, "model.topology=test-counted", "model.count_me=0.5"])
+        assert seen == ["model.count_me"] and config.model.topology_options == {"count_me": 0.5}
+        tiny_model("test-counted", count_me=0.5)
+        assert seen == ["model.count_me", "count_me"]
+        with pytest.raises(UserError, match=r"model.count_me must be positive, got -1.0"):  # the config fields' words
+            load_config(None, [*TINY_TRAIN, "model.topology=test-counted", "model.count_me=-1"])
+    finally:
+        unregister_topology("test-counted")
+
+
+def test_topology_options_take_their_type_and_a_default_within_their_rule(gain_topology):
+    with pytest.raises(UserError, match="tau must be float, got 'big'"):
+        tiny_model("ancre", tau="big")
+    with pytest.raises(UserError, match="gain must be a finite number"):
+        tiny_model("test-gain", gain=float("inf"))
+    with pytest.raises(UserError, match="must be at least 1"):  # a new topology's default out of its own range
+        register_topology("test-bad-default", options={"width": TopologyOption(int, 0, "", Rule(ge=1))})(
+            lambda num_blocks, hidden_size, width: CascadedTopology(num_blocks))
+    assert "test-bad-default" not in TOPOLOGIES
+
+
+def test_each_topology_declares_what_tools_need(tmp_path):
+    """The entry's declarations (a matrix or not, weights per timestep, an incoming softmax) are what the built module does, so tools can ask the registry instead of testing names."""
+    from ancre_dit.models import save_topology_json
+
+    save_topology_json(tmp_path / "p.json", torch.tril(torch.ones(3, 3)) / 3)
+    for name, entry in TOPOLOGIES.items():
+        options = {"topology_path": str(tmp_path / "p.json")} if name == "frozen" else {}
+        topology = tiny_model(name, depth=3, hc_streams=2, chunk=2, **options).topology
+        try:
+            P = topology.probabilities()
+        except TopologyNotDefined:
+            P = None
+        assert (P is not None) == entry.matrix, name
+        assert hasattr(topology, "routing_weights") == entry.weights_per_time, name
+        assert topology.incoming_softmax == entry.incoming_softmax, name
+        if entry.incoming_softmax:
+            torch.testing.assert_close(P.sum(1), torch.ones(3))
 
 
 def test_frozen_topology_rebuilds_from_its_own_state_dict(tmp_path):

@@ -19,6 +19,8 @@ from ..errors import UserError
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+# The rules below take the name the caller knows the value by (a flag, a config key; `Guidance`
+# itself says what the value is), so that each error names what the user gave.
 def check_guidance_scale(name: str, scale: float) -> None:
     """The one rule for a classifier-free guidance scale wherever it is given (sample.py's --cfg-scale,
     train.cfg_scale_for_grids, eval.cfg_scales): finite and >= 0. 1 is the plain conditional model,
@@ -27,6 +29,25 @@ def check_guidance_scale(name: str, scale: float) -> None:
         raise UserError(f"{name} {scale} is not a finite number; use 1 for no guidance or a value > 1 (e.g. 1.5)")
     if scale < 0:
         raise UserError(f"{name} {scale} is negative; use 1 for no guidance or a value > 1 (e.g. 1.5)")
+
+
+def check_guided_channels(name: str, channels: int | None) -> None:
+    """None (all channels) or at least 1."""
+    if channels is not None and channels < 1:
+        raise UserError(f"{name} {channels} must be at least 1 (or unset for all channels)")
+
+
+def check_guidance_interval(name: str, interval: tuple[float, float] | None) -> None:
+    """None (every step) or LO <= HI within [0, 1], in normalised time."""
+    if interval is None:
+        return
+    lo, hi = interval
+    if not 0 <= lo <= 1 or not 0 <= hi <= 1:
+        # DDPM timesteps 0..999 are a likely mistake: refuse them instead of guessing.
+        raise UserError(f"{name} {lo:g},{hi:g} must lie in [0, 1]: it is in normalised time (0 = data, 1 = noise) "
+                        f"for every objective; DDPM timesteps t become t/999, e.g. 0,700 -> 0,{700 / 999:.4f}")
+    if not lo <= hi:
+        raise UserError(f"{name} {lo:g},{hi:g} is empty; give LO,HI with LO <= HI")
 
 
 @dataclass(frozen=True)
@@ -40,18 +61,9 @@ class Guidance:
     interval: tuple[float, float] | None = None
 
     def __post_init__(self):
-        check_guidance_scale("--cfg-scale", self.scale)
-        if self.channels is not None and self.channels < 1:
-            raise UserError(f"--cfg-channels {self.channels} must be at least 1 (or omitted for all channels)")
-        if self.interval is not None:
-            lo, hi = self.interval
-            if not 0 <= lo <= 1 or not 0 <= hi <= 1:
-                # The flag once took DDPM timesteps 0..999; refuse those instead of guessing.
-                raise UserError(f"--guidance-interval {lo:g},{hi:g} must lie in [0, 1]: it is in normalised time "
-                                f"(0 = data, 1 = noise) for every objective; DDPM timesteps t become t/999, "
-                                f"e.g. 0,700 -> 0,{700 / 999:.4f}")
-            if not lo <= hi:
-                raise UserError(f"--guidance-interval {lo:g},{hi:g} is empty; give LO,HI with LO <= HI")
+        check_guidance_scale("guidance scale", self.scale)
+        check_guided_channels("guided channels", self.channels)
+        check_guidance_interval("guidance interval", self.interval)
 
     def active_at(self, normalized_time: float) -> bool:
         if self.scale == 1:
@@ -67,10 +79,9 @@ def parse_interval(text: str | None) -> tuple[float, float] | None:
     try:
         lo, hi = (float(p) for p in parts)
     except ValueError:
-        raise UserError(f"--guidance-interval {text!r} must be LO,HI in normalised time [0, 1], "
-                        "e.g. --guidance-interval 0,0.7") from None
+        raise UserError(f"guidance interval {text!r} must be LO,HI in normalised time [0, 1], e.g. 0,0.7") from None
     if not (math.isfinite(lo) and math.isfinite(hi)):
-        raise UserError(f"--guidance-interval {text!r} holds a number that is not finite; give LO,HI in normalised "
+        raise UserError(f"guidance interval {text!r} holds a number that is not finite; give LO,HI in normalised "
                         "time [0, 1], e.g. 0,0.7")
     return lo, hi
 
@@ -107,14 +118,14 @@ class GuidedDenoiser:
             raise ValueError("a guidance interval needs the objective's normalized_time")
         self.normalized_time = normalized_time
         if precision not in PRECISIONS:
-            raise UserError(f"--precision {precision} is unknown; choose {', '.join(PRECISIONS)}")
+            raise UserError(f"unknown sampling precision {precision!r}; choose {', '.join(PRECISIONS)}")
         self.dtype = PRECISIONS[precision]
         self.num_classes = int(self.model.num_classes)
         if guidance.scale != 1 and self.model.y_embedder.embedding_table.num_embeddings <= self.num_classes:
             raise UserError("this model was trained without class dropout, so it has no unconditional mode for "
-                            "guidance; sample with --cfg-scale 1")
+                            f"guidance (scale {guidance.scale:g}); use guidance scale 1")
         if guidance.channels is not None and guidance.channels > self.model.in_channels:
-            raise UserError(f"--cfg-channels {guidance.channels} exceeds the model's {self.model.in_channels} channels")
+            raise UserError(f"guided channels {guidance.channels} exceed the model's {self.model.in_channels} channels")
         self.calls = 0  # network forwards, counted per sample (for tests and benchmarks)
 
     def _autocast(self, device: torch.device):

@@ -30,7 +30,7 @@ from ..files import write_atomic
 from ..hardware import configure_precision
 from .api import SamplingPlan, plan_sampling
 from .decode import Decoder, build_decoder
-from .guidance import Guidance
+from .guidance import Guidance, check_guidance_interval, check_guidance_scale, check_guided_channels
 from .labels import assign_labels, check_classes
 from .protocols import check_protocol_fits, write_sampling_record
 
@@ -110,6 +110,10 @@ def check_settings(s: JobSettings) -> Guidance:
         raise UserError(f"--grid-max {s.grid_max} must be at least 1 (the number of samples the grid shows)")
     if sde_options(s) != SDEOptions() and s.sampler != "sde":
         raise UserError("--sde-last-step, --sde-last-step-size and --sde-diffusion-norm apply only to --sampler sde")
+    # Guidance's own rules, under the flags' names.
+    check_guidance_scale("--cfg-scale", float(s.cfg_scale))
+    check_guided_channels("--cfg-channels", s.cfg_channels)
+    check_guidance_interval("--guidance-interval", s.guidance_interval)
     return Guidance(float(s.cfg_scale), s.cfg_channels, s.guidance_interval)
 
 

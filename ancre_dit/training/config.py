@@ -31,7 +31,7 @@ from ..errors import UserError
 from ..files import DuplicateKeyError, load_yaml_unique, write_atomic
 from ..models.topologies import all_topology_options
 from .config_checks import validate_config
-from .config_schema import RULE_KEY, Config, ModelConfig, topology_options_of
+from .config_schema import RULE_KEY, Config, ModelConfig
 
 
 # -- reading: YAML file + overrides, merged by OmegaConf -------------------------------------------
@@ -44,11 +44,7 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Confi
         _normalize(Config, layer, "")
     config = _merge(Config, layers, "", OmegaConf.to_object)
     config.model.topology_options = _typed_topology_options(option_layers)
-    validate_config(config)
-    # Record the options the topology is built with, defaults included, so that config.yaml holds
-    # them; in the registry's order, so that saving a loaded config writes the same bytes.
-    options = {**config.model.topology_options, **topology_options_of(config.model)}
-    config.model.topology_options = {key: options[key] for key in all_topology_options() if key in options}
+    validate_config(config)  # also records the topology's options, defaults included
     return config
 
 

@@ -17,16 +17,17 @@ from ..evaluation.inception import WEIGHTS_NAME, WEIGHTS_URL
 from ..evaluation.pipeline import ADM_METRICS
 from ..models import DIT_MODELS
 from ..models.dit import DIT_SIZES
-from ..models.topologies import all_topology_options, topology_entry
+from ..models.topologies import all_topology_options, resolve_options, topology_entry
 from ..models.topologies.aggregation import check_aggregation_kernel
-from .config_schema import (Config, DataConfig, EvalConfig, ModelConfig, check_fields, or_list,
-                            topology_options_of)
+from .config_schema import Config, DataConfig, EvalConfig, ModelConfig, check_fields, or_list
 
 
 def validate_config(config: Config) -> None:
-    """Checks that need neither the data nor the process group; one UserError for the first problem."""
+    """Checks that need neither the data nor the process group; one UserError for the first problem.
+    Also records the options the topology is built with in model.topology_options (see below)."""
     check_fields(config)
-    _check_topology_options(config.model)
+    _resolve_topology_options(config.model)
+    _check_entropy(config.model)
     _check_sparsify(config)
     check_aggregation_kernel(config.model.aggregation_kernel, cuda=torch.cuda.is_available())
     _check_width_heads(config.model)
@@ -38,14 +39,20 @@ def validate_config(config: Config) -> None:
     _check_eval_metrics(config)
 
 
-def _check_topology_options(m: ModelConfig) -> None:
-    """The ranges the registry declares (tau > 0, ...), then the chosen topology's own checks
-    (e.g. frozen's topology_path)."""
-    registered = all_topology_options()
-    for key, value in m.topology_options.items():
-        if key in registered:  # resolve_options names an unknown one
-            registered[key].check(f"model.{key}", value)
-    topology_options_of(m)
+def _resolve_topology_options(m: ModelConfig) -> None:
+    """Checks the topology options given (the ranges the registry declares, tau > 0, ..., then the
+    chosen topology's own checks, e.g. frozen's topology_path), once, and records them with the
+    topology's defaults, so that config.yaml holds them; in the registry's order, so that saving a
+    loaded config writes the same bytes. Options of other topologies are kept as given."""
+    options = {**m.topology_options, **resolve_options(m.topology, m.topology_options, prefix="model.")}
+    m.topology_options = {key: options[key] for key in all_topology_options() if key in options}
+
+
+def _check_entropy(m: ModelConfig) -> None:
+    """The entropy regulariser needs rows that are distributions, as the topology's entry declares."""
+    if m.topology_entropy_weight and not topology_entry(m.topology).incoming_softmax:
+        raise UserError(f"model.topology_entropy_weight needs the ancre topology (a learned softmax over each "
+                        f"block's incoming edges), not {m.topology}; set it to 0 or use model.topology=ancre")
 
 
 def _check_sparsify(config: Config) -> None:

@@ -1,6 +1,7 @@
 """The training configuration's schema: one dataclass per section (run_dir, model, data, train,
 diffusion, repa, eval, log), each field with its default and, declared beside it, what it accepts
-beyond its type (`ranged`, `choice`, `checked`), which one loop checks (`check_fields`).
+beyond its type (`ranged`, `choice`, `checked`: a `Rule` of ancre_dit/ranges.py, the language topology
+options are declared in too), which one loop checks (`check_fields`).
 
 Reading a YAML file and overrides into these is config.py's job; the checks that involve several
 fields or the file system are config_checks.py's.
@@ -8,73 +9,23 @@ fields or the file system are config_checks.py's.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from ..diffusion import ALL_SAMPLERS, OBJECTIVES, TIME_SAMPLINGS
 from ..data.latent_norm import LATENT_NORMS
-from ..errors import UserError
 from ..evaluation.evaluator import EVAL_METRICS
 from ..models import DIT_MODELS, TOPOLOGIES
 from ..models.layers import DEFAULTS as BLOCK_DEFAULTS
 from ..models.layers import MLPS, NORMS, POS_EMBEDS
-from ..models.topologies import AGGREGATION_KERNELS, HISTORY_DTYPES, resolve_options
+from ..models.topologies import AGGREGATION_KERNELS, HISTORY_DTYPES, topology_entry
+from ..ranges import Rule, check_value, or_list  # noqa: F401  (or_list: config_checks' wording)
 from ..sampling.guidance import check_guidance_scale
 
 DATA_KINDS = ("digits", "latents", "images")
 PRECISIONS = ("no", "bf16", "fp16")
 NONFINITE_POLICIES = ("skip", "stop")  # train.nonfinite (training/guards.py)
 RULE_KEY = "rule"  # the dataclasses.field metadata key of a field's Rule
-
-
-def or_list(names: Iterable[str]) -> str:
-    names = [str(n) for n in names]
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What a field accepts beyond its type, declared beside it (as TopologyOption declares an
-    option's range) so that one loop checks every field the same way. A list field's rule
-    applies to each item; None (an unset optional field) is never checked."""
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    hint: str = ""  # what special values mean (e.g. "0 = off"), shown with a range error
-    # Names the value must be one of: a tuple, or a registry dict (read when checked, so that
-    # topologies registered after this module count).
-    choices: Iterable[str] | None = None
-    noun: str | None = None  # "unknown <noun> 'x' in <key>; choose ..." rather than "<key> must be one of ..."
-    check: Callable[[str, Any], None] | None = None  # a rule defined elsewhere: check(key, value)
-
-    def options(self) -> tuple[str, ...]:
-        return tuple(self.choices or ())
-
-    def __call__(self, key: str, value: Any) -> None:
-        if self.choices is not None and value not in self.options():
-            raise UserError(f"unknown {self.noun} {value!r} in {key}; choose {or_list(self.options())}" if self.noun
-                            else f"{key} must be one of {or_list(self.options())}, got {value!r}")
-        if self.check is not None:
-            self.check(key, value)
-        inside = ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                  and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
-        if not inside:
-            raise UserError(f"{key} must be {self._words()}{f' ({self.hint})' if self.hint else ''}, got {value}")
-
-    def _words(self) -> str:
-        low = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else None
-        high = f"{self.le:g}]" if self.le is not None else f"{self.lt:g})" if self.lt is not None else None
-        if low and high:
-            return f"in {low}, {high}"
-        if high:
-            return f"{'<=' if self.le is not None else '<'} {high[:-1]}"
-        if self.gt == 0:
-            return "positive"
-        if self.gt is not None:
-            return f"> {self.gt:g}"
-        return ">= 0" if self.ge == 0 else f"at least {self.ge:g}"
 
 
 def _declared(default: Any, rule: Rule) -> Any:
@@ -138,8 +89,10 @@ AGGREGATION_DEFAULTS = {"history_dtype": "float32", "topology_topk": 0, "aggrega
 
 
 def topology_options_of(m: ModelConfig) -> dict[str, Any]:
-    """The options the chosen topology is built with (checked by the topology's registry entry)."""
-    return resolve_options(m.topology, m.topology_options)
+    """The options the chosen topology is built with: those given, else its defaults (checked where
+    they are resolved: once when the config loads, once when create_model builds the topology)."""
+    options = topology_entry(m.topology).options
+    return {key: m.topology_options.get(key, option.default) for key, option in options.items()}
 
 
 @dataclass
@@ -277,16 +230,10 @@ class Config:
 
 
 def check_fields(section: Any, prefix: str = "") -> None:
-    """Every field's declared rule (range, choices or check), and every float finite: one out of
-    range would train NaN or fail deep inside torch with a traceback."""
+    """Every field's declared rule (range, choices or check), and every float finite."""
     for f in dataclasses.fields(section):
         key, value = prefix + f.name, getattr(section, f.name)
         if dataclasses.is_dataclass(value):
             check_fields(value, f"{key}.")
-            continue
-        rule = f.metadata.get(RULE_KEY)
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, float) and not math.isfinite(item):
-                raise UserError(f"{key} must be a finite number, got {item}")
-            if rule is not None and item is not None:
-                rule(key, item)
+        else:
+            check_value(key, value, f.metadata.get(RULE_KEY))

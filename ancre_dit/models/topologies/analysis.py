@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from ...errors import MissingFileError, UserError
-from .ancre import ANCReTopology
 from .base import ResidualTopology, load_topology_json, save_topology_json
 
 
@@ -50,14 +49,14 @@ def checkpoint_topologies(run_dir: str | Path) -> list[tuple[int, np.ndarray]]:
     found = sorted((int(p.parent.name), p) for p in root.glob("*/topology.json") if p.parent.name.isdigit())
     if not found:
         raise MissingFileError(f"no checkpoints/<step>/topology.json under {run_dir}; pass a run directory whose "
-                               f"topology has learned weights (e.g. model.topology=ancre)")
+                               f"topology has learned weights (e.g. ancre)")
     return [(step, require_routing(load_topology_json(p).double().numpy(), p)) for step, p in found]
 
 
 def require_routing(P: np.ndarray, source: str | Path) -> np.ndarray:
     if not np.any(P):
         raise UserError(f"{source} is all zeros: a plain DiT (cascaded) has no routing to compare, prune or "
-                        f"follow; pass a run of a topology with learned routing (e.g. model.topology=ancre)")
+                        f"follow; pass a run of a topology with learned routing (e.g. ancre)")
     return P
 
 
@@ -194,11 +193,11 @@ def prune_topology(P, top_k: int | None = None, threshold: float | None = None) 
     sums to 1, so the result is again a distribution over each block's kept sources.
     """
     if (top_k is None) == (threshold is None):
-        raise UserError("prune needs exactly one of --top-k K or --threshold P")
+        raise UserError(f"prune needs exactly one of top_k or threshold, got top_k={top_k}, threshold={threshold}")
     if top_k is not None and top_k < 1:
-        raise UserError(f"--top-k must be at least 1, got {top_k}")
+        raise UserError(f"prune's top_k must be at least 1, got {top_k}")
     if threshold is not None and not 0 <= threshold <= 1:
-        raise UserError(f"--threshold is an edge weight in [0, 1], got {threshold}")
+        raise UserError(f"prune's threshold is an edge weight in [0, 1], got {threshold}")
     P = square_topology(P)
     out = np.zeros_like(P)
     for j in range(P.shape[0]):
@@ -247,10 +246,10 @@ def tsallis_entropy(P: torch.Tensor, q: float = 2.0) -> torch.Tensor:
 
 
 def check_entropy_topology(topology: ResidualTopology) -> None:
-    """The regulariser needs incoming weights that form a distribution: ANCRe's ingoing softmax."""
-    if not (isinstance(topology, ANCReTopology) and topology.softmax_dim == 1):
-        raise UserError(f"model.topology_entropy_weight needs the ancre topology (a learned softmax over each block's "
-                        f"incoming edges), not {type(topology).__name__}; set it to 0 or use model.topology=ancre")
+    """The regulariser needs incoming weights that form a distribution (the topology declares it)."""
+    if not topology.incoming_softmax:
+        raise UserError(f"the topology entropy needs the ancre topology (a learned softmax over each block's "
+                        f"incoming edges), not {type(topology).__name__}")
 
 
 def topology_entropy(topology: ResidualTopology, q: float = 2.0) -> torch.Tensor:

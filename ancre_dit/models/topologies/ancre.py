@@ -14,21 +14,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...errors import MissingFileError, UserError
+from ...ranges import Rule
 from .base import CascadedTopology, FixedTopology, ResidualTopology, WeightedHistoryTopology, load_topology_json
 from .registry import TopologyOption, register_topology
 
 
-# The ANCRe family's options, the only place their defaults are written (the training config gets
-# them from the registry). tau divides the logits: 0 would train NaN.
-TAU = {"tau": TopologyOption(float, 0.01, "softmax temperature of the logits (0.01 in the paper)", positive=True)}
+# The ANCRe family's options, the only place their defaults and ranges are written (the training
+# config gets them from the registry). tau divides the logits: 0 would train NaN.
+TAU = {"tau": TopologyOption(float, 0.01, "softmax temperature of the logits (0.01 in the paper)", Rule(gt=0))}
 MODE = {"ancre_mode": TopologyOption(str, "add", "add: the skip sum on top of each block's own residual (the "
-                                     "official form); replace: the convex mix in place of it", choices=("add", "replace"))}
+                                     "official form); replace: the convex mix in place of it",
+                                     Rule(choices=WeightedHistoryTopology.MODES))}
 INITS = ("uniform", "first", "previous")
 START = {"topology_init": TopologyOption(str, "uniform", "starting topology: uniform (zero logits, the official "
                                          "start), first (favours h_0, the anchor) or previous (favours h_{j-1})",
-                                         choices=INITS),
+                                         Rule(choices=INITS)),
          "topology_init_gap": TopologyOption(float, 4.0, "logit gap of the favoured source, in units of tau "
-                                             "(its weight is e^gap times each other source's)", minimum=0.0)}
+                                             "(its weight is e^gap times each other source's)", Rule(ge=0))}
 
 
 class _PerBlockLogits(WeightedHistoryTopology):
@@ -60,14 +62,13 @@ class ANCReTopology(_PerBlockLogits):
     """
 
     softmax_dim = 1  # over sources i: the incoming edges of each block
+    incoming_softmax = True
     frozen_block: int | None = 0
 
     def __init__(self, num_blocks: int, tau: float = TAU["tau"].default, mode: str = "add", init: str = "uniform",
                  init_gap: float = START["topology_init_gap"].default):
         super().__init__(num_blocks, init=0.0, frozen_block=self.frozen_block, mode=mode)
         self.register_buffer("tau", torch.tensor(float(tau)))
-        if init not in INITS:
-            raise UserError(f"unknown topology_init {init!r}; choose one of {', '.join(INITS)}")
         if init != "uniform":
             with torch.no_grad():
                 for j, logits in enumerate(self.logits):
@@ -135,6 +136,7 @@ class OutgoingANCReTopology(ANCReTopology):
     """
 
     softmax_dim = 0  # over targets j: the outgoing edges of each source
+    incoming_softmax = False
     frozen_block = None
 
 
@@ -182,7 +184,7 @@ def first_previous_weights(num_blocks: int) -> torch.Tensor:
 register_topology("cascaded", summary="plain DiT")(lambda num_blocks, hidden_size: CascadedTopology(num_blocks))
 
 
-@register_topology("ancre", options={**TAU, **MODE, **START}, sparse=True,
+@register_topology("ancre", options={**TAU, **MODE, **START}, sparse=True, incoming_softmax=True,
                    summary="ANCRe: ingoing softmax over all earlier outputs, block 1's logit frozen")
 def build_ancre(num_blocks: int, hidden_size: int | None, tau: float, ancre_mode: str, topology_init: str,
                 topology_init_gap: float) -> ResidualTopology:

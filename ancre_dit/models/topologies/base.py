@@ -45,6 +45,10 @@ class ResidualTopology(nn.Module):
     and call every block (or the unit they wire around it) through `run_block`, so activation
     checkpointing (`DiT.set_grad_checkpointing`) works with every topology."""
 
+    # True: each row of `probabilities()` is a softmax over the block's incoming edges (a distribution),
+    # so the topology entropy regulariser applies (its registry entry says the same: `incoming_softmax`).
+    incoming_softmax = False
+
     def __init__(self, num_blocks: int):
         super().__init__()
         self.num_blocks = num_blocks
@@ -125,8 +129,6 @@ class WeightedHistoryTopology(ResidualTopology):
 
     def __init__(self, num_blocks: int, edges: list[list[int]] | None = None, mode: str = "add"):
         super().__init__(num_blocks)
-        if mode not in self.MODES:
-            raise UserError(f"unknown ancre_mode {mode!r}; choose add (the official form) or replace")
         self.mode = mode
         # The dtype the kept history is stored in under bf16 autocast (model.history_dtype): the
         # stream itself, fed from block to block, keeps its own dtype.
@@ -251,8 +253,8 @@ def configure_aggregation(topology: ResidualTopology, history_dtype: str = "floa
         topology.aggregation_kernel = kernel
     if topk:
         if not hasattr(topology, "enable_topk"):
-            raise UserError(f"topology_topk applies to topology ancre only, not {type(topology).__name__}; "
-                            "set model.topology_topk=0")
+            raise UserError(f"topology_topk={topk} applies to topology ancre only, not {type(topology).__name__}; "
+                            "use topology_topk=0")
         topology.enable_topk(topk)
 
 

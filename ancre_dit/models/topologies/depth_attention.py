@@ -38,12 +38,12 @@ import torch
 import torch.nn as nn
 
 from ...errors import UserError
+from ...ranges import Rule
 from .base import ResidualTopology, TopologyNotDefined
 from .peers import _width
 from .registry import TopologyOption, register_topology
 
 QUERIES = ("static", "static-t", "dynamic")
-DEPTH_ATTENTION = ("dar", "attnres")  # the registered names built here
 RMS_EPS = 1e-6
 
 
@@ -53,9 +53,7 @@ class DepthAttentionTopology(ResidualTopology):
     def __init__(self, num_blocks: int, hidden_size: int, *, query: str, group: int, grouping: str):
         super().__init__(num_blocks)
         layers = 2 * num_blocks
-        if query not in QUERIES:
-            raise UserError(f"unknown query {query!r}; choose one of {', '.join(QUERIES)}")
-        if group < 0 or (group and layers % group):
+        if group and layers % group:  # the option's range is checked by the registry; this needs the depth
             what = "chunk" if grouping == "chunk" else "block"
             raise UserError(f"{what} {group} does not divide the {layers} sublayers (2 per block); choose a divisor "
                             f"of {layers}" + (" or 0 for full AttnRes" if grouping == "block" else ""))
@@ -183,18 +181,20 @@ class DepthAttentionTopology(ResidualTopology):
 
 QUERY = {"query": TopologyOption(str, "static", "the aggregators' queries: static (a learned vector), static-t "
                                  "(plus a zero-initialised head of the timestep embedding) or dynamic (a map of the "
-                                 "previous output, per token)", choices=QUERIES)}
+                                 "previous output, per token)", Rule(choices=QUERIES))}
+# Their weights depend on the token and the timestep: no (K, K) matrix, mean weights per time instead.
+DEPTH_ROUTING = {"matrix": False, "weights_per_time": True}
 
 
 @register_topology("dar", options={**QUERY, "chunk": TopologyOption(int, 4, "sublayers per chunk (1 = dense)",
-                                                                    minimum=1)},
+                                                                    Rule(ge=1))}, **DEPTH_ROUTING,
                    summary="DAR: softmax attention over earlier sublayer outputs (timestep-aware with static-t), chunked")
 def build_dar(num_blocks: int, hidden_size: int | None, query: str, chunk: int) -> ResidualTopology:
     return DepthAttentionTopology(num_blocks, _width("dar", hidden_size), query=query, group=chunk, grouping="chunk")
 
 
 @register_topology("attnres", options={**QUERY, "block": TopologyOption(int, 0, "sublayers per block (0 = full)",
-                                                                        minimum=0)},
+                                                                        Rule(ge=0))}, **DEPTH_ROUTING,
                    summary="AttnRes: attention residuals over earlier sublayer outputs, block sums with block S")
 def build_attnres(num_blocks: int, hidden_size: int | None, query: str, block: int) -> ResidualTopology:
     return DepthAttentionTopology(num_blocks, _width("attnres", hidden_size), query=query, group=block,

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from einops import reduce, repeat
 
 from ...errors import UserError
+from ...ranges import Rule
 from .base import ResidualTopology, TopologyNotDefined
 from .registry import TopologyOption, register_topology
 
@@ -145,8 +146,6 @@ class HyperConnectionTopology(_StreamTopology):
 
     def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, dynamic: bool = False):
         super().__init__(num_blocks)
-        if streams < 1:
-            raise UserError(f"hc_streams must be at least 1, got {streams}")
         L, n = 2 * num_blocks, streams
         self.streams, self.dynamic = n, dynamic
         self.alpha_m = nn.Parameter(F.one_hot(torch.arange(L) % n, n).float())
@@ -250,10 +249,6 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
     def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, sinkhorn_iters: int = 20,
                  pre_leak: float = MHC_PRE_LEAK, res_leak: float = MHC_RES_LEAK):
         super().__init__(num_blocks)
-        if streams < 2:
-            raise UserError(f"mhc needs hc_streams >= 2 (a 1-stream doubly stochastic mix is the identity), got {streams}")
-        if sinkhorn_iters < 1:
-            raise UserError(f"sinkhorn_iters must be at least 1, got {sinkhorn_iters}")
         L, n = 2 * num_blocks, streams
         self.streams, self.sinkhorn_iters = n, sinkhorn_iters
         self.phi = nn.Parameter(torch.zeros(L, n * hidden_size, 2 * n + n * n))
@@ -297,7 +292,9 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
 
 
 # -- registry entries ---------------------------------------------------------------------------
-STREAMS = {"hc_streams": TopologyOption(int, 4, "residual streams n of hc / hc-dynamic / mhc", minimum=1)}
+STREAMS = {"hc_streams": TopologyOption(int, 4, "residual streams n of hc / hc-dynamic / mhc", Rule(ge=1))}
+# n residual streams: no (K, K) block-to-block matrix.
+STREAM_ROUTING = {"matrix": False}
 
 
 def _width(name: str, hidden_size: int | None) -> int:
@@ -311,17 +308,25 @@ def build_denseformer(num_blocks: int, hidden_size: int | None) -> ResidualTopol
     return DenseFormerTopology(num_blocks)
 
 
-@register_topology("hc", options=STREAMS, summary="Hyper-Connections, static")
+@register_topology("hc", options=STREAMS, **STREAM_ROUTING, summary="Hyper-Connections, static")
 def build_hc(num_blocks: int, hidden_size: int | None, hc_streams: int) -> ResidualTopology:
     return HyperConnectionTopology(num_blocks, _width("hc", hidden_size), hc_streams)
 
 
-@register_topology("hc-dynamic", options=STREAMS, summary="Hyper-Connections, input-dependent")
+@register_topology("hc-dynamic", options=STREAMS, **STREAM_ROUTING, summary="Hyper-Connections, input-dependent")
 def build_hc_dynamic(num_blocks: int, hidden_size: int | None, hc_streams: int) -> ResidualTopology:
     return HyperConnectionTopology(num_blocks, _width("hc-dynamic", hidden_size), hc_streams, dynamic=True)
 
 
+def check_mhc(options: dict) -> None:
+    if options["hc_streams"] < 2:
+        raise UserError(f"mhc needs hc_streams >= 2 (a 1-stream doubly stochastic mix is the identity), "
+                        f"got {options['hc_streams']}")
+
+
 @register_topology("mhc", summary="mHC: HC with a doubly stochastic (Sinkhorn-Knopp) stream mixing",
-                   options={**STREAMS, "sinkhorn_iters": TopologyOption(int, 20, "Sinkhorn-Knopp iterations of mhc", minimum=1)})
+                   options={**STREAMS, "sinkhorn_iters": TopologyOption(int, 20, "Sinkhorn-Knopp iterations of mhc",
+                                                                        Rule(ge=1))},
+                   check=check_mhc, **STREAM_ROUTING)
 def build_mhc(num_blocks: int, hidden_size: int | None, hc_streams: int, sinkhorn_iters: int) -> ResidualTopology:
     return ManifoldHyperConnectionTopology(num_blocks, _width("mhc", hidden_size), hc_streams, sinkhorn_iters)

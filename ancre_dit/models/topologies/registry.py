@@ -2,9 +2,15 @@
 
 A topology module registers a builder with the options (config keys) it takes:
 
-    @register_topology("ancre", options={"tau": TopologyOption(float, 0.01, "softmax temperature", positive=True)},
+    @register_topology("ancre", options={"tau": TopologyOption(float, 0.01, "softmax temperature", Rule(gt=0))},
                        summary="ANCRe: ingoing softmax over all earlier outputs")
     def build_ancre(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology: ...
+
+The options are checked once, by `resolve_options` (their rules, then the entry's own `check`),
+so builders and constructors trust what they are given. An entry also declares what tools need
+to know of the topology, so that no code outside this package tests names or classes: whether
+it has a (K, K) matrix, whether its weights depend on the timestep, whether its rows are softmax
+distributions, whether it can sparsify.
 
 The model (`create_model(..., topology="ancre", tau=0.1)`), the training config (`model.tau=0.1`),
 the trainer and the checkpoint loader all ask this registry; none of them tests names. (timm's
@@ -12,11 +18,11 @@ the trainer and the checkpoint loader all ask this registry; none of them tests 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ...errors import UserError
+from ...ranges import Rule, check_value
 
 if TYPE_CHECKING:
     import torch
@@ -26,27 +32,13 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TopologyOption:
-    """A hyperparameter a topology takes: its type (bool, int, float or str), default and help."""
+    """A hyperparameter a topology takes: its type (bool, int, float or str), default, help and what it
+    accepts beyond its type, in the config fields' language (e.g. `Rule(gt=0)`, `Rule(choices=...)`)."""
     type: type
     default: Any
     help: str = ""
+    rule: Rule | None = None
     optional: bool = False  # None is allowed (e.g. a path that only some uses need)
-    minimum: float | None = None  # smallest valid value (numbers)
-    positive: bool = False        # must be > 0 (numbers)
-    choices: tuple[str, ...] | None = None  # the valid values (strings)
-
-    def check(self, name: str, value: Any) -> None:
-        """A UserError naming `name` if `value` is out of this option's range."""
-        if self.choices is not None and value is not None and value not in self.choices:
-            raise UserError(f"{name} must be one of {', '.join(self.choices)}, got {value!r}")
-        if value is None or not isinstance(value, (int, float)) or isinstance(value, bool):
-            return
-        if not math.isfinite(value):
-            raise UserError(f"{name} must be a finite number, got {value}")
-        if self.positive and not value > 0:
-            raise UserError(f"{name} must be positive, got {value}")
-        if self.minimum is not None and value < self.minimum:
-            raise UserError(f"{name} must be at least {self.minimum:g}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -59,9 +51,18 @@ class TopologyEntry:
     # options when the options alone are not enough, e.g. a frozen topology whose JSON is gone.
     restore: Callable[..., "ResidualTopology"] | None = None
     summary: str = ""
-    # True: it can drop to each block's model.topology_topk strongest incoming edges after
-    # train.topology_sparsify_step (its module has `enable_topk` and `sparsify`).
+    # What tools need to know (the module itself declares `takes_time_embedding`, which can depend
+    # on its options). True: it can drop to each block's model.topology_topk strongest incoming
+    # edges after train.topology_sparsify_step (its module has `enable_topk` and `sparsify`).
     sparse: bool = False
+    # False: `probabilities()` raises TopologyNotDefined (no topology.json, heatmap, compare or prune).
+    matrix: bool = True
+    # True: each row of its matrix is a softmax over the block's incoming edges (a distribution), so
+    # the topology entropy regulariser applies.
+    incoming_softmax: bool = False
+    # True: its weights depend on the token and the timestep; `routing_weights()` after a forward with
+    # `record_weights` on gives their mean (what `scripts/topology.py show --t` draws).
+    weights_per_time: bool = False
 
 
 TOPOLOGIES: dict[str, TopologyEntry] = {}
@@ -69,17 +70,20 @@ TOPOLOGIES: dict[str, TopologyEntry] = {}
 
 def register_topology(name: str, *, options: Mapping[str, TopologyOption] | None = None,
                       check: Callable[[dict[str, Any]], None] | None = None,
-                      restore: Callable[..., "ResidualTopology"] | None = None,
-                      summary: str = "", sparse: bool = False) -> Callable:
+                      restore: Callable[..., "ResidualTopology"] | None = None, summary: str = "",
+                      sparse: bool = False, matrix: bool = True, incoming_softmax: bool = False,
+                      weights_per_time: bool = False) -> Callable:
     """Decorator: registers `build(num_blocks, hidden_size, **options)` under `name`."""
     def decorator(build: Callable[..., "ResidualTopology"]) -> Callable[..., "ResidualTopology"]:
         if name in TOPOLOGIES:
             raise ValueError(f"topology {name!r} is already registered")
         for key, option in (options or {}).items():
             known = all_topology_options().get(key)
-            if known is not None and known.type is not option.type:
-                raise ValueError(f"topology option {key!r} is already registered with type {known.type.__name__}")
-        TOPOLOGIES[name] = TopologyEntry(name, build, dict(options or {}), check, restore, summary, sparse)
+            if known is not None and (known.type is not option.type or known.rule != option.rule):
+                raise ValueError(f"topology option {key!r} is already registered with another type or rule")
+            check_value(key, option.default, option.rule)  # a default out of its own range is a bug here
+        TOPOLOGIES[name] = TopologyEntry(name, build, dict(options or {}), check, restore, summary, sparse, matrix,
+                                         incoming_softmax, weights_per_time)
         return build
     return decorator
 
@@ -104,23 +108,36 @@ def all_topology_options() -> dict[str, TopologyOption]:
     return options
 
 
-def resolve_options(name: str, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The options topology `name` is built with: its defaults updated by `given`.
+def resolve_options(name: str, given: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """The options topology `name` is built with: its defaults updated by `given`, checked (the one
+    place a topology's options are): a UserError naming `prefix + key` (e.g. "model.tau").
 
-    Options that belong to other topologies are ignored (a config or an older checkpoint spec
-    always carries `tau`, for example), options no topology knows are refused, and the
-    topology's own check runs on the result."""
+    Options that belong to other topologies are ignored once checked (a config or an older
+    checkpoint spec always carries `tau`, for example), options no topology knows are refused, and
+    the topology's own check runs on the result."""
     entry = topology_entry(name)
-    unknown = sorted(set(given) - set(all_topology_options()))
+    registered = all_topology_options()
+    unknown = sorted(set(given) - set(registered))
     if unknown:
         raise UserError(f"unknown topology option(s) {', '.join(unknown)}; registered options: "
-                        f"{', '.join(sorted(all_topology_options())) or '(none)'}")
+                        f"{', '.join(sorted(registered)) or '(none)'}")
+    for key, value in given.items():
+        _check_option(prefix + key, value, registered[key])
     options = {key: given.get(key, option.default) for key, option in entry.options.items()}
-    for key, option in entry.options.items():
-        option.check(key, options[key])
     if entry.check is not None:
         entry.check(options)
     return options
+
+
+def _check_option(key: str, value: Any, option: TopologyOption) -> None:
+    if value is None:
+        if not option.optional:
+            raise UserError(f"{key} must be {option.type.__name__}, got None")
+        return
+    numeric = option.type in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (isinstance(value, option.type) or (option.type is float and numeric)):
+        raise UserError(f"{key} must be {option.type.__name__}, got {value!r}")
+    check_value(key, value, option.rule)
 
 
 def build_topology(name: str, num_blocks: int, hidden_size: int | None = None, **options: Any) -> "ResidualTopology":
