@@ -21,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..diffusion import Objective
+from ..diffusion import Objective, resolve_sampler
 from ..errors import UserError
 from ..files import append_jsonl, read_jsonl
 from .heldout import HeldOutSet, heldout_terms
@@ -85,8 +85,7 @@ class Evaluator:
         self.settings, self.data_kind, self.num_classes = settings, data_kind, num_classes
         self.objective, self.heldout = objective, heldout
         # The sampler and steps the objective uses when eval.sampler / eval.steps are null.
-        self.sampler = settings.sampler or objective.default_sampler
-        self.steps = objective.default_steps(self.sampler) if settings.steps is None else int(settings.steps)
+        self.sampler, self.steps = resolve_sampler(objective, settings.sampler, settings.steps)
         self.decoder, self.state, self.log = decoder, state, log
         self.metrics = resolve_metrics(settings, data_kind)
         self.identity = evaluation_identity(settings, data_kind)

@@ -8,7 +8,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from ..diffusion import Objective, build_objective
+from ..diffusion import Objective, build_objective, samplers_for
+from ..diffusion.sampler_registry import SAMPLERS, check_steps
 from ..errors import MissingFileError, UserError
 from ..evaluation.evaluator import resolve_metrics
 from ..evaluation.inception import WEIGHTS_NAME, WEIGHTS_URL
@@ -140,12 +141,13 @@ def _check_eval_data(config: Config) -> None:
 def _check_eval_sampling(e: EvalConfig, objective: Objective) -> None:
     """eval.sampler must fit the objective and eval.steps its schedule (DDPM: at most its timesteps)."""
     sampler = e.sampler or objective.default_sampler
-    if sampler not in objective.samplers:
+    fits = samplers_for(objective.name)
+    if sampler not in fits:
         raise UserError(f"eval.sampler={sampler} does not fit diffusion.objective={objective.name}; "
-                        f"choose {or_list(objective.samplers)}")
-    steps = objective.default_steps(sampler) if e.steps is None else e.steps
+                        f"choose {or_list(fits)}")
+    steps = SAMPLERS[sampler].default_steps if e.steps is None else e.steps
     try:
-        objective.check_steps(sampler, steps)
+        check_steps(objective, sampler, steps)
     except UserError as err:  # worded for sample.py's flags
         raise UserError(str(err).replace("--steps", "eval.steps", 1)) from None
 
