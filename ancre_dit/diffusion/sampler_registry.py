@@ -52,7 +52,7 @@ SAMPLERS: dict[str, SamplerEntry] = {
                         check_steps=check_sde_steps),
 }
 
-ALL_SAMPLERS = tuple(SAMPLERS)
+ALL_SAMPLERS = SAMPLERS.keys()  # a live view: choice lists built at import follow the table
 
 
 def samplers_for(objective: str) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from ..diffusion.sampler_registry import SAMPLERS, check_steps
 from ..errors import MissingFileError, UserError
 from ..evaluation.evaluator import resolve_metrics
 from ..evaluation.inception import WEIGHTS_NAME, WEIGHTS_URL
-from ..evaluation.pipeline import ADM_METRICS
+from ..evaluation.metric_registry import METRICS, stored_stat_keys
 from ..models import DIT_MODELS
 from ..models.dit import DIT_SIZES
 from ..models.topologies import all_topology_options, topology_entry
@@ -153,20 +153,25 @@ def _check_eval_sampling(e: EvalConfig, objective: Objective) -> None:
 
 
 def _check_eval_metrics(config: Config) -> None:
-    """What the metrics asked for need: digits data, or a reference and the Inception weights."""
+    """What the metrics asked for need (the metric table says): their data, a reference, the weights
+    of the network whose features they read."""
     e, kind = config.eval, config.data.kind
     metrics = resolve_metrics(e, kind)
-    if "digits" in metrics and kind != "digits":
-        raise UserError(f"eval.metrics=digits scores 8x8 digits, but data.kind={kind}; use fid (with eval.ref)")
-    if "fd_dinov2" in metrics:
+    for name in metrics:
+        only = METRICS[name].only_for
+        if only is not None and only[0] != kind:
+            raise UserError(f"eval.metrics={name} scores {only[1]}, but data.kind={kind}; use fid (with eval.ref)")
+    dinov2 = ", ".join(m for m in metrics if METRICS[m].features == "dinov2")
+    if dinov2:
+        keys = " / ".join(stored_stat_keys(m for m in metrics if METRICS[m].features == "dinov2"))
         if not e.ref or not Path(e.ref).exists():
-            raise MissingFileError(f"eval.metrics fd_dinov2 needs eval.ref (an npz with images or mu_dinov2 / "
-                                   f"sigma_dinov2, or a folder of images); got {e.ref}")
+            raise MissingFileError(f"eval.metrics {dinov2} needs eval.ref (an npz with images or {keys}, "
+                                   f"or a folder of images); got {e.ref}")
         if not e.dinov2_weights or not Path(e.dinov2_weights).is_file():
             from ..models.timm_weights import weights_hint
-            raise MissingFileError(f"eval.metrics fd_dinov2 needs eval.dinov2_weights (got {e.dinov2_weights}); "
+            raise MissingFileError(f"eval.metrics {dinov2} needs eval.dinov2_weights (got {e.dinov2_weights}); "
                                    f"{weights_hint(e.dinov2_model, 'eval.dinov2_weights=PATH')}")
-    inception = ", ".join(m for m in metrics if m in ADM_METRICS)
+    inception = ", ".join(m for m in metrics if METRICS[m].features == "inception")
     if not inception:
         return
     if not e.ref:
