@@ -28,7 +28,6 @@ from .metrics import (
 from .precision_recall import precision_recall
 from .sides import Side
 
-NEEDS = ("features", "statistics", "reference images")
 FEATURES = ("digits", "inception", "dinov2")
 
 
