@@ -29,7 +29,7 @@ import torch
 from ..data.adm_npz import ADMBatch
 from ..data.image_folder import list_image_folder
 from ..files import sha256_file
-from .inception import InceptionExtractor, InceptionFeatures, default_device, iterate_batches
+from .inception import InceptionExtractor, default_device, iterate_batches
 from .metric_registry import (
     METRICS as METRIC_TABLE, MetricOptions, metric_entry, metric_names, reported_values, stored_stat_keys, value_label,
 )
