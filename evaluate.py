@@ -25,8 +25,13 @@ from pathlib import Path
 
 from ancre_dit.cli import CommandParser, output_file, run_cli
 from ancre_dit.errors import UserError
+from ancre_dit.evaluation.metric_registry import METRICS, metric_names
 from ancre_dit.evaluation.metrics import FID_METHODS
-from ancre_dit.evaluation.pipeline import DEFAULT_METRICS
+
+
+def _metrics_help() -> str:
+    offered = "; ".join(f"{name}: {METRICS[name].help}" for name in metric_names(evaluate=True))
+    return f"comma-separated metrics (default: ADM's {','.join(metric_names(default=True))}) of: {offered}"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,8 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inception-weights", default=os.environ.get("ANCRE_INCEPTION_WEIGHTS"),
                    help="local weights-inception-2015-12-05-6726825d.pth (default: $ANCRE_INCEPTION_WEIGHTS); "
                         "never downloaded")
-    p.add_argument("--metrics", default=",".join(DEFAULT_METRICS),
-                   help="comma-separated subset of fid,sfid,is,precision,recall,kid,fd_dinov2 (default: ADM's five)")
+    p.add_argument("--metrics", default=",".join(metric_names(default=True)), help=_metrics_help())
     p.add_argument("--dinov2-weights", default=os.environ.get("ANCRE_DINOV2_WEIGHTS"),
                    help="local timm weights file of --dinov2-model for fd_dinov2 (and --save-ref-stats); "
                         "default $ANCRE_DINOV2_WEIGHTS; never downloaded")
@@ -164,14 +168,15 @@ def main() -> int:
     from ancre_dit.evaluation.pipeline import parse_metrics
 
     metrics = parse_metrics(args.metrics)
-    if any(m != "fd_dinov2" for m in metrics):  # FD-DINOv2 alone needs no Inception
+    if any(METRICS[m].features == "inception" for m in metrics):  # FD-DINOv2 alone needs no Inception
         try:
             check_weights(args.inception_weights)
         except UserError as err:
             raise UserError(f"{err}; for the 8x8 digits default, --digits gives an offline check instead") from None
-    if "fd_dinov2" in metrics and not args.dinov2_weights:
-        raise UserError("fd_dinov2 needs --dinov2-weights FILE (a local timm weights file of --dinov2-model; "
-                        "nothing is downloaded)")
+    dinov2 = [m for m in metrics if METRICS[m].features == "dinov2"]
+    if dinov2 and not args.dinov2_weights:
+        raise UserError(f"{', '.join(dinov2)} needs --dinov2-weights FILE (a local timm weights file of "
+                        "--dinov2-model; nothing is downloaded)")
     result = evaluate(args.samples, args.ref, args.inception_weights, metrics=args.metrics,
                       batch_size=args.batch_size, device=args.device, is_split_size=args.is_split_size,
                       pr_k=args.pr_k, fid_method=args.fid_method, kid_subsets=args.kid_subsets,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 
 from ancre_dit.cli import CommandParser, output_file, output_folder, run_cli
-from ancre_dit.diffusion import ALL_SAMPLERS, LAST_STEPS
+from ancre_dit.diffusion import LAST_STEPS, SAMPLERS
+from ancre_dit.diffusion.sampler_registry import sampler_help, steps_help
 from ancre_dit.sampling import JobSettings, run_job
 from ancre_dit.sampling.guidance import PRECISIONS, parse_interval
 from ancre_dit.sampling.protocols import PROTOCOLS, apply_protocol
@@ -31,12 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=16)
     p.add_argument("--out", default="samples.npz", help="merged ADM .npz (arr_0 uint8 NHWC images, arr_1 labels)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward (per process)")
-    p.add_argument("--sampler", choices=ALL_SAMPLERS, default=None,
-                   help="DDPM checkpoints: ddpm (default), ddim, dpm-solver; flow checkpoints: heun (default), "
-                        "euler, dopri5 (adaptive), sde (SiT's Euler-Maruyama)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="sampling steps (default: DDPM 250, respaced ADM-style; flow euler 50, heun 25 "
-                        "(2 network calls each), sde 250 time points as SiT; dopri5 ignores it)")
+    p.add_argument("--sampler", choices=tuple(SAMPLERS), default=None, help=sampler_help())
+    p.add_argument("--steps", type=int, default=None, help=steps_help())
     p.add_argument("--sde-last-step", choices=LAST_STEPS, default="mean", help="SiT's last SDE step (--sampler sde)")
     p.add_argument("--sde-last-step-size", type=float, default=0.04, help="time covered by the last SDE step")
     p.add_argument("--sde-diffusion-norm", type=float, default=1.0,

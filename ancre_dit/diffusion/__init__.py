@@ -1,8 +1,10 @@
 """Training objectives and their samplers: DDPM (DiT) and flow matching (SiT), behind one interface."""
-from .base import ALL_SAMPLERS, LAST_STEPS, Objective, SDEOptions
+from .base import LAST_STEPS, Objective, SDEOptions
 from .ddpm import DDPMObjective
 from .flow import TIME_SAMPLINGS, FlowObjective
 from .objectives import OBJECTIVES, build_objective
+from .sampler_registry import ALL_SAMPLERS, SAMPLERS, SamplerEntry, resolve_sampler, samplers_for
 
 __all__ = ["ALL_SAMPLERS", "LAST_STEPS", "Objective", "SDEOptions", "DDPMObjective", "TIME_SAMPLINGS",
-           "FlowObjective", "OBJECTIVES", "build_objective"]
+           "FlowObjective", "OBJECTIVES", "build_objective", "SAMPLERS", "SamplerEntry", "resolve_sampler",
+           "samplers_for"]

@@ -5,8 +5,9 @@ An objective
 - draws a micro-batch's training randomness (time and noise) from the generator it is handed, so
   that a run resumed from a checkpoint (which saves that generator) continues bitwise;
 - returns the per-sample loss terms of (model, x, y, draws), "loss" being the one to minimise;
-- samples: it lists the samplers that fit it and runs one, turning the network's output into the
-  update of that sampler; sampling code only wraps the network (guidance, precision) around it;
+- names its default sampler and the step counts its schedule allows; which samplers fit it, and
+  how each turns the network's output into its update, is the sampler table's (sampler_registry.py);
+  sampling code only wraps the network (guidance, precision) around it;
 - maps its own model time to normalised time u in [0, 1] (0 = data, 1 = pure noise), the unit of
   the guidance interval for every objective.
 """
@@ -54,10 +55,9 @@ LAST_STEPS = ("mean", "tweedie", "euler", "none")
 
 
 class Objective(ABC):
-    """See the module docstring. Subclasses set name, samplers and default_sampler."""
+    """See the module docstring. Subclasses set name and default_sampler."""
 
     name: ClassVar[str]
-    samplers: ClassVar[tuple[str, ...]]
     default_sampler: ClassVar[str]
     learn_sigma: bool
 
@@ -86,26 +86,7 @@ class Objective(ABC):
     def evaluation_times(self, count: int) -> torch.Tensor:
         """`count` model times spread evenly over the process (fixed held-out scores)."""
 
-    @abstractmethod
-    def default_steps(self, sampler: str) -> int:
-        """The step count of `sampler` when the user gives none."""
-
-    @abstractmethod
-    def sample(self, denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: NoiseSource, *, sampler: str,
-               steps: int, sde: SDEOptions = SDEOptions()) -> torch.Tensor:
-        """Initial noise x -> data, with `sampler` (already checked by check_sampler)."""
-
-    def check_steps(self, sampler: str, steps: int) -> None:
+    def check_steps(self, steps: int) -> None:
+        """A UserError if this objective's schedule has no room for `steps` sampling steps."""
         if int(steps) < 1:
             raise UserError(f"--steps {steps} must be at least 1")
-
-    def check_sampler(self, sampler: str, steps: int) -> None:
-        """One UserError if `sampler` does not fit this objective (naming those that do) or steps are out of range."""
-        if sampler not in self.samplers:
-            known = "does not fit" if sampler in ALL_SAMPLERS else "is unknown for"
-            raise UserError(f"--sampler {sampler} {known} this {self.name} checkpoint; choose "
-                            f"{', '.join(self.samplers[:-1])} or {self.samplers[-1]}")
-        self.check_steps(sampler, steps)
-
-
-ALL_SAMPLERS = ("ddpm", "ddim", "dpm-solver", "euler", "heun", "dopri5", "sde")

@@ -55,11 +55,28 @@ def scheduler_loop(denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, kind: s
     return x
 
 
+def ddpm_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
+                 noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
+    """The sampler table's "ddpm": ADM's ancestral sampler on the schedule respaced to `steps`."""
+    return ddpm_loop(denoiser, x, y, noise, respaced_diffusion(objective.spec(), steps))
+
+
+def ddim_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
+                 noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
+    """The sampler table's "ddim": diffusers' DDIM, eta 0 (no noise drawn)."""
+    return scheduler_loop(denoiser, x, y, "ddim", steps, objective.schedule)
+
+
+def dpm_solver_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
+                       noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
+    """The sampler table's "dpm-solver": diffusers' DPM-Solver++(2M)."""
+    return scheduler_loop(denoiser, x, y, "dpm-solver", steps, objective.schedule)
+
+
 class DDPMObjective(Objective):
     """DiT's diffusion objective, unchanged: losses "mse" (epsilon), "vb" (learned sigma) and "loss"."""
 
     name = "ddpm"
-    samplers = ("ddpm", "ddim", "dpm-solver")
     default_sampler = "ddpm"
 
     def __init__(self, learn_sigma: bool = True, **schedule: Any):
@@ -92,15 +109,6 @@ class DDPMObjective(Objective):
         # Bin centres: 50, 150, ..., 950 for 10 of 1000, spread over the whole process like the training loss.
         return torch.tensor([int((2 * k + 1) * self.num_timesteps / (2 * count)) for k in range(count)])
 
-    def default_steps(self, sampler: str) -> int:
-        return 250
-
-    def check_steps(self, sampler: str, steps: int) -> None:
+    def check_steps(self, steps: int) -> None:
         if not 1 <= int(steps) <= self.num_timesteps:
             raise UserError(f"--steps {steps} must be between 1 and the model's {self.num_timesteps} training timesteps")
-
-    def sample(self, denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: NoiseSource, *, sampler: str,
-               steps: int, sde: SDEOptions = SDEOptions()) -> torch.Tensor:
-        if sampler == "ddpm":
-            return ddpm_loop(denoiser, x, y, noise, respaced_diffusion(self.spec(), steps))
-        return scheduler_loop(denoiser, x, y, sampler, steps, self.schedule)

@@ -21,17 +21,38 @@ import torch
 
 from ..errors import UserError
 from .base import Denoiser, Draws, NoiseSource, Objective, SDEOptions
-from .flow_samplers import ode_sample, sde_sample
+from .flow_samplers import Velocity, ode_sample, sde_sample
 from .vlb import mean_flat
 
 TIME_SAMPLINGS = ("uniform", "logit-normal")
+
+
+def _velocity(denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor) -> Velocity:
+    """The network's velocity for labels y: its first C output channels, C those of the state x."""
+    channels = x.shape[1]
+
+    def velocity(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return denoiser(x_t, t, y)[:, :channels]
+
+    return velocity
+
+
+def ode_sampler(objective: "FlowObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
+                noise: NoiseSource, *, steps: int, sde: SDEOptions, method: str) -> torch.Tensor:
+    """The sampler table's ODE entries: torchdiffeq's `method` from noise (t = 0) to data (t = 1)."""
+    return ode_sample(_velocity(denoiser, x, y), x, method=method, steps=int(steps))
+
+
+def sde_sampler(objective: "FlowObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
+                noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
+    """The sampler table's "sde": SiT's Euler-Maruyama with the given options."""
+    return sde_sample(_velocity(denoiser, x, y), x, noise, steps=int(steps), options=sde)
 
 
 class FlowObjective(Objective):
     """Linear-interpolant flow matching; loss terms "mse" and "loss" (equal)."""
 
     name = "flow"
-    samplers = ("euler", "heun", "dopri5", "sde")
     default_sampler = "heun"
     learn_sigma = False
 
@@ -86,24 +107,3 @@ class FlowObjective(Objective):
 
     def evaluation_times(self, count: int) -> torch.Tensor:
         return (torch.arange(count, dtype=torch.float32) + 0.5) / count
-
-    def default_steps(self, sampler: str) -> int:
-        return {"euler": 50, "heun": 25, "sde": 250}.get(sampler, 0)  # dopri5 chooses its own steps
-
-    def check_steps(self, sampler: str, steps: int) -> None:
-        if sampler == "sde" and int(steps) < 2:
-            raise UserError(f"--steps {steps}: the SDE sampler needs at least 2 (SiT counts time points, "
-                            "steps - 1 Euler-Maruyama steps plus the last step)")
-        if sampler != "dopri5":
-            super().check_steps(sampler, steps)
-
-    def sample(self, denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: NoiseSource, *, sampler: str,
-               steps: int, sde: SDEOptions = SDEOptions()) -> torch.Tensor:
-        channels = x.shape[1]
-
-        def velocity(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-            return denoiser(x_t, t, y)[:, :channels]
-
-        if sampler == "sde":
-            return sde_sample(velocity, x, noise, steps=int(steps), options=sde)
-        return ode_sample(velocity, x, method=sampler, steps=int(steps))

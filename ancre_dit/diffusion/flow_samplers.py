@@ -21,14 +21,16 @@ import torch
 
 from .base import NoiseSource, SDEOptions
 
+from ..errors import UserError
+
 Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-ODE_METHODS = {"euler": "euler", "heun": "heun2"}
 DOPRI5_TOLERANCES = {"atol": 1e-6, "rtol": 1e-3}
 
 
 @torch.no_grad()
 def ode_sample(velocity: Velocity, x: torch.Tensor, *, method: str, steps: int) -> torch.Tensor:
-    """Integrates dx/dt = velocity(x, t) from t = 0 to 1 with euler, heun (fixed steps) or dopri5."""
+    """Integrates dx/dt = velocity(x, t) from t = 0 to 1 with torchdiffeq's `method`: a fixed-grid
+    one ("euler", "heun2", ...) on `steps` equal intervals, or "dopri5" (adaptive, `steps` unused)."""
     from torchdiffeq import odeint
 
     span = torch.tensor([0.0, 1.0], device=x.device)
@@ -39,7 +41,14 @@ def ode_sample(velocity: Velocity, x: torch.Tensor, *, method: str, steps: int) 
     if method == "dopri5":
         return odeint(field, x, span, method="dopri5", **DOPRI5_TOLERANCES)[-1]
     grid = torch.linspace(0.0, 1.0, steps + 1, device=x.device)
-    return odeint(field, x, span, method=ODE_METHODS[method], options={"grid_constructor": lambda f, y0, t: grid})[-1]
+    return odeint(field, x, span, method=method, options={"grid_constructor": lambda f, y0, t: grid})[-1]
+
+
+def check_sde_steps(steps: int) -> None:
+    """SiT counts time points: `steps` points give steps - 1 noisy steps, so at least 2."""
+    if int(steps) < 2:
+        raise UserError(f"--steps {steps}: the SDE sampler needs at least 2 (SiT counts time points, "
+                        "steps - 1 Euler-Maruyama steps plus the last step)")
 
 
 def _score_times_w(v: torch.Tensor, x: torch.Tensor, t: float, norm: float) -> torch.Tensor:

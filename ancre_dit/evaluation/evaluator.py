@@ -21,15 +21,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..diffusion import Objective
+from ..diffusion import Objective, resolve_sampler
 from ..errors import UserError
 from ..files import append_jsonl, read_jsonl
 from .heldout import HeldOutSet, heldout_terms
-from .pipeline import ADM_METRICS
+from .metric_registry import FEATURES, METRICS, MetricOptions, metric_names
 
 EVALS_FILE = "evals.jsonl"
-EVAL_METRICS = ("digits", *ADM_METRICS, "fd_dinov2")  # what eval.metrics accepts
-LOWER_IS_BETTER = ("loss", "mse", "fd", "fid", "sfid", "kid", "vb")  # substrings of metric names
+EVAL_METRICS = metric_names(training=True)  # what eval.metrics accepts (the config reads TRAINING_METRICS)
 
 
 def resolve_metrics(settings, data_kind: str) -> list[str]:
@@ -46,7 +45,7 @@ def evaluation_identity(settings, data_kind: str) -> dict[str, Any]:
     keep = ("num_samples", "batch_size", "sampler", "steps", "cfg_scales", "seed", "ref", "heldout_loss",
             "heldout_draws", "heldout_max", "val_path", "heldout_from_train")
     identity = {k: getattr(settings, k) for k in keep}
-    if "fd_dinov2" in (settings.metrics or []):  # only then: older entries keep matching
+    if any(METRICS[m].features == "dinov2" for m in settings.metrics or []):  # only then: older entries keep matching
         identity["dinov2_model"] = settings.dinov2_model
     identity["metrics"] = resolve_metrics(settings, data_kind)
     identity["cfg_scales"] = [float(c) for c in settings.cfg_scales]
@@ -85,17 +84,17 @@ class Evaluator:
         self.settings, self.data_kind, self.num_classes = settings, data_kind, num_classes
         self.objective, self.heldout = objective, heldout
         # The sampler and steps the objective uses when eval.sampler / eval.steps are null.
-        self.sampler = settings.sampler or objective.default_sampler
-        self.steps = objective.default_steps(self.sampler) if settings.steps is None else int(settings.steps)
+        self.sampler, self.steps = resolve_sampler(objective, settings.sampler, settings.steps)
         self.decoder, self.state, self.log = decoder, state, log
         self.metrics = resolve_metrics(settings, data_kind)
         self.identity = evaluation_identity(settings, data_kind)
         # The settings themselves (metrics that fit the data, reference and weights files, a sampler
         # and step count the objective has) were checked with the config, before the run folder existed.
-        self.inception = [m for m in self.metrics if m in ADM_METRICS]
+        # The networks whose features the metrics read, each run once per sampled part.
+        self.features = {METRICS[m].features for m in self.metrics}
+        self.inception = [m for m in self.metrics if METRICS[m].features == "inception"]
         if self.metrics and decoder is None:
             raise UserError("the evaluation samples images but no decoder is available; set data.vae")
-        self.dinov2 = "fd_dinov2" in self.metrics
         self._extractor = None
         self._ref_side = None
         self._dinov2_ref: tuple[np.ndarray, np.ndarray] | None = None
@@ -133,7 +132,7 @@ class Evaluator:
             labels = np.arange(self.settings.num_samples) % self.num_classes  # balanced, as sample.py's default
             for cfg in self.settings.cfg_scales:
                 metrics.update({f"{k}/cfg{float(cfg):g}": v for k, v in self._sample_metrics(model, labels, cfg).items()})
-            if "digits" in self.metrics and self.state.is_main_process:
+            if "digits" in self.features and self.state.is_main_process:
                 from .digits import digits_reference_scores
                 reference.update(digits_reference_scores())
         return metrics, reference
@@ -163,27 +162,36 @@ class Evaluator:
         features = _in_order(_gather(state, local))
         if not state.is_main_process:
             return {}
+        # Each metric's two sides as its function reads them (see metric_registry), by feature network;
+        # eigh: the same Fréchet distance as sqrtm, stable with fewer samples than feature dimensions.
+        options = MetricOptions(fid_method="eigh", device=self.state.device)
         out: dict[str, float] = {}
-        if "digits" in self.metrics:
-            from .digits import digits_metric
-            out.update(digits_metric(np.concatenate([f["digits_features"] for f in features]),
-                                     np.concatenate([f["digits_pred"] for f in features]), labels))
-        if self.inception:
-            out.update(self._inception_scores(features))
-        if self.dinov2:
-            out["fd_dinov2"] = self._fd_dinov2(np.concatenate([f["dinov2"] for f in features]))
+        for family in FEATURES:
+            names = [m for m in self.metrics if METRICS[m].features == family]
+            if not names:
+                continue
+            if family == "inception":
+                out.update(self._inception_scores(features))
+                continue
+            if family == "digits":
+                sides = ((np.concatenate([f["digits_features"] for f in features]),
+                          np.concatenate([f["digits_pred"] for f in features]), labels), None)
+            else:
+                sides = (np.concatenate([f["dinov2"] for f in features]), self._dinov2_reference())
+            for name in names:
+                out.update(METRICS[name].compute(*sides, options))
         return out
 
     def _features(self, images: np.ndarray) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
-        if "digits" in self.metrics:
+        if "digits" in self.features:
             from .digits import classify
             out["digits_features"], out["digits_pred"] = classify(images)
         if self.inception:
             from ..data.adm_npz import to_rgb_uint8
             pool, spatial, logits = self._get_extractor().batch(to_rgb_uint8(images))
             out.update(pool=pool.numpy(), spatial=spatial.numpy(), logits=logits.numpy())
-        if self.dinov2:
+        if "dinov2" in self.features:
             out["dinov2"] = self._dinov2_extractor().batch(images).numpy()
         return out
 
@@ -191,10 +199,10 @@ class Evaluator:
         from .dinov2 import get_dinov2_extractor
         return get_dinov2_extractor(self.settings.dinov2_weights, self.settings.dinov2_model, self.state.device)
 
-    def _fd_dinov2(self, features: np.ndarray) -> float:
-        """FD-DINOv2 against eval.ref: its stored mu_dinov2 / sigma_dinov2, else its images (once per run)."""
+    def _dinov2_reference(self) -> tuple[np.ndarray, np.ndarray]:
+        """eval.ref's DINOv2 (mu, sigma): its stored mu_dinov2 / sigma_dinov2, else from its images (once per run)."""
         from .dinov2 import stored_dinov2_stats
-        from .metrics import feature_statistics, frechet_distance_to_features
+        from .metrics import feature_statistics
         from .pipeline import default_batch_size, dinov2_features
 
         if self._dinov2_ref is None:
@@ -203,7 +211,7 @@ class Evaluator:
             ref = dinov2_features(self.settings.ref, self._dinov2_extractor(),
                                   default_batch_size(torch.device(self.state.device)), name="reference")
             self._dinov2_ref = feature_statistics(ref)
-        return frechet_distance_to_features(features, *self._dinov2_ref)
+        return self._dinov2_ref
 
     def _get_extractor(self):
         if self._extractor is None:
@@ -213,25 +221,19 @@ class Evaluator:
 
     def _inception_scores(self, features: list[dict[str, np.ndarray]]) -> dict[str, float]:
         from .inception import InceptionFeatures
-        from .pipeline import Side, default_batch_size, load_side, score
+        from .pipeline import default_batch_size, has_stored_stats, load_side, score
+        from .sides import Side
 
         feats = InceptionFeatures(*(np.concatenate([f[k] for f in features]) for k in ("pool", "spatial", "logits")))
         samples = Side("samples", features=feats, num_images=len(feats))
         if self._ref_side is None:
-            needs_images = bool({"precision", "recall"} & set(self.inception))
+            needs_images = any(METRICS[m].needs == "reference images" for m in self.inception)
             device = torch.device(self.state.device)
             self._ref_side = load_side(self.settings.ref, "reference", self._get_extractor, default_batch_size(device),
-                                       need_features=needs_images or not _stored_stats(self.settings.ref))
+                                       need_features=needs_images or not has_stored_stats(self.settings.ref,
+                                                                                          self.inception))
         # eigh: the same Fréchet distance as sqrtm, stable with fewer samples than feature dimensions
         return score(samples, self._ref_side, self.inception, fid_method="eigh", device=self.state.device)
-
-
-def _stored_stats(ref: str) -> bool:
-    path = Path(ref)
-    if not path.is_file():
-        return False
-    with np.load(path) as data:
-        return {"mu", "sigma", "mu_s", "sigma_s"} <= set(data.files)
 
 
 # -- the evals file --------------------------------------------------------------------------------
@@ -264,7 +266,3 @@ def is_heldout_part(metric: str) -> bool:
     and verdicts (heldout_loss stands for them)."""
     return metric.startswith(("heldout_mse", "heldout_vb"))
 
-
-def is_lower_better(metric: str) -> bool:
-    name = metric.split("/")[0]
-    return any(part in name for part in LOWER_IS_BETTER)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,58 +29,19 @@ import torch
 from ..data.adm_npz import ADMBatch
 from ..data.image_folder import list_image_folder
 from ..files import sha256_file
-from .inception import InceptionExtractor, InceptionFeatures, default_device, iterate_batches
-from .metrics import (
-    feature_statistics, frechet_distance, frechet_distance_to_features, inception_score, kernel_inception_distance,
+from .inception import InceptionExtractor, default_device, iterate_batches
+from .metric_registry import (
+    METRICS as METRIC_TABLE, MetricOptions, metric_entry, metric_names, reported_values, stored_stat_keys, value_label,
 )
-from .precision_recall import precision_recall
+from .sides import Side
 from .sources import ImageFolderBatches, open_adm_npz
 from ..errors import UserError
 
 _log = logging.getLogger("ancre_dit")
 
-# The metric names, defined here only. ADM's set: evaluate.py's default, and the Inception metrics the
-# in-training evaluation takes (evaluator.py's EVAL_METRICS adds "digits"); KID is evaluate.py's alone.
-ADM_METRICS = ("fid", "sfid", "is", "precision", "recall")
-METRICS = (*ADM_METRICS, "kid", "fd_dinov2")  # fd_dinov2: DINOv2 features (dinov2.py), not Inception's
-DEFAULT_METRICS = ADM_METRICS
-
-
-@dataclass
-class Side:
-    """One side of the comparison: its features (when it has images) and its FID statistics."""
-    name: str
-    features: InceptionFeatures | None = None
-    stats: dict[str, np.ndarray] = field(default_factory=dict)
-    num_images: int = 0
-    stats_source: str = "features"
-    image_size: int | None = None  # height of the images, when the side has images of one size
-
-    def pool_stats(self) -> tuple[np.ndarray, np.ndarray]:
-        return self._stats("mu", "sigma", "pool")
-
-    def spatial_stats(self) -> tuple[np.ndarray, np.ndarray]:
-        return self._stats("mu_s", "sigma_s", "spatial")
-
-    def _stats(self, mu_key: str, sigma_key: str, kind: str) -> tuple[np.ndarray, np.ndarray]:
-        if mu_key not in self.stats:
-            if self.features is None:
-                raise UserError(f"{self.name} has no images and no stored {mu_key}/{sigma_key}; "
-                                 f"add them (python evaluate.py --save-ref-stats) or pass images")
-            self.stats[mu_key], self.stats[sigma_key] = feature_statistics(getattr(self.features, kind))
-        return self.stats[mu_key], self.stats[sigma_key]
-
-    def raw_features(self, kind: str, mu_key: str) -> np.ndarray | None:
-        """The side's own features of `kind` when its statistics are not stored ones, else None."""
-        if self.features is None or (mu_key in self.stats and self.stats_source == "stored"):
-            return None
-        return getattr(self.features, kind)
-
-    def require_features(self, metric: str) -> InceptionFeatures:
-        if self.features is None:
-            raise UserError(f"{metric} needs images but {self.name} holds statistics only "
-                             f"(no arr_0); pass a file with images, or drop {metric} from --metrics")
-        return self.features
+# From the metric table: what evaluate.py offers, and its default (ADM's five).
+METRICS = metric_names(evaluate=True)
+ADM_METRICS = DEFAULT_METRICS = metric_names(default=True)
 
 
 _EXTRACTORS: dict[tuple, InceptionExtractor] = {}
@@ -141,45 +102,22 @@ class EvaluationResult:
 def score(samples: Side, ref: Side, metrics=DEFAULT_METRICS, is_split_size: int = 5000, pr_k: int = 3,
           pr_batch_size: int = 10000, fid_method: str = "sqrtm", kid_subsets: int = 100,
           kid_subset_size: int = 1000, device: str | torch.device | None = None) -> dict[str, float]:
-    """The requested metrics from two prepared sides (features and/or statistics)."""
+    """The requested Inception metrics from two prepared sides (features and/or statistics)."""
+    options = MetricOptions(is_split_size, pr_k, pr_batch_size, fid_method, kid_subsets, kid_subset_size, device)
     out: dict[str, float] = {}
     for metric in metrics:
-        if metric in ("fid", "sfid"):
-            out[metric] = _fd(samples, ref, "pool" if metric == "fid" else "spatial", fid_method)
-        elif metric == "is":
-            out["is"] = inception_score(samples.require_features("is").logits, split_size=is_split_size)
-        elif metric in ("precision", "recall"):
-            if "precision" not in out:
-                out["precision"], out["recall"] = precision_recall(
-                    ref.require_features(metric).pool, samples.require_features(metric).pool,
-                    k=pr_k, batch_size=pr_batch_size, device=device)
-        elif metric == "kid":
-            out["kid"], out["kid_std"] = kernel_inception_distance(
-                ref.require_features("kid").pool, samples.require_features("kid").pool,
-                subsets=kid_subsets, subset_size=kid_subset_size)
-        else:
-            raise UserError(f"unknown metric {metric!r}; choose from {', '.join(METRICS)}")
-    # Only what was asked for: precision also computes recall (one pass), keep both only if asked.
-    return {k: v for k, v in out.items() if k in metrics or (k == "kid_std" and "kid" in metrics)}
-
-
-def _fd(samples: Side, ref: Side, kind: str, method: str) -> float:
-    """Fréchet distance of one feature kind; "eigh" takes the N-dim route when a side has N < D images."""
-    stats = {"pool": lambda side: side.pool_stats(), "spatial": lambda side: side.spatial_stats()}[kind]
-    if method == "eigh":
-        mu_key = "mu" if kind == "pool" else "mu_s"
-        for side, other in ((samples, ref), (ref, samples)):
-            feats = side.raw_features(kind, mu_key)
-            if feats is not None and len(feats) <= feats.shape[1]:
-                return frechet_distance_to_features(feats, *stats(other))
-    return frechet_distance(*stats(samples), *stats(ref), method=method)
+        if metric not in out:  # one function may give several values (precision gives recall too)
+            out.update(metric_entry(metric).compute(samples, ref, options))
+    wanted = reported_values(metrics)
+    return {k: v for k, v in out.items() if k in wanted}
 
 
 def parse_metrics(metrics: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     names = [m.strip().lower() for m in (metrics.split(",") if isinstance(metrics, str) else metrics) if m.strip()]
-    unknown = [m for m in names if m not in METRICS]
+    offered = metric_names(evaluate=True)
+    unknown = [m for m in names if m not in offered]
     if unknown or not names:
-        raise UserError(f"unknown metric(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(METRICS)}")
+        raise UserError(f"unknown metric(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(offered)}")
     return tuple(dict.fromkeys(names))
 
 
@@ -193,22 +131,23 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
     fd_dinov2 needs `dinov2_weights` (a timm file of `dinov2_model`) and no Inception weights."""
     metrics = parse_metrics(metrics)
     device = torch.device(device) if device is not None else default_device()
-    if "fd_dinov2" in metrics:
-        dinov2 = _fd_dinov2(samples, ref, dinov2_weights, dinov2_model, batch_size or default_batch_size(device),
-                            device, fid_method, image_size, workers)
-        rest = tuple(m for m in metrics if m != "fd_dinov2")
+    on_dinov2 = tuple(m for m in metrics if METRIC_TABLE[m].features == "dinov2")
+    if on_dinov2:
+        dinov2 = _dinov2_metrics(on_dinov2, samples, ref, dinov2_weights, dinov2_model,
+                                 batch_size or default_batch_size(device), device, fid_method, image_size, workers)
+        rest = tuple(m for m in metrics if m not in on_dinov2)
         if not rest:
-            return EvaluationResult({"fd_dinov2": dinov2.metrics["fd_dinov2"]}, dinov2.info)
+            return dinov2
         result = evaluate(samples, ref, weights, rest, batch_size, device, is_split_size, pr_k, fid_method, kid_subsets,
                           kid_subset_size, image_size, workers)
         return EvaluationResult({**result.metrics, **dinov2.metrics}, {**result.info, **dinov2.info})
     batch_size = batch_size or default_batch_size(device)
     start = time.time()
     extractor_fn = lambda: get_extractor(weights, device)  # noqa: E731
-    ref_metrics = [m for m in metrics if m != "is"]  # IS looks at the samples alone
+    ref_metrics = [m for m in metrics if METRIC_TABLE[m].needs != "features"]  # IS looks at the samples alone
     if ref_metrics and ref is None:
         raise UserError(f"{', '.join(ref_metrics)} need a reference (--ref)")
-    image_metrics = [m for m in metrics if m in ("precision", "recall", "kid")]
+    image_metrics = [m for m in metrics if METRIC_TABLE[m].needs == "reference images"]
     if image_metrics and ref is not None and not _has_images(ref):
         raise UserError(f"{', '.join(image_metrics)} need reference images but {ref} holds statistics only "
                          f"(no arr_0); pass a reference with images, or drop them from --metrics")
@@ -219,7 +158,7 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
     if ref is None:
         ref_side = Side("reference (none)", stats_source="none")
     else:
-        ref_needs = bool({"precision", "recall", "kid"} & set(metrics)) or not _has_stored_stats(ref, ref_metrics)
+        ref_needs = bool(image_metrics) or not has_stored_stats(ref, ref_metrics)
         ref_side = load_side(ref, "reference", extractor_fn, batch_size, need_features=ref_needs,
                              image_size=image_size or sample_side.image_size, workers=workers)
     if ref_metrics and sample_side.image_size and ref_side.image_size and sample_side.image_size != ref_side.image_size:
@@ -249,33 +188,33 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
     return EvaluationResult(values, info)
 
 
-def _fd_dinov2(samples, ref, weights, model, batch_size: int, device: torch.device, fid_method: str,
-               image_size: int | None, workers: int) -> EvaluationResult:
-    """FD-DINOv2 of `samples` against `ref` (its stored mu_dinov2 / sigma_dinov2, else its images)."""
+def _dinov2_metrics(metrics: tuple[str, ...], samples, ref, weights, model, batch_size: int, device: torch.device,
+                    fid_method: str, image_size: int | None, workers: int) -> EvaluationResult:
+    """The DINOv2 metrics of `samples` against `ref` (its stored statistics, else its images)."""
     from .dinov2 import DINOV2_MODEL, get_dinov2_extractor
 
     if ref is None:
-        raise UserError("fd_dinov2 needs a reference (--ref)")
+        raise UserError(f"{', '.join(metrics)} needs a reference (--ref)")
     model = model or DINOV2_MODEL
     extractor = get_dinov2_extractor(weights, model, device)  # fail on bad weights before reading images
     start = time.time()
     feats = dinov2_features(samples, extractor, batch_size, None, workers, "samples")
     ref_batch = ref if isinstance(ref, ADMBatch) else (open_adm_npz(ref) if Path(ref).is_file() else None)
-    if ref_batch is not None and {"mu_dinov2", "sigma_dinov2"} <= set(ref_batch.stats):
-        mu, sigma, source = ref_batch.stats["mu_dinov2"], ref_batch.stats["sigma_dinov2"], "stored"
-        value = (frechet_distance_to_features(feats, mu, sigma) if fid_method == "eigh"
-                 else frechet_distance(*feature_statistics(feats), mu, sigma, method=fid_method))
+    keys = stored_stat_keys(metrics)
+    if ref_batch is not None and set(keys) <= set(ref_batch.stats):
+        reference, source = tuple(ref_batch.stats[k] for k in keys), "stored"
     else:
         size = image_size or _image_size(samples)
-        ref_feats = dinov2_features(ref_batch if ref_batch is not None else ref, extractor, batch_size, size, workers,
+        reference = dinov2_features(ref_batch if ref_batch is not None else ref, extractor, batch_size, size, workers,
                                     "reference")
-        value = frechet_distance(*feature_statistics(feats), *feature_statistics(ref_feats), method=fid_method)
         source = "features"
+    options = MetricOptions(fid_method=fid_method, device=device)
+    values = {k: v for m in metrics for k, v in METRIC_TABLE[m].compute(feats, reference, options).items()}
     info = {"num_samples": len(feats), "samples": _describe(samples), "reference": _describe(ref),
             "dinov2_model": model, "dinov2_weights": str(Path(weights).resolve()),
             "dinov2_weights_sha256": sha256_file(weights), "dinov2_reference_statistics": source,
             "dinov2_seconds": round(time.time() - start, 1)}
-    return EvaluationResult({"fd_dinov2": value}, info)
+    return EvaluationResult(values, info)
 
 
 def _image_size(source) -> int | None:
@@ -306,10 +245,9 @@ def compute_metrics(samples: ADMBatch | str | os.PathLike, ref: str | os.PathLik
     return evaluate(samples, ref, weights, metrics, batch_size, device, **options).metrics
 
 
-def _has_stored_stats(ref, metrics) -> bool:
-    """Does `ref` (an npz or ADMBatch) carry every statistic the requested FID metrics need?"""
-    keys = {"fid": ("mu", "sigma"), "sfid": ("mu_s", "sigma_s")}
-    wanted = [k for m in metrics for k in keys.get(m, ())]
+def has_stored_stats(ref, metrics) -> bool:
+    """Does `ref` (a path or an ADMBatch) carry every statistic the given metrics can use instead of its images?"""
+    wanted = stored_stat_keys(metrics)
     if isinstance(ref, ADMBatch):
         stored = ref.stats
     elif Path(ref).is_file():
@@ -359,9 +297,7 @@ def _describe(source) -> str | None:
 
 def format_table(result: EvaluationResult) -> str:
     """Results as an aligned two-column text table, with the sample count and reference."""
-    names = {"fid": "FID", "sfid": "sFID", "is": "Inception Score", "precision": "Precision", "recall": "Recall",
-             "kid": "KID", "kid_std": "KID std", "fd_dinov2": "FD-DINOv2"}
-    rows = [(names.get(k, k), display(v)) for k, v in result.metrics.items()]
+    rows = [(value_label(k), display(v)) for k, v in result.metrics.items()]
     info = result.info
     rows += [("samples", str(info.get("num_samples", "-"))), ("reference", str(info.get("reference") or "none (IS only)")),
              ("reference stats", str(info.get("reference_statistics", info.get("dinov2_reference_statistics"))))]

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..diffusion import Objective, SDEOptions, build_objective
+from ..diffusion import SAMPLERS, Objective, SDEOptions, build_objective, resolve_sampler
 from ..errors import UserError
 from .decode import Decoder, decode_pixels
 from .guidance import Guidance, GuidedDenoiser, unwrap_model
@@ -42,8 +42,8 @@ class SamplingPlan:
         was_training = net.training
         net.eval()  # no label dropout while sampling
         try:
-            return self.objective.sample(self.denoiser, noise.next(), labels.to(device), noise, sampler=self.sampler,
-                                         steps=self.steps, sde=self.sde)
+            return SAMPLERS[self.sampler].run(self.objective, self.denoiser, noise.next(), labels.to(device), noise,
+                                              steps=self.steps, sde=self.sde)
         finally:
             net.train(was_training)
 
@@ -54,9 +54,7 @@ def plan_sampling(model: torch.nn.Module, objective: ObjectiveLike, *, sampler: 
     """Checks the flags once; sampler and steps default to the objective's (DDPM: ddpm-250; flow: heun-25).
     `compile`: torch.compile the network with static shapes (feed it batches of one size)."""
     objective = build_objective(objective)
-    sampler = sampler or objective.default_sampler
-    steps = objective.default_steps(sampler) if steps is None else int(steps)
-    objective.check_sampler(sampler, steps)
+    sampler, steps = resolve_sampler(objective, sampler, steps)
     net = unwrap_model(model)
     denoiser = GuidedDenoiser(net, guidance, precision, objective.normalized_time, compile=compile)
     return SamplingPlan(net, objective, sampler, steps, denoiser, sde)

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from ..checkpoint import load_trained_model
 from ..cli import job_processes
 from ..data.adm_npz import load_adm_npz, save_adm_npz
-from ..diffusion import SDEOptions
+from ..diffusion import SAMPLERS, SDEOptions
 from ..errors import UserError
 from ..files import write_atomic
 from ..hardware import configure_precision
@@ -222,8 +222,8 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
     done = sum(e - b for b, e in mine) - sum(e - b for b, e in todo)
     bar = tqdm(total=sum(e - b for b, e in mine), initial=done, unit="img", desc=f"rank {rank}/{world}",
                disable=not is_main, dynamic_ncols=True)
-    # dopri5's adaptive steps follow the whole batch, so padding would change its samples.
-    pad_to = s.batch_size if s.compile and s.sampler != "dopri5" else None
+    # An adaptive sampler's steps follow the whole batch, so padding would change its samples.
+    pad_to = s.batch_size if s.compile and not SAMPLERS[s.sampler].adaptive else None
     for start, end, images in sample_parts(plan, labels, todo, decoder=decoder, seed=s.seed, pad_to=pad_to):
         save_adm_npz(part_path(folder, start, end), images, labels[start:end])
         bar.update(end - start)

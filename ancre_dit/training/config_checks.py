@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
-from ..diffusion import Objective, build_objective
+from ..diffusion import Objective, build_objective, samplers_for
+from ..diffusion.sampler_registry import SAMPLERS, check_steps
 from ..errors import MissingFileError, UserError
 from ..evaluation.evaluator import resolve_metrics
 from ..evaluation.inception import WEIGHTS_NAME, WEIGHTS_URL
-from ..evaluation.pipeline import ADM_METRICS
+from ..evaluation.metric_registry import METRICS, stored_stat_keys
 from ..models import DIT_MODELS
 from ..models.dit import DIT_SIZES
 from ..models.topologies import all_topology_options, resolve_options, topology_entry
@@ -151,31 +152,37 @@ def _check_eval_data(config: Config) -> None:
 def _check_eval_sampling(e: EvalConfig, objective: Objective) -> None:
     """eval.sampler must fit the objective and eval.steps its schedule (DDPM: at most its timesteps)."""
     sampler = e.sampler or objective.default_sampler
-    if sampler not in objective.samplers:
+    fits = samplers_for(objective.name)
+    if sampler not in fits:
         raise UserError(f"eval.sampler={sampler} does not fit diffusion.objective={objective.name}; "
-                        f"choose {or_list(objective.samplers)}")
-    steps = objective.default_steps(sampler) if e.steps is None else e.steps
+                        f"choose {or_list(fits)}")
+    steps = SAMPLERS[sampler].default_steps if e.steps is None else e.steps
     try:
-        objective.check_steps(sampler, steps)
+        check_steps(objective, sampler, steps)
     except UserError as err:  # worded for sample.py's flags
         raise UserError(str(err).replace("--steps", "eval.steps", 1)) from None
 
 
 def _check_eval_metrics(config: Config) -> None:
-    """What the metrics asked for need: digits data, or a reference and the Inception weights."""
+    """What the metrics asked for need (the metric table says): their data, a reference, the weights
+    of the network whose features they read."""
     e, kind = config.eval, config.data.kind
     metrics = resolve_metrics(e, kind)
-    if "digits" in metrics and kind != "digits":
-        raise UserError(f"eval.metrics=digits scores 8x8 digits, but data.kind={kind}; use fid (with eval.ref)")
-    if "fd_dinov2" in metrics:
+    for name in metrics:
+        only = METRICS[name].only_for
+        if only is not None and only[0] != kind:
+            raise UserError(f"eval.metrics={name} scores {only[1]}, but data.kind={kind}; use fid (with eval.ref)")
+    dinov2 = ", ".join(m for m in metrics if METRICS[m].features == "dinov2")
+    if dinov2:
+        keys = " / ".join(stored_stat_keys(m for m in metrics if METRICS[m].features == "dinov2"))
         if not e.ref or not Path(e.ref).exists():
-            raise MissingFileError(f"eval.metrics fd_dinov2 needs eval.ref (an npz with images or mu_dinov2 / "
-                                   f"sigma_dinov2, or a folder of images); got {e.ref}")
+            raise MissingFileError(f"eval.metrics {dinov2} needs eval.ref (an npz with images or {keys}, "
+                                   f"or a folder of images); got {e.ref}")
         if not e.dinov2_weights or not Path(e.dinov2_weights).is_file():
             from ..models.timm_weights import weights_hint
-            raise MissingFileError(f"eval.metrics fd_dinov2 needs eval.dinov2_weights (got {e.dinov2_weights}); "
+            raise MissingFileError(f"eval.metrics {dinov2} needs eval.dinov2_weights (got {e.dinov2_weights}); "
                                    f"{weights_hint(e.dinov2_model, 'eval.dinov2_weights=PATH')}")
-    inception = ", ".join(m for m in metrics if m in ADM_METRICS)
+    inception = ", ".join(m for m in metrics if METRICS[m].features == "inception")
     if not inception:
         return
     if not e.ref:

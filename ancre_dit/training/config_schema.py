@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterable
 
 from ..diffusion import ALL_SAMPLERS, OBJECTIVES, TIME_SAMPLINGS
 from ..data.latent_norm import LATENT_NORMS
-from ..evaluation.evaluator import EVAL_METRICS
+from ..errors import UserError
+from ..evaluation.metric_registry import TRAINING_METRICS
 from ..models import DIT_MODELS, TOPOLOGIES
 from ..models.layers import DEFAULTS as BLOCK_DEFAULTS
 from ..models.layers import MLPS, NORMS, POS_EMBEDS
@@ -174,7 +175,7 @@ class EvalConfig:
     steps: int | None = ranged(None, ge=1, hint="null = the sampler's default")
     cfg_scales: list[float] = checked([1.0], check_guidance_scale)
     seed: int = ranged(0, ge=0)
-    metrics: list[str] | None = choice(None, EVAL_METRICS, "metric")
+    metrics: list[str] | None = choice(None, TRAINING_METRICS, "metric")
     ref: str | None = None            # ADM reference npz, or one from evaluate.py --save-ref-stats
     inception_weights: str | None = None
     dinov2_weights: str | None = None  # fd_dinov2: local timm weights file of dinov2_model

@@ -1,0 +1,111 @@
+"""Sampler name -> how it runs, the objectives it fits, its default step count: the one place a
+sampler name is interpreted.
+
+sample.py's --sampler choices and help, the config's eval.sampler check, the in-training
+evaluation and the sampling API all read `SAMPLERS`. A new sampler is its function (next to its
+objective, with the signature of `SampleFn`) and one entry here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Protocol
+
+import torch
+
+from ..errors import UserError
+from .base import Denoiser, NoiseSource, Objective, SDEOptions
+from .ddpm import ddim_sampler, ddpm_sampler, dpm_solver_sampler
+from .flow import ode_sampler, sde_sampler
+from .flow_samplers import check_sde_steps
+
+
+class SampleFn(Protocol):
+    """run(objective, denoiser, x, y, noise, steps=..., sde=...) -> data, from the initial noise x."""
+
+    def __call__(self, objective: Objective, denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
+                 noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class SamplerEntry:
+    run: SampleFn
+    objectives: tuple[str, ...]  # the objectives (Objective.name) whose networks it can sample
+    default_steps: int           # when --steps / eval.steps is not given
+    help: str                    # one line, shown in sample.py --help
+    # Chooses its own steps from the whole batch: --steps is ignored and a sample depends on the
+    # batch it is in (so a compiled job must not pad its last batch).
+    adaptive: bool = False
+    check_steps: Callable[[int], None] | None = None  # the sampler's own rule on the step count
+
+
+SAMPLERS: dict[str, SamplerEntry] = {
+    "ddpm": SamplerEntry(ddpm_sampler, ("ddpm",), 250, "ADM's ancestral sampler, respaced ADM-style"),
+    "ddim": SamplerEntry(ddim_sampler, ("ddpm",), 250, "diffusers' DDIM, eta 0"),
+    "dpm-solver": SamplerEntry(dpm_solver_sampler, ("ddpm",), 250, "diffusers' DPM-Solver++(2M)"),
+    "euler": SamplerEntry(partial(ode_sampler, method="euler"), ("flow",), 50, "Euler ODE steps"),
+    "heun": SamplerEntry(partial(ode_sampler, method="heun2"), ("flow",), 25,
+                         "Heun ODE steps, 2 network calls each"),
+    "dopri5": SamplerEntry(partial(ode_sampler, method="dopri5"), ("flow",), 0,
+                           "adaptive Dormand-Prince ODE with SiT's tolerances", adaptive=True),
+    "sde": SamplerEntry(sde_sampler, ("flow",), 250, "SiT's Euler-Maruyama; steps count time points",
+                        check_steps=check_sde_steps),
+}
+
+ALL_SAMPLERS = SAMPLERS.keys()  # a live view: choice lists built at import follow the table
+
+
+def samplers_for(objective: str) -> tuple[str, ...]:
+    """The samplers that fit the objective named `objective`, in table order."""
+    return tuple(name for name, entry in SAMPLERS.items() if objective in entry.objectives)
+
+
+def sampler_entry(name: str) -> SamplerEntry:
+    """The table's entry; an unknown name is one UserError listing the table."""
+    if name not in SAMPLERS:
+        raise UserError(f"--sampler {name} is unknown; choose {', '.join(SAMPLERS)}")
+    return SAMPLERS[name]
+
+
+def check_steps(objective: Objective, sampler: str, steps: int) -> None:
+    """The sampler's own rule on the step count, then the objective's schedule (none for adaptive ones)."""
+    entry = sampler_entry(sampler)
+    if entry.adaptive:
+        return
+    if entry.check_steps is not None:
+        entry.check_steps(steps)
+    objective.check_steps(steps)
+
+
+def resolve_sampler(objective: Objective, sampler: str | None, steps: int | None) -> tuple[str, int]:
+    """(sampler, steps) with the objective's and the sampler's defaults filled in; one UserError if
+    the sampler does not fit the objective (naming those that do) or the step count is out of range."""
+    sampler = sampler or objective.default_sampler
+    fits = samplers_for(objective.name)
+    if sampler not in fits:
+        known = "does not fit" if sampler in SAMPLERS else "is unknown for"
+        raise UserError(f"--sampler {sampler} {known} this {objective.name} checkpoint; choose "
+                        f"{', '.join(fits[:-1])} or {fits[-1]}")
+    steps = SAMPLERS[sampler].default_steps if steps is None else int(steps)
+    check_steps(objective, sampler, steps)
+    return sampler, steps
+
+
+def sampler_help() -> str:
+    """--sampler's help: per objective, its samplers (its default first) with their one-line help."""
+    from .objectives import OBJECTIVES, build_objective
+
+    parts = []
+    for name in OBJECTIVES:
+        default = build_objective({"objective": name}).default_sampler
+        names = sorted(samplers_for(name), key=lambda s: s != default)
+        listed = ", ".join(f"{s} ({'default; ' if s == default else ''}{SAMPLERS[s].help})" for s in names)
+        parts.append(f"{name} checkpoints: {listed}")
+    return "; ".join(parts)
+
+
+def steps_help() -> str:
+    """--steps' help: each sampler's default step count."""
+    fixed = ", ".join(f"{name} {e.default_steps}" for name, e in SAMPLERS.items() if not e.adaptive)
+    adaptive = ", ".join(name for name, e in SAMPLERS.items() if e.adaptive)
+    return f"sampling steps (default: {fixed}" + (f"; {adaptive} ignores it)" if adaptive else ")")

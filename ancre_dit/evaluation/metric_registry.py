@@ -1,0 +1,214 @@
+"""Metric name -> its function, what it reads, its direction and label: the one place a metric
+name is interpreted.
+
+evaluate.py's --metrics (choices, default, help), the config's eval.metrics checks, the
+in-training evaluation, `pipeline.score` and the run comparisons (which direction is better) all
+read `METRICS`. A new metric is its function and one entry here.
+
+A metric function is `compute(samples, reference, options) -> {value name: value}`; what the two
+sides are depends on the network whose features it reads (`features`):
+- "inception": two `sides.Side` (Inception features and/or FID statistics); the reference may be
+  `Side("reference (none)")` for a metric that needs nothing of it;
+- "dinov2": the samples' DINOv2 features (N, D), and the reference's (mu, sigma) or its features;
+- "digits": (features, predicted classes, labels) of the samples from the digits classifier, and
+  None (the classifier's own held-out digits are the reference).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from ..errors import UserError
+from .metrics import (
+    feature_statistics, frechet_distance, frechet_distance_to_features, inception_score, kernel_inception_distance,
+)
+from .precision_recall import precision_recall
+from .sides import Side
+
+FEATURES = ("digits", "inception", "dinov2")
+
+
+@dataclass(frozen=True)
+class MetricOptions:
+    """The metric settings evaluate.py exposes (defaults are ADM's)."""
+    is_split_size: int = 5000
+    pr_k: int = 3
+    pr_batch_size: int = 10000
+    fid_method: str = "sqrtm"
+    kid_subsets: int = 100
+    kid_subset_size: int = 1000
+    device: str | torch.device | None = None
+
+
+@dataclass(frozen=True)
+class Value:
+    """One number a metric reports."""
+    label: str
+    lower_is_better: bool
+
+
+@dataclass(frozen=True)
+class MetricEntry:
+    compute: Callable[[Any, Any, MetricOptions], dict[str, float]]
+    features: str          # the network whose features it reads: one of FEATURES
+    # What it needs of the reference: "features" (nothing: the samples' features alone), "statistics"
+    # (the reference's, stored in its npz or computed from its images) or "reference images".
+    needs: str
+    lower_is_better: bool  # of its main value
+    label: str             # of its main value, as tables print it
+    help: str              # one line
+    key: str | None = None  # the name of its main value when not the metric's own
+    also: Mapping[str, Value] = field(default_factory=dict)  # further values it reports
+    stats: tuple[str, ...] = ()  # the reference npz keys that stand in for the reference's images
+    evaluate: bool = True   # offered by evaluate.py --metrics
+    default: bool = False   # in evaluate.py's default set (ADM's five)
+    training: bool = True   # offered as eval.metrics
+    only_for: tuple[str, str] | None = None  # (data.kind, in words) of the only data it scores; None: any
+
+    def values(self, name: str) -> dict[str, Value]:
+        """Every value this metric (registered as `name`) reports, main one first."""
+        return {self.key or name: Value(self.label, self.lower_is_better), **self.also}
+
+
+# -- the metric functions ------------------------------------------------------------------------
+def _frechet(samples: Side, ref: Side, kind: str, method: str) -> float:
+    """Fréchet distance of one Inception feature kind; "eigh" takes the N-dim route when a side
+    has N < D images of its own."""
+    stats = {"pool": lambda side: side.pool_stats(), "spatial": lambda side: side.spatial_stats()}[kind]
+    if method == "eigh":
+        mu_key = "mu" if kind == "pool" else "mu_s"
+        for side, other in ((samples, ref), (ref, samples)):
+            feats = side.raw_features(kind, mu_key)
+            if feats is not None and len(feats) <= feats.shape[1]:
+                return frechet_distance_to_features(feats, *stats(other))
+    return frechet_distance(*stats(samples), *stats(ref), method=method)
+
+
+def fid(samples: Side, ref: Side, o: MetricOptions) -> dict[str, float]:
+    return {"fid": _frechet(samples, ref, "pool", o.fid_method)}
+
+
+def sfid(samples: Side, ref: Side, o: MetricOptions) -> dict[str, float]:
+    return {"sfid": _frechet(samples, ref, "spatial", o.fid_method)}
+
+
+def inception_score_metric(samples: Side, ref: Side, o: MetricOptions) -> dict[str, float]:
+    return {"is": inception_score(samples.require_features("is").logits, split_size=o.is_split_size)}
+
+
+def precision_and_recall(samples: Side, ref: Side, o: MetricOptions) -> dict[str, float]:
+    """Both in one pass (the neighbourhoods of both sets are needed for either)."""
+    precision, recall = precision_recall(ref.require_features("precision").pool,
+                                         samples.require_features("precision").pool,
+                                         k=o.pr_k, batch_size=o.pr_batch_size, device=o.device)
+    return {"precision": precision, "recall": recall}
+
+
+def kid(samples: Side, ref: Side, o: MetricOptions) -> dict[str, float]:
+    mean, std = kernel_inception_distance(ref.require_features("kid").pool, samples.require_features("kid").pool,
+                                          subsets=o.kid_subsets, subset_size=o.kid_subset_size)
+    return {"kid": mean, "kid_std": std}
+
+
+def fd_dinov2(samples: np.ndarray, ref: tuple[np.ndarray, np.ndarray] | np.ndarray,
+              o: MetricOptions) -> dict[str, float]:
+    """Against the reference's (mu, sigma) (stored, or computed once from its features) or its features."""
+    if isinstance(ref, tuple):
+        mu, sigma = ref
+        value = (frechet_distance_to_features(samples, mu, sigma) if o.fid_method == "eigh"
+                 else frechet_distance(*feature_statistics(samples), mu, sigma, method=o.fid_method))
+    else:
+        value = frechet_distance(*feature_statistics(samples), *feature_statistics(ref), method=o.fid_method)
+    return {"fd_dinov2": value}
+
+
+def digits(samples: tuple[np.ndarray, np.ndarray, np.ndarray], ref: None, o: MetricOptions) -> dict[str, float]:
+    from .digits import digits_metric
+    return digits_metric(*samples)
+
+
+METRICS: dict[str, MetricEntry] = {
+    "digits": MetricEntry(digits, "digits", "features", False, "digits accuracy",
+                          "class accuracy and feature FD of the digits classifier (8x8 digits data only)",
+                          key="digits_acc", also={"digits_fd": Value("digits FD", True)}, evaluate=False,
+                          only_for=("digits", "8x8 digits")),
+    "fid": MetricEntry(fid, "inception", "statistics", True, "FID", "Fréchet Inception distance (pool_3)",
+                       stats=("mu", "sigma"), default=True),
+    "sfid": MetricEntry(sfid, "inception", "statistics", True, "sFID", "spatial FID (mixed_6/conv)",
+                        stats=("mu_s", "sigma_s"), default=True),
+    "is": MetricEntry(inception_score_metric, "inception", "features", False, "Inception Score",
+                      "Inception Score of the samples", default=True),
+    "precision": MetricEntry(precision_and_recall, "inception", "reference images", False, "Precision",
+                             "improved precision (k-NN on pool_3)", default=True),
+    "recall": MetricEntry(precision_and_recall, "inception", "reference images", False, "Recall",
+                          "improved recall (k-NN on pool_3)", default=True),
+    "kid": MetricEntry(kid, "inception", "reference images", True, "KID", "kernel Inception distance",
+                       also={"kid_std": Value("KID std", True)}, training=False),
+    "fd_dinov2": MetricEntry(fd_dinov2, "dinov2", "statistics", True, "FD-DINOv2",
+                             "Fréchet distance of DINOv2 ViT-L/14 features", stats=("mu_dinov2", "sigma_dinov2")),
+}
+
+
+def metric_entry(name: str) -> MetricEntry:
+    """The table's entry; an unknown name is one UserError listing the table."""
+    if name not in METRICS:
+        raise UserError(f"unknown metric {name!r}; choose from {', '.join(METRICS)}")
+    return METRICS[name]
+
+
+def metric_names(*, evaluate: bool | None = None, training: bool | None = None, default: bool | None = None,
+                 features: str | None = None) -> tuple[str, ...]:
+    """The table's names (in table order) with the given properties."""
+    return tuple(name for name, e in METRICS.items()
+                 if (evaluate is None or e.evaluate == evaluate) and (training is None or e.training == training)
+                 and (default is None or e.default == default) and (features is None or e.features == features))
+
+
+class MetricNames:
+    """The names `metric_names(**where)` gives, looked up each time it is read: a choice list built
+    at import (the config schema's) that follows the table."""
+
+    def __init__(self, **where: bool | str):
+        self.where = where
+
+    def __iter__(self):
+        return iter(metric_names(**self.where))
+
+    def __contains__(self, name: object) -> bool:
+        return name in metric_names(**self.where)
+
+
+TRAINING_METRICS = MetricNames(training=True)  # what eval.metrics accepts
+
+
+def reported_values(metrics: Any) -> dict[str, Value]:
+    """Every value the given metrics report, with its label and direction."""
+    return {k: v for m in metrics for k, v in metric_entry(m).values(m).items()}
+
+
+def stored_stat_keys(metrics: Any) -> tuple[str, ...]:
+    """The reference npz keys that would spare the reference's images for these metrics."""
+    return tuple(k for m in metrics for k in metric_entry(m).stats)
+
+
+def lower_is_better(metric: str) -> bool:
+    """Whether a lower value is better: a value a metric of the table reports (per cfg scale, e.g.
+    "fid/cfg1.5"), or a training or held-out loss term ("train_loss", "heldout_mse_raw")."""
+    name = metric.split("/")[0]
+    for metric_name, entry in METRICS.items():
+        values = entry.values(metric_name)
+        if name in values:
+            return values[name].lower_is_better
+    if name.startswith(("train_", "heldout_")):
+        return True
+    known = ", ".join(reported_values(METRICS))
+    raise UserError(f"{metric} is not a value any metric reports ({known}) nor a loss (train_*, heldout_*); "
+                    "its direction is unknown")
+
+
+def value_label(name: str) -> str:
+    """How tables print a value ("fid" -> "FID"); the name itself for values outside the table."""
+    return reported_values(METRICS).get(name, Value(name, True)).label
