@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from safetensors.torch import save_file
@@ -64,12 +64,17 @@ def load_trained_model(folder: str | Path, weights: str = "ema", device: str | t
     spec = load_model_spec(folder)
     path = folder / WEIGHT_FILES[weights]
     state = load_safetensors_checked(path)
-    kwargs = dict(spec["model"]["kwargs"])
-    # Topologies that carry their own weights (e.g. frozen: the JSON they came from may be gone)
-    # rebuild from the state dict; the others from their options.
-    topology = restore_topology(kwargs.get("topology", "cascaded"), state, kwargs)
-    if topology is not None:
-        kwargs["topology"] = topology
-    model = create_model(spec["model"]["name"], **kwargs)
+    model = build_model(spec, state)
     load_state_dict_checked(model, state, source=str(path))
     return model.to(device).eval(), spec
+
+
+def build_model(spec: dict[str, Any], state: Mapping[str, torch.Tensor] | None = None) -> DiT:
+    """The network a spec describes, its weights not loaded. Given the checkpoint's state dict (its
+    `topology.*` tensors suffice), a topology that carries its own weights (frozen: the JSON it came
+    from may be gone) rebuilds from it, the others from their options."""
+    kwargs = dict(spec["model"]["kwargs"])
+    topology = None if state is None else restore_topology(kwargs.get("topology", "cascaded"), state, kwargs)
+    if topology is not None:
+        kwargs["topology"] = topology
+    return create_model(spec["model"]["name"], **kwargs)

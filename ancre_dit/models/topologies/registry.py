@@ -34,6 +34,7 @@ class TopologyOption:
     minimum: float | None = None  # smallest valid value (numbers)
     positive: bool = False        # must be > 0 (numbers)
     choices: tuple[str, ...] | None = None  # the valid values (strings)
+    file: bool = False  # names a file that must exist (checked with the config's other paths)
 
     def check(self, name: str, value: Any) -> None:
         """A UserError naming `name` if `value` is out of this option's range."""
