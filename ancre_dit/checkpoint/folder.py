@@ -27,7 +27,8 @@ WEIGHT_FILES = {"ema": "ema.safetensors", "model": "model.safetensors"}
 def make_model_spec(name: str, model_kwargs: dict[str, Any], diffusion: dict[str, Any], data: dict[str, Any],
                     step: int) -> dict[str, Any]:
     """model_kwargs: create_model's keyword arguments; diffusion: the objective's spec() (its name
-    and settings; folders written before objectives existed hold DDPM's schedule without a name); data: kind, image_size, image_channels, num_classes, vae, scaling_factor (+ latent_norm, channel_mean, channel_std when trained with data.latent_norm=channel)."""
+    and settings); data: kind, image_size, image_channels, num_classes, vae, scaling_factor (+
+    latent_norm, channel_mean, channel_std when trained with data.latent_norm=channel)."""
     return {"model": {"name": name, "kwargs": dict(model_kwargs)}, "diffusion": dict(diffusion),
             "data": dict(data), "step": int(step)}
 

@@ -46,10 +46,8 @@ class Guidance:
         if self.interval is not None:
             lo, hi = self.interval
             if not 0 <= lo <= 1 or not 0 <= hi <= 1:
-                # The flag once took DDPM timesteps 0..999; refuse those instead of guessing.
                 raise UserError(f"--guidance-interval {lo:g},{hi:g} must lie in [0, 1]: it is in normalised time "
-                                f"(0 = data, 1 = noise) for every objective; DDPM timesteps t become t/999, "
-                                f"e.g. 0,700 -> 0,{700 / 999:.4f}")
+                                f"(0 = data, 1 = noise) for every objective")
             if not lo <= hi:
                 raise UserError(f"--guidance-interval {lo:g},{hi:g} is empty; give LO,HI with LO <= HI")
 
