@@ -13,12 +13,11 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors.torch import save_file
 
 from ..models import DiT, create_model, load_state_dict_checked
 from ..models.topologies import restore_topology
 from ..errors import MissingFileError, UserError
-from .weights import load_safetensors_checked, read_json_checked
+from .weights import load_safetensors_checked, read_json_checked, save_safetensors
 
 SPEC_FILE = "model_spec.json"
 WEIGHT_FILES = {"ema": "ema.safetensors", "model": "model.safetensors"}
@@ -41,7 +40,7 @@ def write_model_files(folder: str | Path, spec: dict[str, Any], model_state: dic
     (folder / SPEC_FILE).write_text(json.dumps(spec, indent=1))
     for kind, state in (("model", model_state), ("ema", ema_state)):
         if state is not None:
-            save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(folder / WEIGHT_FILES[kind]))
+            save_safetensors(state, folder / WEIGHT_FILES[kind])
 
 
 def load_model_spec(folder: str | Path) -> dict[str, Any]:

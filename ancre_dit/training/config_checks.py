@@ -146,7 +146,7 @@ def _check_repa(config: Config, paths: _Paths) -> None:
             raise UserError(f"repa.encoder_kwargs must not set {key}: the trainer sets it"
                             f"{' (use repa.encoder_resolution)' if key == 'img_size' else ''}")
     if not r.encoder_weights or not paths.found("repa.encoder_weights", r.encoder_weights):
-        from .repa import weights_hint
+        from ..models.timm_weights import weights_hint
 
         problem = (f"repa.encoder_weights {r.encoder_weights} does not exist" if r.encoder_weights
                    else f"repa.weight={r.weight:g} needs repa.encoder_weights")
