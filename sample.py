@@ -15,7 +15,7 @@ from ancre_dit.diffusion import LAST_STEPS, SAMPLERS
 from ancre_dit.diffusion.sampler_registry import sampler_help, steps_help
 from ancre_dit.sampling import JobSettings, run_job
 from ancre_dit.sampling.guidance import PRECISIONS, parse_interval
-from ancre_dit.sampling.protocols import PROTOCOLS, apply_protocol
+from ancre_dit.sampling.protocols import PROTOCOL, apply_protocol
 
 
 def _classes(text: str) -> list[int]:
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="guide only at normalised times LO <= u <= HI, u in [0, 1] with 0 = data and 1 = noise, "
                         "for every objective (DDPM timestep t is u = t/999)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--protocol", choices=tuple(PROTOCOLS), default=None,
+    p.add_argument("--protocol", choices=(PROTOCOL,), default=None,
                    help="dit: the DiT / ANCRe papers' protocol (random labels, DDPM-250, guidance on the first 3 "
                         "channels, fp32); flags that contradict it are refused")
     labels = p.add_mutually_exclusive_group()

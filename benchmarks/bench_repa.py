@@ -32,7 +32,8 @@ from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.evaluation.stats import paired_ratio
 from ancre_dit.models import create_model
-from ancre_dit.training.repa import FrozenEncoder, StateTap, alignment_loss, make_projector
+from ancre_dit.training.config_schema import RepaConfig
+from ancre_dit.training.repa import FrozenEncoder, StateTap, alignment_loss, build_encoder, make_projector
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SMOKE = dict(model="DiT-T/2", model_kwargs=dict(depth=2, hidden_size=32, num_heads=2), input_size=8, image_size=32,
@@ -81,19 +82,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build(args) -> tuple[torch.nn.Module, FrozenEncoder, torch.nn.Module, StateTap]:
     """The DiT, a random-weight encoder whose patch grid is the DiT's token grid, the projector, the tap."""
-    import timm
-
     torch.manual_seed(args.seed)
     model = create_model(args.model, topology=args.topology, input_size=args.input_size, in_channels=4,
                          num_classes=1000, **args.model_kwargs).to(args.device).train()
     grid = args.input_size // model.patch_size
     if not 1 <= args.depth <= len(model.blocks):
         raise UserError(f"--depth {args.depth} is outside the model's 1..{len(model.blocks)} blocks")
-    with torch.device("meta"):
-        patch = timm.create_model(args.encoder, pretrained=False, num_classes=0, **args.encoder_kwargs).patch_embed.patch_size
-    encoder = timm.create_model(args.encoder, pretrained=False, num_classes=0, img_size=grid * patch[0],
-                                **args.encoder_kwargs)
-    frozen = FrozenEncoder(encoder, grid * patch[0], bf16=args.dtype == "bf16").to(args.device)
+    cfg = RepaConfig(encoder=args.encoder, encoder_kwargs=args.encoder_kwargs)
+    frozen = build_encoder(cfg, grid, args.device, bf16=args.dtype == "bf16", load_weights=False)
     projector = make_projector(model.pos_embed.shape[-1], args.projector_dim, frozen.dim).to(args.device)
     return model, frozen, projector, StateTap(args.depth)
 

@@ -10,7 +10,7 @@ on this machine, or as SLURM jobs through submitit (--partition, --gpus-per-node
 --time-min, --account, --slurm-array-parallelism; defaults from the study's slurm: section).
 --dry-run validates every run's config and prints the runs and each arm's training compute in GPU-hours
 (--mfu, --gpu / --gpu-peak-tflops, --gpu-check gpu_check.json), creating nothing; --no-check-paths
-leaves out the checks that data, reference and weight paths exist (a machine without the data).
+leaves out the checks that the paths the configs name exist (a machine without the data).
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None = None):
     bill.add_argument("--gpu", help="the GPU by name (A100, H100, H200, B200, ...): its peak from the device table")
     bill.add_argument("--gpu-check", help="a gpu_check.json: the trainer MFU (and peak) the GPU check measured")
     p.add_argument("--no-check-paths", action="store_true",
-                   help="do not require data.path, eval.ref, eval.inception_weights, eval.val_path to exist here")
+                   help="do not require the paths the configs name (data, references, weights, topology files) to "
+                        "exist here")
     p.add_argument("--jobs", type=int, default=1, help="local executor: runs at once (cores split between them)")
     p.add_argument("--executor", choices=("local", "slurm", "submitit-local"), default="local",
                    help="local: subprocesses here; slurm: submitit jobs; submitit-local: submitit's local executor")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -16,26 +15,25 @@ import pytest
 from ancre_dit.evaluation.evaluator import append_eval, evals_path, read_evals
 from ancre_dit.files import append_jsonl, read_jsonl
 
-from helpers import ROOT
+from helpers import subprocess_env
 
 # A writer that appends complete records, then starts one more and is killed before finishing it.
 KILLED_WRITER = """
-import os, sys, time, json
-sys.path.insert(0, {root!r})
+import sys, time, json
 from ancre_dit.files import append_jsonl
 path = sys.argv[1]
 for step in range(3):
-    append_jsonl(path, {{"step": step, "loss": 1.0 / (step + 1)}})
+    append_jsonl(path, {"step": step, "loss": 1.0 / (step + 1)})
 with open(path, "ab", buffering=0) as f:
-    f.write(json.dumps({{"step": 3, "loss": 0.25, "padding": "x" * 100}}).encode()[:40])  # half a record
+    f.write(json.dumps({"step": 3, "loss": 0.25, "padding": "x" * 100}).encode()[:40])  # half a record
 print("torn", flush=True)
 time.sleep(60)
 """
 
 
 def kill_mid_record(path) -> None:
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER.format(root=str(ROOT)), str(path)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(path)], stdout=subprocess.PIPE, text=True,
+                            env=subprocess_env())
     try:
         assert proc.stdout.readline().strip() == "torn"
     finally:

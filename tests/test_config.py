@@ -183,31 +183,6 @@ def test_the_chosen_topology_options_and_their_defaults(tmp_path):
     assert topology_options_of(ModelConfig(topology="hc")) == resolve_options("hc", {})  # built in code: defaults
 
 
-def test_config_files_of_older_runs_still_load(tmp_path):
-    """Run folders written before the options were flat: every option as a plain model key and an
-    empty topology_options mapping, or the options inside that mapping."""
-    from ancre_dit.training.config_schema import topology_options_of
-
-    now = load_config(None, [*TINY, "model.tau=0.05"])
-    old = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(now)))
-    old["model"].pop("topology_options")
-    old["model"].update(tau=0.05, topology_path=None, hc_streams=4, sinkhorn_iters=20, topology_options={})
-    (tmp_path / "old.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
-    loaded = load_config(tmp_path / "old.yaml")
-    assert topology_options_of(loaded.model) == resolve_options("ancre", {"tau": 0.05})
-    assert dataclasses.replace(loaded, model=dataclasses.replace(loaded.model, topology_options={})) == \
-        dataclasses.replace(now, model=dataclasses.replace(now.model, topology_options={}))
-    save_config(loaded, tmp_path / "resaved.yaml")  # a resumed run rewrites it in today's form
-    assert load_config(tmp_path / "resaved.yaml") == loaded
-
-    old["model"].update(topology="mhc", topology_options={"sinkhorn_iters": 7})
-    for key in ("tau", "topology_path", "hc_streams", "sinkhorn_iters"):
-        old["model"].pop(key)
-    (tmp_path / "mapping.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
-    assert topology_options_of(load_config(tmp_path / "mapping.yaml").model) == \
-        resolve_options("mhc", {"sinkhorn_iters": 7})
-
-
 def test_yaml_quirks_users_rely_on(tmp_path):
     (tmp_path / "c.yaml").write_text("train: {mixed_precision: no, lr: 1e-4, grad_clip: 2}\n"
                                      "eval: {cfg_scales: 1.5, metrics: digits}\n"
@@ -337,7 +312,8 @@ def test_metric_names_come_from_the_evaluation_package():
     (["train.mixed_precision=true"], "config key train.mixed_precision must be str, got True"),
     (["model=3"], "the model section must be a mapping of its keys"),
     (["run_dir=${nope}"], "config key run_dir: "),
-    (["model.topology_options=5"], "config key model.topology_options must be a mapping of topology options"),
+    (["model.topology_options=5"], "model.topology_options is not a config key; set each topology option as "
+                                   "model.<option>"),
 ])
 def test_omegaconf_errors_become_one_user_error_line(overrides, message):
     with pytest.raises(UserError, match=re.escape(message)) as err:

@@ -24,7 +24,7 @@ from ancre_dit.models import create_model
 from ancre_dit.sampling import Guidance, sample_latents
 from ancre_dit.training import train
 
-LEGACY_SPEC = dict(num_timesteps=1000, beta_start=1e-4, beta_end=0.02, learn_sigma=True)
+DDPM_SPEC = dict(objective="ddpm", num_timesteps=1000, beta_start=1e-4, beta_end=0.02, learn_sigma=True)
 TINY = {**TINY_DIT, "learn_sigma": True}
 BEFORE = {  # float.hex of the per-sample terms, in batch order
     "loss": ["0x1.bfc3820000000p+0", "0x1.8193740000000p+0", "0x1.442f200000000p+1", "0x1.ce37360000000p+0",
@@ -102,13 +102,13 @@ def test_ddpm_losses_and_ddpm250_samples_are_unchanged():
     g = torch.Generator().manual_seed(123)
     x = torch.randn(6, 1, 8, 8, generator=g).clamp(-1, 1)
     y = torch.arange(6)
-    objective = build_objective(LEGACY_SPEC)
+    objective = build_objective(DDPM_SPEC)
     draws = objective.draw(x, g)  # the trainer's draw: integer timesteps, then noise, from one generator
     assert draws[0].tolist() == BEFORE_T
     terms = objective.losses(model, x, y, draws)
     for key, values in BEFORE.items():
         assert approx_hex(terms[key].detach().tolist(), values, LOSS_REL), (key, [float(v).hex() for v in terms[key]])
-    samples = sample_latents(model, LEGACY_SPEC, [3, 1, 4, 1], seed=5, steps=250, guidance=Guidance(2.0)).double()
+    samples = sample_latents(model, DDPM_SPEC, [3, 1, 4, 1], seed=5, steps=250, guidance=Guidance(2.0)).double()
     assert samples.flatten()[:8].tolist() == pytest.approx(DDPM250["first"], rel=SAMPLE_REL)
     assert float(samples.mean()) == pytest.approx(DDPM250["mean"], rel=SAMPLE_REL)
     assert float(samples.abs().mean()) == pytest.approx(DDPM250["mean_abs"], rel=SAMPLE_REL)
@@ -136,4 +136,4 @@ def test_ddpm_training_is_unchanged(tmp_path, monkeypatch):
     for key, norm in norms.items():
         assert norm == pytest.approx(TRAIN_WEIGHT_NORMS[key], rel=NORM_REL, abs=NORM_ABS), key
     spec = json.loads((run / "checkpoints" / "0000003" / "model_spec.json").read_text())
-    assert spec["diffusion"] == {"objective": "ddpm", **LEGACY_SPEC}
+    assert spec["diffusion"] == DDPM_SPEC

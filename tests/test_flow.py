@@ -144,8 +144,8 @@ def test_guidance_interval_is_normalised_time_for_flow():
     assert three.shape == (3, 4, 8, 8)
     torch.testing.assert_close(three[:, 3:], cond[:, 3:])  # channel 3: conditional only
     assert (three[:, :3] - cond[:, :3]).abs().max() > 1e-3
-    # The old meaning (DDPM timesteps) is refused with the conversion.
-    with pytest.raises(UserError, match=r"normalised time.*t/999"):
+    # Outside normalised time: refused.
+    with pytest.raises(UserError, match=r"must lie in \[0, 1\]: it is in normalised time"):
         Guidance(2.0, interval=(100, 600))
 
 
@@ -157,17 +157,17 @@ def write_flow_ckpt(folder: Path) -> Path:
     return folder
 
 
-def test_old_specs_load_as_ddpm_and_samplers_that_do_not_fit_are_refused(tmp_path):
-    legacy = dict(num_timesteps=1000, beta_start=1e-4, beta_end=0.02, learn_sigma=True)  # no "objective" key
-    ddpm = build_objective(legacy)
-    assert ddpm.name == "ddpm" and ddpm.spec() == {"objective": "ddpm", **legacy}
+def test_specs_rebuild_their_objective_and_samplers_that_do_not_fit_are_refused(tmp_path):
+    ddpm_spec = dict(objective="ddpm", num_timesteps=1000, beta_start=1e-4, beta_end=0.02, learn_sigma=True)
+    ddpm = build_objective(ddpm_spec)
+    assert ddpm.name == "ddpm" and ddpm.spec() == ddpm_spec
     assert build_objective(FLOW).spec() == FLOW
     ckpt = write_flow_ckpt(tmp_path / "flow")
     with pytest.raises(UserError, match=r"--sampler ddpm does not fit this flow checkpoint; choose euler, heun, dopri5 or sde"):
         run_sample("--ckpt", str(ckpt), "--sampler", "ddpm", "--out", str(tmp_path / "x.npz"))
     model = random_model()
     with pytest.raises(UserError, match=r"--sampler heun does not fit this ddpm checkpoint; choose ddpm, ddim or dpm-solver"):
-        sample_latents(model, legacy, [1], sampler="heun")
+        sample_latents(model, ddpm_spec, [1], sampler="heun")
     with pytest.raises(UserError, match="apply only to --sampler sde"):
         run_sample("--ckpt", str(ckpt), "--sampler", "heun", "--sde-last-step", "none", "--out", str(tmp_path / "x.npz"))
     # Flow checkpoints sample with the objective's default (heun-25) and the flags given.

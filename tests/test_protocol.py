@@ -21,7 +21,7 @@ from ancre_dit.checkpoint import make_model_spec, write_model_files
 from helpers import ROOT, TINY_DIT, TINY_NAME, load_script
 
 REPO = ROOT
-DIFFUSION = dict(num_timesteps=1000, beta_start=1e-4, beta_end=0.02, learn_sigma=True)
+DIFFUSION = dict(objective="ddpm", num_timesteps=1000, beta_start=1e-4, beta_end=0.02, learn_sigma=True)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

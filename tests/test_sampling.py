@@ -24,7 +24,7 @@ from ancre_dit.diffusion.ddpm import ddpm_loop, respaced_diffusion
 from ancre_dit.checkpoint import make_model_spec, write_model_files
 
 REPO = ROOT
-DIFFUSION = dict(num_timesteps=1000, beta_start=1e-4, beta_end=0.02, learn_sigma=True)
+DIFFUSION = dict(objective="ddpm", num_timesteps=1000, beta_start=1e-4, beta_end=0.02, learn_sigma=True)
 TINY = {**TINY_DIT, "learn_sigma": True, "topology": "cascaded"}  # the model kwargs written to checkpoints
 DIGITS = dict(kind="digits", image_size=8, image_channels=1, num_classes=10, vae=None, scaling_factor=None)
 

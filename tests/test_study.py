@@ -28,6 +28,7 @@ from ancre_dit.evaluation.comparison import (PairedSpeedup, SeedSpeedup, interva
 from ancre_dit.evaluation.run_curves import Group, load_run
 from ancre_dit.files import read_jsonl
 from ancre_dit.studies import load_study
+from ancre_dit.studies.folder import claim_folder
 from ancre_dit.studies.spec import yaml_value
 
 STUDY_SCRIPT = ROOT / "scripts" / "study.py"
@@ -356,6 +357,41 @@ def test_tiny_study_runs_reruns_reports_and_lists_a_failed_run(tmp_path, capsys,
     cli(capsys, "report", str(grown))
     report = (tmp_path / "out" / "report" / "report.md").read_text()
     assert "| broken-s0 | broken | 0 | failed (exit 2: error: " in report and "not used: broken-s0" in report
+
+
+@pytest.mark.slow
+def test_status_and_report_of_a_frozen_arm_whose_topology_file_is_elsewhere(tmp_path, capsys, env, fresh_accelerate):
+    """The topology.json a frozen arm trained from lies outside the study folder (here: on the
+    machine that trained it, gone from this one): status, report and the FLOPs of the arm read the
+    run, which holds the matrix in its checkpoint."""
+    import torch
+
+    from ancre_dit.models import save_topology_json
+    from ancre_dit.studies.spec import job_config
+    from ancre_dit.training import train
+
+    elsewhere = tmp_path / "elsewhere" / "topology.json"
+    elsewhere.parent.mkdir()
+    save_topology_json(elsewhere, torch.tensor([[1.0, 0.0], [0.5, 0.5]]))
+    path = write_study(tmp_path / "frozen.yaml", seeds=[0], grid=None, arms={
+        "cascaded": {"model.topology": "cascaded"},
+        "frozen": {"model.topology": "frozen", "model.topology_path": str(elsewhere)}})
+    study = load_study(path)
+    claim_folder(study)
+    for job in study.jobs:
+        train(job_config(study, job))
+    elsewhere.unlink()
+    code, out, err = cli(capsys, "status", str(path))
+    assert code == 0, err
+    assert "frozen-s0" in out and "2 done" in out
+    code, out, err = cli(capsys, "report", str(path))
+    assert code == 0, err
+    summary = json.loads((tmp_path / "out" / "report" / "summary.json").read_text())
+    assert summary["flops_per_step"]["frozen"] > 0
+    assert "| frozen |" in (tmp_path / "out" / "report" / "report.md").read_text()
+    # Where the paths are checked (a run, a dry run without --no-check-paths), the missing file is one line.
+    code, _, err = cli(capsys, "run", str(path), "--dry-run")
+    assert code == 2 and f"model.topology_path {elsewhere} not found" in err and err.count("\n") == 1
 
 
 @pytest.mark.slow

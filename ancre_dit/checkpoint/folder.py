@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
-from safetensors.torch import save_file
 
 from ..models import DiT, create_model, load_state_dict_checked
 from ..models.topologies import restore_topology
 from ..errors import MissingFileError, UserError
-from .weights import load_safetensors_checked, read_json_checked
+from .weights import load_safetensors_checked, read_json_checked, save_safetensors
 
 SPEC_FILE = "model_spec.json"
 WEIGHT_FILES = {"ema": "ema.safetensors", "model": "model.safetensors"}
@@ -27,7 +26,8 @@ WEIGHT_FILES = {"ema": "ema.safetensors", "model": "model.safetensors"}
 def make_model_spec(name: str, model_kwargs: dict[str, Any], diffusion: dict[str, Any], data: dict[str, Any],
                     step: int) -> dict[str, Any]:
     """model_kwargs: create_model's keyword arguments; diffusion: the objective's spec() (its name
-    and settings; folders written before objectives existed hold DDPM's schedule without a name); data: kind, image_size, image_channels, num_classes, vae, scaling_factor (+ latent_norm, channel_mean, channel_std when trained with data.latent_norm=channel)."""
+    and settings); data: kind, image_size, image_channels, num_classes, vae, scaling_factor (+
+    latent_norm, channel_mean, channel_std when trained with data.latent_norm=channel)."""
     return {"model": {"name": name, "kwargs": dict(model_kwargs)}, "diffusion": dict(diffusion),
             "data": dict(data), "step": int(step)}
 
@@ -40,7 +40,7 @@ def write_model_files(folder: str | Path, spec: dict[str, Any], model_state: dic
     (folder / SPEC_FILE).write_text(json.dumps(spec, indent=1))
     for kind, state in (("model", model_state), ("ema", ema_state)):
         if state is not None:
-            save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(folder / WEIGHT_FILES[kind]))
+            save_safetensors(state, folder / WEIGHT_FILES[kind])
 
 
 def load_model_spec(folder: str | Path) -> dict[str, Any]:
@@ -64,12 +64,17 @@ def load_trained_model(folder: str | Path, weights: str = "ema", device: str | t
     spec = load_model_spec(folder)
     path = folder / WEIGHT_FILES[weights]
     state = load_safetensors_checked(path)
-    kwargs = dict(spec["model"]["kwargs"])
-    # Topologies that carry their own weights (e.g. frozen: the JSON they came from may be gone)
-    # rebuild from the state dict; the others from their options.
-    topology = restore_topology(kwargs.get("topology", "cascaded"), state, kwargs)
-    if topology is not None:
-        kwargs["topology"] = topology
-    model = create_model(spec["model"]["name"], **kwargs)
+    model = build_model(spec, state)
     load_state_dict_checked(model, state, source=str(path))
     return model.to(device).eval(), spec
+
+
+def build_model(spec: dict[str, Any], state: Mapping[str, torch.Tensor] | None = None) -> DiT:
+    """The network a spec describes, its weights not loaded. Given the checkpoint's state dict (its
+    `topology.*` tensors suffice), a topology that carries its own weights (frozen: the JSON it came
+    from may be gone) rebuilds from it, the others from their options."""
+    kwargs = dict(spec["model"]["kwargs"])
+    topology = None if state is None else restore_topology(kwargs.get("topology", "cascaded"), state, kwargs)
+    if topology is not None:
+        kwargs["topology"] = topology
+    return create_model(spec["model"]["name"], **kwargs)

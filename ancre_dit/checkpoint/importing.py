@@ -157,7 +157,7 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
     net = create_model(name, **kwargs)
     load_state_dict_checked(net, state, source=str(src))
 
-    spec = make_model_spec(name, kwargs, dict(DDPM_SCHEDULE, learn_sigma=kwargs["learn_sigma"]),
+    spec = make_model_spec(name, kwargs, dict(objective="ddpm", **DDPM_SCHEDULE, learn_sigma=kwargs["learn_sigma"]),
                            {"kind": "latents", "image_size": image_size, "image_channels": 3, "num_classes": num_classes,
                             "vae": None, "scaling_factor": SD_VAE_SCALING},
                            step=int(src.stem) if src.stem.isdigit() else 0)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ..errors import MissingFileError, UserError
 
@@ -34,6 +34,11 @@ def load_safetensors_checked(path: str | os.PathLike, device: str | torch.device
         raise damaged(path, " ".join(str(err).split())) from None
 
 
+def save_safetensors(state: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """A state dict as a safetensors file (tensors detached, made contiguous, on the CPU)."""
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(path))
+
+
 def read_json_checked(path: str | os.PathLike) -> Any:
     """json.loads of a file, with unreadable JSON as a UserError naming the file."""
     path = Path(path)
@@ -43,4 +48,4 @@ def read_json_checked(path: str | os.PathLike) -> Any:
         raise damaged(path, f"not valid JSON: {err}") from None
 
 
-__all__ = ["load_safetensors_checked", "read_json_checked", "damaged"]
+__all__ = ["load_safetensors_checked", "save_safetensors", "read_json_checked", "damaged"]

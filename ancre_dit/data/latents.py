@@ -133,17 +133,21 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int, int, int]) -> None:
-    """Each shard listed once, and its header (read anyway) holding `count` rows of the manifest's
-    latent shape: a shard of another extraction or a miscounted one would otherwise be read as
-    garbage or fail deep in a DataLoader worker (`--verify` also reads the data)."""
+def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int, int, int],
+                        image_shape: tuple[int, int, int] | None) -> dict[str, tuple[int, dict]]:
+    """Each shard listed once, and its header holding `count` rows of the manifest's latent shape
+    (and, with `image_shape`, of its clean images): a shard of another extraction or a miscounted
+    one would otherwise be read as garbage or fail deep in a DataLoader worker (`--verify` also
+    reads the data). Returns each file's header layout, which the reads use."""
     fix = f"run scripts/extract_latents.py --verify {root}, then re-extract the latents"
     files = [s["file"] for s in shards]
     twice = sorted({f for f in files if files.count(f) > 1})
     if twice:
         raise UserError(f"{root}/{MANIFEST_NAME} lists {twice[0]} twice (its images would be trained on twice); {fix}")
+    layouts = {}
     for s in shards:
-        _, tensors = read_safetensors_layout(root / s["file"])
+        layouts[s["file"]] = read_safetensors_layout(root / s["file"])
+        tensors = layouts[s["file"]][1]
         count = int(s["count"])
         for name in ("mean", "std", "label"):
             if name not in tensors:
@@ -156,6 +160,12 @@ def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int,
         if any(r != (count,) for r in rows):
             rows = min((r[0] if r else 0) for r in rows)
             raise UserError(f"latent shard {root / s['file']} holds {rows} rows, its manifest entry says {count}; {fix}")
+        if image_shape is not None:
+            dtype, shape = tensors[IMAGE_KEY][:2] if IMAGE_KEY in tensors else (None, None)
+            if dtype != "U8" or shape != (count, *image_shape):
+                raise UserError(f"latent shard {root / s['file']}: image is {dtype} {shape}, expected uint8 "
+                                f"{(count, *image_shape)}; re-extract the latents with --keep-images")
+    return layouts
 
 
 class LatentShardDataset(Dataset):
@@ -194,7 +204,9 @@ class LatentShardDataset(Dataset):
             if problem:
                 raise UserError(f"latent shard {problem}; run scripts/extract_latents.py --verify {self.root}, "
                                 "then rerun the extraction to rewrite it")
-        _check_shards_match(self.root, shards, self.latent_shape)
+        self.images = images
+        self.image_shape: tuple[int, int, int] | None = self._image_shape() if images else None
+        layouts = _check_shards_match(self.root, shards, self.latent_shape, self.image_shape)
         nonempty = [s for s in shards if int(s["count"]) > 0]
         self._files = [self.root / s["file"] for s in nonempty]
         self._starts: list[int] = []
@@ -209,10 +221,9 @@ class LatentShardDataset(Dataset):
         self._max_open = max(1, max_open_shards)
         self._open: OrderedDict[int, Any] = OrderedDict()
         self._files_open: OrderedDict[int, _ShardFile] = OrderedDict()
-        self._layouts: dict[int, tuple[int, dict]] = {}  # headers, kept: a few hundred bytes per shard
+        # headers, kept: a few hundred bytes per shard
+        self._layouts: dict[int, tuple[int, dict]] = {k: layouts[s["file"]] for k, s in enumerate(nonempty)}
         self._starts_np = np.asarray(self._starts, dtype=np.int64)
-        self.images = images
-        self.image_shape: tuple[int, int, int] | None = self._image_shape() if images else None
         self._memory: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         if in_memory:
             self.check_memory()
@@ -222,19 +233,14 @@ class LatentShardDataset(Dataset):
         return self._len
 
     def _image_shape(self) -> tuple[int, int, int]:
-        """(3, S, S) of the stored clean images; a shard without them is one line saying how to get them."""
+        """(3, S, S) of the stored clean images (the manifest says whether there are any); latents
+        without them are one line saying how to get them."""
         size = int(self.manifest["image_size"])
-        for shard in range(len(self._files)):
-            entry = self._layout(shard)[1].get(IMAGE_KEY)
-            if entry is None:
-                raise UserError(f"latent shard {self._files[shard]} holds no images (extracted without --keep-images), "
-                                f"but REPA (repa.weight > 0) aligns with the clean images; re-extract with "
-                                f"scripts/extract_latents.py --keep-images (about {3 * size * size / 1000:.0f} KB per "
-                                f"{size}px image), or set repa.weight=0")
-            dtype, shape, _, _ = entry
-            if dtype != "U8" or tuple(shape[1:]) != (3, size, size):
-                raise UserError(f"latent shard {self._files[shard]}: image is {dtype} {tuple(shape)}, expected uint8 "
-                                f"(n, 3, {size}, {size}); re-extract the latents with --keep-images")
+        if not self.manifest.get("images"):
+            raise UserError(f"latent directory {self.root} holds no images (extracted without --keep-images), "
+                            f"but REPA (repa.weight > 0) aligns with the clean images; re-extract with "
+                            f"scripts/extract_latents.py --keep-images (about {3 * size * size / 1000:.0f} KB per "
+                            f"{size}px image), or set repa.weight=0")
         return (3, size, size)
 
     def _handle(self, shard: int):
@@ -269,14 +275,9 @@ class LatentShardDataset(Dataset):
         std = f.get_slice("std")[row:row + 1][0]
         return torch.stack([mean, std], dim=1), labels[row]
 
-    def _layout(self, shard: int) -> tuple[int, dict]:
-        if shard not in self._layouts:
-            self._layouts[shard] = read_safetensors_layout(self._files[shard])
-        return self._layouts[shard]
-
     def _moments_dtype(self) -> torch.dtype:
         """The dtype of the stored mean/std, from the first shard's header (an unknown one fails in _ShardFile)."""
-        stored = self._layout(0)[1]["mean"][0] if self._len else "F16"
+        stored = self._layouts[0][1]["mean"][0] if self._len else "F16"
         return _DTYPES[stored][1] if stored in _DTYPES else torch.float16
 
     def _shard_file(self, shard: int, dtype: torch.dtype) -> _ShardFile:
@@ -284,7 +285,7 @@ class LatentShardDataset(Dataset):
         a shard whose moments are not stored as `dtype` is one clear error."""
         entry = self._files_open.get(shard)
         if entry is None:
-            entry = self._files_open[shard] = _ShardFile(self._files[shard], self._layout(shard))
+            entry = self._files_open[shard] = _ShardFile(self._files[shard], self._layouts[shard])
             if len(self._files_open) > self._max_open:
                 self._files_open.popitem(last=False)[1].close()
         else:

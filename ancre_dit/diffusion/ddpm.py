@@ -14,7 +14,7 @@ from .gaussian import DDPM_SCHEDULE, GaussianDiffusion, create_diffusion, diffus
 
 
 def schedule_of(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The schedule a spec names; specs written before objectives existed hold the same keys."""
+    """The schedule a spec names (DiT's where it names none)."""
     return dict(num_timesteps=int(spec.get("num_timesteps", DDPM_SCHEDULE["num_timesteps"])),
                 beta_start=float(spec.get("beta_start", DDPM_SCHEDULE["beta_start"])),
                 beta_end=float(spec.get("beta_end", DDPM_SCHEDULE["beta_end"])))

@@ -12,12 +12,12 @@ from .flow import FlowObjective
 OBJECTIVES = ("ddpm", "flow")
 
 
-def build_objective(spec: Mapping[str, Any] | Objective | None) -> Objective:
-    """A spec without "objective" (checkpoints written before flow matching existed) is DDPM."""
+def build_objective(spec: Mapping[str, Any] | Objective) -> Objective:
+    """The objective a spec names under "objective", its other settings defaulting to the objective's."""
     if isinstance(spec, Objective):
         return spec
-    spec = dict(spec or {})
-    name = spec.get("objective", "ddpm")
+    spec = dict(spec)
+    name = spec.get("objective")
     if name == "ddpm":
         return DDPMObjective(learn_sigma=bool(spec.get("learn_sigma", True)), **schedule_of(spec))
     if name == "flow":

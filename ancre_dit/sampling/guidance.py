@@ -43,9 +43,8 @@ def check_guidance_interval(name: str, interval: tuple[float, float] | None) -> 
         return
     lo, hi = interval
     if not 0 <= lo <= 1 or not 0 <= hi <= 1:
-        # DDPM timesteps 0..999 are a likely mistake: refuse them instead of guessing.
         raise UserError(f"{name} {lo:g},{hi:g} must lie in [0, 1]: it is in normalised time (0 = data, 1 = noise) "
-                        f"for every objective; DDPM timesteps t become t/999, e.g. 0,700 -> 0,{700 / 999:.4f}")
+                        f"for every objective")
     if not lo <= hi:
         raise UserError(f"{name} {lo:g},{hi:g} is empty; give LO,HI with LO <= HI")
 

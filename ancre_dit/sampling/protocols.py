@@ -1,4 +1,4 @@
-"""What a set of samples was drawn with: named presets of published protocols, and the record
+"""What a set of samples was drawn with: the preset of the published protocol, and the record
 written next to every sample file so that evaluations say which protocol their numbers follow.
 
 `dit`: the protocol of the DiT and ANCRe papers' numbers: class labels drawn at random (not
@@ -13,17 +13,13 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
+from ..diffusion import build_objective
 from ..errors import UserError
 
-PROTOCOLS: dict[str, dict[str, Any]] = {
-    "dit": {"sampler": "ddpm", "steps": 250, "cfg_channels": 3, "label_mode": "random", "precision": "fp32",
-            "guidance_interval": None},
-}
-# What a checkpoint must be for a protocol to apply to it, and why (said when it is not).
-PROTOCOL_NEEDS: dict[str, dict[str, Any]] = {
-    "dit": {"objective": "ddpm", "min_channels": 3,
-            "why": "DiT's DDPM-250 protocol for 4-channel latent models (guidance on the first 3 channels)"},
-}
+PROTOCOL = "dit"  # the one protocol; --protocol names it so that more can follow
+DIT_SETTINGS: dict[str, Any] = {"sampler": "ddpm", "steps": 250, "cfg_channels": 3, "label_mode": "random",
+                                "precision": "fp32", "guidance_interval": None}
+DIT_NEEDS = "DiT's DDPM-250 protocol for 4-channel latent models (guidance on the first 3 channels)"
 FLAG_OF = {"sampler": "--sampler", "steps": "--steps", "cfg_channels": "--cfg-channels",
            "label_mode": "--random-classes / --classes", "precision": "--precision",
            "guidance_interval": "--guidance-interval"}
@@ -34,17 +30,17 @@ def apply_protocol(settings, name: str | None):
     default to something else than the protocol's is a one-line error, not silently overridden."""
     if name is None:
         return settings
-    if name not in PROTOCOLS:
-        raise UserError(f"unknown --protocol {name!r}; choose {', '.join(PROTOCOLS)}")
+    if name != PROTOCOL:
+        raise UserError(f"unknown --protocol {name!r}; choose {PROTOCOL}")
     defaults = {f.name: f.default for f in fields(settings)}
-    for key, wanted in PROTOCOLS[name].items():
+    for key, wanted in DIT_SETTINGS.items():
         given = getattr(settings, key)
         if given != wanted and given != defaults[key]:
             raise UserError(f"--protocol {name} samples with {key} {wanted}, but {FLAG_OF[key]} asks for {given}; "
                             f"drop that flag or drop --protocol")
     if getattr(settings, "classes", None) is not None:
         raise UserError(f"--protocol {name} draws class labels at random; drop --classes or drop --protocol")
-    return replace(settings, **PROTOCOLS[name], protocol=name)
+    return replace(settings, **DIT_SETTINGS, protocol=name)
 
 
 def record_path(samples: str | Path) -> Path:
@@ -75,11 +71,10 @@ def check_protocol_fits(name: str | None, spec: dict[str, Any], in_channels: int
     what it needs, not an error about a flag the user never passed."""
     if name is None:
         return
-    needs = PROTOCOL_NEEDS[name]
-    objective = spec.get("diffusion", {}).get("objective", "ddpm")  # folders from before objectives: DDPM
-    if objective != needs["objective"]:
-        raise UserError(f"--protocol {name} is {needs['why']}; this checkpoint was trained with the {objective} "
+    objective = build_objective(spec["diffusion"]).name
+    if objective != "ddpm":
+        raise UserError(f"--protocol {name} is {DIT_NEEDS}; this checkpoint was trained with the {objective} "
                         f"objective: drop --protocol and choose a {objective} sampler with --sampler")
-    if in_channels < needs["min_channels"]:
-        raise UserError(f"--protocol {name} is {needs['why']}; this model has {in_channels} channel(s) "
+    if in_channels < DIT_SETTINGS["cfg_channels"]:
+        raise UserError(f"--protocol {name} is {DIT_NEEDS}; this model has {in_channels} channel(s) "
                         f"(a pixel-space model?): drop --protocol")

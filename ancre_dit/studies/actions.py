@@ -8,13 +8,14 @@ from typing import Callable
 from ..errors import UserError
 from .folder import check_folder, claim_folder, recorded
 from .runner import LocalRunner, usable_cores
-from .spec import Job, Study, path_stand_ins, validate
+from .spec import Job, Study, validate
 from .status import RunStatus, format_table, run_status, status_table
 
 
 def dry_run(study: Study, check_paths: bool = True, rate=None) -> str:
     """Validates every run's config and the folder, writes nothing; returns the job table and the
     training bill of each arm at `rate` (costs.ComputeRate; default: costs.compute_rate())."""
+    from ..training.config_checks import validate_config
     from .costs import compute_rate, config_flops_per_step, format_bill
 
     configs = validate(study, check_paths)
@@ -22,8 +23,7 @@ def dry_run(study: Study, check_paths: bool = True, rate=None) -> str:
     rows, unchecked = [], {}
     for job in study.jobs:
         c = configs[job.name]
-        missing = [] if check_paths else path_stand_ins(study, job)[1]
-        unchecked.update(dict.fromkeys(missing))
+        unchecked.update(dict.fromkeys([] if check_paths else validate_config(c, check_paths=False)))
         rows.append((job.name, job.arm, job.seed, c.model.topology, c.train.max_steps,
                      ", ".join(f"{k}={v}" for k, v in study.arms[job.arm].items()) or "-"))
     table = format_table(("run", "arm", "seed", "topology", "max_steps", "arm overrides"), rows)

@@ -4,8 +4,8 @@ runs (`study.py run --dry-run`: GPU-hours at a stated MFU and GPU peak).
 
 Counted once per model config (`ancre_dit.models.flops.count_training_flops`: network forward +
 backward, matrix products only) on the meta device, fp32, with a micro-batch of two images, from the
-model spec of one of the arm's checkpoints (the exact model the run trained, data shape included) or,
-before any, of its config; then scaled to a step: per image x train.global_batch_size. Optimizer,
+model spec of one of the arm's checkpoints (the exact model the run trained, data shape included,
+rebuilt as sampling rebuilds it) or, before any, of its config; then scaled to a step: per image x train.global_batch_size. Optimizer,
 EMA and the recomputation of train.grad_checkpointing are not in it. The report's counts are cached
 in `<out>/flops.json`, keyed by the model spec.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..checkpoint import load_model_spec
+from ..checkpoint import WEIGHT_FILES, load_model_spec
 from ..errors import UserError
 from ..files import write_atomic
 from ..training.checkpointing import list_checkpoints
@@ -28,44 +28,51 @@ MICRO_BATCH = 2
 _COUNTED: dict[str, float] = {}  # per process: a study's arms and seeds share a few models
 
 
-def flops_per_image(model_spec: dict[str, Any]) -> float:
-    """Training FLOPs of one image through the model a checkpoint's model_spec.json describes.
-    Counted on the meta device (shapes only, no arithmetic: seconds for any size); a topology whose
-    code needs real tensors is counted on the CPU."""
+def flops_per_image(model_spec: dict[str, Any], topology_state: dict[str, Any] | None = None) -> float:
+    """Training FLOPs of one image through the model a model spec describes; `topology_state`: the
+    `topology.*` tensors of its checkpoint (checkpoint.build_model). Counted on the meta device
+    (shapes only, no arithmetic: seconds for any size); a topology whose code needs real tensors is
+    counted on the CPU."""
     key = json.dumps(model_spec["model"], sort_keys=True)
     if key not in _COUNTED:
         try:
-            _COUNTED[key] = _count(model_spec, "meta")
+            _COUNTED[key] = _count(model_spec, topology_state, "meta")
         except (RuntimeError, NotImplementedError):
-            _COUNTED[key] = _count(model_spec, "cpu")
+            _COUNTED[key] = _count(model_spec, topology_state, "cpu")
     return _COUNTED[key]
 
 
-def _count(model_spec: dict[str, Any], device: str) -> float:
+def _count(model_spec: dict[str, Any], topology_state: dict[str, Any] | None, device: str) -> float:
     import torch
 
-    from ..models import create_model
+    from ..checkpoint import build_model
     from ..models.flops import count_training_flops
 
     kwargs = dict(model_spec["model"]["kwargs"])
     torch.manual_seed(0)
     size, channels = int(kwargs.get("input_size", 32)), int(kwargs.get("in_channels", 4))
     classes = int(kwargs.get("num_classes", 1000))
+    state = None if topology_state is None else {k: v.to(device) for k, v in topology_state.items()}
     with torch.device(device):
-        model = create_model(model_spec["model"]["name"], **kwargs).train()
+        model = build_model(model_spec, state).train()
         x = torch.randn(MICRO_BATCH, channels, size, size)
         t = torch.full((MICRO_BATCH,), 500, dtype=torch.long)
         y = torch.arange(MICRO_BATCH) % max(1, classes)
     return count_training_flops(model, x, t, y, autocast_dtype=None) / MICRO_BATCH
 
 
-def _spec_of(run_dirs: Sequence[Path]) -> dict[str, Any] | None:
+def _saved_model(run_dirs: Sequence[Path]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(model spec, topology tensors) of the newest readable checkpoint of the runs."""
+    from safetensors import SafetensorError, safe_open
+
     for run_dir in run_dirs:
         saved = list_checkpoints(run_dir)
         if saved:
             try:
-                return load_model_spec(saved[-1][1])
-            except UserError:
+                spec = load_model_spec(saved[-1][1])
+                with safe_open(str(saved[-1][1] / WEIGHT_FILES["model"]), "pt") as f:
+                    return spec, {k: f.get_tensor(k) for k in f.keys() if k.startswith("topology.")}
+            except (UserError, SafetensorError, OSError):
                 continue
     return None
 
@@ -81,13 +88,14 @@ def arm_flops_per_step(out: Path, arms: dict[str, tuple[Sequence[Path], int]]) -
     counted = dict(cache.get("per_image", {}))
     result: dict[str, float | None] = {}
     for arm, (run_dirs, batch) in arms.items():
-        spec = _spec_of(run_dirs)
-        if spec is None:
+        saved = _saved_model(run_dirs)
+        if saved is None:
             result[arm] = None
             continue
+        spec, topology_state = saved
         key = json.dumps(spec["model"], sort_keys=True)
         if key not in counted:
-            counted[key] = flops_per_image(spec)
+            counted[key] = flops_per_image(spec, topology_state)
         result[arm] = counted[key] * batch
     record = {"per_image": counted, "per_step": result,
               "note": "network forward + backward (matrix products), per image x train.global_batch_size"}

@@ -24,7 +24,6 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,10 +36,6 @@ from ..files import DuplicateKeyError, load_yaml_unique
 KEYS = ("name", "description", "out", "base", "overrides", "arms", "grid", "seeds", "baseline", "slurm")
 SLURM_KEYS = ("partition", "account", "gpus_per_node", "nodes", "time_min", "array_parallelism", "cpus_per_task")
 RESERVED = ("train.seed", "run_dir")  # the study sets these per run
-# Keys whose paths are checked for existence when a config loads, and what stands in for them under
-# --no-check-paths (an existing folder / file, so every other check still runs).
-PATH_KEYS = {"data.path": "dir", "eval.val_path": "dir", "eval.ref": "file", "eval.inception_weights": "file",
-             "repa.encoder_weights": "file"}
 
 
 @dataclass(frozen=True)
@@ -245,41 +240,13 @@ def load_study(path: str | Path) -> Study:
                  slurm=_slurm(raw.get("slurm"), str(path)))
 
 
-def _raw_value(base: dict, overrides: tuple[str, ...], key: str) -> Any:
-    """The value `key` ends up with in the base file + overrides, before any checking."""
-    value = base
-    for part in key.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    for item in overrides:
-        k, _, text = item.partition("=")
-        if k == key:
-            value = yaml.safe_load(text) if text.strip() else None
-    return value
-
-
-def path_stand_ins(study: Study, job: Job) -> tuple[list[str], list[str]]:
-    """(overrides replacing the paths of PATH_KEYS that do not exist here by existing stand-ins,
-    the `key=path` items they replace): what --no-check-paths validates with."""
-    try:
-        base = yaml.safe_load(study.base.read_text()) or {}
-    except yaml.YAMLError:
-        return [], []  # load_config names the problem
-    stand_ins, missing = [], []
-    for key, kind in PATH_KEYS.items():
-        value = _raw_value(base if isinstance(base, dict) else {}, job.overrides, key)
-        if isinstance(value, str) and value and not Path(value).exists():
-            stand_ins.append(f"{key}={tempfile.gettempdir() if kind == 'dir' else study.base}")
-            missing.append(f"{key}={value}")
-    return stand_ins, missing
-
-
 def job_config(study: Study, job: Job, check_paths: bool = True):
-    """The job's training Config (load_config of base + overrides); one UserError naming the arm."""
+    """The job's training Config (load_config of base + overrides); one UserError naming the arm.
+    Without `check_paths`, the paths it names need not exist here."""
     from ..training.config import load_config
 
-    extra = [] if check_paths else path_stand_ins(study, job)[0]
     try:
-        return load_config(study.base, [*job.overrides, *extra])
+        return load_config(study.base, job.overrides, check_paths)
     except UserError as err:
         raise UserError(f"{study.source}: arm {job.arm} (seed {job.seed}): {err}") from None
 

@@ -35,16 +35,17 @@ from .config_schema import RULE_KEY, Config, ModelConfig
 
 
 # -- reading: YAML file + overrides, merged by OmegaConf -------------------------------------------
-def load_config(path: str | Path | None, overrides: Iterable[str] = ()) -> Config:
+def load_config(path: str | Path | None, overrides: Iterable[str] = (), check_paths: bool = True) -> Config:
     """Reads the YAML at `path` (or the defaults when None), applies `a.b=value` overrides
-    (values parsed as YAML) and validates everything that needs no data or processes."""
+    (values parsed as YAML) and validates everything that needs no data or processes; without
+    `check_paths`, the paths it names need not exist here (config_checks.validate_config)."""
     layers = ([] if path is None else [_read_yaml(Path(path))]) + [_override(item) for item in overrides]
     option_layers = [_take_topology_options(layer) for layer in layers]
     for layer in layers:
         _normalize(Config, layer, "")
     config = _merge(Config, layers, "", OmegaConf.to_object)
     config.model.topology_options = _typed_topology_options(option_layers)
-    validate_config(config)  # also records the topology's options, defaults included
+    validate_config(config, check_paths)  # also records the topology's options, defaults included
     return config
 
 
@@ -82,25 +83,16 @@ def _override(item: str) -> dict:
 
 
 def _take_topology_options(layer: dict) -> dict:
-    """Removes the topology options from a layer's model section and returns them: `model.<option>`
-    keys, and the `model.topology_options` mapping that config.yaml files held before options
-    were written flat (old run folders must still resume and be evaluated)."""
+    """Removes the topology options (`model.<option>` keys) from a layer's model section and returns them."""
     model = layer.get("model")
     if not isinstance(model, dict):
         return {}  # _normalize reports a model section that is not a mapping
+    if "topology_options" in model:  # the field load_config fills from the options given flat
+        raise UserError("model.topology_options is not a config key; set each topology option as model.<option> "
+                        "(e.g. model.tau=0.05)")
     registered = all_topology_options()
-    taken = model.pop("topology_options", None)
-    taken = {} if taken is None else taken
-    if not isinstance(taken, dict):
-        raise UserError(f"config key model.topology_options must be a mapping of topology options, got {taken!r}")
-    unknown = sorted(set(taken) - set(registered))
-    if unknown:
-        raise UserError(f"unknown topology option model.topology_options.{unknown[0]}; registered options: "
-                        f"{', '.join(registered)}")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    for key in [k for k in model if k in registered and k not in fields]:
-        taken[key] = model.pop(key)
-    return taken
+    return {key: model.pop(key) for key in [k for k in model if k in registered and k not in fields]}
 
 
 def _typed_topology_options(option_layers: list[dict]) -> dict[str, Any]:

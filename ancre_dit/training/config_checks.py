@@ -1,6 +1,10 @@
 """The configuration's checks that involve several fields, the objective or the file system (each
 field's own range or choices is declared in config_schema.py). All of them run inside load_config,
 before anything is written, so a bad setting never leaves a half-made run folder behind.
+
+The paths a config names (data, reference, weights, a topology's files) must exist, unless the
+config is only read where they are not (a study's status, report or dry run away from the data):
+then the missing ones are listed instead and every other check still runs.
 """
 from __future__ import annotations
 
@@ -23,29 +27,55 @@ from ..models.topologies.aggregation import check_aggregation_kernel
 from .config_schema import Config, DataConfig, EvalConfig, ModelConfig, check_fields, or_list
 
 
-def validate_config(config: Config) -> None:
+class _Paths:
+    """The existence checks of the paths a config names: with `check` a missing one fails its check;
+    without, it is listed in `missing` (as key=value) and passes."""
+
+    def __init__(self, check: bool):
+        self.check = check
+        self.missing: list[str] = []
+
+    def found(self, key: str, value: str, kind: str = "file") -> bool:
+        """Whether `value` is a `kind` (file, dir, or any for either), or counts as found unchecked."""
+        path = Path(value)
+        if {"file": path.is_file, "dir": path.is_dir, "any": path.exists}[kind]():
+            return True
+        if not self.check:
+            self.missing.append(f"{key}={value}")
+        return not self.check
+
+
+def validate_config(config: Config, check_paths: bool = True) -> list[str]:
     """Checks that need neither the data nor the process group; one UserError for the first problem.
-    Also records the options the topology is built with in model.topology_options (see below)."""
+    Also records the options the topology is built with in model.topology_options (see below).
+    Returns the paths not found here, as key=value (none when `check_paths`: each is an error)."""
+    paths = _Paths(check_paths)
     check_fields(config)
-    _resolve_topology_options(config.model)
+    _resolve_topology_options(config.model, paths)
     _check_entropy(config.model)
     _check_sparsify(config)
     check_aggregation_kernel(config.model.aggregation_kernel, cuda=torch.cuda.is_available())
     _check_width_heads(config.model)
-    _check_data_path(config.data)
+    _check_data_path(config.data, paths)
     objective = _check_diffusion(config)
-    _check_repa(config)
-    _check_eval_data(config)
+    _check_repa(config, paths)
+    _check_eval_data(config, paths)
     _check_eval_sampling(config.eval, objective)
-    _check_eval_metrics(config)
+    _check_eval_metrics(config, paths)
+    return list(dict.fromkeys(paths.missing))
 
 
-def _resolve_topology_options(m: ModelConfig) -> None:
+def _resolve_topology_options(m: ModelConfig, paths: _Paths) -> None:
     """Checks the topology options given (the ranges the registry declares, tau > 0, ..., then the
-    chosen topology's own checks, e.g. frozen's topology_path), once, and records them with the
-    topology's defaults, so that config.yaml holds them; in the registry's order, so that saving a
-    loaded config writes the same bytes. Options of other topologies are kept as given."""
-    options = {**m.topology_options, **resolve_options(m.topology, m.topology_options, prefix="model.")}
+    chosen topology's own checks), once, and the files its options name (e.g. frozen's
+    topology_path); records them with the topology's defaults, so that config.yaml holds them; in
+    the registry's order, so that saving a loaded config writes the same bytes. Options of other
+    topologies are kept as given."""
+    resolved = resolve_options(m.topology, m.topology_options, prefix="model.")
+    for key, option in topology_entry(m.topology).options.items():
+        if option.file and resolved[key] is not None and not paths.found(f"model.{key}", resolved[key]):
+            raise MissingFileError(f"model.{key} {resolved[key]} not found; pass an existing file ({option.help})")
+    options = {**m.topology_options, **resolved}
     m.topology_options = {key: options[key] for key in all_topology_options() if key in options}
 
 
@@ -86,12 +116,12 @@ def _check_width_heads(m: ModelConfig) -> None:
         raise UserError(f"model.hidden_size={width} is not divisible by model.num_heads={heads}; change one of them")
 
 
-def _check_data_path(d: DataConfig) -> None:
+def _check_data_path(d: DataConfig, paths: _Paths) -> None:
     if d.kind not in ("latents", "images"):
         return
     if not d.path:
         raise UserError(f"data.kind={d.kind} needs data.path (the {'latent directory' if d.kind == 'latents' else 'image folder'})")
-    if not Path(d.path).is_dir():
+    if not paths.found("data.path", d.path, "dir"):
         raise UserError(f"data path {d.path} does not exist; set data.path to the "
                         f"{'directory written by scripts/extract_latents.py' if d.kind == 'latents' else 'ImageFolder root (one folder per class)'}")
 
@@ -110,7 +140,7 @@ def _check_diffusion(config: Config) -> Objective:
     return build_objective(diffusion_spec(config))
 
 
-def _check_repa(config: Config) -> None:
+def _check_repa(config: Config, paths: _Paths) -> None:
     """REPA on: an encoder timm knows, its weights as a local file, a depth inside the model. (The
     token grids and the weights' fit to the encoder are checked when the trainer builds it.)"""
     r = config.repa
@@ -129,22 +159,22 @@ def _check_repa(config: Config) -> None:
         if key in r.encoder_kwargs:
             raise UserError(f"repa.encoder_kwargs must not set {key}: the trainer sets it"
                             f"{' (use repa.encoder_resolution)' if key == 'img_size' else ''}")
-    if not r.encoder_weights or not Path(r.encoder_weights).is_file():
-        from .repa import weights_hint
+    if not r.encoder_weights or not paths.found("repa.encoder_weights", r.encoder_weights):
+        from ..models.timm_weights import weights_hint
 
         problem = (f"repa.encoder_weights {r.encoder_weights} does not exist" if r.encoder_weights
                    else f"repa.weight={r.weight:g} needs repa.encoder_weights")
         raise MissingFileError(f"{problem}; {weights_hint(r.encoder)}")
 
 
-def _check_eval_data(config: Config) -> None:
+def _check_eval_data(config: Config, paths: _Paths) -> None:
     e = config.eval
     if (e.heldout_from_train or e.val_path) and config.data.kind != "latents":
         raise UserError("eval.val_path and eval.heldout_from_train apply to data.kind=latents only "
                         "(digits use their held-out split); remove them")
     if e.val_path and e.heldout_from_train:
         raise UserError("set eval.val_path or eval.heldout_from_train, not both")
-    if e.val_path and not Path(e.val_path).is_dir():
+    if e.val_path and not paths.found("eval.val_path", e.val_path, "dir"):
         raise UserError(f"eval.val_path {e.val_path} does not exist; point it at a latent directory "
                         f"written by scripts/extract_latents.py")
 
@@ -163,7 +193,7 @@ def _check_eval_sampling(e: EvalConfig, objective: Objective) -> None:
         raise UserError(str(err).replace("--steps", "eval.steps", 1)) from None
 
 
-def _check_eval_metrics(config: Config) -> None:
+def _check_eval_metrics(config: Config, paths: _Paths) -> None:
     """What the metrics asked for need (the metric table says): their data, a reference, the weights
     of the network whose features they read."""
     e, kind = config.eval, config.data.kind
@@ -175,10 +205,10 @@ def _check_eval_metrics(config: Config) -> None:
     dinov2 = ", ".join(m for m in metrics if METRICS[m].features == "dinov2")
     if dinov2:
         keys = " / ".join(stored_stat_keys(m for m in metrics if METRICS[m].features == "dinov2"))
-        if not e.ref or not Path(e.ref).exists():
+        if not e.ref or not paths.found("eval.ref", e.ref, "any"):
             raise MissingFileError(f"eval.metrics {dinov2} needs eval.ref (an npz with images or {keys}, "
                                    f"or a folder of images); got {e.ref}")
-        if not e.dinov2_weights or not Path(e.dinov2_weights).is_file():
+        if not e.dinov2_weights or not paths.found("eval.dinov2_weights", e.dinov2_weights):
             from ..models.timm_weights import weights_hint
             raise MissingFileError(f"eval.metrics {dinov2} needs eval.dinov2_weights (got {e.dinov2_weights}); "
                                    f"{weights_hint(e.dinov2_model, 'eval.dinov2_weights=PATH')}")
@@ -188,10 +218,10 @@ def _check_eval_metrics(config: Config) -> None:
     if not e.ref:
         raise UserError(f"eval.metrics {inception} need eval.ref (an ADM reference npz or one written by "
                         f"evaluate.py --save-ref-stats)")
-    if not Path(e.ref).exists():
+    if not paths.found("eval.ref", e.ref, "any"):
         raise MissingFileError(f"eval.ref {e.ref} does not exist; pass an ADM reference npz or a file written by "
                                f"evaluate.py --save-ref-stats")
-    if not e.inception_weights or not Path(e.inception_weights).is_file():
+    if not e.inception_weights or not paths.found("eval.inception_weights", e.inception_weights):
         problem = (f"eval.inception_weights {e.inception_weights} does not exist" if e.inception_weights
                    else "eval.inception_weights is not set")
         raise MissingFileError(f"{problem}; eval.metrics {inception} need {WEIGHTS_NAME} (torch-fidelity's port of "

@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import UserError
-from ..models.timm_weights import load_timm_weights, weights_hint  # noqa: F401 - weights_hint: config_checks
+from ..models.timm_weights import load_timm_weights
 from .config_schema import RepaConfig
 
 
@@ -158,19 +158,16 @@ def encoder_resolution(cfg: RepaConfig, grid: int) -> int:
     return r
 
 
-def load_encoder_weights(model: nn.Module, path: str | Path, name: str) -> None:
-    """REPA's encoder weights: `load_timm_weights` with the repa.* settings named in its errors."""
-    load_timm_weights(model, path, name)
-
-
-def build_encoder(cfg: RepaConfig, grid: int, device: torch.device | str = "cpu", bf16: bool = False) -> FrozenEncoder:
-    """The frozen encoder for a DiT with a `grid` x `grid` token grid, weights from cfg.encoder_weights."""
-    if not cfg.encoder_weights or not Path(cfg.encoder_weights).is_file():
-        raise UserError(f"repa.encoder_weights {cfg.encoder_weights} does not exist; {weights_hint(cfg.encoder)}")
+def build_encoder(cfg: RepaConfig, grid: int, device: torch.device | str = "cpu", bf16: bool = False,
+                  load_weights: bool = True) -> FrozenEncoder:
+    """The frozen encoder for a DiT with a `grid` x `grid` token grid, weights from cfg.encoder_weights
+    (the config's checks said the file is there); `load_weights=False` keeps the random init (for
+    benchmarks, which time the architecture)."""
     resolution = encoder_resolution(cfg, grid)
     with torch.random.fork_rng(devices=[]):  # its random init (overwritten) must not move the training streams
         model = _create(cfg, img_size=resolution)
-    load_encoder_weights(model, cfg.encoder_weights, cfg.encoder)
+    if load_weights:
+        load_timm_weights(model, cfg.encoder_weights, cfg.encoder)
     tokens = int(model.patch_embed.num_patches)
     if tokens != grid * grid:
         raise UserError(f"repa.encoder {cfg.encoder} gives {tokens} patch tokens at {resolution} px, the DiT "
@@ -214,4 +211,4 @@ class RepaAlignment:
 
 
 __all__ = ["RepaAlignment", "FrozenEncoder", "StateTap", "alignment_loss", "build_encoder", "encoder_resolution",
-           "load_encoder_weights", "make_projector", "weights_hint"]
+           "make_projector"]

@@ -126,7 +126,7 @@ def _evaluate(run_dir: Path, config: Config, selected: list[tuple[int, Path]], s
     configure_precision(state.device, config.train.tf32)  # as the run's in-training evaluations computed
     spec = load_model_spec(selected[-1][1])
     data = build_data(config)
-    objective = build_objective(spec["diffusion"])  # old specs (no objective) build DDPM
+    objective = build_objective(spec["diffusion"])
     decoder = build_decoder(spec["data"], data.in_channels, config.data.vae, state.device)
     evaluator = build_run_evaluator(config, data, objective, decoder, state, log)
     done = agree_on_evaluated(state, run_dir, evaluator.identity)

@@ -29,7 +29,7 @@ from ..diffusion import build_objective
 from ..models import create_model
 from ..models.flops import count_training_flops
 from ..models.topologies.analysis import check_entropy_topology, topology_entropy
-from ..checkpoint import WEIGHT_FILES, make_model_spec, write_model_files
+from ..checkpoint import WEIGHT_FILES, make_model_spec, save_safetensors, write_model_files
 from ..checkpoint import load_safetensors_checked
 from . import checkpointing as ckpt
 from .config import flat_config, save_config
@@ -233,9 +233,7 @@ class Trainer:
         write_model_files(folder, self.model_spec(), self.raw_model.state_dict(), self.ema.module.state_dict())
         write_topology_files(folder, self.run_dir, self.ema.module, self.raw_model, self.step, self.config.model.topology)
         if self.repa is not None:  # resume reads it (sampling never does)
-            from safetensors.torch import save_file
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.repa.projector.state_dict().items()},
-                      str(folder / RepaAlignment.PROJECTOR_FILE))
+            save_safetensors(self.repa.projector.state_dict(), folder / RepaAlignment.PROJECTOR_FILE)
 
     def save(self) -> Path:
         state = {"step": self.step, "data": {"epoch": self.epoch, "offset": self.offset},

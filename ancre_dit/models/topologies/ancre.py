@@ -6,14 +6,13 @@ registers the plain DiT ("cascaded") and the paper's frozen-topology ablation ("
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...errors import MissingFileError, UserError
+from ...errors import UserError
 from ...ranges import Rule
 from .base import CascadedTopology, FixedTopology, ResidualTopology, WeightedHistoryTopology, load_topology_json
 from .registry import TopologyOption, register_topology
@@ -218,8 +217,6 @@ def check_frozen(options: dict[str, Any]) -> None:
     path = options["topology_path"]
     if path is None:
         raise UserError("topology 'frozen' needs topology_path=<topology.json of a trained run>")
-    if not Path(path).is_file():
-        raise MissingFileError(f"topology file {path} not found; pass the topology.json written at a checkpoint")
 
 
 def restore_frozen(state, ancre_mode: str = "add", **_) -> ResidualTopology:
@@ -228,7 +225,8 @@ def restore_frozen(state, ancre_mode: str = "add", **_) -> ResidualTopology:
 
 
 @register_topology("frozen", check=check_frozen, restore=restore_frozen,
-                   options={"topology_path": TopologyOption(str, None, "topology.json of a trained run", optional=True),
+                   options={"topology_path": TopologyOption(str, None, "topology.json of a trained run", optional=True,
+                                                           file=True),
                             **MODE},
                    summary="a topology loaded from a topology.json, never trained")
 def build_frozen(num_blocks: int, hidden_size: int | None, topology_path: str, ancre_mode: str) -> ResidualTopology:

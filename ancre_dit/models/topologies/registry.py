@@ -39,6 +39,7 @@ class TopologyOption:
     help: str = ""
     rule: Rule | None = None
     optional: bool = False  # None is allowed (e.g. a path that only some uses need)
+    file: bool = False  # names a file that must exist (checked with the config's other paths)
 
 
 @dataclass(frozen=True)
