@@ -28,7 +28,7 @@ Parallel runs: under pytest-xdist (``-n auto``, what scripts/run_tests.sh does) 
 torch on one thread, so N workers use N cores instead of N x cores threads.
 
 Markers: ``@pytest.mark.slow`` for a test over ~2 s (training runs, subprocesses, torch.compile);
-``python -m pytest -m "not slow"`` is the quick loop, ``bash scripts/run_tests.sh`` runs everything.
+``python -m pytest -m "not slow" -n auto`` is the quick loop, ``bash scripts/run_tests.sh`` runs everything.
 """
 from __future__ import annotations
 

@@ -59,6 +59,7 @@ LOGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("log", sorted(LOGS))
 def test_a_writer_killed_mid_record_loses_nothing_complete(tmp_path, caplog, log):
     run = tmp_path / "run"

@@ -615,6 +615,7 @@ def test_bad_input_is_one_line_and_touches_nothing(name, command, argv, expected
     _assert_unmodified(before, _snapshot(world))
 
 
+@pytest.mark.slow
 def test_resume_auto_skips_a_damaged_newest_checkpoint(world, tmp_path):
     """Not an error: --resume auto warns about the damaged newest checkpoint, takes the previous
     complete one, and the run goes on from there (rewriting the damaged step)."""

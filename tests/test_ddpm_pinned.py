@@ -114,6 +114,7 @@ def test_ddpm_losses_and_ddpm250_samples_are_unchanged():
     assert float(samples.abs().mean()) == pytest.approx(DDPM250["mean_abs"], rel=SAMPLE_REL)
 
 
+@pytest.mark.slow
 def test_ddpm_training_is_unchanged(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     # The pin is about the objective. The tiny run is ANCRe, whose eager aggregation is now a fused

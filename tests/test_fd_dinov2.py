@@ -44,6 +44,7 @@ def _direct_features(net: torch.nn.Module, images: np.ndarray) -> np.ndarray:
         return net(x).double().numpy()  # num_classes=0: the head returns the normed CLS token
 
 
+@pytest.mark.slow
 def test_fd_dinov2_matches_a_direct_computation_and_is_zero_against_itself(vit, tmp_path):
     weights, net = vit
     a, b = _images(1), _images(2)

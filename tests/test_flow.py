@@ -100,7 +100,8 @@ def test_flow_loss_of_the_exact_field_equals_its_analytic_value(time_sampling):
 
 
 # -- every flow sampler on Gaussian data -----------------------------------------------------------
-@pytest.mark.parametrize("sampler,steps", [("euler", 50), ("heun", 25), ("dopri5", None), ("sde", 250)])
+@pytest.mark.parametrize("sampler,steps", [("euler", 50), ("heun", 25), ("dopri5", None),
+                                           pytest.param("sde", 250, marks=pytest.mark.slow)])
 def test_flow_samplers_recover_gaussian_data_from_the_exact_velocity(sampler, steps):
     """Tolerances (1000 samples of 16 dimensions per class): each class's overall mean within 0.03 of
     +-0.5; its mean per-dimension variance within 8% of S^2 = 0.25 (Euler-50's first-order error
@@ -192,6 +193,7 @@ def test_config_checks_the_diffusion_section(tmp_path):
 
 
 # -- training and processes --------------------------------------------------------------------------
+@pytest.mark.slow
 def test_flow_resume_is_bitwise_exact_and_the_spec_records_the_objective(tmp_path):
     from ancre_dit.checkpoint import load_trained_model
 

@@ -45,6 +45,7 @@ class HostReadCounter(TorchFunctionMode):
 
 @pytest.mark.parametrize("overrides", [(), ("train.grad_clip=1.0", "train.ema_warmup=true", "train.warmup_steps=3")],
                          ids=["default", "clip-warmup"])
+@pytest.mark.slow
 def test_no_host_read_in_steps_that_log_nothing(tmp_path, monkeypatch, overrides):
     counter = HostReadCounter()
     log_every, max_steps = 4, 9

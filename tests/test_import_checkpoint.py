@@ -68,6 +68,7 @@ def test_dit_release_state_dict_imports_with_the_same_output(tmp_path):
     assert "hidden size 192 vs 384" in bad.stderr
 
 
+@pytest.mark.slow
 def test_official_ancre_training_checkpoint_prefers_ema_and_reads_its_args(tmp_path):
     ema, raw = _model("ancre", 2), _model("ancre", 3)
     opt = torch.optim.AdamW(raw.parameters(), lr=1e-4)

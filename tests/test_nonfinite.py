@@ -59,6 +59,7 @@ def _optimizer_state(folder: Path) -> dict:
     return torch.load(folder / "accelerate" / "optimizer.bin", weights_only=False)["state"]
 
 
+@pytest.mark.slow
 def test_skipped_steps_leave_weights_optimizer_and_ema_untouched(tmp_path, monkeypatch):
     _inject_inf_at(monkeypatch, {3, 4})
     run = tmp_path / "run"

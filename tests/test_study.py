@@ -105,6 +105,7 @@ def _bill(out: str) -> dict[str, list[str]]:
     return {line.split()[0]: line.split() for line in lines[3:] if line and not line.startswith("total")}
 
 
+@pytest.mark.slow
 def test_dry_run_prices_each_arm_in_gpu_hours(tmp_path, capsys, env):
     from ancre_dit.studies.costs import flops_per_image
 
@@ -485,6 +486,7 @@ def test_multi_gpu_jobs_launch_torchrun_with_the_node_rank():
     assert pickle.loads(pickle.dumps(job)).train_args == job.train_args
 
 
+@pytest.mark.slow
 def test_the_training_child_outlives_slurms_early_signal():
     """SLURM's --signal=USR2@N reaches every process of the job step: the training child ignores it
     (its default action would kill train.py before the job's SIGTERM asks it to checkpoint)."""
