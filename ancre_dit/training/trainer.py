@@ -4,6 +4,18 @@ One optimizer step consumes one global batch = per-device batch x processes x ac
 random draw is reproducible from saved state: the data order is a function of (seed, epoch), the
 timesteps / noise / flips / posterior draws come from a per-rank generator saved in checkpoints,
 and the model's label dropout uses the global RNG, which Accelerate saves and restores per rank.
+
+Reading order. `Trainer.__init__` builds, in order: the run folder's claim (run_lock.py), the
+Accelerator, the data (data.py), the objective (diffusion/), the model and its EMA, REPA's
+projector (repa.py), the fused AdamW, `accelerator.prepare`, then the resume (checkpointing.py).
+`run()` is the loop; each step is `train_step()`:
+  1. a global batch from this rank's loader (data.py `prepare_batch`), the objective's times and noise;
+  2. the losses (the objective's `losses`, plus topology entropy and REPA's alignment when set);
+  3. backward through Accelerate, the gradient norm, the non-finite guard's flag on the device
+     (guards.py), the AdamW step masked by that flag, the EMA (ema.py);
+then, back in `run()`: the metrics at log steps (`_log_metrics`), the periodic tasks (periodic.py:
+sample grids, evaluation, diagnostics, sparsifying the topology, checkpoints) and the stop
+agreement across ranks (stopping.py).
 """
 from __future__ import annotations
 
