@@ -5,8 +5,8 @@ random draw is reproducible from saved state: the data order is a function of (s
 timesteps / noise / flips / posterior draws come from a per-rank generator saved in checkpoints,
 and the model's label dropout uses the global RNG, which Accelerate saves and restores per rank.
 
-Reading order. `Trainer.__init__` builds, in order: the run folder's claim (run_lock.py), the
-Accelerator, the data (data.py), the objective (diffusion/), the model and its EMA, REPA's
+Reading order. `Trainer.__init__` builds, in order: the Accelerator, the run folder's claim
+(run_lock.py), the data (data.py), the model and its EMA, the objective (diffusion/), REPA's
 projector (repa.py), the fused AdamW, `accelerator.prepare`, then the resume (checkpointing.py).
 `run()` is the loop; each step is `train_step()`:
   1. a global batch from this rank's loader (data.py `prepare_batch`), the objective's times and noise;
