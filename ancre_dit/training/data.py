@@ -248,11 +248,10 @@ class BatchFetcher(Dataset):
     `dataset[i]`; tests/test_loader.py checks that.
 
     Inside a worker the batches are written into a ring of `ring_size` shared-memory buffers that
-    are reused: a fresh shared buffer costs a page fault per 4 KiB (measured: about as long as
-    reading the batch), a reused one nothing. Each buffer crosses to the main process once; after
-    that a batch travels as its slot number and its labels (`_SlotBatch`), since handing over a
-    shared tensor again costs a file-descriptor transfer per tensor (about 1.6 ms a batch, against
-    0.17 ms for the slot). A batch's first item may be a pair of tensors (latents with REPA's
+    are reused: a fresh shared buffer costs a page fault per 4 KiB (comparable to reading the
+    batch), a reused one nothing. Each buffer crosses to the main process once; after that a batch
+    travels as its slot number and its labels (`_SlotBatch`), since handing over a shared tensor
+    again costs a file-descriptor transfer per tensor (BENCHMARKS.md, "The latent input pipeline"). A batch's first item may be a pair of tensors (latents with REPA's
     images): a slot then holds the pair. `make_loader` copies (or pins, which copies) every batch in
     the main process before the worker can come back to its buffer; see `_CopiedBatches`.
     """
