@@ -263,6 +263,11 @@ class LatentShardDataset(Dataset):
         shard = bisect.bisect_right(self._starts, i) - 1
         return shard, i - self._starts[shard]
 
+    def describe_row(self, i: int) -> str:
+        """Where global image `i` is stored, for messages: "<shard file> row <row>"."""
+        shard, row = self.locate(i)
+        return f"{self._files[shard].name} row {row}"
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         if self._memory is not None:
             self.locate(int(i))  # the range check

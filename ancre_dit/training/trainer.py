@@ -411,11 +411,8 @@ class Trainer:
         return "non-finite data: " + ", ".join(found[:5]) + more
 
     def _describe_row(self, i: int) -> str:
-        dataset = self.data.dataset
-        if hasattr(dataset, "locate"):
-            shard, row = dataset.locate(i)
-            return f"{dataset._files[shard].name} row {row}"
-        return f"sample {i}"
+        describe = getattr(self.data.dataset, "describe_row", None)  # latent shards name file and row
+        return describe(i) if describe is not None else f"sample {i}"
 
     def _stop_requested(self) -> bool:
         """Whether a stop signal arrived during this launch (agreed by all processes now: collective)."""
