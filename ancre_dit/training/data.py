@@ -352,6 +352,24 @@ def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, p
     return torch.utils.data.DataLoader(info.dataset, batch_sampler=sampler, collate_fn=collate, **common)
 
 
+def nonfinite_rows(info: DataInfo, global_batch: int, seed: int, position: tuple[int, int]) -> str:
+    """Which samples of the global batch drawn at data position `position` = (epoch, offset) hold
+    non-finite values (shard file and row for latents), read again from the dataset: the non-finite
+    guard's report names them."""
+    dataset = info.dataset
+    describe_row = getattr(dataset, "describe_row", None)  # latent shards name file and row
+    found = []
+    for i in next(iter(GlobalBatchSampler(len(dataset), global_batch, 1, 0, 1, seed, *position))):
+        sample = dataset[i][0]
+        sample = sample[0] if isinstance(sample, tuple) else sample
+        if not torch.isfinite(torch.as_tensor(sample).float()).all():
+            found.append(describe_row(i) if describe_row is not None else f"sample {i}")
+    if not found:
+        return "its stored rows are finite: the non-finite values arose after reading them"
+    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+    return "non-finite data: " + ", ".join(found[:5]) + more
+
+
 def describe(info: DataInfo) -> str:
     return (f"{info.kind}: {len(info.dataset)} samples, {info.num_classes} classes, model input "
             f"{info.in_channels}x{info.input_size}x{info.input_size}")

@@ -203,6 +203,11 @@ class RepaAlignment:
             raise UserError(f"--resume {folder}: its REPA projector has {diff} {saved.get(diff)}, this config's "
                             f"{own.get(diff)} (repa.projector_dim or repa.encoder differ); resume with the run's config")
 
+    def settings(self, cfg: RepaConfig) -> dict[str, Any]:
+        """What a REPA checkpoint must be resumed with (the loss weight may change between launches)."""
+        return {"depth": cfg.depth, "encoder": cfg.encoder, "encoder_kwargs": dict(cfg.encoder_kwargs),
+                "projector_dim": cfg.projector_dim, "encoder_resolution": self.encoder.resolution}
+
     def loss(self, projector: nn.Module, images: torch.Tensor) -> torch.Tensor:
         """The unweighted REPA loss of the state the tap caught in the forward just run;
         `projector` is self.projector as the trainer prepared it (wrapped for several processes)."""
@@ -210,5 +215,40 @@ class RepaAlignment:
         return alignment_loss(projector(z), self.encoder(images))
 
 
-__all__ = ["RepaAlignment", "FrozenEncoder", "StateTap", "alignment_loss", "build_encoder", "encoder_resolution",
-           "make_projector"]
+def build_repa(cfg: RepaConfig, model: nn.Module, input_size: int, device: torch.device, bf16: bool, seed: int,
+               log=None) -> RepaAlignment | None:
+    """REPA's encoder, projector and tap for this model's token grid and width; None with repa.weight 0."""
+    if not cfg.weight:
+        return None
+    repa = RepaAlignment(cfg, model.pos_embed.shape[-1], input_size // model.patch_size, device, bf16=bf16, seed=seed)
+    if log is not None:
+        log.info("REPA: the state after block %d, projected to %d dims, aligned with the patch tokens of %s at %d px "
+                 "(weight %g; logged as train/repa_loss)", cfg.depth, repa.encoder.dim, cfg.encoder,
+                 repa.encoder.resolution, cfg.weight)
+    return repa
+
+
+def check_resume(folder: Path, state: dict[str, Any], repa: RepaAlignment | None, cfg: RepaConfig) -> None:
+    """Before a resume: the checkpoint was trained with REPA exactly when this config uses it, with the
+    same settings and projector shapes; one line naming the difference otherwise."""
+    import json
+
+    with_repa = (folder / RepaAlignment.PROJECTOR_FILE).is_file()
+    run_config = folder.parent.parent / "config.yaml"
+    if with_repa != (repa is not None):
+        raise UserError(f"--resume {folder} was trained {'with' if with_repa else 'without'} REPA but repa.weight="
+                        f"{cfg.weight:g} here; resume with the config the run was started with ({run_config}), or "
+                        f"start a new run_dir")
+    if repa is None:
+        return
+    repa.check_checkpoint(folder)
+    saved, own = state.get("repa"), repa.settings(cfg)
+    diffs = [f"repa.{k} {saved.get(k)!r} in the checkpoint, {own[k]!r} in the config"
+             for k in own if saved is not None and json.loads(json.dumps(saved.get(k))) != json.loads(json.dumps(own[k]))]
+    if diffs:
+        raise UserError(f"--resume {folder} was trained with other REPA settings ({'; '.join(diffs)}); resume with "
+                        f"the config the run was started with ({run_config}), or start a new run_dir")
+
+
+__all__ = ["RepaAlignment", "FrozenEncoder", "StateTap", "alignment_loss", "build_encoder", "build_repa", "check_resume",
+           "encoder_resolution", "make_projector"]

@@ -1,27 +1,20 @@
 """The training loop: DiT's diffusion (or SiT's flow) objective with Accelerate (CPU, one or many GPUs, many nodes).
 
+Read it top-down, as DiT's train.py: `Trainer.__init__` builds the run (processes, data, model and
+EMA, objective, optimizer, resume), `run()` is the loop, `train_step()` is one optimizer step. The
+rest plugs in at named places and can be read later: the data pipeline (data.py), the non-finite
+guard (guards.py: a device flag per step, read at log steps), REPA's extra loss (repa.py), the
+periodic tasks (periodic.py: sample grids, diagnostics, evaluation, sparsifying the topology,
+checkpoints), the stop signals (stopping.py) and what the run reports (run_log.py).
+
 One optimizer step consumes one global batch = per-device batch x processes x accumulation. Every
 random draw is reproducible from saved state: the data order is a function of (seed, epoch), the
 timesteps / noise / flips / posterior draws come from a per-rank generator saved in checkpoints,
 and the model's label dropout uses the global RNG, which Accelerate saves and restores per rank.
-
-Reading order. `Trainer.__init__` builds, in order: the Accelerator, the run folder's claim
-(run_lock.py), the data (data.py), the model and its EMA, the objective (diffusion/), REPA's
-projector (repa.py), the fused AdamW, `accelerator.prepare`, then the resume (checkpointing.py).
-`run()` is the loop; each step is `train_step()`:
-  1. a global batch from this rank's loader (data.py `prepare_batch`), the objective's times and noise;
-  2. the losses (the objective's `losses`, plus topology entropy and REPA's alignment when set);
-  3. backward through Accelerate, the gradient norm, the non-finite guard's flag on the device
-     (guards.py), the AdamW step masked by that flag, the EMA (ema.py);
-then, back in `run()`: the metrics at log steps (`_log_metrics`), the periodic tasks (periodic.py:
-sample grids, evaluation, diagnostics, sparsifying the topology, checkpoints) and the stop
-agreement across ranks (stopping.py).
 """
 from __future__ import annotations
 
 import gc
-import json
-import logging
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -36,10 +29,8 @@ from tqdm.auto import tqdm
 
 from ..errors import UserError
 from ..hardware import configure_precision, peak_tflops
-from ..files import append_jsonl, read_jsonl
 from ..diffusion import build_objective
 from ..models import create_model
-from ..models.flops import count_training_flops
 from ..models.topologies.analysis import check_entropy_topology, topology_entropy
 from ..checkpoint import WEIGHT_FILES, make_model_spec, save_safetensors, write_model_files
 from ..checkpoint import load_safetensors_checked
@@ -49,17 +40,15 @@ from .config_checks import check_batch_layout, diffusion_spec
 from .config_schema import Config
 from .agreement import agree_on_resume
 from .ema import ema_update_
-from .model_setup import model_kwargs
+from .model_setup import model_kwargs, param_groups, training_flops_per_image
 from .guards import NonFiniteGuard
 from .stopping import StopAgreement, StopSignals
 from .periodic import RunContext, TrainProgress, build_tasks, topology_matrix, write_topology_files
 from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, describe, load_latents_in_memory,
-                   make_loader, prepare_batch)
-from .repa import RepaAlignment
+                   make_loader, nonfinite_rows, prepare_batch)
+from .repa import RepaAlignment, build_repa, check_resume as check_same_repa
 from .run_lock import abandon_new_run_dir, claim_run_dir, release_run_dir
-
-LOG_FILE = "log.txt"
-METRICS_FILE = "metrics.jsonl"
+from .run_log import LOG_FILE, METRICS_FILE, MetricsLog, log_time_shares, make_logger, plot_loss
 
 
 def _seed(*parts: int) -> int:
@@ -67,17 +56,23 @@ def _seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0])
 
 
-def _make_logger(run_dir: Path, main: bool) -> logging.Logger:
-    logger = logging.getLogger(f"ancre_dit.train.{run_dir.resolve()}")
-    logger.handlers.clear()
-    logger.propagate = False
-    logger.setLevel(logging.INFO if main else logging.WARNING)
-    if main:
-        fmt = logging.Formatter("[%(asctime)s] %(message)s", "%Y-%m-%d %H:%M:%S")
-        for handler in (logging.FileHandler(run_dir / LOG_FILE), logging.StreamHandler()):
-            handler.setFormatter(fmt)
-            logger.addHandler(handler)
-    return logger
+def _make_accelerator(c: Config, run_dir: Path) -> Accelerator:
+    trackers = ["tensorboard"] if c.log.tensorboard else []
+    if c.log.wandb:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            raise UserError("log.wandb=true but wandb is not installed; pip install wandb, or set log.wandb=false") from None
+        trackers.append("wandb")
+    return Accelerator(
+        mixed_precision=c.train.mixed_precision,
+        gradient_accumulation_steps=c.train.grad_accum,
+        log_with=trackers or None,
+        project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "logs")),
+        # Buffers are never changed by a forward (nothing to broadcast each step); gradients live
+        # in DDP's all-reduce buckets (no copy in and out of them).
+        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True)],
+    )
 
 
 class Trainer:
@@ -86,59 +81,54 @@ class Trainer:
     def __init__(self, config: Config, resume: str | None = None):
         self.config = c = config
         self.run_dir = Path(c.run_dir)
-        trackers = []
-        if c.log.tensorboard:
-            trackers.append("tensorboard")
-        if c.log.wandb:
-            try:
-                import wandb  # noqa: F401
-            except ImportError:
-                raise UserError("log.wandb=true but wandb is not installed; pip install wandb, or set log.wandb=false") from None
-            trackers.append("wandb")
-        self.accelerator = acc = Accelerator(
-            mixed_precision=c.train.mixed_precision,
-            gradient_accumulation_steps=c.train.grad_accum,
-            log_with=trackers or None,
-            project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
-            # Buffers are never changed by a forward (nothing to broadcast each step); gradients live
-            # in DDP's all-reduce buckets (no copy in and out of them).
-            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True)],
-        )
+
+        # Processes, and the run folder claimed before anything is written (one training per run_dir).
+        self.accelerator = acc = _make_accelerator(c, self.run_dir)
         self.micro_batch = check_batch_layout(c, acc.num_processes)
-        claim_run_dir(self.run_dir, acc)  # before anything is written: one training per run_dir
+        claim_run_dir(self.run_dir, acc)
         if acc.is_main_process:
             (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         acc.wait_for_everyone()
-        self.log = _make_logger(self.run_dir, acc.is_main_process)
+        self.log = make_logger(self.run_dir, acc.is_main_process)
         configure_precision(acc.device, c.train.tf32)
 
-        # Same seed on every rank for the model (DDP also broadcasts rank 0's weights), then a
-        # distinct seed per rank for everything random during training.
+        # Data, model, EMA and objective. Same seed on every rank for the model (DDP also broadcasts
+        # rank 0's weights), then a distinct seed per rank for everything random during training.
         set_seed(c.train.seed)
         self.data: DataInfo = build_data(c)
         if c.data.in_memory and self.data.latents is not None:
             load_latents_in_memory(self.data, acc, self.run_dir)
-        self.model_kwargs = self._model_kwargs()
+        d = self.data
+        self.model_kwargs = model_kwargs(c.model, d.input_size, d.in_channels, d.num_classes)  # checked with the config
         self.raw_model = create_model(c.model.name, **self.model_kwargs).to(acc.device)
         self.raw_model.train()
         self.ema = ModelEmaV3(self.raw_model, decay=c.train.ema_decay, use_warmup=c.train.ema_warmup)
         self.ema.requires_grad_(False)
         self.raw_model.set_grad_checkpointing(c.train.grad_checkpointing)
         self.objective = build_objective(diffusion_spec(c))
-        self.repa = self._build_repa()  # None with repa.weight 0
+        self.repa = build_repa(c.repa, self.raw_model, d.input_size, acc.device, bf16=c.train.mixed_precision == "bf16",
+                               seed=_seed(c.train.seed, 2), log=self.log)  # None with repa.weight 0
+        self.entropy_weight = c.model.topology_entropy_weight
+        if self.entropy_weight:
+            check_entropy_topology(self.raw_model.topology)
         rank = acc.process_index
         set_seed(_seed(c.train.seed, rank, 0))
         self.generator = torch.Generator(device=acc.device).manual_seed(_seed(c.train.seed, rank, 1))
 
-        # Fused AdamW (one kernel for all parameters) takes the guard's skip mask on the device.
+        # Optimizer: fused AdamW (one kernel for all parameters, it takes the guard's skip mask on the
+        # device), the routing parameters in a group of their own (see _group_lrs).
         self.fused = acc.device.type in torch.utils._foreach_utils._get_fused_kernels_supported_devices()
-        optimizer = torch.optim.AdamW(self._param_groups(), lr=c.train.lr, betas=(c.train.adam_beta1, c.train.adam_beta2),
+        groups, self.routing_group = param_groups(self.raw_model, c.train.topology_weight_decay,
+                                                  self.repa.projector if self.repa is not None else None)
+        optimizer = torch.optim.AdamW(groups, lr=c.train.lr, betas=(c.train.adam_beta1, c.train.adam_beta2),
                                       weight_decay=c.train.weight_decay, fused=self.fused or None)
         model = torch.compile(self.raw_model) if c.train.compile else self.raw_model
         # REPA's projector is prepared as a model of its own: wrapped for several processes (its
         # gradients are averaged like the model's).
         extra = [self.repa.projector] if self.repa is not None else []
         self.model, *prepared, self.optimizer = acc.prepare(model, *extra, optimizer)
+        self.projector = prepared[0] if prepared else None
+        self.trained_modules = (self.model, *prepared)
         # One checkpoint format whatever wraps the model (DDP's `module.`, torch.compile's
         # `_orig_mod.`): Accelerate's state keeps the optimizer, scaler and RNG only, and the weights
         # are the unwrapped modules' own files (model.safetensors, the REPA projector's), written by
@@ -146,12 +136,11 @@ class Trainer:
         # or gradient checkpointing switched, from the same folder sample.py reads.
         acc.register_save_state_pre_hook(lambda models, weights, output_dir: weights.clear())
         acc.register_load_state_pre_hook(lambda models, input_dir: models.clear())
-        self.projector = prepared[0] if prepared else None
-        self.trained_modules = (self.model, *prepared)
 
+        # Resume: one rank picks the checkpoint, every rank loads it.
         self.progress = TrainProgress()
         self.epoch, self.offset = 0, 0
-        self.resumed_from = agree_on_resume(acc, resume, self.run_dir, warn=self.log.warning)  # one rank decides
+        self.resumed_from = agree_on_resume(acc, resume, self.run_dir, warn=self.log.warning)
         if self.resumed_from is not None:
             self._load(self.resumed_from)
         elif resume == "auto":
@@ -159,22 +148,25 @@ class Trainer:
         if acc.is_main_process:
             save_config(c, self.run_dir / "config.yaml")
         acc.init_trackers(c.log.project, config=flat_config(c))
-        self.learnable_topology = any(True for _ in self.raw_model.topology.parameters())
+
+        # What runs beside the steps: the non-finite guard, the stop agreement, the metrics and the
+        # periodic tasks (sample grids, diagnostics, evaluation, sparsifying, checkpoints).
         self.guard = NonFiniteGuard(acc, c.train.nonfinite, c.train.nonfinite_max_skips, self._last_good_checkpoint,
                                     self.log.warning, scaler_handles_grads=c.train.mixed_precision == "fp16",
-                                    bad_rows=self._nonfinite_rows)
+                                    bad_rows=lambda position: nonfinite_rows(d, c.train.global_batch_size,
+                                                                             c.train.seed, position))
         self.stop_agreement = StopAgreement(acc.num_processes, c.train.stop_check_every)
-        self.flops_per_image = self._count_flops_per_image()
+        self._signals: StopSignals | None = None
+        self.flops_per_image = training_flops_per_image(c.model.name, self.model_kwargs, d.in_channels, d.input_size)
         self.peak_tflops, self.peak_source = peak_tflops(acc.device, c.train.peak_tflops)
-        self.entropy_weight = c.model.topology_entropy_weight
-        if self.entropy_weight:
-            check_entropy_topology(self.raw_model.topology)
-        self.context = RunContext(run_dir=self.run_dir, config=c, accelerator=acc, data=self.data,
+        learnable_topology = any(True for _ in self.raw_model.topology.parameters())
+        self.metrics = MetricsLog(acc, self.run_dir, c.train.global_batch_size, self.flops_per_image, self.peak_tflops,
+                                  self.log, (lambda: topology_matrix(self.raw_model)) if learnable_topology else None)
+        self.context = RunContext(run_dir=self.run_dir, config=c, accelerator=acc, data=d,
                                   objective=self.objective, raw_model=self.raw_model, ema_model=self.ema.module,
                                   data_spec=self.data_spec(), log=self.log, progress=self.progress, save=self.save,
                                   stop_requested=self._stop_requested)
-        self._signals: StopSignals | None = None
-        self.tasks = build_tasks(self.context)  # sample grids, evaluation, checkpoints (periodic.py)
+        self.tasks = build_tasks(self.context)
 
     @property
     def step(self) -> int:
@@ -184,138 +176,62 @@ class Trainer:
     def train_seconds(self) -> float:
         return self.progress.train_seconds
 
-    # -- setup helpers --------------------------------------------------------------------
-    def _model_kwargs(self) -> dict[str, Any]:
-        d = self.data
-        return model_kwargs(self.config.model, d.input_size, d.in_channels, d.num_classes)  # checked with the config
-
-    def _build_repa(self) -> RepaAlignment | None:
-        """REPA's encoder, projector and tap (repa.weight > 0), for this model's token grid and width."""
-        r, c = self.config.repa, self.config.train
-        if not r.weight:
-            return None
-        grid = self.data.input_size // self.raw_model.patch_size
-        repa = RepaAlignment(r, self.raw_model.pos_embed.shape[-1], grid, self.accelerator.device,
-                             bf16=c.mixed_precision == "bf16", seed=_seed(c.seed, 2))
-        self.log.info("REPA: the state after block %d, projected to %d dims, aligned with the patch tokens of %s at "
-                      "%d px (weight %g; logged as train/repa_loss)", r.depth, repa.encoder.dim, r.encoder,
-                      repa.encoder.resolution, r.weight)
-        return repa
-
-    def _param_groups(self) -> list[dict[str, Any]]:
-        """Trainable parameters only, in two groups: the backbone, and the routing parameters the
-        topology declares (their own weight decay, 0 by default, and their own lr schedule: see
-        `_group_lrs`). `self.routing_group` is the index of the second (None when it is empty).
-        With REPA, its projector is a last group with the backbone's lr and decay."""
+    # -- the loop -----------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Trains from the current step to train.max_steps, or until a stop signal; the last step is
+        checkpointed either way."""
         c = self.config.train
-        routing = {id(p) for p in self.raw_model.topology.routing_parameters()}
-        trainable = [p for p in self.raw_model.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in trainable if id(p) not in routing]},
-                  {"params": [p for p in trainable if id(p) in routing], "weight_decay": c.topology_weight_decay}]
-        self.routing_group = 1 if groups[0]["params"] and groups[1]["params"] else (0 if groups[1]["params"] else None)
-        if self.repa is not None:
-            groups.append({"params": list(self.repa.projector.parameters())})
-        return [g for g in groups if g["params"]]
+        self._log_start()
+        self.progress.last_saved = self.step if self.resumed_from is not None else -1
+        launch_started_at = self.train_seconds
+        progress = tqdm(total=c.max_steps, initial=self.step, disable=not self.accelerator.is_main_process,
+                        desc="train", dynamic_ncols=True)
+        self.metrics.start(time.perf_counter())
+        # The handlers go in before the loader's workers fork: see stopping.py.
+        with StopSignals() as signals:
+            self._signals = signals
+            batches = iter(self._loader())
+            for task in self.tasks:  # work a stopped launch left owed (an abandoned evaluation, ...)
+                task.start(self.context)
+            stopped = self._stop_requested()  # a stop during that work: checkpoint without another step
+            while not stopped and self.step < c.max_steps:
+                # 1. One optimizer step; its loss terms stay on the device.
+                started, lr = time.perf_counter(), self.lr_at(self.step)
+                try:
+                    terms = self.train_step(batches)
+                except UserError as err:  # unreadable data: nothing saved over the good checkpoints
+                    self._stop_with(err, progress)
+                self.progress.train_seconds += time.perf_counter() - started
+                self.metrics.add(terms, lr)
+                progress.update(1)
+                # 2. The guard's verdict on the steps since the last one, at log steps and before any
+                # periodic task (so no checkpoint is written before a stop is decided, on every rank);
+                # then the metrics, at log steps.
+                log_step = self.step % c.log_every == 0 or self.step == c.max_steps
+                if log_step or any(task.every and self.step % task.every == 0 for task in self.tasks):
+                    self._report_guard(progress)
+                if log_step:
+                    self.metrics.write(self.step, self.train_seconds, time.perf_counter(), progress)
+                # 3. The periodic tasks due now, in order: sparsify, grid, diagnostics, evaluation, checkpoint.
+                for task in self.tasks:
+                    task.maybe_run(self.context)
+                # 4. A stop signal (SIGTERM, SIGINT, SIGUSR1), agreed by every rank: save and leave.
+                if self.stop_agreement.should_stop(self.step, signals):
+                    stopped = True
+                    self.log.info("stop requested: saving step %d and exiting (%s)", self.step,
+                                  signals.signal_name or "a signal to another rank")
+            self._report_guard(progress)
+            progress.close()
+            for task in self.tasks:  # the last evaluation and checkpoint
+                task.finish(self.context, stopped)
+        if self.accelerator.is_main_process:
+            plot_loss(self.run_dir)
+        log_time_shares(self.log, self.train_seconds - launch_started_at, self.tasks)
+        self.log.info("done at step %d; outputs in %s", self.step, self.run_dir)
+        self._end()
+        return {"step": self.step, "stopped": stopped, "metrics": self.metrics.last, "run_dir": str(self.run_dir)}
 
-    def _group_lrs(self, lr: float) -> list[float]:
-        """Each group's lr at this step: the routing group's is lr x train.topology_lr_mult, and 0 for
-        its first train.topology_warmup_steps steps. A zero lr leaves AdamW's parameters exactly where
-        they are (its decay is lr x weight decay) while its moment estimates keep accumulating, so
-        the routing starts moving from its initial values with warmed-up moments."""
-        c = self.config.train
-        routing_lr = lr * c.topology_lr_mult if self.step >= c.topology_warmup_steps else 0.0
-        return [routing_lr if k == self.routing_group else lr for k in range(len(self.optimizer.param_groups))]
-
-    def data_spec(self) -> dict[str, Any]:
-        d = self.data
-        return {"kind": d.kind, "image_size": d.image_size, "image_channels": d.image_channels,
-                "num_classes": d.num_classes, "vae": d.vae, "scaling_factor": d.scaling_factor,
-                **(d.latent_norm.spec() if d.latent_norm is not None else {})}
-
-    def model_spec(self) -> dict[str, Any]:
-        return make_model_spec(self.config.model.name, self.model_kwargs, self.objective.spec(), self.data_spec(),
-                               self.step)
-
-    # -- checkpoints ----------------------------------------------------------------------
-    def _last_good_checkpoint(self) -> str:
-        found = ckpt.list_checkpoints(self.run_dir)
-        return str(found[-1][1]) if found else "none (no checkpoint saved yet)"
-
-    def _write_files(self, folder: Path) -> None:
-        write_model_files(folder, self.model_spec(), self.raw_model.state_dict(), self.ema.module.state_dict())
-        write_topology_files(folder, self.run_dir, self.ema.module, self.raw_model, self.step, self.config.model.topology)
-        if self.repa is not None:  # resume reads it (sampling never does)
-            save_safetensors(self.repa.projector.state_dict(), folder / RepaAlignment.PROJECTOR_FILE)
-
-    def save(self) -> Path:
-        state = {"step": self.step, "data": {"epoch": self.epoch, "offset": self.offset},
-                 "num_processes": self.accelerator.num_processes, "global_batch_size": self.config.train.global_batch_size,
-                 "seed": self.config.train.seed, "model": self.config.model.name,
-                 "train_seconds": round(self.train_seconds, 3)}
-        if self.repa is not None:
-            state["repa"] = self.repa_settings()
-        path = ckpt.save_checkpoint(self.accelerator, self.run_dir, self.step, self.generator, self._write_files,
-                                    state, keep_last=self.config.train.keep_last)
-        self.log.info("step %d: checkpoint saved to %s", self.step, path)
-        self.progress.last_saved = self.step
-        return path
-
-    def repa_settings(self) -> dict[str, Any]:
-        """What a REPA checkpoint must be resumed with (the loss weight may change between launches)."""
-        r = self.config.repa
-        return {"depth": r.depth, "encoder": r.encoder, "encoder_kwargs": dict(r.encoder_kwargs),
-                "projector_dim": r.projector_dim, "encoder_resolution": self.repa.encoder.resolution}
-
-    def _check_same_repa(self, folder: Path, state: dict[str, Any]) -> None:
-        with_repa = (folder / RepaAlignment.PROJECTOR_FILE).is_file()
-        if with_repa != (self.repa is not None):
-            raise UserError(f"--resume {folder} was trained {'with' if with_repa else 'without'} REPA but repa.weight="
-                            f"{self.config.repa.weight:g} here; resume with the config the run was started with "
-                            f"({folder.parent.parent / 'config.yaml'}), or start a new run_dir")
-        if self.repa is None:
-            return
-        self.repa.check_checkpoint(folder)
-        saved, own = state.get("repa"), self.repa_settings()
-        diffs = [f"repa.{k} {saved.get(k)!r} in the checkpoint, {own[k]!r} in the config"
-                 for k in own if saved is not None and json.loads(json.dumps(saved.get(k))) != json.loads(json.dumps(own[k]))]
-        if diffs:
-            raise UserError(f"--resume {folder} was trained with other REPA settings ({'; '.join(diffs)}); resume with "
-                            f"the config the run was started with ({folder.parent.parent / 'config.yaml'}), or start a "
-                            f"new run_dir")
-
-    def _load(self, folder: Path) -> None:
-        acc = self.accelerator
-        ckpt.check_same_model(folder, self.model_spec())  # one line on a mismatch, before Accelerate reads anything
-        state = ckpt.read_trainer_state(folder)
-        self._check_same_repa(folder, state)
-        # Read on the host, then copied into the modules on their device (a rank's device name
-        # such as cpu:0 is no valid safetensors device).
-        self.raw_model.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["model"], device="cpu"))
-        self.ema.module.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["ema"], device="cpu"))
-        if self.repa is not None:
-            self.repa.projector.load_state_dict(
-                load_safetensors_checked(folder / RepaAlignment.PROJECTOR_FILE, device="cpu"))
-        acc.load_state(str(folder / ckpt.ACCELERATE_DIR))  # optimizer, scaler, RNG (see the save hook)
-        self.progress.step = int(state["step"])
-        self.epoch, self.offset = int(state["data"]["epoch"]), int(state["data"]["offset"])
-        self.progress.train_seconds = float(state.get("train_seconds", 0.0))
-        if not ckpt.load_generator_state(folder, acc.process_index, self.generator):
-            self.generator.manual_seed(_seed(self.config.train.seed, acc.process_index, 1, self.step))
-            self.log.warning("%s was written by %d process(es); rank %d starts a fresh random stream, so this "
-                             "resume is not bitwise exact", folder, state["num_processes"], acc.process_index)
-        self.log.info("resumed from %s at step %d", folder, self.step)
-
-    # -- training -----------------------------------------------------------------------------
-    def _loader(self):
-        acc, c = self.accelerator, self.config
-        sampler = GlobalBatchSampler(len(self.data.dataset), c.train.global_batch_size, acc.num_processes,
-                                     acc.process_index, c.train.grad_accum, c.train.seed, self.epoch, self.offset)
-        return make_loader(self.data, sampler, c.data.num_workers, pin_memory=acc.device.type == "cuda")
-
-    def draw_timesteps_and_noise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The objective's training time and noise for a micro-batch, from this rank's generator."""
-        return self.objective.draw(x, self.generator)
-
+    # -- one step ------------------------------------------------------------------------------
     def train_step(self, batches) -> dict[str, torch.Tensor]:
         """One optimizer step over grad_accum micro-batches; returns this rank's mean terms as device
         tensors. Nothing here reads a value back to the host (that would drain the GPU queue every
@@ -330,12 +246,14 @@ class Trainer:
         grad_norm = skip = inputs_finite = None
         repa = self.repa
         for _ in range(c.grad_accum):
+            # The micro-batch on the device with its flips / posterior draw, the objective's times and noise.
             x, y, *clean = prepare_batch(self.data, next(batches), acc.device, self.generator,
                                          clean_images=repa is not None)
             finite = torch.isfinite(x).all()
             inputs_finite = finite if inputs_finite is None else inputs_finite & finite
             draws = self.draw_timesteps_and_noise(x)
             with acc.accumulate(*self.trained_modules):
+                # The losses: the objective's, plus the topology's entropy and REPA's alignment when set.
                 with repa.tap.attached(self.raw_model.topology) if repa is not None else nullcontext():
                     terms = self.objective.losses(self.model, x, y, draws)
                 loss = terms["loss"].mean()
@@ -345,6 +263,7 @@ class Trainer:
                 if repa is not None:  # logged as train/repa_loss (unweighted)
                     terms["repa_loss"] = repa.loss(self.projector, clean[0])
                     loss = loss + repa.weight * terms["repa_loss"]
+                # Backward; after the last micro-batch, the gradient norm, the guard's flag and the masked update.
                 acc.backward(loss)
                 for key, value in terms.items():
                     sums[key] = sums.get(key, 0.0) + value.detach().mean() / c.grad_accum
@@ -393,147 +312,28 @@ class Trainer:
         elif self.accelerator.scaler is not None:  # the scaler saw the overflow when unscaling; lower its scale
             self.accelerator.scaler.update()
 
-    def _nonfinite_rows(self, position: tuple[int, int]) -> str:
-        """Which samples of the global batch drawn at data position `position` hold non-finite values
-        (shard file and row for latents), read again from the dataset: the guard's report names them."""
-        c = self.config.train
-        dataset = self.data.dataset
-        sampler = GlobalBatchSampler(len(dataset), c.global_batch_size, 1, 0, 1, c.seed, *position)
-        found = []
-        for i in next(iter(sampler)):
-            sample = dataset[i][0]
-            sample = sample[0] if isinstance(sample, tuple) else sample
-            if not torch.isfinite(torch.as_tensor(sample).float()).all():
-                found.append(self._describe_row(i))
-        if not found:
-            return "its stored rows are finite: the non-finite values arose after reading them"
-        more = f" and {len(found) - 5} more" if len(found) > 5 else ""
-        return "non-finite data: " + ", ".join(found[:5]) + more
+    def _loader(self):
+        acc, c = self.accelerator, self.config
+        sampler = GlobalBatchSampler(len(self.data.dataset), c.train.global_batch_size, acc.num_processes,
+                                     acc.process_index, c.train.grad_accum, c.train.seed, self.epoch, self.offset)
+        return make_loader(self.data, sampler, c.data.num_workers, pin_memory=acc.device.type == "cuda")
 
-    def _describe_row(self, i: int) -> str:
-        describe = getattr(self.data.dataset, "describe_row", None)  # latent shards name file and row
-        return describe(i) if describe is not None else f"sample {i}"
+    def draw_timesteps_and_noise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The objective's training time and noise for a micro-batch, from this rank's generator."""
+        return self.objective.draw(x, self.generator)
+
+    def _group_lrs(self, lr: float) -> list[float]:
+        """Each group's lr at this step: the routing group's is lr x train.topology_lr_mult, and 0 for
+        its first train.topology_warmup_steps steps. A zero lr leaves AdamW's parameters exactly where
+        they are (its decay is lr x weight decay) while its moment estimates keep accumulating, so
+        the routing starts moving from its initial values with warmed-up moments."""
+        c = self.config.train
+        routing_lr = lr * c.topology_lr_mult if self.step >= c.topology_warmup_steps else 0.0
+        return [routing_lr if k == self.routing_group else lr for k in range(len(self.optimizer.param_groups))]
 
     def _stop_requested(self) -> bool:
         """Whether a stop signal arrived during this launch (agreed by all processes now: collective)."""
         return self.stop_agreement.should_stop(self.step, self._signals, force=True)
-
-    def _log_metrics(self, running: dict[str, torch.Tensor], lr_sum: float, count: int, elapsed: float,
-                     images: int) -> dict[str, float]:
-        acc = self.accelerator
-        keys = sorted(running)
-        local = torch.stack([running[k] / count for k in keys])
-        mean = acc.reduce(local, reduction="mean")  # the logged loss is averaged over all processes
-        metrics = {k: float(v) for k, v in zip(keys, mean.tolist())}
-        metrics["lr"] = lr_sum / count
-        metrics.update(self._throughput(count, elapsed, images))
-        metrics["train_seconds"] = round(self.train_seconds, 3)
-        if acc.is_main_process:
-            append_jsonl(self.run_dir / "logs" / METRICS_FILE, {"step": self.step, **metrics})
-            tracked = {f"train/{k}": v for k, v in metrics.items() if v is not None}
-            P = topology_matrix(self.raw_model) if self.learnable_topology else None
-            if P is not None:
-                for j in range(P.shape[0]):
-                    for i in range(j + 1):
-                        tracked[f"topology/p_{j + 1}_{i}"] = float(P[j, i])
-            acc.log(tracked, step=self.step)
-        return metrics
-
-    def _count_flops_per_image(self) -> float:
-        """Training FLOPs (forward + backward) of one image of this model, counted once on a copy: on
-        the meta device (no compute) where every layer runs there, else one image on the CPU. The
-        random state is put back, so counting changes no draw of the run."""
-        d = self.data
-
-        def count(device: str) -> float:
-            with torch.random.fork_rng(devices=[]), torch.device(device):
-                model = create_model(self.config.model.name, **self.model_kwargs)
-                x = torch.zeros(1, d.in_channels, d.input_size, d.input_size)
-                t, y = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
-                return float(count_training_flops(model, x, t, y, autocast_dtype=None))
-
-        try:
-            return count("meta")
-        except (RuntimeError, NotImplementedError):  # a layer with no meta kernel (mHC's autocast region)
-            return count("cpu")
-
-    def _throughput(self, steps: int, elapsed: float, images: int) -> dict[str, float | None]:
-        """Rates over the last log interval: images/s in all and per process (one GPU each), the
-        model FLOP/s per process and its MFU against the device's peak (None when that is unknown)."""
-        n = self.accelerator.num_processes
-        per_process = images / elapsed / n
-        tflops = per_process * self.flops_per_image / 1e12
-        return {"steps_per_sec": steps / elapsed, "images_per_sec": images / elapsed, "images_per_s": per_process,
-                "tflops_per_s": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else None}
-
-    def run(self) -> dict[str, Any]:
-        acc, c = self.accelerator, self.config.train
-        self.log.info("run dir %s: config.yaml, %s (text), logs/ (TensorBoard: tensorboard --logdir %s; %s), "
-                      "checkpoints/<step>/, samples/<step>.png, topology.json/.png%s",
-                      self.run_dir, LOG_FILE, self.run_dir / "logs", METRICS_FILE,
-                      ", logs/evals.jsonl + quality.png (evaluation)" if c.eval_every else "")
-        n_params = sum(p.numel() for p in self.raw_model.parameters())
-        self.log.info("model %s (%s topology), %.2fM parameters, %.2f GFLOP per training image; data %s; %d "
-                      "process(es) x %d per device x %d accumulation = global batch %d; mixed precision %s; MFU "
-                      "against %s TFLOP/s (%s)", self.config.model.name, self.config.model.topology, n_params / 1e6,
-                      self.flops_per_image / 1e9, describe(self.data), acc.num_processes, self.micro_batch,
-                      c.grad_accum, c.global_batch_size, c.mixed_precision, self.peak_tflops, self.peak_source)
-        self.progress.last_saved = self.step if self.resumed_from is not None else -1
-        self._train_seconds_at_start = self.train_seconds
-        last: dict[str, float] = {}
-        progress = tqdm(total=c.max_steps, initial=self.step, disable=not acc.is_main_process, desc="train",
-                        dynamic_ncols=True)
-        running: dict[str, torch.Tensor] = {}
-        lr_sum, count, tick = 0.0, 0, time.perf_counter()
-        stopped = False
-        # The handlers go in before the loader's workers fork: see stopping.py.
-        with StopSignals() as signals:
-            self._signals = signals
-            batches = iter(self._loader())
-            for task in self.tasks:
-                task.start(self.context)
-            stopped = self._stop_requested()  # a stop during that work: checkpoint without another step
-            while not stopped and self.step < c.max_steps:
-                started = time.perf_counter()
-                lr_sum += self.lr_at(self.step)
-                try:
-                    terms = self.train_step(batches)
-                except UserError as err:  # unreadable data: nothing saved over the good checkpoints
-                    self._stop_with(err, progress)
-                self.progress.train_seconds += time.perf_counter() - started
-                for k, v in terms.items():
-                    running[k] = running.get(k, 0.0) + v
-                count += 1
-                progress.update(1)
-                log_step = self.step % c.log_every == 0 or self.step == c.max_steps
-                if log_step or any(task.every and self.step % task.every == 0 for task in self.tasks):
-                    self._report_guard(progress)  # before any checkpoint: a stop is decided first, on every rank
-                if log_step:
-                    elapsed = time.perf_counter() - tick
-                    last = self._log_metrics(running, lr_sum, count, elapsed, count * c.global_batch_size)
-                    progress.set_postfix(loss=f"{last['loss']:.4f}", img_s_gpu=f"{last['images_per_s']:.1f}",
-                                         **({"mfu": f"{last['mfu']:.1%}"} if last["mfu"] is not None else {}))
-                    self.log.info("step %d: loss %.4f, %.2f steps/s, %.1f images/s (%.1f per process)%s", self.step,
-                                  last["loss"], last["steps_per_sec"], last["images_per_sec"], last["images_per_s"],
-                                  f", MFU {last['mfu']:.1%}" if last["mfu"] is not None else "")
-                    running, lr_sum, count, tick = {}, 0.0, 0, time.perf_counter()
-                for task in self.tasks:
-                    task.maybe_run(self.context)
-                if self.stop_agreement.should_stop(self.step, signals):
-                    stopped = True
-                    self.log.info("stop requested: saving step %d and exiting (%s)", self.step,
-                                  signals.signal_name or "a signal to another rank")
-                    break
-            self._report_guard(progress)
-            progress.close()
-            for task in self.tasks:
-                task.finish(self.context, stopped)
-        if acc.is_main_process:
-            self._plot_loss()
-        self._log_time_shares()
-        self.log.info("done at step %d; outputs in %s", self.step, self.run_dir)
-        self._end()
-        return {"step": self.step, "stopped": stopped, "metrics": last, "run_dir": str(self.run_dir)}
 
     def _report_guard(self, progress) -> None:
         """The guard's report of the steps since the last one; a stop it decides ends the run here,
@@ -562,26 +362,75 @@ class Trainer:
             release_run_dir(self.run_dir)  # the training is over: the folder is free for the next one
         self.accelerator.end_training()
 
-    def _log_time_shares(self) -> None:
-        """How this process's time split between training and the periodic tasks (this launch only
-        for the tasks; training time summed over resumes)."""
-        parts = {task.name: task.seconds for task in self.tasks}
-        total = self._launch_train_seconds() + sum(parts.values())
-        if total <= 0:
-            return
-        shares = ", ".join(f"{name} {sec:.1f} s ({100 * sec / total:.1f}%)" for name, sec in parts.items())
-        self.log.info("time in this launch: training %.1f s (%.1f%%), %s", self._launch_train_seconds(),
-                      100 * self._launch_train_seconds() / total, shares)
+    def _log_start(self) -> None:
+        acc, c = self.accelerator, self.config
+        self.log.info("run dir %s: config.yaml, %s (text), logs/ (TensorBoard: tensorboard --logdir %s; %s), "
+                      "checkpoints/<step>/, samples/<step>.png, topology.json/.png%s",
+                      self.run_dir, LOG_FILE, self.run_dir / "logs", METRICS_FILE,
+                      ", logs/evals.jsonl + quality.png (evaluation)" if c.train.eval_every else "")
+        n_params = sum(p.numel() for p in self.raw_model.parameters())
+        self.log.info("model %s (%s topology), %.2fM parameters, %.2f GFLOP per training image; data %s; %d "
+                      "process(es) x %d per device x %d accumulation = global batch %d; mixed precision %s; MFU "
+                      "against %s TFLOP/s (%s)", c.model.name, c.model.topology, n_params / 1e6,
+                      self.flops_per_image / 1e9, describe(self.data), acc.num_processes, self.micro_batch,
+                      c.train.grad_accum, c.train.global_batch_size, c.train.mixed_precision, self.peak_tflops,
+                      self.peak_source)
 
-    def _launch_train_seconds(self) -> float:
-        return self.train_seconds - self._train_seconds_at_start
+    # -- checkpoints ----------------------------------------------------------------------------
+    def data_spec(self) -> dict[str, Any]:
+        d = self.data
+        return {"kind": d.kind, "image_size": d.image_size, "image_channels": d.image_channels,
+                "num_classes": d.num_classes, "vae": d.vae, "scaling_factor": d.scaling_factor,
+                **(d.latent_norm.spec() if d.latent_norm is not None else {})}
 
-    def _plot_loss(self) -> None:
-        rows = read_jsonl(self.run_dir / "logs" / METRICS_FILE)
-        if not rows:
-            return
-        from ..figures import plot_loss_curve
-        plot_loss_curve([r["step"] for r in rows], [r["loss"] for r in rows], self.run_dir / "loss.png")
+    def model_spec(self) -> dict[str, Any]:
+        return make_model_spec(self.config.model.name, self.model_kwargs, self.objective.spec(), self.data_spec(),
+                               self.step)
+
+    def save(self) -> Path:
+        state = {"step": self.step, "data": {"epoch": self.epoch, "offset": self.offset},
+                 "num_processes": self.accelerator.num_processes, "global_batch_size": self.config.train.global_batch_size,
+                 "seed": self.config.train.seed, "model": self.config.model.name,
+                 "train_seconds": round(self.train_seconds, 3)}
+        if self.repa is not None:
+            state["repa"] = self.repa.settings(self.config.repa)
+        path = ckpt.save_checkpoint(self.accelerator, self.run_dir, self.step, self.generator, self._write_files,
+                                    state, keep_last=self.config.train.keep_last)
+        self.log.info("step %d: checkpoint saved to %s", self.step, path)
+        self.progress.last_saved = self.step
+        return path
+
+    def _write_files(self, folder: Path) -> None:
+        write_model_files(folder, self.model_spec(), self.raw_model.state_dict(), self.ema.module.state_dict())
+        write_topology_files(folder, self.run_dir, self.ema.module, self.raw_model, self.step, self.config.model.topology)
+        if self.repa is not None:  # resume reads it (sampling never does)
+            save_safetensors(self.repa.projector.state_dict(), folder / RepaAlignment.PROJECTOR_FILE)
+
+    def _last_good_checkpoint(self) -> str:
+        found = ckpt.list_checkpoints(self.run_dir)
+        return str(found[-1][1]) if found else "none (no checkpoint saved yet)"
+
+    def _load(self, folder: Path) -> None:
+        acc = self.accelerator
+        ckpt.check_same_model(folder, self.model_spec())  # one line on a mismatch, before Accelerate reads anything
+        state = ckpt.read_trainer_state(folder)
+        check_same_repa(folder, state, self.repa, self.config.repa)
+        # Read on the host, then copied into the modules on their device (a rank's device name
+        # such as cpu:0 is no valid safetensors device).
+        self.raw_model.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["model"], device="cpu"))
+        self.ema.module.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["ema"], device="cpu"))
+        if self.repa is not None:
+            self.repa.projector.load_state_dict(
+                load_safetensors_checked(folder / RepaAlignment.PROJECTOR_FILE, device="cpu"))
+        acc.load_state(str(folder / ckpt.ACCELERATE_DIR))  # optimizer, scaler, RNG (see the save hook)
+        self.progress.step = int(state["step"])
+        self.epoch, self.offset = int(state["data"]["epoch"]), int(state["data"]["offset"])
+        self.progress.train_seconds = float(state.get("train_seconds", 0.0))
+        if not ckpt.load_generator_state(folder, acc.process_index, self.generator):
+            self.generator.manual_seed(_seed(self.config.train.seed, acc.process_index, 1, self.step))
+            self.log.warning("%s was written by %d process(es); rank %d starts a fresh random stream, so this "
+                             "resume is not bitwise exact", folder, state["num_processes"], acc.process_index)
+        self.log.info("resumed from %s at step %d", folder, self.step)
 
 
 def train(config: Config, resume: str | None = None) -> dict[str, Any]:

@@ -1,0 +1,120 @@
+"""What a training run reports: its text log (RUN/log.txt and the console), the training metrics at
+log steps (RUN/logs/metrics.jsonl, the trackers, the progress bar), the loss curve and, at the end,
+how the launch's time split between the steps and the periodic tasks."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from ..files import append_jsonl, read_jsonl
+
+LOG_FILE = "log.txt"
+METRICS_FILE = "metrics.jsonl"
+
+
+def make_logger(run_dir: Path, main: bool) -> logging.Logger:
+    """INFO to RUN/log.txt and the console on the main process; other processes log warnings only."""
+    logger = logging.getLogger(f"ancre_dit.train.{run_dir.resolve()}")
+    logger.handlers.clear()
+    logger.propagate = False
+    logger.setLevel(logging.INFO if main else logging.WARNING)
+    if main:
+        fmt = logging.Formatter("[%(asctime)s] %(message)s", "%Y-%m-%d %H:%M:%S")
+        for handler in (logging.FileHandler(run_dir / LOG_FILE), logging.StreamHandler()):
+            handler.setFormatter(fmt)
+            logger.addHandler(handler)
+    return logger
+
+
+def throughput(steps: int, elapsed: float, images: int, num_processes: int, flops_per_image: float,
+               peak_tflops: float | None) -> dict[str, float | None]:
+    """Rates over a log interval: images/s in all and per process (one GPU each), the model FLOP/s
+    per process and its MFU against the device's peak (None when that is unknown)."""
+    per_process = images / elapsed / num_processes
+    tflops = per_process * flops_per_image / 1e12
+    return {"steps_per_sec": steps / elapsed, "images_per_sec": images / elapsed, "images_per_s": per_process,
+            "tflops_per_s": tflops, "mfu": tflops / peak_tflops if peak_tflops else None}
+
+
+class MetricsLog:
+    """Sums each step's loss terms on the device (`add`, no host read) and, at a log step, averages
+    them over the steps since the last one and over all processes, then writes one record
+    (`write`: a collective, every process calls it)."""
+
+    def __init__(self, accelerator, run_dir: Path, global_batch_size: int, flops_per_image: float,
+                 peak_tflops: float | None, log: logging.Logger, topology_matrix=None):
+        self.accelerator, self.path, self.log = accelerator, run_dir / "logs" / METRICS_FILE, log
+        self.global_batch_size, self.flops_per_image, self.peak_tflops = global_batch_size, flops_per_image, peak_tflops
+        self.topology_matrix = topology_matrix  # () -> the (K, K) matrix to track, or None
+        self.last: dict[str, float] = {}
+        self._reset(started=0.0)
+
+    def _reset(self, started: float) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.lr_sum, self.count, self.started = 0.0, 0, started
+
+    def start(self, now: float) -> None:
+        """The first interval starts now (after the launch's setup)."""
+        self._reset(now)
+
+    def add(self, terms: dict[str, torch.Tensor], lr: float) -> None:
+        for key, value in terms.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+        self.lr_sum += lr
+        self.count += 1
+
+    def write(self, step: int, train_seconds: float, now: float, progress=None) -> dict[str, float]:
+        """The record of the interval ending at `step`: metrics.jsonl and the trackers (main process),
+        the progress bar's postfix and one log line. Returns it."""
+        acc, count = self.accelerator, self.count
+        keys = sorted(self.sums)
+        local = torch.stack([self.sums[k] / count for k in keys])
+        mean = acc.reduce(local, reduction="mean")  # the logged loss is averaged over all processes
+        metrics = {k: float(v) for k, v in zip(keys, mean.tolist())}
+        metrics["lr"] = self.lr_sum / count
+        metrics.update(throughput(count, now - self.started, count * self.global_batch_size, acc.num_processes,
+                                  self.flops_per_image, self.peak_tflops))
+        metrics["train_seconds"] = round(train_seconds, 3)
+        if acc.is_main_process:
+            append_jsonl(self.path, {"step": step, **metrics})
+            acc.log(self._tracked(metrics), step=step)
+        mfu = metrics["mfu"]
+        if progress is not None:
+            progress.set_postfix(loss=f"{metrics['loss']:.4f}", img_s_gpu=f"{metrics['images_per_s']:.1f}",
+                                 **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
+        self.log.info("step %d: loss %.4f, %.2f steps/s, %.1f images/s (%.1f per process)%s", step, metrics["loss"],
+                      metrics["steps_per_sec"], metrics["images_per_sec"], metrics["images_per_s"],
+                      f", MFU {mfu:.1%}" if mfu is not None else "")
+        self.last = metrics
+        self._reset(now)
+        return metrics
+
+    def _tracked(self, metrics: dict[str, float | None]) -> dict[str, float]:
+        tracked = {f"train/{k}": v for k, v in metrics.items() if v is not None}
+        P = self.topology_matrix() if self.topology_matrix is not None else None
+        if P is not None:
+            for j in range(P.shape[0]):
+                for i in range(j + 1):
+                    tracked[f"topology/p_{j + 1}_{i}"] = float(P[j, i])
+        return tracked
+
+
+def log_time_shares(log: logging.Logger, train_seconds: float, tasks: Iterable[Any]) -> None:
+    """How this launch's time split between the optimizer steps and each periodic task."""
+    parts = {task.name: task.seconds for task in tasks}
+    total = train_seconds + sum(parts.values())
+    if total <= 0:
+        return
+    shares = ", ".join(f"{name} {sec:.1f} s ({100 * sec / total:.1f}%)" for name, sec in parts.items())
+    log.info("time in this launch: training %.1f s (%.1f%%), %s", train_seconds, 100 * train_seconds / total, shares)
+
+
+def plot_loss(run_dir: Path) -> None:
+    """RUN/loss.png from metrics.jsonl (every launch's records)."""
+    rows = read_jsonl(run_dir / "logs" / METRICS_FILE)
+    if rows:
+        from ..figures import plot_loss_curve
+        plot_loss_curve([r["step"] for r in rows], [r["loss"] for r in rows], run_dir / "loss.png")
