@@ -13,8 +13,8 @@ from helpers import inputs, randomize, tiny_model
 FAMILIES = ["cascaded", "ancre", "first-previous", "denseformer", "hc", "hc-dynamic", "mhc"]
 
 
-def _tiny(topology: str, seed: int = 0, depth: int = 4):
-    model = randomize(tiny_model(topology, seed=seed, depth=depth, hc_streams=3))
+def _tiny(topology: str, seed: int = 0, depth: int = 4, **overrides):
+    model = randomize(tiny_model(topology, seed=seed, depth=depth, hc_streams=3, **overrides))
     with torch.no_grad():  # move the topology off its init so every edge and stream matters
         for p in model.topology.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
@@ -152,22 +152,19 @@ def test_trunk_history_is_contiguous_so_the_fused_backward_copies_nothing():
     assert h0.is_contiguous() and model.blocks[0](h0, c).is_contiguous()
 
 
-def _graph_breaks(model, x, t, y) -> int:
-    torch._dynamo.reset()
-    return torch._dynamo.explain(model)(x, t, y).graph_break_count
-
-
 @pytest.mark.slow
 def test_compile_flag_every_family_compiles_without_graph_breaks_and_checkpointing_holds():
     """train.compile's path on the CPU: each family traces to one graph (forward and backward,
-    checkpointing on), and the compiled model's gradients equal the eager ones. aot_eager runs
-    the traced graphs without generating kernels, which keeps this test in seconds; the
-    inductor backend is exercised by test_inductor_compiles_ancre_with_checkpointing."""
+    checkpointing on), and the compiled model's gradients equal the eager ones. fullgraph=True
+    makes any graph break an error; aot_eager runs the traced graphs without generating kernels,
+    which keeps this test in seconds; the inductor backend is exercised by
+    test_inductor_compiles_ancre_with_checkpointing."""
     x, t, y = inputs()
     for topology in FAMILIES:
-        model = _tiny(topology, depth=3)  # 3 blocks: every trunk's wiring appears (block 3 reads 3 sources), traced faster
+        # 3 blocks: every trunk's wiring appears (block 3 reads 3 sources), traced faster; mHC's
+        # Sinkhorn loop unrolls into the graph, so fewer iterations trace the same graph faster.
+        model = _tiny(topology, depth=3, **({"sinkhorn_iters": 3} if topology == "mhc" else {}))
         model.set_grad_checkpointing(True)
-        assert _graph_breaks(model, x, t, y) == 0, topology
         eager = _grads(model, x, t, y)
         torch._dynamo.reset()
         compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
