@@ -25,7 +25,9 @@ Processes and threads
   subprocess_env  environment for a child python: this checkout on PYTHONPATH, one thread, CPU only.
 
 Parallel runs: under pytest-xdist (``-n auto``, what scripts/run_tests.sh does) each worker runs
-torch on one thread, so N workers use N cores instead of N x cores threads.
+torch on one thread, so N workers use N cores instead of N x cores threads. The modules that hold
+the longest tests run first (LONGEST_FIRST), so that no worker is left with a minutes-long test
+while the others have nothing left to take.
 
 Markers: ``@pytest.mark.slow`` for a test over ~2 s (training runs, subprocesses, torch.compile);
 ``python -m pytest -m "not slow" -n auto`` is the quick loop, ``bash scripts/run_tests.sh`` runs everything.
@@ -43,9 +45,20 @@ import helpers
 from ancre_dit.training.config import Config
 
 
+# The modules with the longest tests (`pytest --durations=30`), longest first. Each module keeps its
+# own order and stays in one piece, so its module-scoped fixtures are built once.
+LONGEST_FIRST = ("test_preemption.py", "test_gpu_check.py", "test_study.py", "test_faults.py",
+                 "test_grad_checkpointing.py", "test_resume_layouts.py", "test_evalrun.py", "test_bench_quickstart.py")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core: a thread each
         torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")
