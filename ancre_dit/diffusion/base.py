@@ -86,7 +86,8 @@ class Objective(ABC):
     def evaluation_times(self, count: int) -> torch.Tensor:
         """`count` model times spread evenly over the process (fixed held-out scores)."""
 
-    def check_steps(self, steps: int) -> None:
-        """A UserError if this objective's schedule has no room for `steps` sampling steps."""
+    def check_steps(self, steps: int, name: str = "steps") -> None:
+        """A UserError if this objective's schedule has no room for `steps` sampling steps; `name`:
+        what the caller calls the value (a flag, a config key)."""
         if int(steps) < 1:
-            raise UserError(f"--steps {steps} must be at least 1")
+            raise UserError(f"{name} {steps} must be at least 1")

@@ -109,6 +109,6 @@ class DDPMObjective(Objective):
         # Bin centres: 50, 150, ..., 950 for 10 of 1000, spread over the whole process like the training loss.
         return torch.tensor([int((2 * k + 1) * self.num_timesteps / (2 * count)) for k in range(count)])
 
-    def check_steps(self, steps: int) -> None:
+    def check_steps(self, steps: int, name: str = "steps") -> None:
         if not 1 <= int(steps) <= self.num_timesteps:
-            raise UserError(f"--steps {steps} must be between 1 and the model's {self.num_timesteps} training timesteps")
+            raise UserError(f"{name} {steps} must be between 1 and the model's {self.num_timesteps} training timesteps")

@@ -44,10 +44,10 @@ def ode_sample(velocity: Velocity, x: torch.Tensor, *, method: str, steps: int) 
     return odeint(field, x, span, method=method, options={"grid_constructor": lambda f, y0, t: grid})[-1]
 
 
-def check_sde_steps(steps: int) -> None:
+def check_sde_steps(steps: int, name: str = "steps") -> None:
     """SiT counts time points: `steps` points give steps - 1 noisy steps, so at least 2."""
     if int(steps) < 2:
-        raise UserError(f"--steps {steps}: the SDE sampler needs at least 2 (SiT counts time points, "
+        raise UserError(f"{name} {steps}: the SDE sampler needs at least 2 (SiT counts time points, "
                         "steps - 1 Euler-Maruyama steps plus the last step)")
 
 

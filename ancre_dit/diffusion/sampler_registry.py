@@ -36,7 +36,7 @@ class SamplerEntry:
     # Chooses its own steps from the whole batch: --steps is ignored and a sample depends on the
     # batch it is in (so a compiled job must not pad its last batch).
     adaptive: bool = False
-    check_steps: Callable[[int], None] | None = None  # the sampler's own rule on the step count
+    check_steps: Callable[[int, str], None] | None = None  # the sampler's own rule on the step count (steps, name)
 
 
 SAMPLERS: dict[str, SamplerEntry] = {
@@ -60,34 +60,38 @@ def samplers_for(objective: str) -> tuple[str, ...]:
     return tuple(name for name, entry in SAMPLERS.items() if objective in entry.objectives)
 
 
-def sampler_entry(name: str) -> SamplerEntry:
-    """The table's entry; an unknown name is one UserError listing the table."""
+def sampler_entry(name: str, setting: str = "sampler") -> SamplerEntry:
+    """The table's entry; an unknown name is one UserError listing the table (`setting`: what the
+    caller calls the value)."""
     if name not in SAMPLERS:
-        raise UserError(f"--sampler {name} is unknown; choose {', '.join(SAMPLERS)}")
+        raise UserError(f"{setting} {name} is unknown; choose {', '.join(SAMPLERS)}")
     return SAMPLERS[name]
 
 
-def check_steps(objective: Objective, sampler: str, steps: int) -> None:
-    """The sampler's own rule on the step count, then the objective's schedule (none for adaptive ones)."""
+def check_steps(objective: Objective, sampler: str, steps: int, name: str = "steps") -> None:
+    """The sampler's own rule on the step count, then the objective's schedule (none for adaptive
+    ones); errors call the count `name` (a flag, a config key)."""
     entry = sampler_entry(sampler)
     if entry.adaptive:
         return
     if entry.check_steps is not None:
-        entry.check_steps(steps)
-    objective.check_steps(steps)
+        entry.check_steps(steps, name)
+    objective.check_steps(steps, name)
 
 
-def resolve_sampler(objective: Objective, sampler: str | None, steps: int | None) -> tuple[str, int]:
+def resolve_sampler(objective: Objective, sampler: str | None, steps: int | None,
+                    names: tuple[str, str] = ("sampler", "steps")) -> tuple[str, int]:
     """(sampler, steps) with the objective's and the sampler's defaults filled in; one UserError if
-    the sampler does not fit the objective (naming those that do) or the step count is out of range."""
+    the sampler does not fit the objective (naming those that do) or the step count is out of range.
+    `names`: what the caller calls the two values (sample.py: its flags)."""
     sampler = sampler or objective.default_sampler
     fits = samplers_for(objective.name)
     if sampler not in fits:
         known = "does not fit" if sampler in SAMPLERS else "is unknown for"
-        raise UserError(f"--sampler {sampler} {known} this {objective.name} checkpoint; choose "
+        raise UserError(f"{names[0]} {sampler} {known} this {objective.name} checkpoint; choose "
                         f"{', '.join(fits[:-1])} or {fits[-1]}")
     steps = SAMPLERS[sampler].default_steps if steps is None else int(steps)
-    check_steps(objective, sampler, steps)
+    check_steps(objective, sampler, steps, names[1])
     return sampler, steps
 
 

@@ -29,8 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import UserError
-from .evaluator import is_heldout_part
-from .metric_registry import lower_is_better as is_lower_better
+from .metric_registry import is_heldout_part, lower_is_better as is_lower_better
 from .run_curves import AXES, FLOPS_AXIS, Group, Run, group_runs, load_run
 from .stats import MeanInterval, mean_t_interval
 

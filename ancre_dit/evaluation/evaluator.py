@@ -259,10 +259,3 @@ def format_eval(entry: dict[str, Any]) -> str:
     """One log line: 'step 500: heldout_loss 0.1234, digits_acc/cfg2 0.950, ... (3.2 s)'."""
     values = ", ".join(f"{k} {0.0 if v == 0 else v:.4g}" for k, v in entry["metrics"].items())  # no "-0"
     return f"step {entry['step']}: evaluation {values} ({entry['seconds']:.1f} s)"
-
-
-def is_heldout_part(metric: str) -> bool:
-    """heldout_mse* / heldout_vb*: the terms of heldout_loss, shown in tables but left out of figures
-    and verdicts (heldout_loss stands for them)."""
-    return metric.startswith(("heldout_mse", "heldout_vb"))
-

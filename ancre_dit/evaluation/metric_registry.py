@@ -209,6 +209,12 @@ def lower_is_better(metric: str) -> bool:
                     "its direction is unknown")
 
 
+def is_heldout_part(metric: str) -> bool:
+    """heldout_mse* / heldout_vb*: the terms of heldout_loss, shown in tables but left out of figures
+    and verdicts (heldout_loss stands for them)."""
+    return metric.startswith(("heldout_mse", "heldout_vb"))
+
+
 def value_label(name: str) -> str:
     """How tables print a value ("fid" -> "FID"); the name itself for values outside the table."""
     return reported_values(METRICS).get(name, Value(name, True)).label

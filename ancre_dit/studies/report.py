@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from ..errors import UserError
 from ..evaluation.comparison import (LEVEL, MetricRow, PairedSpeedup, metric_rows, row_summary, step_intervals,
                                      write_curves)
-from ..evaluation.evaluator import is_heldout_part
+from ..evaluation.metric_registry import is_heldout_part
 from ..evaluation.metric_registry import lower_is_better as is_lower_better
 from ..evaluation.run_curves import Group, Run, load_run
 from ..evaluation.stats import MeanInterval

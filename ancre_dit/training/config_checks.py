@@ -187,10 +187,7 @@ def _check_eval_sampling(e: EvalConfig, objective: Objective) -> None:
         raise UserError(f"eval.sampler={sampler} does not fit diffusion.objective={objective.name}; "
                         f"choose {or_list(fits)}")
     steps = SAMPLERS[sampler].default_steps if e.steps is None else e.steps
-    try:
-        check_steps(objective, sampler, steps)
-    except UserError as err:  # worded for sample.py's flags
-        raise UserError(str(err).replace("--steps", "eval.steps", 1)) from None
+    check_steps(objective, sampler, steps, "eval.steps")
 
 
 def _check_eval_metrics(config: Config, paths: _Paths) -> None:

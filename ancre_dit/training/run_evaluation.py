@@ -58,7 +58,8 @@ def record_evaluation(run_dir: Path, result: dict[str, Any], identity: dict[str,
 def plot_run_quality(run_dir: Path, identity: dict[str, Any]) -> Path | None:
     """RUN/quality.png: held-out loss and every sample metric against step, one panel each, for the
     entries with these settings (the loss's parts, mse / vb, stay in evals.jsonl)."""
-    from ..evaluation.evaluator import is_heldout_part, read_evals
+    from ..evaluation.evaluator import read_evals
+    from ..evaluation.metric_registry import is_heldout_part
     from ..figures import plot_panels
 
     series: dict[str, tuple[list, list]] = {}
