@@ -12,9 +12,12 @@ broken only on a rarely taken path is caught too:
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
-from helpers import ROOT as REPO
+import pytest
+from helpers import ROOT as REPO, subprocess_env
 
 PACKAGE = REPO / "ancre_dit"
 TOP_LEVEL_MODULES = {"__init__", "cli", "errors", "files", "hardware", "ranges", "vae"}
@@ -120,3 +123,18 @@ def test_the_rules_catch_a_broken_layer(tmp_path):
     names = imported_names("ancre_dit.models.probe", probe)
     assert "ancre_dit.training.trainer" in names
     assert "training" not in ALLOWED[part_of("ancre_dit.models.probe")]
+
+
+@pytest.mark.slow
+def test_commands_that_need_no_model_start_without_the_model_stack():
+    """`import ancre_dit` and the evaluation's tables load neither timm nor torchvision (seconds of
+    imports at every start of evaluate.py or study.py's status); the model names still resolve."""
+    code = ("import sys, ancre_dit, ancre_dit.cli, ancre_dit.evaluation.metric_registry\n"
+            "heavy = sorted(m for m in ('timm', 'torchvision') if m in sys.modules)\n"
+            "create = ancre_dit.create_model\n"
+            "from ancre_dit import DiT\n"
+            "print(heavy, create.__module__, DiT.__name__)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), cwd=REPO,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[]", "ancre_dit.models.dit", "DiT"], proc.stdout

@@ -25,11 +25,15 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
-from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, has_file_allowed_extension
 
 from ..errors import MissingFileError, UserError
 
-IMAGE_EXTENSIONS: tuple[str, ...] = IMG_EXTENSIONS
+
+def _torchvision_folder():
+    """torchvision's folder rules, imported when a folder is first listed: importing torchvision
+    costs seconds, which commands that read no folder should not pay."""
+    from torchvision.datasets import folder
+    return folder
 
 
 @dataclass
@@ -51,13 +55,15 @@ def list_image_folder(root: str | os.PathLike, require_classes: bool = False) ->
     root = Path(root)
     if not root.is_dir():
         raise MissingFileError(f"{root} is not a folder; pass a folder of images (one subfolder per class for labels)")
+    folder = _torchvision_folder()
+    extensions = folder.IMG_EXTENSIONS
     try:
-        class_names, class_to_idx = find_classes(root)
+        class_names, class_to_idx = folder.find_classes(root)
     except FileNotFoundError:
         class_names, class_to_idx = [], {}
     samples = _class_samples(root, class_to_idx) if class_names else []
     top = sorted(entry.name for entry in os.scandir(root)
-                 if entry.is_file() and has_file_allowed_extension(entry.name, IMAGE_EXTENSIONS))
+                 if entry.is_file() and folder.has_file_allowed_extension(entry.name, extensions))
     if samples and top:
         raise UserError(f"{root} holds images both directly ({top[0]}, ...) and in subfolders; put every image in a "
                         "class subfolder (labelled) or all of them directly in the folder (unlabelled)")
@@ -65,12 +71,12 @@ def list_image_folder(root: str | os.PathLike, require_classes: bool = False) ->
         if top or not class_names:
             raise UserError(f"{root} has no class subfolders of images; pass a folder holding one subfolder "
                             "of images per class")
-        raise MissingFileError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in the class folders of {root}")
+        raise MissingFileError(f"no images ({', '.join(extensions)}) in the class folders of {root}")
     if samples:
         files = [os.path.relpath(path, root) for path, _ in samples]
         return ImageList(root, files, [label for _, label in samples], class_names)
     if not top:
-        raise MissingFileError(f"no image files ({', '.join(IMAGE_EXTENSIONS)}) in {root} or its subfolders")
+        raise MissingFileError(f"no image files ({', '.join(extensions)}) in {root} or its subfolders")
     return ImageList(root, top, None, [])
 
 
@@ -78,6 +84,7 @@ def _class_samples(root: Path, class_to_idx: dict[str, int]) -> list[tuple[str, 
     """torchvision's make_dataset (same files, order and labels), except that symbolic links are
     followed to each real folder and file once: a link back up the tree (a loop) or into another
     class folder is not walked again, so no image is listed twice or under another class's label."""
+    folder_rules = _torchvision_folder()
     class_dirs = {os.path.realpath(root / name) for name in class_to_idx}
     seen_dirs: set[str] = set()
     seen_files: set[str] = set()
@@ -96,7 +103,7 @@ def _class_samples(root: Path, class_to_idx: dict[str, int]) -> list[tuple[str, 
             for fname in sorted(files):
                 path = os.path.join(folder, fname)
                 real = os.path.realpath(path)
-                if has_file_allowed_extension(fname, IMAGE_EXTENSIONS) and real not in seen_files:
+                if folder_rules.has_file_allowed_extension(fname, folder_rules.IMG_EXTENSIONS) and real not in seen_files:
                     seen_files.add(real)
                     samples.append((path, class_to_idx[name]))
     return samples
