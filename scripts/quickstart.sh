@@ -6,15 +6,32 @@
 #   the digits metric every 200 steps, from logs/evals.jsonl), log.txt, logs/ (TensorBoard),
 #   samples.npz + samples.png (the final EMA samples).
 # The recipe (configs/quickstart.yaml): flow matching, 6 ANCRe blocks, 600 steps; about 2.5 minutes on
-# 2 CPU cores once the packages are installed, pip's check included (BENCHMARKS.md, "The quickstart").
+# 2 CPU cores once the packages are installed, pip's check included, which a rerun skips
+# (BENCHMARKS.md, "The quickstart").
 # Extra arguments are config overrides, e.g. `bash scripts/quickstart.sh train.max_steps=500`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=results/quickstart
 
-if [[ "${SKIP_INSTALL:-0}" != 1 ]]; then
+# pip runs unless this python already installed this checkout as pyproject.toml now reads (its
+# check costs about 20 s on a rerun): the stamp records the interpreter, the installed versions of
+# torch and ancre-dit, and pyproject.toml's hash, so any change to those installs again.
+STAMP=results/.installed
+installed_state() {
+  python3 - <<'PY'
+import hashlib, importlib.metadata as md, sys
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "missing"
+print(sys.executable, version("torch"), version("ancre-dit"), hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())
+PY
+}
+if [[ "${SKIP_INSTALL:-0}" != 1 && "$(cat "$STAMP" 2>/dev/null)" != "$(installed_state)" ]]; then
   python3 -m pip install torch==2.14.1 torchvision==0.29.1
   python3 -m pip install -e ".[dev]"
+  mkdir -p results && installed_state > "$STAMP"
 fi
 
 # Both cores: the model's matrix products are large enough for a second thread to pay (1.47x a step).
