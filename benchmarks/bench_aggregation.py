@@ -13,7 +13,7 @@ Forms, all of one `ANCReTopology` (same logits, same inputs), interleaved round 
     compiled   (--compile) the chain under torch.compile (inductor), which fuses it itself
     none       (--block linear) the blocks alone, no skip sums (and none-compiled with --compile)
 
-A whole-model ratio moves by +-7% between rounds on a shared 2-core box; this trunk runs in tens
+A whole-model ratio moves by +-7% between rounds on a 2-core machine with other load; this trunk runs in tens
 of milliseconds, so the forms can be told apart to a few percent. Minor page faults per step are
 counted too: on Linux every fresh multi-MiB tensor is new memory from the kernel.
 

@@ -364,7 +364,7 @@ def main(argv=None) -> None:
     cfg = sizes(args)
     budget = Budget(args.budget_s)
     if args.smoke and device.type == "cpu":
-        torch.set_num_threads(1)  # tiny ops: a second thread only waits (and thrashes on a shared box)
+        torch.set_num_threads(1)  # tiny ops: a second thread only waits (and thrashes beside other load)
     configure_precision(device)
     peak, peak_source = peak_tflops(args, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()}, {os.cpu_count()} cores)"

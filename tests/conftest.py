@@ -19,7 +19,7 @@ Training
                   ``pytestmark = pytest.mark.usefixtures("fresh_accelerate")``) for in-process training.
 
 Processes and threads
-  one_thread      runs the test with one torch thread (faster for tiny models on a shared box, and
+  one_thread      runs the test with one torch thread (faster for tiny models beside other load, and
                   the thread count of a torchrun worker, so results match bit for bit).
   repo_root       the repository root (train.py, sample.py, configs/).
   subprocess_env  environment for a child python: this checkout on PYTHONPATH, one thread, CPU only.

@@ -128,7 +128,7 @@ def subprocess_env() -> dict[str, str]:
 
 @contextmanager
 def one_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread, and two threads spin-wait on a shared 2-core box;
+    """Tiny models run fastest on one thread, and two threads spin-wait on a 2-core machine with other load;
     one thread also makes CPU results equal to those of a torchrun worker (OMP_NUM_THREADS=1)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
