@@ -4,10 +4,11 @@ FLOPs axis of a study's curves)."""
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import Callable
 
 import torch
 
-__all__ = ["count_training_flops"]
+__all__ = ["count_training_flops", "flops_per_training_image"]
 
 
 def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
@@ -32,3 +33,21 @@ def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tenso
         out.float().square().mean().backward()
     model.zero_grad(set_to_none=True)
     return int(counter.get_total_flops())
+
+
+def flops_per_training_image(build: Callable[[str], torch.nn.Module], in_channels: int, input_size: int,
+                             batch: int = 1) -> float:
+    """Training FLOPs (forward + backward) of one image through the model `build(device)` makes,
+    counted on the meta device (shapes only: seconds for any size) when every layer runs there,
+    else on the CPU. The global random state is put back, so counting changes no draw of a run."""
+    def count(device: str) -> float:
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            model = build(device).train()
+            x = torch.zeros(batch, in_channels, input_size, input_size)
+            t, y = torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
+            return count_training_flops(model, x, t, y, autocast_dtype=None) / batch
+
+    try:
+        return count("meta")
+    except (RuntimeError, NotImplementedError):  # a layer with no meta kernel (mHC's autocast region)
+        return count("cpu")

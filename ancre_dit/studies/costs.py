@@ -33,32 +33,20 @@ def flops_per_image(model_spec: dict[str, Any], topology_state: dict[str, Any] |
     `topology.*` tensors of its checkpoint (checkpoint.build_model). Counted on the meta device
     (shapes only, no arithmetic: seconds for any size); a topology whose code needs real tensors is
     counted on the CPU."""
+    from ..checkpoint import build_model
+    from ..models.flops import flops_per_training_image
+
     key = json.dumps(model_spec["model"], sort_keys=True)
     if key not in _COUNTED:
-        try:
-            _COUNTED[key] = _count(model_spec, topology_state, "meta")
-        except (RuntimeError, NotImplementedError):
-            _COUNTED[key] = _count(model_spec, topology_state, "cpu")
+        kwargs = model_spec["model"]["kwargs"]
+
+        def build(device: str):
+            state = None if topology_state is None else {k: v.to(device) for k, v in topology_state.items()}
+            return build_model(model_spec, state)
+
+        _COUNTED[key] = flops_per_training_image(build, int(kwargs.get("in_channels", 4)),
+                                                 int(kwargs.get("input_size", 32)), batch=MICRO_BATCH)
     return _COUNTED[key]
-
-
-def _count(model_spec: dict[str, Any], topology_state: dict[str, Any] | None, device: str) -> float:
-    import torch
-
-    from ..checkpoint import build_model
-    from ..models.flops import count_training_flops
-
-    kwargs = dict(model_spec["model"]["kwargs"])
-    torch.manual_seed(0)
-    size, channels = int(kwargs.get("input_size", 32)), int(kwargs.get("in_channels", 4))
-    classes = int(kwargs.get("num_classes", 1000))
-    state = None if topology_state is None else {k: v.to(device) for k, v in topology_state.items()}
-    with torch.device(device):
-        model = build_model(model_spec, state).train()
-        x = torch.randn(MICRO_BATCH, channels, size, size)
-        t = torch.full((MICRO_BATCH,), 500, dtype=torch.long)
-        y = torch.arange(MICRO_BATCH) % max(1, classes)
-    return count_training_flops(model, x, t, y, autocast_dtype=None) / MICRO_BATCH
 
 
 def _saved_model(run_dirs: Sequence[Path]) -> tuple[dict[str, Any], dict[str, Any]] | None:

@@ -1,7 +1,6 @@
 """The network a training config builds: create_model's keyword arguments from the config's model
 section and the data's shape (one function, so what a run trains and what a study's cost estimate
-counts, ancre_dit.studies.costs, are the same model), its training FLOPs per image, and the
-optimizer's parameter groups."""
+counts, ancre_dit.studies.costs, are the same model), and the optimizer's parameter groups."""
 from __future__ import annotations
 
 from typing import Any
@@ -24,28 +23,6 @@ def model_kwargs(m: ModelConfig, input_size: int, in_channels: int, num_classes:
     kwargs.update({key: getattr(m, key) for key, default in {**BLOCK_DEFAULTS, **AGGREGATION_DEFAULTS}.items()
                    if getattr(m, key) != default})
     return kwargs
-
-
-def training_flops_per_image(model_name: str, kwargs: dict[str, Any], in_channels: int, input_size: int) -> float:
-    """Training FLOPs (forward + backward) of one image of this model, counted on a copy: on the meta
-    device (no compute) where every layer runs there, else one image on the CPU. The random state is
-    put back, so counting changes no draw of the run."""
-    import torch
-
-    from ..models import create_model
-    from ..models.flops import count_training_flops
-
-    def count(device: str) -> float:
-        with torch.random.fork_rng(devices=[]), torch.device(device):
-            model = create_model(model_name, **kwargs)
-            x = torch.zeros(1, in_channels, input_size, input_size)
-            t, y = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
-            return float(count_training_flops(model, x, t, y, autocast_dtype=None))
-
-    try:
-        return count("meta")
-    except (RuntimeError, NotImplementedError):  # a layer with no meta kernel (mHC's autocast region)
-        return count("cpu")
 
 
 def param_groups(model, weight_decay_of_routing: float, extra=None) -> tuple[list[dict[str, Any]], int | None]:

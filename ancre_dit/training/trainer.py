@@ -31,6 +31,7 @@ from ..errors import UserError
 from ..hardware import configure_precision, peak_tflops
 from ..diffusion import build_objective
 from ..models import create_model
+from ..models.flops import flops_per_training_image
 from ..models.topologies.analysis import check_entropy_topology, topology_entropy
 from ..checkpoint import WEIGHT_FILES, make_model_spec, save_safetensors, write_model_files
 from ..checkpoint import load_safetensors_checked
@@ -40,7 +41,7 @@ from .config_checks import check_batch_layout, diffusion_spec
 from .config_schema import Config
 from .agreement import agree_on_resume
 from .ema import ema_update_
-from .model_setup import model_kwargs, param_groups, training_flops_per_image
+from .model_setup import model_kwargs, param_groups
 from .guards import NonFiniteGuard
 from .stopping import StopAgreement, StopSignals
 from .periodic import RunContext, TrainProgress, build_tasks, topology_matrix, write_topology_files
@@ -157,7 +158,8 @@ class Trainer:
                                                                              c.train.seed, position))
         self.stop_agreement = StopAgreement(acc.num_processes, c.train.stop_check_every)
         self._signals: StopSignals | None = None
-        self.flops_per_image = training_flops_per_image(c.model.name, self.model_kwargs, d.in_channels, d.input_size)
+        self.flops_per_image = flops_per_training_image(lambda device: create_model(c.model.name, **self.model_kwargs),
+                                                        d.in_channels, d.input_size)
         self.peak_tflops, self.peak_source = peak_tflops(acc.device, c.train.peak_tflops)
         learnable_topology = any(True for _ in self.raw_model.topology.parameters())
         self.metrics = MetricsLog(acc, self.run_dir, c.train.global_batch_size, self.flops_per_image, self.peak_tflops,
