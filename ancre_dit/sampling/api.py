@@ -50,11 +50,13 @@ class SamplingPlan:
 
 def plan_sampling(model: torch.nn.Module, objective: ObjectiveLike, *, sampler: str | None = None,
                   steps: int | None = None, guidance: Guidance = Guidance(), precision: str = "fp32",
-                  sde: SDEOptions = SDEOptions(), compile: bool = False) -> SamplingPlan:
-    """Checks the flags once; sampler and steps default to the objective's (DDPM: ddpm-250; flow: heun-25).
-    `compile`: torch.compile the network with static shapes (feed it batches of one size)."""
+                  sde: SDEOptions = SDEOptions(), compile: bool = False,
+                  names: tuple[str, str] = ("sampler", "steps")) -> SamplingPlan:
+    """Checks the settings once; sampler and steps default to the objective's (DDPM: ddpm-250; flow:
+    heun-25), and errors call them `names` (sample.py: its flags). `compile`: torch.compile the
+    network with static shapes (feed it batches of one size)."""
     objective = build_objective(objective)
-    sampler, steps = resolve_sampler(objective, sampler, steps)
+    sampler, steps = resolve_sampler(objective, sampler, steps, names)
     net = unwrap_model(model)
     denoiser = GuidedDenoiser(net, guidance, precision, objective.normalized_time, compile=compile)
     return SamplingPlan(net, objective, sampler, steps, denoiser, sde)

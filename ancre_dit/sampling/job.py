@@ -24,7 +24,7 @@ from tqdm import tqdm
 from ..checkpoint import load_trained_model
 from ..cli import job_processes
 from ..data.adm_npz import load_adm_npz, save_adm_npz
-from ..diffusion import SAMPLERS, SDEOptions, build_objective, resolve_sampler
+from ..diffusion import SAMPLERS, SDEOptions
 from ..errors import UserError
 from ..files import write_atomic
 from ..hardware import configure_precision
@@ -198,10 +198,8 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
     log = print if is_main else (lambda *a, **k: None)
     num_classes = int(model.num_classes)
     check_protocol_fits(s.protocol, spec, int(model.in_channels))
-    # The sampler and steps, under the flags' names (the library names the values alone).
-    sampler, steps = resolve_sampler(build_objective(spec["diffusion"]), s.sampler, s.steps, ("--sampler", "--steps"))
-    plan = plan_sampling(model, spec["diffusion"], sampler=sampler, steps=steps, guidance=guidance,
-                         precision=s.precision, sde=sde_options(s), compile=s.compile)
+    plan = plan_sampling(model, spec["diffusion"], sampler=s.sampler, steps=s.steps, guidance=guidance,
+                         precision=s.precision, sde=sde_options(s), compile=s.compile, names=("--sampler", "--steps"))
     s = replace(s, sampler=plan.sampler, steps=plan.steps)  # the defaults resolved, for the log and the job identity
     if s.classes is not None:
         s = replace(s, classes=check_classes(s.classes, num_classes))

@@ -14,6 +14,7 @@ is not part of it: the sampled model files stay what they are without REPA.
 """
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -231,8 +232,6 @@ def build_repa(cfg: RepaConfig, model: nn.Module, input_size: int, device: torch
 def check_resume(folder: Path, state: dict[str, Any], repa: RepaAlignment | None, cfg: RepaConfig) -> None:
     """Before a resume: the checkpoint was trained with REPA exactly when this config uses it, with the
     same settings and projector shapes; one line naming the difference otherwise."""
-    import json
-
     with_repa = (folder / RepaAlignment.PROJECTOR_FILE).is_file()
     run_config = folder.parent.parent / "config.yaml"
     if with_repa != (repa is not None):
