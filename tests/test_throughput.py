@@ -10,7 +10,7 @@ from helpers import TINY_DIT, TINY_NAME, reset_accelerate, tiny_config
 
 from ancre_dit import create_model
 from ancre_dit.hardware import peak_tflops
-from ancre_dit.models.flops import count_training_flops
+from ancre_dit.models.flops import count_training_flops, flops_per_training_image
 from ancre_dit.training import Trainer
 
 
@@ -39,3 +39,20 @@ def test_metrics_carry_the_rate_per_process_and_the_mfu(tmp_path):
 def test_the_peak_comes_from_the_device_table_or_the_setting():
     assert peak_tflops("cpu") == (None, "no peak known for a CPU: set it to get an MFU")
     assert peak_tflops("cpu", 123.0) == (123.0, "given")
+
+
+@pytest.mark.parametrize("topology", ["hc", "mhc", "ancre"])
+def test_the_count_runs_on_the_meta_device_and_equals_the_real_models(topology):
+    # HC and mHC leave autocast in their fp32 regions; the meta device has none to leave.
+    kwargs = dict(TINY_DIT, topology=topology, learn_sigma=True)
+    devices = []
+
+    def build(device):
+        devices.append(device)
+        return create_model(TINY_NAME, **kwargs)
+
+    counted = flops_per_training_image(build, TINY_DIT["in_channels"], TINY_DIT["input_size"], batch=2)
+    x = torch.randn(2, TINY_DIT["in_channels"], TINY_DIT["input_size"], TINY_DIT["input_size"])
+    real = count_training_flops(create_model(TINY_NAME, **kwargs), x, torch.tensor([10, 20]), torch.tensor([1, 2]),
+                                autocast_dtype=None)
+    assert devices == ["meta"] and counted == real / 2 > 0

@@ -41,13 +41,14 @@ def flops_per_training_image(build: Callable[[str], torch.nn.Module], in_channel
     counted on the meta device (shapes only: seconds for any size) when every layer runs there,
     else on the CPU. The global random state is put back, so counting changes no draw of a run."""
     def count(device: str) -> float:
-        with torch.random.fork_rng(devices=[]), torch.device(device):
-            model = build(device).train()
-            x = torch.zeros(batch, in_channels, input_size, input_size)
-            t, y = torch.zeros(batch, dtype=torch.long), torch.zeros(batch, dtype=torch.long)
+        with torch.random.fork_rng(devices=[]):
+            with torch.device(device):  # built there; run outside, where no mode sees every op
+                model = build(device).train()
+            x = torch.zeros(batch, in_channels, input_size, input_size, device=device)
+            t = y = torch.zeros(batch, dtype=torch.long, device=device)
             return count_training_flops(model, x, t, y, autocast_dtype=None) / batch
 
     try:
         return count("meta")
-    except (RuntimeError, NotImplementedError):  # a layer with no meta kernel (mHC's autocast region)
+    except (RuntimeError, NotImplementedError):  # a layer with no meta kernel
         return count("cpu")

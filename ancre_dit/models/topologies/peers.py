@@ -16,6 +16,7 @@ matrix: `probabilities()` raises `TopologyNotDefined`, which callers that draw h
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from functools import partial
 from typing import Callable
 
@@ -29,6 +30,15 @@ from ...errors import UserError
 from ...ranges import Rule
 from .base import ResidualTopology, TopologyNotDefined
 from .registry import TopologyOption, register_topology
+
+
+def autocast_off(device: torch.device):
+    """A region that runs in the tensors' own dtype under the caller's autocast. The meta device has
+    no autocast to leave (counting FLOPs there, shapes only), so there it is a plain region."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return nullcontext()
+
 
 # mHC's paper does not fix an initialisation; ours puts this much weight off the HC-style choice
 # (stream l mod n as the branch input, identity stream mixing), see ManifoldHyperConnectionTopology.
@@ -170,7 +180,7 @@ class HyperConnectionTopology(_StreamTopology):
     def _sublayer(self, l, H, branch, mod):
         # The coefficients and the stream mixing in fp32 with autocast off, as mHC's: under bf16
         # autocast the einsums would round every stream to bf16 at every sublayer.
-        with torch.autocast(device_type=H.device.type, enabled=False):
+        with autocast_off(H.device):
             a_m, a_r, b = self.coefficients(l, H)
             if self.dynamic:
                 x = torch.einsum("...sd,...s->...d", H, a_m)
@@ -179,7 +189,7 @@ class HyperConnectionTopology(_StreamTopology):
                 x = torch.einsum("...sd,s->...d", H, a_m)
                 mixed = torch.einsum("...sd,sr->...rd", H, a_r)
         out = branch(x, *mod)
-        with torch.autocast(device_type=H.device.type, enabled=False):
+        with autocast_off(H.device):
             return mixed + b.unsqueeze(-1) * out.to(mixed.dtype).unsqueeze(-2)
 
     fp32_streams = True
@@ -263,7 +273,7 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
     def coefficients(self, l: int, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """fp32 (H_pre (..., n), H_post (..., n), H_res (..., n, n)) of sublayer l for streams H (..., n, d)."""
         n = self.streams
-        with torch.autocast(device_type=H.device.type, enabled=False):
+        with autocast_off(H.device):
             x = F.rms_norm(H.float().flatten(-2), (H.shape[-2] * H.shape[-1],), eps=1e-6)
             z = x @ self.phi[l].float()
             a_pre, a_post, a_res = self.alpha[l].float()
@@ -275,10 +285,10 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
 
     def _sublayer(self, l, H, branch, mod):
         pre, post, res = self.coefficients(l, H)
-        with torch.autocast(device_type=H.device.type, enabled=False):
+        with autocast_off(H.device):
             x = torch.einsum("...s,...sd->...d", pre, H)
         out = branch(x, *mod)
-        with torch.autocast(device_type=H.device.type, enabled=False):
+        with autocast_off(H.device):
             return torch.einsum("...rs,...sd->...rd", res, H) + post.unsqueeze(-1) * out.float().unsqueeze(-2)
 
     fp32_streams = True
