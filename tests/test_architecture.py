@@ -128,11 +128,15 @@ def test_the_rules_catch_a_broken_layer(tmp_path):
 @pytest.mark.slow
 def test_commands_that_need_no_model_start_without_the_model_stack():
     """`import ancre_dit` and the evaluation's tables load neither timm nor torchvision (seconds of
-    imports at every start of evaluate.py or study.py's status); the model names still resolve."""
+    imports at every start of evaluate.py or study.py's status), the digits load without
+    scikit-learn; the model names still resolve."""
     code = ("import sys, ancre_dit, ancre_dit.cli, ancre_dit.evaluation.metric_registry\n"
             "heavy = sorted(m for m in ('timm', 'torchvision') if m in sys.modules)\n"
             "create = ancre_dit.create_model\n"
             "from ancre_dit import DiT\n"
+            "from ancre_dit.data.digits import DigitsDataset\n"
+            "DigitsDataset('train'), DigitsDataset('heldout')\n"
+            "heavy += ['sklearn'] if 'sklearn' in sys.modules else []  # the digits load without it\n"
             "print(heavy, create.__module__, DiT.__name__)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), cwd=REPO,
                           timeout=120)

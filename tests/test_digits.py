@@ -8,7 +8,7 @@ from helpers import tiny_model
 from sklearn.datasets import load_digits
 
 from ancre_dit.data.adm_npz import to_uint8
-from ancre_dit.data.digits import DIGITS_IMAGE_SIZE, DIGITS_NUM_CLASSES, DigitsDataset
+from ancre_dit.data.digits import DIGITS_IMAGE_SIZE, DIGITS_NUM_CLASSES, HELDOUT_INDICES, DigitsDataset
 from ancre_dit.diffusion.gaussian import create_diffusion
 
 
@@ -37,6 +37,22 @@ def test_split_is_fixed():
     assert torch.equal(first.images, second.images)
     # a change of the seeded split would change every held-out number ever reported
     assert first.indices[:5].tolist() == [24, 28, 35, 37, 39]
+
+
+def test_the_data_and_the_split_are_scikit_learns():
+    """The digits are read from scikit-learn's file without importing it, and the held-out split is
+    written out: both must be what load_digits and the seeded stratified split give."""
+    from sklearn.model_selection import train_test_split
+
+    raw = load_digits()
+    _, heldout = train_test_split(np.arange(len(raw.target)), test_size=0.1, random_state=0, stratify=raw.target)
+    assert sorted(heldout.tolist()) == list(HELDOUT_INDICES)
+    train, held = DigitsDataset("train"), DigitsDataset("heldout")
+    assert held.indices.tolist() == list(HELDOUT_INDICES)
+    assert sorted(train.indices.tolist() + held.indices.tolist()) == list(range(len(raw.target)))
+    for ds in (train, held):
+        assert torch.equal(ds.images[:, 0], torch.from_numpy(raw.images.astype(np.float32)[ds.indices] / 16.0 * 2.0 - 1.0))
+        assert ds.labels.tolist() == raw.target[ds.indices].tolist()
 
 
 def test_unknown_split_is_one_clear_error():
