@@ -8,7 +8,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from .canvas import plt, save_figure
+from .canvas import save_figure, subplots
 
 Curve = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # x, mean, std (None: a single run)
 
@@ -19,7 +19,7 @@ def plot_panels(panels: dict[str, dict[str, Curve]], path: str | Path, xlabel: s
     names = list(panels)
     cols = min(3, len(names))
     rows = math.ceil(len(names) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
     labels = list(dict.fromkeys(label for curves in panels.values() for label in curves))
     colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     for ax, name in zip(axes.flat, names):

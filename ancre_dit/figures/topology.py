@@ -13,7 +13,7 @@ from typing import Mapping
 import numpy as np
 
 from ..models.topologies.analysis import square_topology
-from .canvas import plt, save_figure
+from .canvas import save_figure, subplots
 
 
 def plot_topology_heatmap(P, path: str | Path, title: str | None = None) -> Path:
@@ -25,7 +25,7 @@ def plot_topology_heatmap(P, path: str | Path, title: str | None = None) -> Path
     K = P.shape[0]
     masked = np.ma.masked_where(np.triu(np.ones_like(P, dtype=bool), k=1), P)
     size = max(4.0, 0.45 * K + 2.0)
-    fig, ax = plt.subplots(figsize=(size + 1.0, size))
+    fig, ax = subplots(figsize=(size + 1.0, size))
     image = ax.imshow(masked, cmap="viridis", vmin=0.0, vmax=max(1e-12, float(np.nanmax(P))), interpolation="nearest")
     fig.colorbar(image, ax=ax, label="p_ij")
     ticks = np.arange(K)
@@ -66,7 +66,7 @@ def plot_topology_panels(topologies: Mapping[str, object], path: str | Path, tit
     vmax = max(1e-12, max(float(np.nanmax(P)) for P in mats.values()))
     cols = min(max_columns, len(mats))
     rows = -(-len(mats) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols + 0.8, 2.6 * rows + (0.4 if title else 0.0)),
+    fig, axes = subplots(rows, cols, figsize=(2.6 * cols + 0.8, 2.6 * rows + (0.4 if title else 0.0)),
                              squeeze=False)
     image = None
     for ax, (name, P) in zip(axes.flat, mats.items()):
@@ -89,11 +89,10 @@ def save_topology_gif(topologies: Mapping[str, object], path: str | Path, second
     vmax = max(1e-12, max(float(np.nanmax(P)) for P in mats.values()))
     frames = []
     for name, P in mats.items():
-        fig, ax = plt.subplots(figsize=(4.2, 3.6))
+        fig, ax = subplots(figsize=(4.2, 3.6))
         fig.colorbar(_draw_topology(ax, P, vmax, name), ax=ax, label="p_ij")
         fig.canvas.draw()
         frames.append(Image.fromarray(np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()))
-        plt.close(fig)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     frames[0].save(path, save_all=True, append_images=frames[1:], duration=int(1000 * seconds_per_frame), loop=0)

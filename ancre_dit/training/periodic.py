@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import UserError
+from ..files import write_atomic
 from ..models import TopologyNotDefined, save_topology_json
 from . import checkpointing as ckpt
 from .config import Config
@@ -302,9 +303,8 @@ def write_topology_files(folder: Path, run_dir: Path, ema_model: torch.nn.Module
     for target in (folder, run_dir):
         save_topology_json(target / "topology.json", P, **extra)
     from ..figures import plot_topology_heatmap
-    title = f"{topology} topology (EMA), step {step}"
-    for target in (folder, run_dir):
-        plot_topology_heatmap(P, target / "topology.png", title=title)
+    heatmap = plot_topology_heatmap(P, folder / "topology.png", title=f"{topology} topology (EMA), step {step}")
+    write_atomic(run_dir / "topology.png", heatmap.read_bytes())  # drawn once, copied: drawing is the slow part
 
 
 def topology_matrix(model: torch.nn.Module) -> torch.Tensor | None:
