@@ -24,8 +24,8 @@ DIGITS_SPLITS = ("train", "heldout")
 _MAX_PIXEL = 16.0
 
 # The held-out 10%: scikit-learn's train_test_split(arange(1797), test_size=0.1, random_state=0,
-# stratify=labels), sorted. Written out because importing scikit-learn costs a training process
-# seconds of start-up; tests/test_digits.py checks it against scikit-learn. Changing it changes
+# stratify=labels), sorted. Written out because importing scikit-learn is a slow part of a training
+# process's start-up; tests/test_digits.py checks it against scikit-learn. Changing it changes
 # every held-out number reported: keep it fixed.
 HELDOUT_INDICES = tuple(int(i) for i in """
     24 28 35 37 39 57 77 78 87 99 102 103 105 110 131 132 148 159 170 186 188 197 202 211 214 245 252 283
@@ -49,8 +49,8 @@ def _split_indices() -> dict[str, np.ndarray]:
 @lru_cache(maxsize=1)
 def _all_digits() -> tuple[np.ndarray, np.ndarray]:
     """(images float32 (1797, 8, 8) in 0..16, labels int64), as sklearn.datasets.load_digits gives
-    them. Read from the file scikit-learn ships, without importing scikit-learn (seconds of
-    start-up); load_digits itself where that file is not where it has always been."""
+    them. Read from the file scikit-learn ships, without importing scikit-learn (a slow import);
+    load_digits itself where that file is not where it has always been."""
     sklearn = importlib.util.find_spec("sklearn")  # finds the package without importing it
     path = Path(sklearn.origin).parent / "datasets" / "data" / "digits.csv.gz" if sklearn and sklearn.origin else None
     if path is None or not path.is_file():

@@ -1,8 +1,7 @@
 """The one place matplotlib is set up: figures drawn by Agg without pyplot, and saving one to a path.
 
-pyplot is not imported: its import (backend selection, the figure manager) costs a second in every
-process that draws, which is every training run at its first checkpoint, and a figure that pyplot
-never saw needs no closing."""
+pyplot is not imported: its import (backend selection, the figure manager) is slow, every training
+run draws at its first checkpoint, and a figure that pyplot never saw needs no closing."""
 from __future__ import annotations
 
 from pathlib import Path
