@@ -35,11 +35,17 @@ def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tenso
     return int(counter.get_total_flops())
 
 
+# Below this many parameters x input pixels x images, real arithmetic on the CPU is cheaper than the
+# meta device's kernels (written in Python, op by op): small models are counted on the CPU.
+CPU_COUNT_LIMIT = 1e9
+
+
 def flops_per_training_image(build: Callable[[str], torch.nn.Module], in_channels: int, input_size: int,
-                             batch: int = 1) -> float:
-    """Training FLOPs (forward + backward) of one image through the model `build(device)` makes,
-    counted on the meta device (shapes only: seconds for any size) when every layer runs there,
-    else on the CPU. The global random state is put back, so counting changes no draw of a run."""
+                             batch: int = 1, device: str | None = None) -> float:
+    """Training FLOPs (forward + backward) of one image through the model `build(device)` makes.
+    `device` None: a large model is counted on the meta device (shapes only, no arithmetic: seconds
+    for any size), a small one, or one with a layer that has no meta kernel, on the CPU. The global
+    random state is put back, so counting changes no draw of a run."""
     def count(device: str) -> float:
         with torch.random.fork_rng(devices=[]):
             with torch.device(device):  # built there; run outside, where no mode sees every op
@@ -48,7 +54,13 @@ def flops_per_training_image(build: Callable[[str], torch.nn.Module], in_channel
             t = y = torch.zeros(batch, dtype=torch.long, device=device)
             return count_training_flops(model, x, t, y, autocast_dtype=None) / batch
 
+    if device is not None:
+        return count(device)
     try:
-        return count("meta")
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            size = sum(p.numel() for p in build("meta").parameters()) * input_size ** 2 * batch
+        if size >= CPU_COUNT_LIMIT:
+            return count("meta")
     except (RuntimeError, NotImplementedError):  # a layer with no meta kernel
-        return count("cpu")
+        pass
+    return count("cpu")
