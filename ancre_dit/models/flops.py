@@ -46,21 +46,22 @@ def flops_per_training_image(build: Callable[[str], torch.nn.Module], in_channel
     `device` None: a large model is counted on the meta device (shapes only, no arithmetic: seconds
     for any size), a small one, or one with a layer that has no meta kernel, on the CPU. The global
     random state is put back, so counting changes no draw of a run."""
-    def count(device: str) -> float:
-        with torch.random.fork_rng(devices=[]):
-            with torch.device(device):  # built there; run outside, where no mode sees every op
-                model = build(device).train()
-            x = torch.zeros(batch, in_channels, input_size, input_size, device=device)
-            t = y = torch.zeros(batch, dtype=torch.long, device=device)
-            return count_training_flops(model, x, t, y, autocast_dtype=None) / batch
+    def built(device: str) -> torch.nn.Module:
+        with torch.device(device):
+            return build(device).train()
 
-    if device is not None:
-        return count(device)
-    try:
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            size = sum(p.numel() for p in build("meta").parameters()) * input_size ** 2 * batch
-        if size >= CPU_COUNT_LIMIT:
-            return count("meta")
-    except (RuntimeError, NotImplementedError):  # a layer with no meta kernel
-        pass
-    return count("cpu")
+    def count(model: torch.nn.Module, device: str) -> float:  # run outside the device context: no mode sees every op
+        x = torch.zeros(batch, in_channels, input_size, input_size, device=device)
+        t = y = torch.zeros(batch, dtype=torch.long, device=device)
+        return count_training_flops(model, x, t, y, autocast_dtype=None) / batch
+
+    with torch.random.fork_rng(devices=[]):  # the build's initialisation and the forward's label dropout
+        if device is not None:
+            return count(built(device), device)
+        try:
+            model = built("meta")
+            if sum(p.numel() for p in model.parameters()) * input_size ** 2 * batch >= CPU_COUNT_LIMIT:
+                return count(model, "meta")
+        except (RuntimeError, NotImplementedError):  # a layer with no meta kernel
+            pass
+        return count(built("cpu"), "cpu")

@@ -3,11 +3,12 @@ topologies) can be compared at equal compute, not only at equal steps, and price
 runs (`study.py run --dry-run`: GPU-hours at a stated MFU and GPU peak).
 
 Counted once per model config (`ancre_dit.models.flops.count_training_flops`: network forward +
-backward, matrix products only) on the meta device, fp32, with a micro-batch of two images, from the
-model spec of one of the arm's checkpoints (the exact model the run trained, data shape included,
-rebuilt as sampling rebuilds it) or, before any, of its config; then scaled to a step: per image x train.global_batch_size. Optimizer,
-EMA and the recomputation of train.grad_checkpointing are not in it. The report's counts are cached
-in `<out>/flops.json`, keyed by the model spec.
+backward, matrix products only; `models.flops.flops_per_training_image` picks the meta device or the
+CPU), fp32, with a micro-batch of two images, from the model spec of one of the arm's checkpoints
+(the exact model the run trained, data shape included, rebuilt as sampling rebuilds it) or, before
+any, of its config; then scaled to a step: per image x train.global_batch_size. Optimizer, EMA and
+the recomputation of train.grad_checkpointing are not in it. The report's counts are cached in
+`<out>/flops.json`, keyed by the model spec.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ _COUNTED: dict[str, float] = {}  # per process: a study's arms and seeds share a
 def flops_per_image(model_spec: dict[str, Any], topology_state: dict[str, Any] | None = None) -> float:
     """Training FLOPs of one image through the model a model spec describes; `topology_state`: the
     `topology.*` tensors of its checkpoint (checkpoint.build_model). Counted on the meta device
-    (shapes only, no arithmetic: seconds for any size); a topology whose code needs real tensors is
-    counted on the CPU."""
+    (shapes only, no arithmetic) for a large model, on the CPU for a small one or a topology whose
+    code needs real tensors (`models.flops.flops_per_training_image`)."""
     from ..checkpoint import build_model
     from ..models.flops import flops_per_training_image
 
