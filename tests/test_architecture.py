@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT as REPO, subprocess_env
+from helpers import ROOT as REPO, TINY_TRAIN, subprocess_env
 
 PACKAGE = REPO / "ancre_dit"
 TOP_LEVEL_MODULES = {"__init__", "cli", "errors", "files", "hardware", "ranges", "vae"}
@@ -142,3 +142,21 @@ def test_commands_that_need_no_model_start_without_the_model_stack():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["[]", "ancre_dit.models.dit", "DiT"], proc.stdout
+
+
+@pytest.mark.slow
+def test_training_the_2022_dit_block_loads_neither_timm_nor_torchvision(tmp_path):
+    """The DiT block's layers and the EMA are ours, so a training process (and every torchrun rank)
+    starts without timm and torchvision; the LightningDiT switches still bring timm in."""
+    overrides = [*TINY_TRAIN, f"run_dir={tmp_path / 'run'}", "train.max_steps=2"]
+    code = ("import sys\n"
+            "from ancre_dit.training import Trainer, load_config\n"
+            f"Trainer(load_config(None, {overrides!r})).run()\n"
+            "print(sorted(m for m in ('timm', 'torchvision') if m in sys.modules))\n"
+            "from ancre_dit.models.layers import make_mlp\n"
+            "make_mlp('swiglu', 8, 4.0)\n"
+            "print('timm' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), cwd=REPO,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[-3:] == ["[]", "True", ""], proc.stdout

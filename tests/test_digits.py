@@ -120,6 +120,22 @@ def test_sample_grid_png_holds_the_images(tmp_path):
         save_image_grid(images[0], tmp_path / "bad.png")
 
 
+@pytest.mark.parametrize("count, channels, nrow", [(10, 1, 5), (7, 3, 3), (3, 3, 8), (40, 1, 8)])
+def test_sample_grid_png_is_torchvisions(tmp_path, count, channels, nrow):
+    """The grid is torchvision's make_grid + save_image pixel for pixel: padding, grey as RGB, an
+    unfilled last row, the upscale of small images."""
+    from PIL import Image
+    from torchvision.utils import make_grid, save_image
+
+    from ancre_dit.figures import save_image_grid
+
+    images = torch.rand(count, channels, 8, 8, generator=torch.Generator().manual_seed(count)) * 2 - 1
+    ours = np.asarray(Image.open(save_image_grid(images, tmp_path / "ours.png", nrow=nrow)))
+    upscaled = torch.nn.functional.interpolate((images + 1) / 2, scale_factor=8, mode="nearest")
+    save_image(make_grid(upscaled, nrow=nrow, padding=8, pad_value=0.5), str(tmp_path / "theirs.png"))
+    np.testing.assert_array_equal(ours, np.asarray(Image.open(tmp_path / "theirs.png")))
+
+
 def test_topology_summary_and_heatmap(tmp_path):
     from PIL import Image
 

@@ -116,6 +116,27 @@ def test_checkpoint_files_rebuild_the_ema_model_and_keep_last_prunes(tmp_path):
     assert list((run / "logs").rglob("events.out.tfevents*")), "no TensorBoard events"
 
 
+@pytest.mark.parametrize("warmup", [False, True])
+def test_ema_copies_the_model_and_follows_timms_schedule(warmup):
+    """The EMA's decay per update is timm ModelEmaV3's (with warm-up its 1 - (1 + n)^(-2/3) ramp
+    capped at the set decay), so paired and resumed runs average as they did with timm's."""
+    from timm.utils import ModelEmaV3
+
+    from ancre_dit.training.ema import EMA, ema_update_
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    ours, theirs = EMA(model, 0.999, warmup=warmup), ModelEmaV3(model, decay=0.999, use_warmup=warmup)
+    assert not ours.module.training and not any(p.requires_grad for p in ours.module.parameters())
+    assert [ours.decay(n) for n in range(3000)] == [theirs.get_decay(n + 1 if warmup else None) for n in range(3000)]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    model.train()(torch.randn(5, 3))  # moves the BatchNorm statistics and its step counter
+    ema_update_(ours, model, 7, None)
+    theirs.update(model, 8 if warmup else None)
+    for k, v in ours.module.state_dict().items():
+        torch.testing.assert_close(v, theirs.module.state_dict()[k], rtol=0, atol=1e-7, msg=k)
+
+
 def test_sigterm_writes_a_checkpoint(tmp_path):
     run = tmp_path / "run"
     overrides = [*TINY_TRAIN, f"run_dir={run}", "train.max_steps=100000", "train.ckpt_every=100000"]

@@ -1,21 +1,33 @@
 """The one place matplotlib is set up: figures drawn by Agg without pyplot, and saving one to a path.
 
 pyplot is not imported: its import (backend selection, the figure manager) is slow, every training
-run draws at its first checkpoint, and a figure that pyplot never saw needs no closing."""
+run draws at its first checkpoint, and a figure that pyplot never saw needs no closing. matplotlib
+itself is imported at the first figure, so that a command drawing only sample grids never loads it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from matplotlib import colormaps
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+if TYPE_CHECKING:
+    from matplotlib.colors import Colormap
+    from matplotlib.figure import Figure
 
 
 def subplots(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float] | None = None, **kwargs):
     """(figure, axes) as `matplotlib.pyplot.subplots` returns them, on an Agg canvas."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=figsize)
     FigureCanvasAgg(fig)
     return fig, fig.subplots(nrows, ncols, **kwargs)
+
+
+def colormap(name: str) -> Colormap:
+    """matplotlib's colormap `name` ("viridis", ...)."""
+    from matplotlib import colormaps
+
+    return colormaps[name]
 
 
 def save_figure(fig: Figure, path: str | Path, dpi: int = 120) -> Path:
@@ -26,4 +38,4 @@ def save_figure(fig: Figure, path: str | Path, dpi: int = 120) -> Path:
     return path
 
 
-__all__ = ["colormaps", "save_figure", "subplots"]
+__all__ = ["colormap", "save_figure", "subplots"]

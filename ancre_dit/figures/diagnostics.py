@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .canvas import colormaps, save_figure, subplots
+from .canvas import colormap, save_figure, subplots
 
 PROFILES = (("rms", "forward: RMS of z_k", True), ("grad_rms", "backward: RMS of dL/dz_k", True),
             ("cosine", "redundancy: cos(z_k, z_k+1)", False))
@@ -24,7 +24,7 @@ def plot_diagnostics(records: Sequence[dict[str, Any]], path: str | Path, snapsh
     rows = 2 if routed else 1
     fig, axes = subplots(rows, 3, figsize=(13.5, 3.6 * rows), squeeze=False)
     picks = sorted({int(i) for i in np.linspace(0, len(records) - 1, min(snapshots, len(records)))})
-    colours = colormaps["viridis"](np.linspace(0.85, 0.0, len(picks)))
+    colours = colormap("viridis")(np.linspace(0.85, 0.0, len(picks)))
     for ax, (key, title, log_y) in zip(axes[0], PROFILES):
         for colour, i in zip(colours, picks):
             values = records[i][key]
@@ -52,7 +52,7 @@ def plot_diagnosis(result: dict[str, Any], path: str | Path) -> Path:
     """`scripts/topology.py diagnose`: the depth profiles, one line per normalised time t, and the
     time probe's R^2 against depth."""
     fig, axes = subplots(1, 4, figsize=(18, 3.8), squeeze=False)
-    colours = colormaps["plasma"](np.linspace(0.0, 0.85, len(result["profiles"])))
+    colours = colormap("plasma")(np.linspace(0.0, 0.85, len(result["profiles"])))
     for ax, (key, title, log_y) in zip(axes[0], PROFILES):
         for colour, (t, profile) in zip(colours, result["profiles"].items()):
             values = profile[key]

@@ -11,11 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from einops import rearrange
-from timm.models.vision_transformer import PatchEmbed
 
 from ..errors import UserError
 from .embeddings import LabelEmbedder, TimestepEmbedder, get_2d_sincos_pos_embed
-from .layers import DEFAULTS, POS_EMBEDS, axial_rope, check_choice, make_attention, make_mlp, make_norm
+from .layers import DEFAULTS, POS_EMBEDS, PatchEmbed, axial_rope, check_choice, make_attention, make_mlp, make_norm
 from .topologies import ResidualTopology, build_topology, configure_aggregation
 
 

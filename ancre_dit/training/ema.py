@@ -1,19 +1,40 @@
-"""The EMA update of the training step, maskable on the device.
+"""The EMA copy of the model and its update, maskable on the device.
 
-timm's ModelEmaV3 holds the EMA copy and its warm-up schedule; its update takes the decay as a
-Python float, so skipping a non-finite step would need the skip decision on the host. Here the
-interpolation weight is a device tensor, (1 - decay) x (1 - skip): a skipped step leaves the EMA
-bitwise unchanged without a host read.
+The copy and its decay schedule are DiT's (a constant decay) or, with warm-up, the ramp of timm's
+ModelEmaV3 (tests/test_training.py holds the schedule to timm's); they are written here because
+importing timm costs seconds in every process. The update's interpolation weight is a device
+tensor, (1 - decay) x (1 - skip): a skipped non-finite step leaves the EMA bitwise unchanged
+without a host read.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
-from timm.utils import ModelEmaV3
 
 
-def ema_update_(ema: ModelEmaV3, model: torch.nn.Module, step: int | None, skip: torch.Tensor | None) -> None:
+class EMA:
+    """`module`: a copy of the model in eval mode, without gradients; `decay(updates)` the decay of
+    the update that follows `updates` earlier ones."""
+
+    def __init__(self, model: torch.nn.Module, decay: float, warmup: bool = False):
+        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+        self.max_decay = decay
+        self.warmup = warmup
+
+    def decay(self, updates: int) -> float:
+        """Constant, or with warm-up 1 - (1 + n)^(-2/3) capped at the set decay (0 for the first
+        update, which copies the model)."""
+        if not self.warmup:
+            return self.max_decay
+        if updates <= 0:
+            return 0.0
+        return max(min(1 - (1 + updates) ** (-2 / 3), self.max_decay), 0.0)
+
+
+def ema_update_(ema: EMA, model: torch.nn.Module, updates: int, skip: torch.Tensor | None) -> None:
     """ema <- ema + w (model - ema) for floating tensors (others copied), w = (1 - decay) (1 - skip)."""
-    decay = ema.get_decay(step)
+    decay = ema.decay(updates)
     ema_values, model_values = [], []
     for ema_v, model_v in zip(ema.module.state_dict().values(), model.state_dict().values()):
         if ema_v.is_floating_point():

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
-from timm.utils import ModelEmaV3
 from tqdm.auto import tqdm
 
 from ..errors import UserError
@@ -40,7 +39,7 @@ from .config import flat_config, save_config
 from .config_checks import check_batch_layout, diffusion_spec
 from .config_schema import Config
 from .agreement import agree_on_resume
-from .ema import ema_update_
+from .ema import EMA, ema_update_
 from .model_setup import model_kwargs, param_groups
 from .guards import NonFiniteGuard
 from .stopping import StopAgreement, StopSignals
@@ -103,8 +102,7 @@ class Trainer:
         self.model_kwargs = model_kwargs(c.model, d.input_size, d.in_channels, d.num_classes)  # checked with the config
         self.raw_model = create_model(c.model.name, **self.model_kwargs).to(acc.device)
         self.raw_model.train()
-        self.ema = ModelEmaV3(self.raw_model, decay=c.train.ema_decay, use_warmup=c.train.ema_warmup)
-        self.ema.requires_grad_(False)
+        self.ema = EMA(self.raw_model, c.train.ema_decay, warmup=c.train.ema_warmup)
         self.raw_model.set_grad_checkpointing(c.train.grad_checkpointing)
         self.objective = build_objective(diffusion_spec(c))
         self.repa = build_repa(c.repa, self.raw_model, d.input_size, acc.device, bf16=c.train.mixed_precision == "bf16",
@@ -274,9 +272,9 @@ class Trainer:
                     skip = self.guard.flag(self.step + 1, position, sums, grad_norm, inputs_finite)
                     self._optimizer_step(skip)
                 self.optimizer.zero_grad(set_to_none=True)
-        # Constant decay as in DiT; with ema_warmup, timm's 1 - (1 + n)^(-2/3) ramp capped at ema_decay
+        # Constant decay as in DiT; with ema_warmup, a 1 - (1 + n)^(-2/3) ramp capped at ema_decay
         # (short runs: a 0.999 EMA would still hold ~13% of the initial weights after 2000 steps).
-        ema_update_(self.ema, self.raw_model, self.step + 1 if c.ema_warmup else None, skip)
+        ema_update_(self.ema, self.raw_model, self.step, skip)
         self.progress.step += 1
         self.epoch, self.offset = advance_position(self.epoch, self.offset, c.global_batch_size, len(self.data.dataset))
         sums["grad_norm"] = grad_norm.float()
