@@ -161,11 +161,11 @@ def test_a_worker_buffer_crosses_once_then_batches_travel_as_slot_numbers(latent
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: SimpleNamespace(id=3))
     batches = [[0, 5, 9], [4, 1, 7], [2, 8, 3], [6, 0, 1]]
     sent = [fetcher[indices] for indices in batches[:2]]  # slots 0 and 1, first use: buffers included
-    assert all(b.buffer is not None for b in sent)
+    assert all(b.buffers is not None for b in sent)
     received = [pickle.loads(pickle.dumps(b)) for b in sent]  # (as the main process unpickles them)
     for indices in batches[2:]:  # slots 0 and 1 again: no buffer, same results
         batch = fetcher[indices]
-        assert batch.buffer is None and len(pickle.dumps(batch)) < 1000
+        assert batch.buffers is None and len(pickle.dumps(batch)) < 1000
         x, y = pickle.loads(pickle.dumps(batch))
         reference = ds.get_batch(indices)
         assert torch.equal(y, reference[1])

@@ -274,7 +274,7 @@ def test_latent_images_come_with_their_batches_and_flip_with_the_latents(tmp_pat
                                                                                                  images=True)
     plain = LatentShardDataset(root)  # older readers and the held-out sets: moments only
     for ds in (files, memory):
-        (moments, images), labels = ds.get_batch([11, 0, 6])
+        moments, labels, images = ds.get_batch([11, 0, 6])
         assert images.dtype == torch.uint8 and images.shape == (3, 3, 16, 16)
         assert images[:, 0, 0, 0].tolist() == [15, 0, 10]  # row 5 of shard 1, row 0 of shard 0, row 0 of shard 1
         reference, ref_labels = plain.get_batch([11, 0, 6])
@@ -337,7 +337,7 @@ def test_extraction_keeps_the_crops_the_vae_saw(tmp_path, one_thread):
     manifest, problems = verify_latent_dir(tmp_path / "out", progress=False)
     assert problems == [] and manifest["images"] is True
     ds = LatentShardDataset(tmp_path / "out", images=True)
-    (_, images), _ = ds.get_batch(list(range(4)))
+    _, _, images = ds.get_batch(list(range(4)))
     files = sorted((tmp_path / "img").rglob("*.png"))
     for k, path in enumerate(files):
         assert torch.equal(images[k], torch.from_numpy(load_rgb(path, 16)).permute(2, 0, 1)), path

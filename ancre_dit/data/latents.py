@@ -181,7 +181,7 @@ class LatentShardDataset(Dataset):
     the files. It needs the latents' size in free RAM (ImageNet-256 with both flips: about 42 GB)
     and refuses in one line when that is not available.
 
-    `images=True` (REPA) makes `get_batch` return `((moments, images uint8 (N, 3, S, S)), labels)`;
+    `images=True` (REPA) makes `get_batch` return `(moments, labels, images uint8 (N, 3, S, S))`;
     every shard must then hold its clean images (`extract_latents.py --keep-images`). `ds[i]` is
     the same either way (the held-out sets use the moments only).
     """
@@ -298,11 +298,12 @@ class LatentShardDataset(Dataset):
             raise UserError(f"{self._files[shard]} stores {entry.torch_dtype}, other shards {dtype}; re-extract the latents")
         return entry
 
-    def get_batch(self, indices: Sequence[int], out: Any = None) -> tuple[Any, torch.Tensor]:
-        """`(stack of ds[i][0], tensor of ds[i][1])` over `indices`, in their order; the moments are
-        written into `out` when it is given with the right shape and dtype (a reused buffer). With
-        `images`, the first item is the pair `(moments, images)`, and `out` such a pair (returned
-        itself when both fit, so that a caller can tell its buffers were used).
+    def get_batch(self, indices: Sequence[int], out: tuple[torch.Tensor, ...] | None = None
+                  ) -> tuple[torch.Tensor, ...]:
+        """`(stack of ds[i][0], tensor of ds[i][1])` over `indices`, in their order, and with
+        `images` their clean images third. `out`, an earlier batch, lends its moments and images
+        tensors where they have the right shape and dtype (reused buffers): the batch then holds
+        those very tensors, so that a caller can tell its buffers were used.
 
         Rows are read shard by shard in file order, each shard opened at most once per batch
         however many shards the batch spans, straight into the batch tensor (allocated in shared
@@ -315,7 +316,8 @@ class LatentShardDataset(Dataset):
             bad = idx[(idx < -self._len) | (idx >= self._len)][0]
             raise IndexError(f"index {bad} out of range for {self._len} latents")
         idx = idx % max(self._len, 1)
-        moments_out, images_out = out if isinstance(out, tuple) else (out, None)
+        moments_out = out[0] if out else None
+        images_out = out[2] if out and len(out) > 2 else None
         images = None
         if self.images:
             shape = (n, *self.image_shape)
@@ -328,7 +330,7 @@ class LatentShardDataset(Dataset):
             moments = torch.index_select(all_moments, 0, picked, out=moments_out)
             if images is not None:
                 torch.index_select(all_images, 0, picked, out=images)
-            return _first_item(moments, images, out), all_labels[picked]
+            return _batch(moments, all_labels[picked], images)
         shard_of = np.searchsorted(self._starts_np, idx, side="right") - 1
         rows = idx - self._starts_np[shard_of]
         dtype = self._moments_dtype()
@@ -348,7 +350,7 @@ class LatentShardDataset(Dataset):
                 if image_rows is not None:
                     f.read_row(IMAGE_KEY, row, [image_rows[k]])
                 label_out[k] = f.labels[row]
-        return _first_item(moments, images, out), labels
+        return _batch(moments, labels, images)
 
     def memory_needed(self) -> int:
         """Bytes that `load_into_memory` takes (the moments, and the images with REPA)."""
@@ -428,13 +430,8 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def _first_item(moments: torch.Tensor, images: torch.Tensor | None, out: Any) -> Any:
-    """A batch's first item: the moments, or the pair (moments, images); `out` itself when it was that pair."""
-    if images is None:
-        return moments
-    if isinstance(out, tuple) and out[0] is moments and out[1] is images:
-        return out
-    return moments, images
+def _batch(moments: torch.Tensor, labels: torch.Tensor, images: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    return (moments, labels) if images is None else (moments, labels, images)
 
 
 def _fits(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> bool:

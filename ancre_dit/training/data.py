@@ -163,10 +163,8 @@ def prepare_batch(info: DataInfo, batch: tuple, device: torch.device, generator:
     flip + posterior draw for latents, a horizontal flip for image folders. Returns (x, y), and with
     `clean_images` (REPA) also the clean image in [0, 255] (float (N, C, H, W)) flipped as x is: the
     stored crop for latents, x itself in pixel space. The draws are the same either way."""
-    x, y = batch
-    images = None
-    if isinstance(x, tuple):  # latents read with their images: (moments, images)
-        x, images = x
+    x, y, *stored = batch  # latents read with their clean images: (moments, labels, images)
+    images = stored[0] if stored else None
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     if info.kind == "latents":
         from ..data.latents import draw_latents_from_moments
@@ -251,15 +249,16 @@ class BatchFetcher(Dataset):
     are reused: a fresh shared buffer costs a page fault per 4 KiB (comparable to reading the
     batch), a reused one nothing. Each buffer crosses to the main process once; after that a batch
     travels as its slot number and its labels (`_SlotBatch`), since handing over a shared tensor
-    again costs a file-descriptor transfer per tensor (BENCHMARKS.md, "The latent input pipeline"). A batch's first item may be a pair of tensors (latents with REPA's
-    images): a slot then holds the pair. `make_loader` copies (or pins, which copies) every batch in
-    the main process before the worker can come back to its buffer; see `_CopiedBatches`.
+    again costs a file-descriptor transfer per tensor (BENCHMARKS.md, "The latent input pipeline").
+    A slot holds every tensor of the batch but its labels (the moments, and REPA's images).
+    `make_loader` copies (or pins, which copies) every batch in the main process before the worker
+    can come back to its buffer; see `_CopiedBatches`.
     """
 
     def __init__(self, dataset: Dataset, ring_size: int = 0):
         self.dataset, self.ring_size = dataset, ring_size
         self.ring_id = uuid.uuid4().hex  # names this loader's buffers in the main process's `_RECEIVED_SLOTS`
-        self._ring: list[torch.Tensor | None] = [None] * ring_size  # per slot: the buffer the main process holds too
+        self._ring: list[tuple | None] = [None] * ring_size  # per slot: the batch whose buffers the main process holds too
         self._calls = 0
         if ring_size:  # (in the main process: drop the received buffers with the loader)
             weakref.finalize(self, _RECEIVED_SLOTS.pop, self.ring_id, None)
@@ -270,36 +269,43 @@ class BatchFetcher(Dataset):
             return self.dataset.get_batch(indices)
         slot = self._calls % self.ring_size
         self._calls += 1
-        buffer = self._ring[slot]
-        x, y = self.dataset.get_batch(indices, out=buffer)
-        self._ring[slot] = x  # the buffer itself when it fitted, else the new one, reused next time
-        return _SlotBatch((self.ring_id, worker.id, slot), None if x is buffer else x, y.numpy())
+        held = self._ring[slot]
+        batch = self.dataset.get_batch(indices, out=held)
+        self._ring[slot] = batch  # its buffers: the held ones when they fitted, else new ones, reused next time
+        reused = held is not None and all(a is b for a, b in zip(_buffers(batch), _buffers(held)))
+        return _SlotBatch((self.ring_id, worker.id, slot), None if reused else _buffers(batch), batch[1].numpy())
 
 
-# Main process: (ring id, worker id, slot) -> that worker's shared buffer, as first received.
-_RECEIVED_SLOTS: dict[str, dict[tuple[int, int], torch.Tensor]] = {}
+def _buffers(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """A batch's tensors but its labels: what a ring slot holds."""
+    return (batch[0], *batch[2:])
+
+
+# Main process: (ring id, worker id, slot) -> that worker's shared buffers, as first received.
+_RECEIVED_SLOTS: dict[str, dict[tuple[int, int], tuple[torch.Tensor, ...]]] = {}
 
 
 class _SlotBatch:
-    """A batch in a worker's ring, pickled as its slot (plus the buffer, the first time a slot holds
-    it) and labels. Unpickled in the main process it is the plain `(x, y)` tuple, x still the shared
-    buffer: a batch of another shape never fits the old buffer (`get_batch` then makes a new one,
-    sent again), so the buffer held for a slot always has the batch's shape."""
+    """A batch in a worker's ring, pickled as its slot (plus the buffers, the first time a slot holds
+    them) and labels. Unpickled in the main process it is the plain batch tuple, its tensors still
+    the shared buffers: a batch of another shape never fits the old buffers (`get_batch` then makes
+    new ones, sent again), so the buffers held for a slot always have the batch's shape."""
 
-    def __init__(self, key: tuple[str, int, int], buffer: torch.Tensor | None, labels: np.ndarray):
-        self.key, self.buffer, self.labels = key, buffer, labels
+    def __init__(self, key: tuple[str, int, int], buffers: tuple[torch.Tensor, ...] | None, labels: np.ndarray):
+        self.key, self.buffers, self.labels = key, buffers, labels
 
     def __reduce__(self):
-        return _receive_slot_batch, (self.key, self.buffer, self.labels)
+        return _receive_slot_batch, (self.key, self.buffers, self.labels)
 
 
-def _receive_slot_batch(key: tuple[str, int, int], buffer: torch.Tensor | None,
-                        labels: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+def _receive_slot_batch(key: tuple[str, int, int], buffers: tuple[torch.Tensor, ...] | None,
+                        labels: np.ndarray) -> tuple[torch.Tensor, ...]:
     ring, worker, slot = key
     received = _RECEIVED_SLOTS.setdefault(ring, {})
-    if buffer is not None:
-        received[(worker, slot)] = buffer
-    return received[(worker, slot)], torch.from_numpy(labels)
+    if buffers is not None:
+        received[(worker, slot)] = buffers
+    first, *rest = received[(worker, slot)]
+    return (first, torch.from_numpy(labels), *rest)
 
 
 class _SubsetBatches(Subset):
@@ -323,8 +329,8 @@ class _CopiedBatches:
         self.loader = loader
 
     def __iter__(self):
-        for x, y in self.loader:
-            yield (tuple(t.clone() for t in x) if isinstance(x, tuple) else x.clone()), y
+        for batch in self.loader:
+            yield tuple(t.clone() for t in batch)
 
 
 def _whole_batch(batch):
@@ -361,7 +367,6 @@ def nonfinite_rows(info: DataInfo, global_batch: int, seed: int, position: tuple
     found = []
     for i in next(iter(GlobalBatchSampler(len(dataset), global_batch, 1, 0, 1, seed, *position))):
         sample = dataset[i][0]
-        sample = sample[0] if isinstance(sample, tuple) else sample
         if not torch.isfinite(torch.as_tensor(sample).float()).all():
             found.append(describe_row(i) if describe_row is not None else f"sample {i}")
     if not found:
