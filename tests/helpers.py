@@ -32,7 +32,8 @@ TINY_TRAIN = [f"model.name={TINY_NAME}", f"model.depth={TINY_DIT['depth']}",
               "model.topology=ancre", "data.kind=digits", "data.image_size=8", "data.num_workers=0",
               "train.global_batch_size=16", "train.lr=1e-3", "train.ema_decay=0.9", "train.mixed_precision=no",
               "train.log_every=1", "train.sample_every=0", "train.ckpt_every=1000", "log.tensorboard=false",
-              "train.diagnostics=false"]  # tests/test_diagnostics.py turns them on
+              "train.diagnostics=false",  # tests/test_diagnostics.py turns them on
+              "log.figures=false"]  # the tests of each figure turn them on
 
 
 def tiny_model(topology: str = "ancre", seed: int = 0, **overrides) -> torch.nn.Module:

@@ -88,7 +88,7 @@ def test_training_logs_diagnostics_without_changing_the_run(tmp_path):
         reset_accelerate()
         try:
             train(tiny_config(tmp_path / name, "train.max_steps=4", "train.log_every=2", "train.ckpt_every=4",
-                              f"train.diagnostics={switch}", f"log.tensorboard={switch}"))
+                              f"train.diagnostics={switch}", f"log.tensorboard={switch}", "log.figures=true"))
         finally:
             reset_accelerate()
         runs[name] = load_file(str(tmp_path / name / "checkpoints" / "0000004" / "model.safetensors"))

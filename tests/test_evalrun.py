@@ -47,7 +47,7 @@ def _by_step(entries: list[dict]) -> dict[int, dict]:
 @pytest.mark.slow
 def test_eval_entries_match_evaluate_run_and_leave_training_unchanged(tmp_path):
     ckpt = ["train.ckpt_every=2"]
-    train(tiny_config(tmp_path / "on", "train.max_steps=4", *ckpt, *EVAL))
+    train(tiny_config(tmp_path / "on", "train.max_steps=4", *ckpt, *EVAL, "log.figures=true"))
     reset_accelerate()
     entries = read_evals(tmp_path / "on")
     assert [e["step"] for e in entries] == [1, 2, 3, 4]

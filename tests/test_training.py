@@ -44,7 +44,7 @@ def _assert_same_state(a: Path, b: Path) -> None:
 
 def test_loss_falls_on_digits(tmp_path):
     out = train(tiny_config(tmp_path / "run", "train.max_steps=240", "train.log_every=40", "train.global_batch_size=32",
-                            "model.learn_sigma=false"))
+                            "model.learn_sigma=false", "log.figures=true"))
     losses = [m["loss"] for m in _metrics(tmp_path / "run")]
     assert out["step"] == 240 and len(losses) == 6
     assert losses[-1] < 0.6 * losses[0], losses
@@ -93,7 +93,7 @@ def test_resume_is_bitwise_exact_and_survives_a_crash_mid_save(tmp_path, monkeyp
 def test_checkpoint_files_rebuild_the_ema_model_and_keep_last_prunes(tmp_path):
     trainer = Trainer(tiny_config(tmp_path / "run", "train.max_steps=4", "train.ckpt_every=1", "train.keep_last=2",
                                   "train.sample_every=4", "train.num_sample_images=10", "train.sample_steps=4",
-                                  "log.tensorboard=true"))
+                                  "log.tensorboard=true", "log.figures=true"))
     trainer.run()
     run = tmp_path / "run"
     assert [s for s, _ in list_checkpoints(run)] == [3, 4]  # keep_last=2
@@ -135,6 +135,23 @@ def test_ema_copies_the_model_and_follows_timms_schedule(warmup):
     theirs.update(model, 8 if warmup else None)
     for k, v in ours.module.state_dict().items():
         torch.testing.assert_close(v, theirs.module.state_dict()[k], rtol=0, atol=1e-7, msg=k)
+
+
+def test_figures_off_writes_the_data_and_no_png(tmp_path):
+    """log.figures=false: topology.json in the run and its checkpoint, the jsonl logs, and no PNG
+    (no heatmap, loss, quality or diagnostics figure); the weights are those of a run with figures."""
+    for name, figures in (("off", "false"), ("on", "true")):
+        train(tiny_config(tmp_path / name, "train.max_steps=2", "train.ckpt_every=2", "train.eval_every=2",
+                          "eval.num_samples=4", "eval.batch_size=4", "eval.steps=2", "train.diagnostics=true",
+                          f"log.figures={figures}"))
+        reset_accelerate()
+    off, on = tmp_path / "off", tmp_path / "on"
+    assert (off / "topology.json").is_file() and (_ckpt(off, 2) / "topology.json").is_file()
+    assert (off / "logs" / "evals.jsonl").is_file() and (off / "logs" / "diagnostics.jsonl").is_file()
+    assert sorted(p.name for p in off.rglob("*.png")) == []
+    assert sorted(p.name for p in on.rglob("*.png")) == ["diagnostics.png", "loss.png", "quality.png", "topology.png",
+                                                         "topology.png"]
+    assert_same_weights(_ckpt(off, 2), _ckpt(on, 2))
 
 
 def test_sigterm_writes_a_checkpoint(tmp_path):
@@ -204,7 +221,7 @@ def test_peer_topologies_train_checkpoint_and_sample(tmp_path, topology):
 
     run = tmp_path / topology
     out = train(tiny_config(run, f"model.topology={topology}", "model.hc_streams=3", "train.max_steps=3",
-                            "train.ckpt_every=3"))
+                            "train.ckpt_every=3", "log.figures=true"))
     assert out["step"] == 3
     folder = _ckpt(run, 3)
     model, spec = load_trained_model(folder)

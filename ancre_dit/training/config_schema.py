@@ -213,6 +213,9 @@ class RepaConfig:
 @dataclass
 class LogConfig:
     tensorboard: bool = True
+    # The PNG figures: topology heatmaps at checkpoints, loss.png, quality.png, diagnostics.png
+    # (their data, topology.json and the jsonl logs, is written either way).
+    figures: bool = True
     wandb: bool = False
     project: str = "ancre-dit"
 

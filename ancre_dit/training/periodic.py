@@ -178,7 +178,8 @@ class EvaluationTask(PeriodicTask):
         step = ctx.progress.step
         if not stopped and step == ctx.config.train.max_steps and step not in self.done:
             self.run(ctx)
-        if ctx.accelerator.is_main_process:  # drawn once at the end: matplotlib costs seconds per figure
+        # Drawn once at the end: matplotlib costs seconds per figure.
+        if ctx.accelerator.is_main_process and ctx.config.log.figures:
             plot_run_quality(ctx.run_dir, self.evaluator.identity)
         self.seconds += time.perf_counter() - start
 
@@ -228,7 +229,7 @@ class DiagnosticsTask(PeriodicTask):
         return record
 
     def finish(self, ctx: RunContext, stopped: bool) -> None:
-        if self.every and ctx.accelerator.is_main_process:
+        if self.every and ctx.accelerator.is_main_process and ctx.config.log.figures:
             from ..figures import plot_diagnostics
             from ..files import read_jsonl
 
@@ -293,18 +294,20 @@ def build_tasks(ctx: RunContext) -> list[PeriodicTask]:
 
 
 def write_topology_files(folder: Path, run_dir: Path, ema_model: torch.nn.Module, raw_model: torch.nn.Module,
-                         step: int, topology: str) -> None:
-    """The topology snapshot (EMA matrix as JSON + heatmap) into a checkpoint folder and the run dir;
-    nothing for n-stream schemes (HC, mHC) that have no block-to-block matrix."""
+                         step: int, topology: str, heatmap: bool = True) -> None:
+    """The topology snapshot (EMA matrix as JSON, and with `heatmap` its PNG) into a checkpoint
+    folder and the run dir; nothing for n-stream schemes (HC, mHC) that have no block-to-block matrix."""
     P, P_raw = topology_matrix(ema_model), topology_matrix(raw_model)
     if P is None:
         return
     extra = {"step": step, "topology": topology, "weights": "ema", "training_probabilities": P_raw.tolist()}
     for target in (folder, run_dir):
         save_topology_json(target / "topology.json", P, **extra)
+    if not heatmap:
+        return
     from ..figures import plot_topology_heatmap
-    heatmap = plot_topology_heatmap(P, folder / "topology.png", title=f"{topology} topology (EMA), step {step}")
-    write_atomic(run_dir / "topology.png", heatmap.read_bytes())  # drawn once, copied: drawing is the slow part
+    png = plot_topology_heatmap(P, folder / "topology.png", title=f"{topology} topology (EMA), step {step}")
+    write_atomic(run_dir / "topology.png", png.read_bytes())  # drawn once, copied: drawing is the slow part
 
 
 def topology_matrix(model: torch.nn.Module) -> torch.Tensor | None:

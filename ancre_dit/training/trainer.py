@@ -224,7 +224,7 @@ class Trainer:
             progress.close()
             for task in self.tasks:  # the last evaluation and checkpoint
                 task.finish(self.context, stopped)
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process and self.config.log.figures:
             plot_loss(self.run_dir)
         log_time_shares(self.log, self.train_seconds - launch_started_at, self.tasks)
         self.log.info("done at step %d; outputs in %s", self.step, self.run_dir)
@@ -402,7 +402,8 @@ class Trainer:
 
     def _write_files(self, folder: Path) -> None:
         write_model_files(folder, self.model_spec(), self.raw_model.state_dict(), self.ema.module.state_dict())
-        write_topology_files(folder, self.run_dir, self.ema.module, self.raw_model, self.step, self.config.model.topology)
+        write_topology_files(folder, self.run_dir, self.ema.module, self.raw_model, self.step, self.config.model.topology,
+                             heatmap=self.config.log.figures)
         if self.repa is not None:  # resume reads it (sampling never does)
             save_safetensors(self.repa.projector.state_dict(), folder / RepaAlignment.PROJECTOR_FILE)
 
