@@ -125,6 +125,14 @@ def test_the_rules_catch_a_broken_layer(tmp_path):
     assert "training" not in ALLOWED[part_of("ancre_dit.models.probe")]
 
 
+def _fresh_python(code: str) -> str:
+    """What `code` prints in a fresh interpreter (nothing imported yet), as the commands start."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), cwd=REPO,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 @pytest.mark.slow
 def test_commands_that_need_no_model_start_without_the_model_stack():
     """`import ancre_dit` and the evaluation's tables load neither timm nor torchvision (seconds of
@@ -138,10 +146,7 @@ def test_commands_that_need_no_model_start_without_the_model_stack():
             "DigitsDataset('train'), DigitsDataset('heldout')\n"
             "heavy += ['sklearn'] if 'sklearn' in sys.modules else []  # the digits load without it\n"
             "print(heavy, create.__module__, DiT.__name__)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), cwd=REPO,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["[]", "ancre_dit.models.dit", "DiT"], proc.stdout
+    assert _fresh_python(code).split() == ["[]", "ancre_dit.models.dit", "DiT"]
 
 
 @pytest.mark.slow
@@ -156,7 +161,4 @@ def test_training_the_2022_dit_block_loads_neither_timm_nor_torchvision(tmp_path
             "from ancre_dit.models.layers import make_mlp\n"
             "make_mlp('swiglu', 8, 4.0)\n"
             "print('timm' in sys.modules)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), cwd=REPO,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split("\n")[-3:] == ["[]", "True", ""], proc.stdout
+    assert _fresh_python(code).split("\n")[-3:] == ["[]", "True", ""]
