@@ -5,8 +5,8 @@
 #   topology.json + topology.png (learned residual wiring), loss.png, quality.png (held-out loss and
 #   the digits metric every 200 steps, from logs/evals.jsonl), log.txt, logs/ (TensorBoard),
 #   samples.npz + samples.png (the final EMA samples).
-# The recipe (configs/quickstart.yaml): flow matching, 6 ANCRe blocks, 600 steps; about 2.5 minutes on
-# 2 CPU cores once the packages are installed, pip's check included, which a rerun skips
+# The recipe (configs/quickstart.yaml): flow matching, 6 ANCRe blocks, 600 steps; about 2 minutes on
+# 2 CPU cores once the packages are installed, plus pip's check, which a rerun skips
 # (BENCHMARKS.md, "The quickstart").
 # Extra arguments are config overrides, e.g. `bash scripts/quickstart.sh train.max_steps=500`.
 set -euo pipefail
