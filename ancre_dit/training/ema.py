@@ -29,7 +29,7 @@ class EMA:
             return self.max_decay
         if updates <= 0:
             return 0.0
-        return max(min(1 - (1 + updates) ** (-2 / 3), self.max_decay), 0.0)
+        return min(1 - (1 + updates) ** (-2 / 3), self.max_decay)
 
 
 def ema_update_(ema: EMA, model: torch.nn.Module, updates: int, skip: torch.Tensor | None) -> None:
