@@ -27,7 +27,6 @@ import warnings
 
 import numpy as np
 import torch
-from scipy import linalg
 from ..errors import UserError
 
 FID_METHODS = ("sqrtm", "eigh")
@@ -41,7 +40,11 @@ def feature_statistics(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return features.mean(axis=0), np.cov(features, rowvar=False)
 
 
+# scipy.linalg is imported where a distance is taken: every training process imports this module,
+# and most never evaluate.
 def _trace_sqrt_product_sqrtm(sigma1: np.ndarray, sigma2: np.ndarray, eps: float) -> float:
+    from scipy import linalg
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # scipy warns on near-singular input; handled below as ADM does
         covmean = linalg.sqrtm(sigma1 @ sigma2)
@@ -60,12 +63,16 @@ def _trace_sqrt_product_sqrtm(sigma1: np.ndarray, sigma2: np.ndarray, eps: float
 def _psd_eigenvalues(matrix: np.ndarray) -> np.ndarray:
     """Eigenvalues of a symmetric PSD matrix with rounding noise set to 0: the square root would
     blow noise of 1e-16 up to 1e-8 per eigenvalue, over thousands of null directions."""
+    from scipy import linalg
+
     w = linalg.eigvalsh((matrix + matrix.T) / 2)
     w[w < max(w.max(), 0.0) * len(w) * np.finfo(np.float64).eps] = 0.0
     return w
 
 
 def _trace_sqrt_product_eigh(sigma1: np.ndarray, sigma2: np.ndarray) -> float:
+    from scipy import linalg
+
     w, v = linalg.eigh(sigma1)
     root1 = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
     return float(np.sqrt(_psd_eigenvalues(root1 @ sigma2 @ root1)).sum())
