@@ -88,7 +88,8 @@ def pipeline_run(cfg: dict, device, processes: int, env: dict) -> list[dict]:
                  f"data.num_workers={p['workers']}",
                  f"train.global_batch_size={t['batch'] * processes}", f"train.log_every={p['log_every']}",
                  "train.ckpt_every=1000000", "train.sample_every=0", "train.eval_every=0",
-                 f"train.compile={str(t['compile']).lower()}", "log.tensorboard=false", *t["model_overrides"]]
+                 f"train.compile={str(t['compile']).lower()}", "log.tensorboard=false", "log.figures=false",
+                 *t["model_overrides"]]
         launch_env = {**env, **({"ACCELERATE_USE_CPU": "1"} if device.type == "cpu" else {})}
 
         # 1. Train, and stop it half way with SIGTERM to the launcher (torchrun forwards it to the ranks).

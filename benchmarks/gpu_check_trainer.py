@@ -28,7 +28,8 @@ def trainer_command(model: str, topology: str, cfg: dict, data: Path, run_dir: P
                  f"data.num_workers={t['workers']}", f"train.max_steps={max_steps or t['steps']}",
                  f"train.global_batch_size={t['batch'] * processes}", f"train.log_every={t['log_every']}",
                  "train.ckpt_every=1000000", "train.sample_every=0", "train.eval_every=0", "train.mixed_precision=bf16",
-                 f"train.compile={str(t['compile']).lower()}", "log.tensorboard=false", *t["model_overrides"]]
+                 f"train.compile={str(t['compile']).lower()}", "log.tensorboard=false", "log.figures=false",
+                 *t["model_overrides"]]
     if device.type == "cpu":  # no peak is known for a CPU: a nominal 1 TFLOP/s, so the smoke run reads an mfu too
         overrides.append("train.peak_tflops=1.0")
     return [*launch, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / f"{model}-{topology}.yaml"), *overrides]

@@ -34,10 +34,11 @@ from ancre_dit.studies.spec import yaml_value
 STUDY_SCRIPT = ROOT / "scripts" / "study.py"
 TRAIN_SCRIPT = ROOT / "train.py"
 # The suite's tiny DiT (2 blocks of width 32) on the quickstart's flow-matching digits: 20 steps,
-# evaluated every 10 (held-out loss and the digits metric on 20 samples).
+# evaluated every 10 (held-out loss and the digits metric on 20 samples); no run draws figures (the
+# report draws its own from the runs' logs).
 TINY = {"model.depth": 2, "model.hidden_size": 32, "model.num_heads": 2, "train.max_steps": 20,
         "train.eval_every": 10, "train.global_batch_size": 16, "train.ckpt_every": 1000, "train.sample_every": 0,
-        "train.log_every": 5, "log.tensorboard": False, "eval.num_samples": 20, "eval.batch_size": 20,
+        "train.log_every": 5, "log.tensorboard": False, "log.figures": False, "eval.num_samples": 20, "eval.batch_size": 20,
         "eval.steps": 2, "eval.heldout_draws": 1, "eval.heldout_max": 50}
 
 
