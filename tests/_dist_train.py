@@ -1,17 +1,16 @@
 """Worker for the multi-process tests (tests/test_distributed.py, tests/test_preemption.py): trains
-the tiny config with per-sample draws (see helpers.deterministic_draws). Run under torchrun or
-`accelerate launch` as a script, so this folder (and helpers.py) is on sys.path.
+the tiny config with per-sample draws (helpers.train_tiny). Run under torchrun or `accelerate
+launch` as a script, so this folder (and helpers.py) is on sys.path.
 argv: overrides, and `--resume auto` to continue the run. ANCRE_TEST_STEP_SECONDS slows every step
 down by that much, so that a test can signal a run in the middle."""
 import os
 import sys
 import time
 
-from helpers import TINY_TRAIN, deterministic_draws
+from helpers import train_tiny
 
-from ancre_dit.training import Trainer, load_config
+from ancre_dit.training import Trainer
 
-Trainer.draw_timesteps_and_noise = deterministic_draws
 pause = float(os.environ.get("ANCRE_TEST_STEP_SECONDS", "0"))
 if pause:
     real_step = Trainer.train_step
@@ -27,4 +26,4 @@ if "--resume" in args:
     k = args.index("--resume")
     resume = args[k + 1]
     del args[k:k + 2]
-Trainer(load_config(None, [*TINY_TRAIN, *args]), resume=resume).run()
+train_tiny(*args, resume=resume)

@@ -8,7 +8,9 @@ its own, which ``import tests.helpers`` could pick up instead. conftest.py wraps
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -145,3 +147,94 @@ def load_script(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_forked_ranks(target, world_size: int, *args, timeout: float = 300) -> None:
+    """Runs ``target(*args)`` as the ranks of one gloo job, each a process forked from this one
+    with the environment torchrun gives its ranks (world_size 1: one plain process). A forked rank
+    starts with everything imported, where a torchrun launch spends about 20 s of CPU importing its
+    ranks' stack: the tests whose subject is not the launcher run their multi-process jobs this way
+    (the launchers themselves are tested in test_preemption.py, test_distributed.py,
+    test_agreement.py, test_latents.py and test_sampling.py)."""
+    port = free_port()
+    ranks = [_fork(_rank_main, rank, world_size, port, target, args) for rank in range(world_size)]
+    try:
+        for rank in ranks:
+            rank.join(timeout)
+        assert [rank.exitcode for rank in ranks] == [0] * world_size, "a rank failed (its traceback is on stderr)"
+    finally:
+        for rank in ranks:
+            if rank.is_alive():
+                rank.kill()
+
+
+def fork_command(script: Path, *argv: str, stderr: Path | None = None) -> multiprocessing.Process:
+    """Starts ``python script argv...`` as a process forked from this one: the script's main under
+    run_cli, as the shell runs it (exit code 2 for a bad input), with this checkout's code on one CPU
+    thread; ``stderr``: a file for what it prints there. For the tests whose subject is what a
+    command leaves behind (kill -9, two trainings on one folder), not the interpreter's start-up."""
+    module = load_script(script)
+    return _fork(_command_main, module, [str(script), *argv], stderr)
+
+
+def run_command(script: Path, *argv: str, timeout: float = 600) -> None:
+    """fork_command to its end; asserts exit code 0."""
+    proc = fork_command(script, *argv)
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+    assert proc.exitcode == 0, f"{script.name} exited with {proc.exitcode} (its stderr is above)"
+
+
+def _fork(target, *args) -> multiprocessing.Process:
+    import torch._dynamo  # noqa: F401 - every optimizer imports it (seconds): once here, not in each child
+
+    proc = multiprocessing.get_context("fork").Process(target=target, args=args)
+    proc.start()
+    return proc
+
+
+def _as_child() -> None:
+    """What subprocess_env gives a child python, and a state of its own (not the parent's)."""
+    os.environ.update(OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1")
+    os.environ.pop("ANCRE_DEBUG", None)
+    torch.set_num_threads(1)
+    reset_accelerate()
+
+
+def _rank_main(rank: int, world_size: int, port: int, target, args) -> None:
+    if world_size > 1:  # one process: no job environment, as `accelerate launch --num_processes 1` starts it
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _as_child()
+    target(*args)
+
+
+def _command_main(module: ModuleType, argv: list[str], stderr: Path | None) -> None:
+    import sys
+
+    from ancre_dit.cli import run_cli
+
+    if stderr is not None:
+        sys.stderr = open(stderr, "w", buffering=1)  # noqa: SIM115 - open until the process ends
+        os.dup2(sys.stderr.fileno(), 2)
+    sys.argv = argv
+    _as_child()
+    run_cli(module.main)
+
+
+def train_tiny(*overrides: str, resume: str | None = None) -> None:
+    """What tests/_dist_train.py runs in each rank: the tiny config with the per-sample draws."""
+    from ancre_dit.training import Trainer
+
+    real_draws, Trainer.draw_timesteps_and_noise = Trainer.draw_timesteps_and_noise, deterministic_draws
+    try:
+        Trainer(load_config(None, [*TINY_TRAIN, *overrides]), resume=resume).run()
+    finally:
+        Trainer.draw_timesteps_and_noise = real_draws

@@ -3,14 +3,13 @@ already evaluated); the others receive its answer, whatever they would have read
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, subprocess_env
+from helpers import ROOT, free_port, subprocess_env
 
 from ancre_dit.cli import SingleProcess
 from ancre_dit.errors import UserError
@@ -47,17 +46,11 @@ def test_one_process_decides_for_itself(tmp_path):
     assert main_decides(state, lambda: 7) == 7
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_every_rank_receives_the_main_rank_answer(tmp_path):
     _views(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(_free_port()), str(ROOT / "tests" / "_dist_agree.py"), str(tmp_path)],
+                           str(free_port()), str(ROOT / "tests" / "_dist_agree.py"), str(tmp_path)],
                           capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=240)
     lines = [json.loads(line) for rank in (0, 1) if (tmp_path / f"told{rank}.jsonl").exists()
              for line in (tmp_path / f"told{rank}.jsonl").read_text().splitlines()]

@@ -3,14 +3,13 @@ global batch: same logged loss, same gradient norm, same weights."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, deterministic_draws, reset_accelerate, subprocess_env, tiny_config
+from helpers import ROOT, deterministic_draws, free_port, reset_accelerate, subprocess_env, tiny_config
 from safetensors.torch import load_file
 
 from ancre_dit.training import Trainer
@@ -25,12 +24,6 @@ SETTINGS = ["train.max_steps=2", "train.ckpt_every=2", "train.global_batch_size=
             "model.learn_sigma=false", "model.class_dropout=0.0", "train.topology_warmup_steps=2"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
 
@@ -38,7 +31,7 @@ def _metrics(run: Path) -> list[dict]:
 @pytest.mark.slow
 def test_two_processes_match_one(tmp_path, monkeypatch):
     two = tmp_path / "two"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(WORKER), f"run_dir={two}", *SETTINGS]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

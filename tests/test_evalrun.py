@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,9 @@ import pytest
 import torch
 import yaml
 
-from helpers import ROOT, assert_same_weights, reset_accelerate, subprocess_env, tiny_config
+from helpers import ROOT, assert_same_weights, load_script, reset_accelerate, run_forked_ranks, subprocess_env, tiny_config
+
+from ancre_dit.cli import run_cli
 
 from ancre_dit.errors import UserError
 from ancre_dit.evaluation.comparison import SeedSpeedup, interval_curve, steps_to_target, summarize, write_report
@@ -85,26 +86,19 @@ def test_eval_entries_match_evaluate_run_and_leave_training_unchanged(tmp_path):
     assert [e["step"] for e in again] == [4] and again[0]["settings"]["num_samples"] == 10
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_one_and_two_process_evaluations_give_the_same_numbers(tmp_path):
     train(tiny_config(tmp_path / "one", "train.max_steps=2", "train.ckpt_every=2", *EVAL[1:]))
     reset_accelerate()
     shutil.copytree(tmp_path / "one", tmp_path / "two")
-    env = subprocess_env()
-    args = [str(ROOT / "evaluate.py"), "--run"]
-    one = subprocess.run([sys.executable, *args, str(tmp_path / "one")], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=300)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(_free_port()), str(ROOT / "tests" / "_dist_evaluate.py"), str(tmp_path / "two")], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=300)
-    assert two.returncode == 0, two.stderr[-3000:]
+    evaluate = load_script(ROOT / "evaluate.py")
+
+    def evaluate_command(run: Path) -> None:  # in a forked process: its argv is its own
+        sys.argv = ["evaluate.py", "--run", str(run)]
+        run_cli(evaluate.main)
+
+    run_forked_ranks(evaluate_command, 1, tmp_path / "one")
+    run_forked_ranks(evaluate_command, 2, tmp_path / "two")
     e1, e2 = read_evals(tmp_path / "one"), read_evals(tmp_path / "two")
     assert len(e1) == len(e2) == 1  # one entry: the second process appended nothing
     assert e1[0]["metrics"] == e2[0]["metrics"]

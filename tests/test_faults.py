@@ -4,12 +4,15 @@ after each kill; the final outputs must be bitwise identical to an uninterrupted
 kill leaves behind is never taken for complete (every checkpoint --resume auto could pick loads).
 
 The kill moments come from a seeded RNG, so a failure can be replayed; each test reports
-"kills survived / kills tried" on stdout (pytest -s) for BENCHMARKS.md.
+"kills survived / kills tried" on stdout (pytest -s) for BENCHMARKS.md. Each command runs as the
+shell runs it (its main, its argv) in a process forked from the test (helpers.fork_command): the
+kills land in the command's work, not in an interpreter importing its stack.
 """
 from __future__ import annotations
 
 import filecmp
 import json
+import multiprocessing
 import random
 import subprocess
 import sys
@@ -22,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import ROOT, TINY_TRAIN, subprocess_env
+from helpers import ROOT, TINY_TRAIN, fork_command, run_command
 
 from ancre_dit.checkpoint import load_trained_model  # noqa: E402
 from ancre_dit.training.checkpointing import checkpoint_problem, list_checkpoints  # noqa: E402
@@ -31,14 +34,13 @@ KILLS = 3          # kills per job at random moments (plus, for training, 2 time
 SEED = 14
 
 
-def _start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-                            cwd=ROOT)
+def _start(cmd: list[str], stderr: Path | None = None) -> multiprocessing.Process:
+    """cmd: the script, then its arguments."""
+    return fork_command(Path(cmd[0]), *cmd[1:], stderr=stderr)
 
 
 def _finish(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_command(Path(cmd[0]), *cmd[1:])
 
 
 def _count(folder: Path, pattern: str) -> Callable[[], int]:
@@ -58,19 +60,18 @@ def _kill_after(cmd: list[str], until: Callable[[], bool], extra: float = 0.0) -
     kill landed (False: the job had already finished)."""
     proc = _start(cmd)
     try:
-        while proc.poll() is None and not until():
+        while proc.is_alive() and not until():
             time.sleep(0.005)
         time.sleep(extra)
-        if proc.poll() is not None:
-            assert proc.returncode == 0, proc.stderr.read()[-3000:]
+        if not proc.is_alive():
+            assert proc.exitcode == 0, f"the job failed with exit code {proc.exitcode} (its stderr is above)"
             return False
         proc.kill()
-        proc.wait(timeout=60)
+        proc.join(timeout=60)
         return True
     finally:
-        if proc.poll() is None:
+        if proc.is_alive():
             proc.kill()
-        proc.stderr.close()
 
 
 def _same_tree(a: Path, b: Path, ignore: tuple[str, ...] = ()) -> None:
@@ -83,7 +84,7 @@ def _same_tree(a: Path, b: Path, ignore: tuple[str, ...] = ()) -> None:
 
 # -- training ----------------------------------------------------------------------------------
 def _train_cmd(run: Path) -> list[str]:
-    return [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"), *TINY_TRAIN,
+    return [str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"), *TINY_TRAIN,
             f"run_dir={run}", "train.max_steps=16", "train.ckpt_every=2", "train.keep_last=2", "train.log_every=1",
             "--resume", "auto"]
 
@@ -137,14 +138,14 @@ def test_training_survives_kill_9_anywhere(tmp_path):
 
 # -- sampling ------------------------------------------------------------------------------------
 def _sample_cmd(ckpt: Path, out: Path) -> list[str]:
-    return [sys.executable, str(ROOT / "sample.py"), "--ckpt", str(ckpt), "--num-samples", "12", "--batch-size", "2",
+    return [str(ROOT / "sample.py"), "--ckpt", str(ckpt), "--num-samples", "12", "--batch-size", "2",
             "--sampler", "ddpm", "--steps", "20", "--out", str(out), "--cpu"]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("sampling-run")
-    _finish([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"), *TINY_TRAIN,
+    _finish([str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"), *TINY_TRAIN,
              f"run_dir={run}", "train.max_steps=2", "train.ckpt_every=2"])
     return run / "checkpoints" / "0000002"
 
@@ -189,7 +190,7 @@ def extraction_inputs(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def _extract_cmd(images: Path, vae: Path, out: Path) -> list[str]:
-    return [sys.executable, str(ROOT / "scripts" / "extract_latents.py"), "--data-path", str(images), "--vae", str(vae),
+    return [str(ROOT / "scripts" / "extract_latents.py"), "--data-path", str(images), "--vae", str(vae),
             "--out", str(out), "--image-size", "32", "--shard-size", "1", "--batch-size", "1", "--cpu"]
 
 
@@ -221,19 +222,19 @@ def test_a_second_training_on_a_run_folder_is_refused_and_a_kill_frees_it(tmp_pa
     metrics = run / "logs" / "metrics.jsonl"
     first = _start(long_run)
     try:
-        while first.poll() is None and not (metrics.is_file() and metrics.read_text()):
+        while first.is_alive() and not (metrics.is_file() and metrics.read_text()):
             time.sleep(0.05)
-        assert first.poll() is None, first.stderr.read()[-3000:]
-        second = subprocess.run(_train_cmd(run), capture_output=True, text=True, env=subprocess_env(), cwd=ROOT,
-                                timeout=600)
-        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
-        assert second.returncode == 2 and len(errors) == 1 and "Traceback" not in second.stderr, second.stderr
+        assert first.is_alive(), f"the first training ended with exit code {first.exitcode} (its stderr is above)"
+        second = _start(_train_cmd(run), stderr=tmp_path / "second.err")
+        second.join(timeout=600)
+        err = (tmp_path / "second.err").read_text()
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert second.exitcode == 2 and len(errors) == 1 and "Traceback" not in err, err
         assert f"in use by another training (pid {first.pid} on " in errors[0]
         assert not (run / "checkpoints").exists()  # the refused run wrote nothing
     finally:
         first.kill()
-        first.wait(timeout=60)
-        first.stderr.close()
+        first.join(timeout=60)
     # kill -9 leaves no claim behind; the next start also removes the temporary folder of a dead save.
     (run / "checkpoints" / ".tmp-0000099" / "accelerate").mkdir(parents=True)
     _finish([*_train_cmd(run)[:-2], "train.max_steps=2"])

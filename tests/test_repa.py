@@ -15,7 +15,7 @@ import timm
 import torch
 import torch.nn.functional as F
 from helpers import (ROOT, assert_same_weights, tiny_vae, deterministic_draws, load_script, reset_accelerate,
-                     subprocess_env, tiny_config, tiny_model)
+                     run_forked_ranks, tiny_config, tiny_model, train_tiny)
 from safetensors.torch import load_file, save_file
 
 from ancre_dit.errors import UserError
@@ -188,16 +188,10 @@ def test_encoder_stays_frozen_and_resume_is_exact(tmp_path, weights, one_thread)
 
 @pytest.mark.slow
 def test_two_processes_log_the_losses_of_one(tmp_path, weights, monkeypatch):
-    import subprocess
-    import sys
-
-    from test_distributed import SETTINGS, WORKER, _free_port
+    from test_distributed import SETTINGS
 
     two = tmp_path / "two"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(WORKER), f"run_dir={two}", *SETTINGS, *repa_overrides(weights)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_forked_ranks(train_tiny, 2, f"run_dir={two}", *SETTINGS, *repa_overrides(weights))
     reset_accelerate()
     monkeypatch.setattr(Trainer, "draw_timesteps_and_noise", deterministic_draws)
     one = tmp_path / "one"

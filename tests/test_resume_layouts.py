@@ -4,35 +4,27 @@ train.compile and train.grad_checkpointing switched, and from its weights files 
 What stays bitwise: the same layout resumed (tests/test_training.py, tests/test_preemption.py) and
 gradient checkpointing switched (it recomputes the same forward). Another process count changes
 the order of the gradient all-reduce and torch.compile fuses kernels differently, so those resumes
-agree with the straight run to rounding (1e-4 relative, 1e-5 absolute), not bitwise."""
+agree with the straight run to rounding (1e-4 relative, 1e-5 absolute), not bitwise. The two-process
+legs are gloo ranks forked from the test (helpers.run_forked_ranks): the subject is the checkpoint,
+not the launcher."""
 from __future__ import annotations
 
 import functools
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, assert_same_weights, deterministic_draws, reset_accelerate, subprocess_env, tiny_config
+from helpers import assert_same_weights, deterministic_draws, reset_accelerate, run_forked_ranks, tiny_config, train_tiny
 from safetensors.torch import load_file
 
 from ancre_dit.training import Trainer
 
-WORKER = Path(__file__).with_name("_dist_train.py")
 SETTINGS = ["train.global_batch_size=16", "train.lr=1e-3", "model.learn_sigma=false", "model.class_dropout=0.0",
             "train.ckpt_every=2"]
 # Across process counts the routing logits are held (see tests/test_distributed.py: their gradient at
 # init is rounding noise that Adam amplifies, and the reduction order changes that noise).
 HOLD_ROUTING = "train.topology_warmup_steps=6"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _one_process(run: Path, steps: int, *extra: str, resume: str | None = None) -> None:
@@ -43,11 +35,9 @@ def _one_process(run: Path, steps: int, *extra: str, resume: str | None = None) 
         reset_accelerate()
 
 
-def _two_processes(run: Path, steps: int, *extra: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           str(WORKER), f"run_dir={run}", *SETTINGS, f"train.max_steps={steps}", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def _two_processes(run: Path, steps: int, *extra: str, resume: str | None = None) -> None:
+    run_forked_ranks(functools.partial(train_tiny, resume=resume), 2, f"run_dir={run}", *SETTINGS,
+                     f"train.max_steps={steps}", *extra)
 
 
 def _assert_close(a: Path, b: Path) -> None:
@@ -75,7 +65,7 @@ def test_resume_across_one_and_two_processes(tmp_path, monkeypatch):
     # 1 process -> 2 processes
     up = tmp_path / "up"
     _one_process(up, 2, HOLD_ROUTING)
-    _two_processes(up, 6, HOLD_ROUTING, "--resume", "auto")
+    _two_processes(up, 6, HOLD_ROUTING, resume="auto")
     _assert_close(_ckpt(straight, 6), _ckpt(up, 6))
     assert json.loads((_ckpt(up, 6) / "trainer_state.json").read_text())["num_processes"] == 2
 

@@ -97,23 +97,20 @@ def _shard_bytes(out: Path) -> dict[str, bytes]:
 
 @pytest.mark.slow
 def test_tars_on_two_processes_and_resumed_hf_with_workers_give_the_same_shards(containers, vae_dir, tmp_path):
-    """A brace pattern of tars read by 2 processes (torchrun, the command line), and a save_to_disk
-    dataset read by DataLoader workers over a resumed run, write the shards of one straight run."""
-    import subprocess
-    import sys
+    """A brace pattern of tars read by 2 processes (the command line's main on two gloo ranks forked
+    from the test; tests/test_latents.py runs it under torchrun), and a save_to_disk dataset read by
+    DataLoader workers over a resumed run, write the shards of one straight run."""
+    from helpers import ROOT, load_script, run_forked_ranks
 
-    from helpers import ROOT, subprocess_env
+    from ancre_dit.cli import run_cli
 
     pattern = str(containers["wds"] / "train-{0000..0001}.tar")
     straight = tmp_path / "straight"
     _extract(pattern, vae_dir, straight)
-    env = subprocess_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "scripts" / "extract_latents.py"), "--data-path", pattern, "--format", "wds",
-           "--vae", str(vae_dir), "--out", str(tmp_path / "two"), "--image-size", str(SIZE), "--shard-size", "2",
-           "--batch-size", "3"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    script = load_script(ROOT / "scripts" / "extract_latents.py")
+    argv = ["--data-path", pattern, "--format", "wds", "--vae", str(vae_dir), "--out", str(tmp_path / "two"),
+            "--image-size", str(SIZE), "--shard-size", "2", "--batch-size", "3"]
+    run_forked_ranks(lambda: run_cli(lambda: script.main(argv)), 2)
     assert _shard_bytes(tmp_path / "two") == _shard_bytes(straight)
     assert json.loads((tmp_path / "two" / "manifest.json").read_text())["source"]["path"] == pattern
 
