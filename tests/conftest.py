@@ -47,8 +47,8 @@ from ancre_dit.training.config import Config
 
 # The modules with the longest tests (`pytest --durations=30`), longest first. Each module keeps its
 # own order and stays in one piece, so its module-scoped fixtures are built once.
-LONGEST_FIRST = ("test_preemption.py", "test_gpu_check.py", "test_study.py", "test_faults.py",
-                 "test_grad_checkpointing.py", "test_resume_layouts.py", "test_evalrun.py", "test_bench_quickstart.py")
+LONGEST_FIRST = ("test_preemption.py", "test_gpu_check.py", "test_grad_checkpointing.py", "test_study.py",
+                 "test_resume_layouts.py", "test_bench_quickstart.py", "test_latents.py", "test_distributed.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
