@@ -11,9 +11,10 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from helpers import assert_same_weights, reset_accelerate, tiny_config
-from test_sampling import DIGITS, REPO, TINY, random_model, run_sample, sample_with_one_and_two_processes
+from helpers import assert_same_weights, load_script, reset_accelerate, run_forked_ranks, tiny_config
+from test_sampling import DIGITS, REPO, TINY, random_model, run_sample
 
+from ancre_dit.cli import run_cli
 from ancre_dit.diffusion import FlowObjective, build_objective
 from ancre_dit.errors import UserError
 from ancre_dit.sampling import Guidance, GuidedDenoiser, sample_latents
@@ -217,13 +218,18 @@ def test_flow_resume_is_bitwise_exact_and_the_spec_records_the_objective(tmp_pat
 
 
 @pytest.mark.slow
-def test_one_and_two_processes_give_identical_flow_samples(tmp_path):
+def test_one_and_two_processes_give_identical_flow_samples(tmp_path, capfd):
+    """sample.py in this process and on two gloo ranks forked from it (tests/test_sampling.py runs
+    it under torchrun)."""
     ckpt = write_flow_ckpt(tmp_path / "ckpt")
     common = ["--ckpt", str(ckpt), "--num-samples", "10", "--batch-size", "3", "--sampler", "sde", "--steps", "6",
               "--cfg-scale", "2", "--seed", "3"]
-    proc = sample_with_one_and_two_processes(common, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "2 process(es)" in proc.stdout and "flow sde-6" in proc.stdout
+    run_sample(*common, "--out", str(tmp_path / "one.npz"))
+    capfd.readouterr()
+    sample = load_script(REPO / "sample.py")
+    run_forked_ranks(lambda: run_cli(lambda: sample.main([*common, "--out", str(tmp_path / "two.npz")])), 2)
+    out = capfd.readouterr().out
+    assert "2 process(es)" in out and "flow sde-6" in out
     with np.load(tmp_path / "one.npz") as one, np.load(tmp_path / "two.npz") as two:
         assert np.array_equal(one["arr_0"], two["arr_0"]) and np.array_equal(one["arr_1"], two["arr_1"])
         assert one["arr_0"].std() > 0
