@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing
+import multiprocessing.connection
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -164,14 +166,17 @@ def run_forked_ranks(target, world_size: int, *args, timeout: float = 300) -> No
     test_agreement.py, test_latents.py and test_sampling.py)."""
     port = free_port()
     ranks = [_fork(_rank_main, rank, world_size, port, target, args) for rank in range(world_size)]
-    try:
-        for rank in ranks:
-            rank.join(timeout)
-        assert [rank.exitcode for rank in ranks] == [0] * world_size, "a rank failed (its traceback is on stderr)"
+    deadline = time.monotonic() + timeout
+    try:  # until all end, or one fails (the others would wait for it in a collective)
+        while any(r.is_alive() for r in ranks) and not any(r.exitcode for r in ranks) and time.monotonic() < deadline:
+            multiprocessing.connection.wait([r.sentinel for r in ranks if r.is_alive()], timeout=1.0)
     finally:
         for rank in ranks:
             if rank.is_alive():
                 rank.kill()
+                rank.join()
+    assert [rank.exitcode for rank in ranks] == [0] * world_size, \
+        f"rank exit codes {[rank.exitcode for rank in ranks]} (a traceback is on stderr)"
 
 
 def fork_command(script: Path, *argv: str, stderr: Path | None = None) -> multiprocessing.Process:
