@@ -160,9 +160,9 @@ def free_port() -> int:
 def run_forked_ranks(target, world_size: int, *args, timeout: float = 300) -> None:
     """Runs ``target(*args)`` as the ranks of one gloo job, each a process forked from this one
     with the environment torchrun gives its ranks (world_size 1: one plain process). A forked rank
-    starts with everything imported, where a torchrun launch spends about 20 s of CPU importing its
-    ranks' stack: the tests whose subject is not the launcher run their multi-process jobs this way
-    (the launchers themselves are tested in test_preemption.py, test_distributed.py,
+    starts with everything imported, where each process of a torchrun launch first imports torch,
+    its compiler and ours: the tests whose subject is not the launcher run their multi-process jobs
+    this way (the launchers themselves are tested in test_preemption.py, test_distributed.py,
     test_agreement.py, test_latents.py and test_sampling.py)."""
     port = free_port()
     ranks = [_fork(_rank_main, rank, world_size, port, target, args) for rank in range(world_size)]
