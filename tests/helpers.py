@@ -12,8 +12,9 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import socket
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -179,13 +180,27 @@ def run_forked_ranks(target, world_size: int, *args, timeout: float = 300) -> No
         f"rank exit codes {[rank.exitcode for rank in ranks]} (a traceback is on stderr)"
 
 
-def fork_command(script: Path, *argv: str, stderr: Path | None = None) -> multiprocessing.Process:
-    """Starts ``python script argv...`` as a process forked from this one: the script's main under
-    run_cli, as the shell runs it (exit code 2 for a bad input), with this checkout's code on one CPU
-    thread; ``stderr``: a file for what it prints there. For the tests whose subject is what a
-    command leaves behind (kill -9, two trainings on one folder), not the interpreter's start-up."""
+def script_main(script: Path, *argv: str) -> Callable[[], None]:
+    """``python script argv...`` as a function to run in a forked process: the script's main under
+    run_cli with that argv (it sets sys.argv), so exit codes are the shell's (2 for a bad input).
+    A target for run_forked_ranks; fork_command starts one."""
+    from ancre_dit.cli import run_cli
+
     module = load_script(script)
-    return _fork(_command_main, module, [str(script), *argv], stderr)
+
+    def main() -> None:
+        sys.argv = [str(script), *argv]
+        run_cli(module.main)
+
+    return main
+
+
+def fork_command(script: Path, *argv: str, stderr: Path | None = None) -> multiprocessing.Process:
+    """Starts ``python script argv...`` (script_main) as a process forked from this one, with this
+    checkout's code on one CPU thread; ``stderr``: a file for what it prints there. For the tests
+    whose subject is what a command leaves behind (kill -9, two trainings on one folder), not the
+    interpreter's start-up."""
+    return _fork(_command_main, script_main(script, *argv), stderr)
 
 
 def run_command(script: Path, *argv: str, timeout: float = 600) -> None:
@@ -194,6 +209,7 @@ def run_command(script: Path, *argv: str, timeout: float = 600) -> None:
     proc.join(timeout)
     if proc.is_alive():
         proc.kill()
+        proc.join()
     assert proc.exitcode == 0, f"{script.name} exited with {proc.exitcode} (its stderr is above)"
 
 
@@ -221,17 +237,12 @@ def _rank_main(rank: int, world_size: int, port: int, target, args) -> None:
     target(*args)
 
 
-def _command_main(module: ModuleType, argv: list[str], stderr: Path | None) -> None:
-    import sys
-
-    from ancre_dit.cli import run_cli
-
+def _command_main(main: Callable[[], None], stderr: Path | None) -> None:
     if stderr is not None:
         sys.stderr = open(stderr, "w", buffering=1)  # noqa: SIM115 - open until the process ends
         os.dup2(sys.stderr.fileno(), 2)
-    sys.argv = argv
     _as_child()
-    run_cli(module.main)
+    main()
 
 
 def train_tiny(*overrides: str, resume: str | None = None) -> None:

@@ -15,9 +15,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import ROOT, assert_same_weights, load_script, reset_accelerate, run_forked_ranks, subprocess_env, tiny_config
-
-from ancre_dit.cli import run_cli
+from helpers import ROOT, assert_same_weights, reset_accelerate, run_forked_ranks, script_main, subprocess_env, tiny_config
 
 from ancre_dit.errors import UserError
 from ancre_dit.evaluation.comparison import SeedSpeedup, interval_curve, steps_to_target, summarize, write_report
@@ -91,14 +89,9 @@ def test_one_and_two_process_evaluations_give_the_same_numbers(tmp_path):
     train(tiny_config(tmp_path / "one", "train.max_steps=2", "train.ckpt_every=2", *EVAL[1:]))
     reset_accelerate()
     shutil.copytree(tmp_path / "one", tmp_path / "two")
-    evaluate = load_script(ROOT / "evaluate.py")
-
-    def evaluate_command(run: Path) -> None:  # in a forked process: its argv is its own
-        sys.argv = ["evaluate.py", "--run", str(run)]
-        run_cli(evaluate.main)
-
-    run_forked_ranks(evaluate_command, 1, tmp_path / "one")
-    run_forked_ranks(evaluate_command, 2, tmp_path / "two")
+    # `evaluate.py --run` as one process and as two gloo ranks, forked from this one
+    run_forked_ranks(script_main(ROOT / "evaluate.py", "--run", str(tmp_path / "one")), 1)
+    run_forked_ranks(script_main(ROOT / "evaluate.py", "--run", str(tmp_path / "two")), 2)
     e1, e2 = read_evals(tmp_path / "one"), read_evals(tmp_path / "two")
     assert len(e1) == len(e2) == 1  # one entry: the second process appended nothing
     assert e1[0]["metrics"] == e2[0]["metrics"]

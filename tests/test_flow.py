@@ -11,10 +11,9 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from helpers import assert_same_weights, load_script, reset_accelerate, run_forked_ranks, tiny_config
+from helpers import assert_same_weights, reset_accelerate, run_forked_ranks, script_main, tiny_config
 from test_sampling import DIGITS, REPO, TINY, random_model, run_sample
 
-from ancre_dit.cli import run_cli
 from ancre_dit.diffusion import FlowObjective, build_objective
 from ancre_dit.errors import UserError
 from ancre_dit.sampling import Guidance, GuidedDenoiser, sample_latents
@@ -226,8 +225,7 @@ def test_one_and_two_processes_give_identical_flow_samples(tmp_path, capfd):
               "--cfg-scale", "2", "--seed", "3"]
     run_sample(*common, "--out", str(tmp_path / "one.npz"))
     capfd.readouterr()
-    sample = load_script(REPO / "sample.py")
-    run_forked_ranks(lambda: run_cli(lambda: sample.main([*common, "--out", str(tmp_path / "two.npz")])), 2)
+    run_forked_ranks(script_main(REPO / "sample.py", *common, "--out", str(tmp_path / "two.npz")), 2)
     out = capfd.readouterr().out
     assert "2 process(es)" in out and "flow sde-6" in out
     with np.load(tmp_path / "one.npz") as one, np.load(tmp_path / "two.npz") as two:

@@ -100,17 +100,14 @@ def test_tars_on_two_processes_and_resumed_hf_with_workers_give_the_same_shards(
     """A brace pattern of tars read by 2 processes (the command line's main on two gloo ranks forked
     from the test; tests/test_latents.py runs it under torchrun), and a save_to_disk dataset read by
     DataLoader workers over a resumed run, write the shards of one straight run."""
-    from helpers import ROOT, load_script, run_forked_ranks
-
-    from ancre_dit.cli import run_cli
+    from helpers import ROOT, run_forked_ranks, script_main
 
     pattern = str(containers["wds"] / "train-{0000..0001}.tar")
     straight = tmp_path / "straight"
     _extract(pattern, vae_dir, straight)
-    script = load_script(ROOT / "scripts" / "extract_latents.py")
-    argv = ["--data-path", pattern, "--format", "wds", "--vae", str(vae_dir), "--out", str(tmp_path / "two"),
-            "--image-size", str(SIZE), "--shard-size", "2", "--batch-size", "3"]
-    run_forked_ranks(lambda: run_cli(lambda: script.main(argv)), 2)
+    run_forked_ranks(script_main(ROOT / "scripts" / "extract_latents.py", "--data-path", pattern, "--format", "wds",
+                                 "--vae", str(vae_dir), "--out", str(tmp_path / "two"), "--image-size", str(SIZE),
+                                 "--shard-size", "2", "--batch-size", "3"), 2)
     assert _shard_bytes(tmp_path / "two") == _shard_bytes(straight)
     assert json.loads((tmp_path / "two" / "manifest.json").read_text())["source"]["path"] == pattern
 
