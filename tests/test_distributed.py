@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, deterministic_draws, free_port, reset_accelerate, subprocess_env, tiny_config
+from helpers import ROOT, free_port, run_forked_ranks, subprocess_env, train_tiny
 from safetensors.torch import load_file
-
-from ancre_dit.training import Trainer
 
 WORKER = Path(__file__).with_name("_dist_train.py")
 
@@ -29,7 +27,7 @@ def _metrics(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path, monkeypatch):
+def test_two_processes_match_one(tmp_path):
     two = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(WORKER), f"run_dir={two}", *SETTINGS]
@@ -39,11 +37,8 @@ def test_two_processes_match_one(tmp_path, monkeypatch):
     assert state["num_processes"] == 2
     assert (two / "checkpoints" / "0000002" / "rng" / "rank1.pt").is_file()
 
-    reset_accelerate()
-    monkeypatch.setattr(Trainer, "draw_timesteps_and_noise", deterministic_draws)
     one = tmp_path / "one"
-    Trainer(tiny_config(one, *SETTINGS)).run()
-    reset_accelerate()
+    run_forked_ranks(train_tiny, 1, f"run_dir={one}", *SETTINGS)
 
     m1, m2 = _metrics(one), _metrics(two)
     assert [m["step"] for m in m1] == [m["step"] for m in m2] == [1, 2]
