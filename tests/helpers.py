@@ -108,6 +108,32 @@ def tiny_vae(path: Path) -> Path:
     return path
 
 
+# REPA's encoder in the tests: a tiny random-weight timm ViT (patch 4: at 16 px it has the digits'
+# 4 x 4 DiT token grid; written at 32 px, so loading resamples its position embedding as it does for
+# DINOv2's 518 px weights).
+REPA_ENCODER = "vit_tiny_patch16_224"
+REPA_ENCODER_KWARGS = dict(patch_size=4, embed_dim=32, depth=2, num_heads=2)
+
+
+def tiny_repa_encoder(path: Path, seed: int = 0, img_size: int = 32, **overrides) -> Path:
+    """The tiny REPA encoder's random weights, written to `path` (safetensors); overrides change its shape."""
+    import timm
+    from safetensors.torch import save_file
+
+    torch.manual_seed(seed)
+    model = timm.create_model(REPA_ENCODER, pretrained=False, num_classes=0, img_size=img_size,
+                              **{**REPA_ENCODER_KWARGS, **overrides})
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    return path
+
+
+def repa_overrides(weights: Path, depth: int = 1) -> list[str]:
+    """Training overrides that align block `depth` with the tiny encoder at `weights`."""
+    kwargs = "{" + ", ".join(f"{k}: {v}" for k, v in REPA_ENCODER_KWARGS.items()) + "}"
+    return ["repa.weight=0.5", f"repa.depth={depth}", f"repa.encoder={REPA_ENCODER}", f"repa.encoder_weights={weights}",
+            f"repa.encoder_kwargs={kwargs}", "repa.projector_dim=16"]
+
+
 def reset_accelerate() -> None:
     """AcceleratorState is a process-wide singleton: reset it between in-process runs."""
     from accelerate.state import AcceleratorState, GradientState, PartialState

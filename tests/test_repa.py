@@ -14,8 +14,9 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from helpers import (ROOT, assert_same_weights, tiny_vae, load_script, reset_accelerate,
-                     run_forked_ranks, tiny_config, tiny_model, train_tiny)
+from helpers import (REPA_ENCODER as ENCODER, REPA_ENCODER_KWARGS as ENCODER_KWARGS, ROOT, assert_same_weights,
+                     load_script, repa_overrides, reset_accelerate, run_forked_ranks, tiny_config, tiny_model,
+                     tiny_repa_encoder, tiny_vae, train_tiny)
 from safetensors.torch import load_file, save_file
 
 from ancre_dit.errors import UserError
@@ -24,27 +25,10 @@ from ancre_dit.training.config import load_config
 from ancre_dit.training.config_schema import RepaConfig
 from ancre_dit.training.repa import RepaAlignment, StateTap, build_encoder
 
-ENCODER = "vit_tiny_patch16_224"
-ENCODER_KWARGS = dict(patch_size=4, embed_dim=32, depth=2, num_heads=2)
-KWARGS_TEXT = "{patch_size: 4, embed_dim: 32, depth: 2, num_heads: 2}"
-
-
-def _write_encoder(path: Path, seed: int = 0, img_size: int = 32, **overrides) -> Path:
-    torch.manual_seed(seed)
-    model = timm.create_model(ENCODER, pretrained=False, num_classes=0, img_size=img_size,
-                              **{**ENCODER_KWARGS, **overrides})
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    return path
-
 
 @pytest.fixture(scope="module")
 def weights(tmp_path_factory) -> Path:
-    return _write_encoder(tmp_path_factory.mktemp("encoder") / "vit.safetensors")
-
-
-def repa_overrides(weights: Path, depth: int = 1) -> list[str]:
-    return ["repa.weight=0.5", f"repa.depth={depth}", f"repa.encoder={ENCODER}", f"repa.encoder_weights={weights}",
-            f"repa.encoder_kwargs={KWARGS_TEXT}", "repa.projector_dim=16"]
+    return tiny_repa_encoder(tmp_path_factory.mktemp("encoder") / "vit.safetensors")
 
 
 def _repa_config(weights: Path, **fields) -> RepaConfig:
@@ -365,10 +349,10 @@ def test_weights_that_are_not_the_encoders_are_one_line(tmp_path, weights):
             build_encoder(_repa_config(path, **fields), grid=4)
         return _one_line(err)
 
-    wider = _write_encoder(tmp_path / "wider.safetensors", embed_dim=64, num_heads=2)
+    wider = tiny_repa_encoder(tmp_path / "wider.safetensors", embed_dim=64, num_heads=2)
     assert "does not hold the weights of repa.encoder vit_tiny_patch16_224: cls_token is (1, 1, 64) in the file" \
         in error(wider)
-    patch8 = _write_encoder(tmp_path / "patch8.safetensors", patch_size=8)
+    patch8 = tiny_repa_encoder(tmp_path / "patch8.safetensors", patch_size=8)
     assert "patch_embed.proj.weight is (32, 3, 8, 8) in the file" in error(patch8)
     dit = tmp_path / "dit.safetensors"
     save_file(tiny_model("cascaded").state_dict(), str(dit))

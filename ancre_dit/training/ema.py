@@ -44,6 +44,13 @@ def ema_update_(ema: EMA, model: torch.nn.Module, updates: int, skip: torch.Tens
             ema_v.copy_(model_v)
     if not ema_values:
         return
-    weight = 1.0 - decay if skip is None else (1.0 - decay) * (1.0 - skip.to(ema_values[0].device, torch.float32))
+    if skip is None:
+        weights = 1.0 - decay
+    else:
+        # A 0-d device tensor where the Scalar overload wants a number would be read on the host;
+        # the List overload reads each weight on the device (one lerp per tensor on CUDA, since its
+        # fused kernel wants weights shaped like the values).
+        weight = (1.0 - decay) * (1.0 - skip.to(ema_values[0].device, torch.float32))
+        weights = [weight] * len(ema_values)
     with torch.no_grad():
-        torch._foreach_lerp_(ema_values, model_values, weight)
+        torch._foreach_lerp_(ema_values, model_values, weights)

@@ -190,10 +190,16 @@ class StackedPlan:
         K = len(edges)
         self.edges = edges
         self.readers = [[r for r in range(K) if i in edges[r]] for i in range(K)]  # readers of source i
-        self.mask = torch.zeros(K, K, dtype=torch.bool)
-        for j, e in enumerate(edges):
-            self.mask[j, e] = True
         self._indices: dict[tuple, torch.Tensor] = {}
+
+    def mask(self) -> torch.Tensor:
+        """(K, K) bool, True at each edge: built on the host, so its owner keeps it on the device
+        (the topology's `edge_mask` buffer)."""
+        K = len(self.edges)
+        mask = torch.zeros(K, K, dtype=torch.bool)
+        for j, e in enumerate(self.edges):
+            mask[j, e] = True
+        return mask
 
     def device_indices(self, indices: list[int], device: torch.device) -> torch.Tensor:
         """`indices` as an int32 tensor on `device`, made once (the kernels read their rows from it)."""
@@ -204,7 +210,7 @@ class StackedPlan:
 
     @staticmethod
     def applies(edges: list[list[int]]) -> bool:
-        return bool(edges) and all(edges)
+        return bool(edges)
 
 
 def _row_alias(store: torch.Tensor, k: int, shape: torch.Size) -> torch.Tensor:
@@ -228,35 +234,37 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
 
 def _accumulate(into: torch.Tensor, base: torch.Tensor | None, rows: torch.Tensor, indices: list[int],
                 weights: torch.Tensor) -> None:
-    """into = base + sum_k weights[k] * rows[indices[k]] (flat tensors; no base: zero), each row read
-    once: one matrix-vector product per run of consecutive rows (one addcmul per row across dtypes)."""
+    """into = base + sum_i weights[i] * rows[i] over i in `indices` (flat tensors; no base: zero;
+    `weights` indexed like `rows`), each row read once: one matrix-vector product per run of
+    consecutive rows (one addcmul per row across dtypes). Runs and rows are slices and plain
+    indices: a gather by a Python list would copy the list to the device on every call."""
     if indices and rows.dtype == into.dtype and (base is None or base.dtype == into.dtype):
-        w, k = weights.to(into.dtype), 0
-        for a, b in _runs(indices):
-            block, part = rows[a:b].t(), w[k:k + b - a]
-            if k:
+        w = weights.to(into.dtype)
+        for n, (a, b) in enumerate(_runs(indices)):
+            block, part = rows[a:b].t(), w[a:b]
+            if n:
                 into.addmv_(block, part)
             elif base is None:
                 torch.mv(block, part, out=into)
             else:
                 torch.addmv(base, block, part, out=into)
-            k += b - a
         return
     if base is None:
         into.zero_()
     else:
         into.copy_(base)
-    for k, i in enumerate(indices):
-        into.addcmul_(rows[i], weights[k])
+    for i in indices:
+        into.addcmul_(rows[i], weights[i])
 
 
 class StackedTrunk:
     """One forward's history store (h_0 copied in as row 0) and, in the backward, the nodes'
     output gradients."""
 
-    def __init__(self, plan: StackedPlan, h0: torch.Tensor, dtype: torch.dtype, kernels: ModuleType | None = None):
+    def __init__(self, plan: StackedPlan, edge_mask: torch.Tensor, h0: torch.Tensor, dtype: torch.dtype,
+                 kernels: ModuleType | None = None):
         K = len(plan.edges)
-        self.plan, self.shape = plan, h0.shape
+        self.plan, self.edge_mask, self.shape = plan, edge_mask, h0.shape
         self.kernels = kernels  # aggregation_triton, or None: the torch ops
         self.store = torch.empty((K, h0.numel()), dtype=dtype, device=h0.device)
         self.store[0].copy_(h0.detach().reshape(-1))
@@ -288,7 +296,7 @@ class _StackedNode(torch.autograd.Function):
             kernels.sum_rows(flat, out, store, trunk.plan.device_indices(edges, out.device), weights[j],
                              copy_to=store[j + 1] if copy else None)
         else:
-            _accumulate(flat, out.reshape(-1).to(dtype), store, edges, weights[j, edges])
+            _accumulate(flat, out.reshape(-1).to(dtype), store, edges, weights[j])
             if copy:
                 store[j + 1].copy_(flat)
         ctx.trunk, ctx.j = trunk, j
@@ -312,7 +320,7 @@ class _StackedNode(torch.autograd.Function):
             column = W[:, j + 1] if j + 1 < K else W[:, 0]  # (the last node has no readers: any column)
             kernels.sum_rows(G, grad, grads, plan.device_indices(readers, G.device), column)
         else:
-            _accumulate(G, grad.reshape(-1).to(G.dtype), grads, readers, W[readers, j + 1] if readers else W[:0, 0])
+            _accumulate(G, grad.reshape(-1).to(G.dtype), grads, readers, W[:, j + 1] if readers else W[:, 0])
         trunk.done[j] = True
         grad_weights = grad_h0 = None
         if j == 0:
@@ -322,13 +330,15 @@ class _StackedNode(torch.autograd.Function):
                 if kernels is not None:
                     kernels.sum_rows(grad_h0.view(-1), None, grads, plan.device_indices(readers0, G.device), W[:, 0])
                 else:
-                    _accumulate(grad_h0.view(-1), None, grads, readers0, W[readers0, 0])
+                    _accumulate(grad_h0.view(-1), None, grads, readers0, W[:, 0])
             if ctx.needs_input_grad[1]:
-                ran = torch.tensor(trunk.done, device=W.device)[:, None]
                 gram = kernels.gram(grads, trunk.store, W.dtype) if kernels is not None else None
                 if gram is None:
                     gram = _gram(grads, trunk.store, W.dtype)
-                grad_weights = gram.masked_fill(~(plan.mask.to(W.device) & ran), 0)
+                kept = trunk.edge_mask
+                if not all(trunk.done):  # a loss on an inner state: the later nodes' rows hold no gradient
+                    kept = kept & torch.tensor(trunk.done, device=W.device)[:, None]
+                grad_weights = gram.masked_fill(~kept, 0)
             trunk.grads, trunk.done = None, []  # (a second backward of a kept graph starts afresh)
         return G.view(grad.shape), grad_weights, grad_h0, None, None
 

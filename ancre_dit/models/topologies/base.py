@@ -150,6 +150,12 @@ class WeightedHistoryTopology(ResidualTopology):
                                for e in self.edges]
         self._routing_plan = RoutingPlan(self.edges)
         self._stacked_plan = StackedPlan(self.edges) if StackedPlan.applies(self.edges) else None
+        if self._stacked_plan is not None:
+            # On the model's device, moved with it: the backward masks the weights' gradient with it
+            # and would otherwise copy it from the host every step.
+            mask = self._stacked_plan.mask()
+            self.register_buffer("edge_mask", mask.to(self.edge_mask.device) if hasattr(self, "edge_mask") else mask,
+                                 persistent=False)
 
     def _history_cast(self, h0: torch.Tensor) -> torch.dtype | None:
         """bfloat16 when the history is kept in bf16 and the model runs under bf16 autocast, else None."""
@@ -206,7 +212,7 @@ class WeightedHistoryTopology(ResidualTopology):
     def _stacked_forward(self, h0, blocks, c, weights, cast):
         """The eager trunk with the stacked aggregation (aggregation.py, `_StackedNode`)."""
         kernels = aggregation_kernels(self.aggregation_kernel, h0.device)
-        trunk = StackedTrunk(self._stacked_plan, h0, cast or h0.dtype, kernels)
+        trunk = StackedTrunk(self._stacked_plan, self.edge_mask, h0, cast or h0.dtype, kernels)
         h = h0
         self.emit_state(0, h)
         for j, block in enumerate(blocks):
