@@ -1,6 +1,6 @@
 """ANCRe's aggregation in eager mode: the stacked form (the history in one store, one product per
-block forward and per source backward, the weights' gradient one Gram product) and, for layouts
-where some block reads no source, the fused weighted sum with its gradient routing across blocks.
+block forward and per source backward, the weights' gradient one Gram product) and the per-edge
+fused weighted sum with its gradient routing across blocks (the form benchmarks compare it with).
 
 Written by hand: autograd's backward of the plain `addcmul` chain makes fresh per-edge temporaries
 (see `_WeightedSum`), and no library offers a weighted history sum. Used by `WeightedHistoryTopology`
@@ -177,7 +177,8 @@ def weighted_sum(out: torch.Tensor, weights: torch.Tensor, sources: Sequence[tor
 # -- the stacked aggregation: each history tensor read once per edge forward, once per source backward --
 
 class StackedPlan:
-    """What the stacked aggregation needs to know of `edges` (every block reads at least one source).
+    """What the stacked aggregation needs to know of `edges` (a block that reads no source passes its
+    output through).
 
     The history h_0..h_{K-1} lives in one (K, N) store, so a block's skip sum is one matrix-vector
     product over its sources (each read once, instead of a read-modify-write of the sum per edge);

@@ -114,9 +114,8 @@ class WeightedHistoryTopology(ResidualTopology):
     activation memory matches the cascaded model. `edges[j]` lists the sources that can carry a
     non-zero weight into block j+1, so fixed sparse layouts skip their zero edges entirely.
     In eager mode the history lives in one store and each block's sum is one `_StackedNode` (one
-    product over its sources; the backward also keeps the gradients stacked, see aggregation.py),
-    or, where a block reads no source, one `_WeightedSum` whose backward routes the history
-    gradients; under torch.compile it is the plain `addcmul` chain, which the compiler fuses itself.
+    product over its sources; the backward also keeps the gradients stacked, see aggregation.py);
+    under torch.compile it is the plain `addcmul` chain, which the compiler fuses itself.
     """
 
     fused_aggregation = True  # False: the addcmul chain in eager mode too (benchmarks and pinned tests compare both)
