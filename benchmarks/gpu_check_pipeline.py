@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.gpu_check_plan import Deadline, ItemCut, kill_group, run_child
+
 ROOT = Path(__file__).resolve().parents[1]
 UNREACHABLE_STEP = 10**8
 
@@ -33,9 +35,9 @@ def tiny_vae(path: Path) -> Path:
     return path
 
 
-def _run(cmd: list[str], env: dict, cwd: Path, what: str) -> float:
+def _run(cmd: list[str], env: dict, cwd: Path, what: str, deadline: Deadline) -> float:
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
+    proc = run_child(cmd, deadline, what, env=env, cwd=cwd)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
         raise RuntimeError(f"{what} exited {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}")
@@ -69,8 +71,9 @@ def _logged_step(run_dir: Path) -> int:
     return rows[-1]["step"] if rows else 0
 
 
-def pipeline_run(cfg: dict, device, processes: int, env: dict) -> list[dict]:
-    """Rows: train (stopped), resume, sample ddpm, sample dpm-solver, evaluate."""
+def pipeline_run(cfg: dict, device, processes: int, env: dict, deadline: Deadline) -> list[dict]:
+    """Rows: train (stopped), resume, sample ddpm, sample dpm-solver, evaluate. Every launch and wait
+    ends at the deadline (the in-process stages are cut by the item's alarm)."""
     from ancre_dit.evaluation.inception import write_random_inception_weights
     from benchmarks import bench_loader
 
@@ -95,13 +98,22 @@ def pipeline_run(cfg: dict, device, processes: int, env: dict) -> list[dict]:
         # 1. Train, and stop it half way with SIGTERM to the launcher (torchrun forwards it to the ranks).
         # Its step limit is out of reach: however fast the steps, only the signal can end this stage.
         start = time.perf_counter()
-        child = subprocess.Popen([*launch, *train, f"train.max_steps={UNREACHABLE_STEP}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                 env=launch_env, cwd=tmp)
-        while child.poll() is None and _logged_step(run_dir) < p["steps"] // 2:
-            time.sleep(0.2)
-        signalled_at = _logged_step(run_dir)
-        child.send_signal(signal.SIGTERM)
-        out, _ = child.communicate(timeout=p["grace_s"])
+        child = subprocess.Popen([*launch, *train, f"train.max_steps={UNREACHABLE_STEP}"], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, env=launch_env, cwd=tmp, start_new_session=True)
+        try:
+            while child.poll() is None and _logged_step(run_dir) < p["steps"] // 2:
+                if not deadline.left():
+                    raise ItemCut(f"the training to stop logged {_logged_step(run_dir)} of {p['steps'] // 2} steps "
+                                  f"within the item's {deadline.seconds:.0f} s")
+                time.sleep(0.2)
+            signalled_at = _logged_step(run_dir)
+            child.send_signal(signal.SIGTERM)  # to the launcher alone: it forwards the signal to its ranks
+            out, _ = child.communicate(timeout=min(p["grace_s"], max(deadline.left(), 1.0)))
+        except BaseException as err:
+            kill_group(child)
+            if isinstance(err, subprocess.TimeoutExpired):
+                raise ItemCut(f"{p['launcher']} did not stop within the grace after SIGTERM") from None
+            raise
         stop_s = time.perf_counter() - start
         stopped = _latest_step(run_dir)
         # torchrun re-raises a forwarded signal once its workers are done (exit 1 whatever they did); with
@@ -116,7 +128,7 @@ def pipeline_run(cfg: dict, device, processes: int, env: dict) -> list[dict]:
         # 2. Resume for the other half of the steps.
         end = stopped + p["steps"] - p["steps"] // 2
         seconds = _run([*launch, *train, f"train.max_steps={end}", "--resume", "auto"], launch_env, tmp,
-                       "the resumed train.py")
+                       "the resumed train.py", deadline)
         final = _latest_step(run_dir)
         if final != end:
             raise RuntimeError(f"the resumed run ended at step {final}, not {end}")

@@ -3,7 +3,6 @@ the throughput and MFU it logs read back from its metrics.jsonl (gpu_check.json'
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -11,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from benchmarks.gpu_check_plan import Deadline, run_child
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,8 +52,9 @@ def read_trainer_metrics(run_dir: Path, skip_first: int = 1) -> dict:
     return result
 
 
-def trainer_run(model: str, topology: str, cfg: dict, device: torch.device, processes: int) -> dict:
-    """train.py through accelerate launch on synthetic latents; images/s (and MFU) from its metrics.jsonl."""
+def trainer_run(model: str, topology: str, cfg: dict, device: torch.device, processes: int, deadline: Deadline) -> dict:
+    """train.py through accelerate launch on synthetic latents; images/s (and MFU) from its metrics.jsonl.
+    The launch, its ranks and their loader workers are killed together at the deadline."""
     from benchmarks import bench_loader
 
     t = cfg["trainer"]
@@ -61,8 +63,8 @@ def trainer_run(model: str, topology: str, cfg: dict, device: torch.device, proc
                                                     (4, t["side"], t["side"]))
         run_dir = Path(tmp) / "run"
         start = time.perf_counter()
-        proc = subprocess.run(trainer_command(model, topology, cfg, data, run_dir, processes, device),
-                              capture_output=True, text=True, env=child_env(), cwd=tmp)
+        proc = run_child(trainer_command(model, topology, cfg, data, run_dir, processes, device), deadline,
+                         "train.py", env=child_env(), cwd=tmp)
         seconds = time.perf_counter() - start
         if proc.returncode != 0:
             sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from ancre_dit.cli import run_cli
 from ancre_dit.models import create_model
-from benchmarks import gpu_check, gpu_check_trainer
+from benchmarks import gpu_check, gpu_check_plan, gpu_check_trainer
 from helpers import ROOT, subprocess_env
 
 
@@ -21,55 +24,145 @@ def test_refuses_to_measure_a_gpu_on_the_cpu(tmp_path, capsys):
     assert exit_info.value.code == 2 and "--smoke" in err and "Traceback" not in err
 
 
-def test_a_failing_item_is_recorded_and_the_files_are_written_after_every_item(tmp_path, monkeypatch):
-    """GPU time is costly: one broken measurement must not lose the others, and a run killed at a
-    time limit must leave the report so far on disk."""
+HEADLINE = ["host syncs per step", "train DiT-B/2 cascaded compiled", "train DiT-B/2 ancre compiled",
+            "train DiT-B/2 ancre:topology_topk=2 compiled", "train DiT-B/2 ancre:history_dtype=bfloat16 compiled",
+            "train DiT-B/2 cascaded eager", "train DiT-B/2 ancre eager"]
+
+
+def _fake_items(monkeypatch, tmp_path, seen_on_disk: dict, slow_item: str | None = None) -> None:
+    """Every measurement replaced by an instant fake; eager hc fails, sampling fails after reading the
+    report so far, `slow_item` sleeps 3 s."""
+    import time
+
+    from benchmarks import gpu_check_syncs
 
     def fake_training(name, overrides, topology, compiled, cfg, device):
         if topology == "hc" and not compiled:
             raise RuntimeError("CUDA out of memory.\nTried to allocate 2.00 GiB")
+        if slow_item == f"train {name} {topology} {'compiled' if compiled else 'eager'}":
+            time.sleep(3)
         return {"model": name, "topology": topology, "compile": compiled, "batch": 2, "step_ms": 10.0,
-                "images_per_s": 200.0, "peak_memory_bytes": None, "flops_per_step": None if compiled else 1e9,
-                "warmup_and_compile_s": 0.1}
+                "images_per_s": 200.0, "peak_memory_bytes": None, "flops_per_step": 1e9, "warmup_and_compile_s": 0.1}
 
-    seen_on_disk = {}
-
-    def fake_sampling(name, overrides, cfg, device):  # runs after training and the loader
-        seen_on_disk.update(json.loads((tmp_path / "gpu_check.json").read_text()))
+    def fake_sampling(name, overrides, sampler, steps, compiled, cfg, device):
+        if not seen_on_disk:  # the first sampling item
+            seen_on_disk.update(json.loads((tmp_path / "gpu_check.json").read_text()))
         raise ValueError("sampler broke")
 
     monkeypatch.setattr(gpu_check, "training_run", fake_training)
+    monkeypatch.setattr(gpu_check_syncs, "host_syncs_run", lambda cfg: [
+        {"recipe": "dit-s2-ancre", "counted": True, "quiet_steps": [2, 3, 5], "syncs_per_quiet_step": [0, 0, 0],
+         "syncs_at_log_steps": [3, 3], "where_quiet": []}])
     monkeypatch.setattr(gpu_check, "loader_run", lambda cfg: {"images_per_s": 5.0, "workers": 1, "batch": 4,
                                                                "shards": 6, "in_memory_0_workers_images_per_s": 9.0})
     monkeypatch.setattr(gpu_check, "sampling_run", fake_sampling)
-    monkeypatch.setattr(gpu_check, "pipeline_run", lambda cfg, device, n, env: [
+    monkeypatch.setattr(gpu_check, "pipeline_run", lambda cfg, device, n, env, deadline: [
         {"stage": "train, SIGTERM to python at step 3", "seconds": 2.0, "result": "checkpoint at step 3"}])
-    monkeypatch.setattr(gpu_check, "trainer_run", lambda m, topo, cfg, device, n: {
+    monkeypatch.setattr(gpu_check, "trainer_run", lambda m, topo, cfg, device, n, deadline: {
         "processes": n, "batch_per_process": 4, "compile": False, "images_per_sec": 50.0, "images_per_s": 50.0,
-        "mfu": 0.3 if m == "dit-s2" else None, "wall_s": 1.0})
+        "mfu": 0.3 if m == "dit-b2" else None, "wall_s": 1.0})
     monkeypatch.setattr(gpu_check, "inception_run", lambda cfg, device: {"images_per_s": 3.0, "batch": 2,
                                                                           "image_size": 64, "weights": "random"})
+
+
+def test_a_failing_item_is_recorded_and_the_files_are_written_after_every_item(tmp_path, monkeypatch):
+    """GPU time is costly: one broken measurement must not lose the others, and a run killed at a
+    time limit must leave the report so far on disk. The headline items run first."""
+    seen_on_disk: dict = {}
+    _fake_items(monkeypatch, tmp_path, seen_on_disk)
     gpu_check.main(["--smoke", "--out", str(tmp_path)])
 
-    # on disk before sampling ran: eager training, then the compiled runs the targets need
-    assert [(r["topology"], r["compile"]) for r in seen_on_disk["training"]] == [
-        ("cascaded", False), ("ancre", False), ("denseformer", False), ("hc", False), ("mhc", False),
-        ("cascaded", True), ("ancre", True), ("ancre:history_dtype=bfloat16", True), ("ancre:topology_topk=1", True)]
-    assert seen_on_disk["loader"]["images_per_s"] == 5.0
+    # on disk when the first sampling item ran: the headline training items, in their order
+    assert [it["name"] for it in seen_on_disk["items"]] == HEADLINE
+    assert seen_on_disk["host_syncs"][0]["syncs_per_quiet_step"] == [0, 0, 0]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    hc = next(r for r in report["training"] if r["topology"] == "hc")
+    names = [it["name"] for it in report["items"]]
+    assert names[:len(HEADLINE) + 2] == [*HEADLINE, "sampling DiT-B/2 ddpm-3", "train.py dit-b2-ancre"]
+    assert names.index("loader") > names.index("train DiT-S/2 mhc eager")
+    assert names[-4:] == [f"train DiT-B/2 {v} compiled" for v in gpu_check.NEWER_VARIANTS]  # last
+    hc = next(r for r in report["training"] if r["topology"] == "hc" and not r["compile"])
     assert hc["failed"] == "RuntimeError: CUDA out of memory." and "step_ms" not in hc
-    assert all(r["step_ms"] == 10.0 for r in report["training"] if r["topology"] != "hc")
-    assert [r["topology"] for r in report["training"]][-4:] == list(gpu_check.NEWER_VARIANTS)  # after Inception
-    assert report["sampling"] == [{"model": "DiT-S/2", "failed": "ValueError: sampler broke"}]
-    assert report["inception"]["images_per_s"] == 3.0
-    assert seen_on_disk["trainer"]["runs"][0]["images_per_sec"] == 50.0  # train.py runs before sampling
-    assert (report["trainer"]["mfu"], report["trainer"]["mfu_from"]) == (0.3, "dit-s2 ancre")
+    assert {it["name"]: it["status"] for it in report["items"]}["train DiT-S/2 hc eager"] == "failed"
+    assert all(r["step_ms"] == 10.0 for r in report["training"] if "failed" not in r)
+    assert report["sampling"][0] == {"model": "DiT-B/2", "sampler": "ddpm", "steps": 3, "compile": False,
+                                     "failed": "ValueError: sampler broke"}
+    assert report["inception"]["images_per_s"] == 3.0 and report["loader"]["images_per_s"] == 5.0
+    assert (report["trainer"]["mfu"], report["trainer"]["mfu_from"]) == (0.3, "dit-b2 ancre")
     text = (tmp_path / "gpu_check.md").read_text()
-    assert "| dit-s2-ancre | 1 | 4 | False | 50.0 | 50.0 | 30.0% | 1 |" in text
+    assert "| dit-b2-ancre | 1 | 4 | False | 50.0 | 50.0 | 30.0% | 1 |" in text
     assert "| DiT-S/2 | hc | False | FAILED: RuntimeError: CUDA out of memory. |" in text
-    assert "- sampling DiT-S/2: FAILED: ValueError: sampler broke" in text
+    assert "- sampling DiT-B/2 ddpm-3: FAILED: ValueError: sampler broke" in text
+    assert "| dit-s2-ancre | 2, 3, 5 | 0, 0, 0 | 3, 3 | - |" in text
+    assert "| host syncs per step * | ok |" in text
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_an_item_past_its_limit_is_cut_and_the_run_goes_on(tmp_path, monkeypatch):
+    _fake_items(monkeypatch, tmp_path, {}, slow_item="train DiT-B/2 ancre compiled")
+    monkeypatch.setattr(gpu_check, "SMOKE_LIMIT_S", 1.0)
+    started = time.monotonic()
+    gpu_check.main(["--smoke", "--out", str(tmp_path), "--only", "train DiT-B/2"])
+    assert time.monotonic() - started < 3  # the 3 s item was cut at its 1 s limit
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    status = {it["name"]: it["status"] for it in report["items"]}
+    assert status["train DiT-B/2 ancre compiled"] == "cut"
+    assert status["train DiT-B/2 ancre:topology_topk=2 compiled"] == "ok"  # the next item ran
+    assert all(name.startswith("train DiT-B/2") for name in status)  # --only
+    cut = next(r for r in report["training"] if r["topology"] == "ancre" and r["compile"])
+    assert cut["cut"] == "ran past its limit of 1 s"
+    assert "CUT: ran past its limit of 1 s" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_a_child_past_its_limit_is_killed_with_what_it_started(tmp_path):
+    """A launcher's workers are its children: the whole process group goes."""
+    pid_file = tmp_path / "grandchild.pid"
+    script = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    started = time.monotonic()
+    with pytest.raises(gpu_check_plan.ItemCut, match="launcher ran past its limit of 2 s"):
+        gpu_check_plan.run_child([sys.executable, "-c", script], gpu_check_plan.Deadline(2.0), "launcher")
+    assert time.monotonic() - started < 10
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init once killed
+        if not Path(f"/proc/{grandchild}").exists() or "Z" in Path(f"/proc/{grandchild}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the grandchild outlived the cut")
+    done = gpu_check_plan.run_child([sys.executable, "-c", "print('hi')"], gpu_check_plan.Deadline(30), "quick")
+    assert (done.returncode, done.stdout) == (0, "hi\n")
+
+
+def test_the_plan_needs_no_gpu_and_puts_every_headline_item_in_the_default_budget(capsys):
+    gpu_check.main(["--plan"])
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line[:3].strip().isdigit()]
+    headline = [r for r in rows if "*" in r]
+    assert len(headline) == 12 and [int(r[0]) for r in headline] == list(range(1, 13))  # first
+    assert all(r[-1] == "yes" for r in headline)
+    assert "the headline items" in out and "all in budget" in out
+    assert "train.py dit-b2-ancre" in out and "sampling DiT-B/2 ddpm-250 compiled" in out
+    assert "train DiT-B/2 ancre:aggregation_kernel=triton eager" in out  # the kernels' device is assumed
+    gpu_check.main(["--plan", "--budget-s", "60", "--only", "train DiT-B/2"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line[:3].strip().isdigit()]
+    assert all(r[1] == "train" and r[2] == "DiT-B/2" for r in rows)
+    fits = [r[-1] for r in rows]
+    assert fits[:2] == ["yes", "NO"]  # cascaded (29 s) fits in 60 s, ancre (52 s) then does not
+
+
+def test_the_plan_rows_follow_the_estimates():
+    items = [gpu_check_plan.Item(name, None, None, headline=name == "a") for name in ("a", "b", "c", "d")]
+    estimates = {"a": gpu_check_plan.Estimate(30, "measured"), "b": gpu_check_plan.Estimate(50, "guess"),
+                 "c": gpu_check_plan.Estimate(15, "measured")}
+    rows = gpu_check_plan.plan_rows(items, estimates, budget_s=100)
+    assert [(r["fits"], r["starts_at_s"]) for r in rows] == [(True, 0), (True, 30), (True, 80), (False, None)]
+    assert rows[3]["estimate_s"] == gpu_check_plan.NO_ESTIMATE_S and rows[3]["source"] == "none"
+
+
+def test_an_unknown_only_name_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda: gpu_check.main(["--plan", "--only", "nothing-like-this"]))
+    assert exit_info.value.code == 2 and "--plan lists their names" in capsys.readouterr().err.replace("`", "")
 
 
 @pytest.mark.slow
@@ -83,27 +176,30 @@ def test_smoke_run_through_the_device_wrapper_writes_every_measurement(tmp_path)
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     log = (out / "gpu_check.log").read_text()
-    assert log.startswith("torch ") and "train DiT-S/2 mhc compile=False" in log and "wrote " in log
+    assert log.startswith("torch ") and "train DiT-S/2 mhc eager: " in log and "wrote " in log
     report = json.loads((out / "gpu_check.json").read_text())
-    eager = [r for r in report["training"] if not r["compile"]]
-    assert [r["topology"] for r in eager] == ["cascaded", "ancre", "denseformer", "hc", "mhc"]
-    for r in eager:
+    assert all(it["status"] == "ok" for it in report["items"]), [it for it in report["items"] if it["status"] != "ok"]
+    eager = [(r["model"], r["topology"]) for r in report["training"] if not r["compile"]]
+    assert eager == [("DiT-B/2", "cascaded"), ("DiT-B/2", "ancre"), *[("DiT-S/2", t) for t in gpu_check.TOPOLOGIES],
+                     *[("DiT-B/2", t) for t in gpu_check.TOPOLOGIES[2:]]]
+    for r in report["training"]:
         assert r["step_ms"] > 0 and r["flops_per_step"] > 0 and r["time_ratio"] > 0
-    assert eager[0]["time_ratio"] == 1.0
-    compiled = [r["topology"] for r in report["training"] if r["compile"]]
-    assert compiled == ["cascaded", "ancre", "ancre:history_dtype=bfloat16", "ancre:topology_topk=1",
-                        *gpu_check.NEWER_VARIANTS]  # the newer ones last, with their options
-    newer = [r for r in report["training"] if r["topology"] in gpu_check.NEWER_VARIANTS]
-    assert all(r["flops_per_step"] > 0 for r in newer)  # no eager run to take the count from: their own (for MFU)
-    assert all(r["step_ms"] > 0 and r["time_ratio"] > 0 for r in report["training"])
+    assert all(r["time_ratio"] == 1.0 for r in report["training"] if r["topology"] == "cascaded")
+    compiled = [(r["model"], r["topology"]) for r in report["training"] if r["compile"]]
+    assert compiled == [("DiT-B/2", t) for t in ("cascaded", "ancre", *gpu_check.ANCRE_VARIANTS)] + [
+        ("DiT-S/2", "cascaded"), ("DiT-S/2", "ancre"), *[("DiT-B/2", v) for v in gpu_check.NEWER_VARIANTS]]
     assert report["loader"]["images_per_s"] > 0 and report["loader"]["in_memory_0_workers_images_per_s"] > 0
-    assert [(r["sampler"], r["cfg_scale"], r["precision"]) for r in report["sampling"]] == [
-        ("ddpm", 1.5, "bf16"), ("dpm-solver", 1.5, "bf16")]  # the GPU run's path, through CPU autocast
+    assert [(r["model"], r["sampler"], r["cfg_scale"], r["precision"]) for r in report["sampling"]] == [
+        ("DiT-B/2", "ddpm", 1.5, "bf16"), ("DiT-B/2", "dpm-solver", 1.5, "bf16"), ("DiT-S/2", "ddpm", 1.5, "bf16"),
+        ("DiT-S/2", "dpm-solver", 1.5, "bf16")]  # the GPU run's path, through CPU autocast
     assert all(r["images_per_s"] > 0 for r in report["sampling"])
     assert report["inception"]["images_per_s"] > 0
+    # the trainer's own steps ran; a CPU has no sync debug mode to count with
+    assert [(r["recipe"], r["counted"], r["quiet_steps"]) for r in report["host_syncs"]] == [
+        ("dit-s2-ancre", False, [2, 3, 5]), ("dit-s2-ancre top-2", False, [2, 3, 5])]
     # train.py itself, through accelerate launch on synthetic latents, read back from its metrics.jsonl
     (run,) = report["trainer"]["runs"]
-    assert (run["model"], run["processes"], run["steps"], run["mixed_precision"]) == ("dit-s2", 1, 6, "bf16")
+    assert (run["model"], run["processes"], run["steps"], run["mixed_precision"]) == ("dit-b2", 1, 6, "bf16")
     assert run["images_per_sec"] > 0 and run["log_lines"] == 3
     assert run["images_per_s"] > 0 and 0 < run["mfu"] < 1 and report["trainer"]["mfu"] == run["mfu"]
     # a user's path: SIGTERM once 3 steps are logged (no step limit in reach) -> a checkpoint, resumed
