@@ -86,8 +86,8 @@ def test_in_memory_latents_refused_in_one_line_without_the_ram(latent_dir, monke
     from ancre_dit.training.config import load_config
     from ancre_dit.training.data import build_data
 
-    monkeypatch.setattr(latents, "available_memory_bytes", lambda: 10_000)  # the 91 images need 93 KB
-    with pytest.raises(UserError, match=r"needs 0\.0 GiB .* set data.in_memory=false"):
+    monkeypatch.setattr(latents, "available_memory_bytes", lambda: 10_000)  # the 91 images' moments need 46.6 KB
+    with pytest.raises(UserError, match=r"needs 45\.5 KiB .* only 9\.8 KiB of memory is available; set data.in_memory=false"):
         LatentShardDataset(latent_dir, in_memory=True)
     monkeypatch.undo()
     config = load_config(None, ["data.kind=latents", f"data.path={latent_dir}", "data.image_size=32", "data.in_memory=true"])
@@ -95,6 +95,79 @@ def test_in_memory_latents_refused_in_one_line_without_the_ram(latent_dir, monke
     assert info.dataset._memory is None  # the trainer loads it, once per node (load_latents_in_memory)
     load_latents_in_memory(info, SimpleNamespace(num_processes=1), latent_dir)
     assert info.dataset._memory is not None
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 32 KiB memory filesystem, as a container's small /dev/shm (needs the right to mount)."""
+    import subprocess
+
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_in_memory_latents_refused_in_one_line_when_shared_memory_is_small(latent_dir, small_tmpfs, monkeypatch):
+    """The 91 images' moments (45.5 KiB) do not fit a 32 KiB /dev/shm: one line naming it, before any
+    allocation, not torch's "unable to allocate shared memory"."""
+    import ancre_dit.data.latents as latents
+    from ancre_dit.errors import UserError
+
+    monkeypatch.setattr(latents, "shared_memory_dir", lambda: small_tmpfs)
+    with pytest.raises(UserError, match=rf"needs 45\.5 KiB .* only 32\.0 KiB is free in {small_tmpfs}, the shared-memory filesystem; "
+                                        r"give it more .*--shm-size.* or set data.in_memory=false"):
+        LatentShardDataset(latent_dir, in_memory=True)
+    assert not list(small_tmpfs.iterdir())
+
+
+@pytest.mark.parametrize("layout", ["v2", "v1", "v2 unlimited"])
+def test_in_memory_latents_refused_in_one_line_past_the_jobs_memory_limit(latent_dir, tmp_path, monkeypatch, layout):
+    import ancre_dit.data.latents as latents
+    from ancre_dit.errors import UserError
+
+    root = tmp_path / "cgroup"
+    (root / "memory").mkdir(parents=True)
+    limit, usage = ("max" if "unlimited" in layout else str(200_000)), "160000"  # 40 KB left; the latents need 46.6 KB
+    if layout.startswith("v2"):
+        (root / "memory.max").write_text(limit + "\n")
+        (root / "memory.current").write_text(usage + "\n")
+    else:
+        (root / "memory" / "memory.limit_in_bytes").write_text(limit + "\n")
+        (root / "memory" / "memory.usage_in_bytes").write_text(usage + "\n")
+    monkeypatch.setattr(latents, "CGROUP_ROOT", root)
+    if "unlimited" in layout:
+        assert latents.cgroup_memory_left() is None
+        LatentShardDataset(latent_dir, in_memory=True)
+        return
+    assert latents.cgroup_memory_left() == 40_000
+    with pytest.raises(UserError, match=r"the job's memory limit leaves .*SLURM --mem.*; raise the limit or set "
+                                        r"data.in_memory=false"):
+        LatentShardDataset(latent_dir, in_memory=True)
+
+
+def test_a_crash_while_filling_the_node_copy_leaves_no_file_in_shared_memory(latent_dir, tmp_path, monkeypatch):
+    import ancre_dit.data.latents as latents
+    from ancre_dit.training.config import load_config
+    from ancre_dit.training.data import build_data
+
+    monkeypatch.setattr(latents, "shared_memory_dir", lambda: tmp_path)
+    config = load_config(None, ["data.kind=latents", f"data.path={latent_dir}", "data.image_size=32", "data.in_memory=true"])
+    info = build_data(config, patch_size=2)
+    real_load = latents.LatentShardDataset._load_all
+
+    def crash_after_the_files_exist(self, backing, fill):
+        real_load(self, backing, fill)
+        raise RuntimeError("killed while filling")
+
+    monkeypatch.setattr(latents.LatentShardDataset, "_load_all", crash_after_the_files_exist)
+    node = SimpleNamespace(num_processes=2, is_local_main_process=True, device=torch.device("cpu"),
+                           reduce=lambda t, op: t, wait_for_everyone=lambda: None)
+    with pytest.raises(RuntimeError, match="killed while filling"):
+        load_latents_in_memory(info, node, tmp_path / "run")
+    assert not list(tmp_path.glob("ancre-dit-latents-*"))
 
 
 def test_a_node_copy_is_one_set_of_pages_mapped_by_every_local_rank(latent_dir, tmp_path):

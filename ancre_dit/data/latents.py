@@ -13,6 +13,8 @@ import bisect
 import itertools
 import json
 import os
+import shutil
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Sequence
@@ -359,12 +361,20 @@ class LatentShardDataset(Dataset):
         return need + (self._len * int(np.prod(self.image_shape)) if self.images else 0)
 
     def memory_problem(self) -> str | None:
-        """Why one in-memory copy of the latents does not fit in this machine's free memory (None: it fits)."""
-        need, free = self.memory_needed(), available_memory_bytes()
-        if free is not None and need > 0.9 * free:
-            return (f"data.in_memory needs {need / 2**30:.1f} GiB for the latents of {self.root} but "
-                    f"{free / 2**30:.1f} GiB of memory is available; set data.in_memory=false "
-                    "(the shards are then read from disk)")
+        """Why one in-memory copy of the latents does not fit (None: it fits): in the machine's free
+        memory, in what the job's memory limit leaves (a cgroup's: SLURM --mem, a container's), or
+        in the free space of the shared-memory filesystem that holds it (a container's /dev/shm is
+        often 64 MB)."""
+        need, shm = self.memory_needed(), shared_memory_dir()
+        room = [(available_memory_bytes(), "of memory is available", "set data.in_memory=false"),
+                (cgroup_memory_left(), "the job's memory limit leaves (cgroup memory.max: SLURM --mem, a "
+                 "container's --memory)", "raise the limit or set data.in_memory=false"),
+                (shutil.disk_usage(shm).free, f"is free in {shm}, the shared-memory filesystem",
+                 "give it more (a container's --shm-size) or set data.in_memory=false")]
+        for free, where, fix in room:
+            if free is not None and need > 0.9 * free:
+                return (f"data.in_memory needs {_size(need)} for the latents of {self.root} but only "
+                        f"{_size(free)} {where}; {fix} (the shards are then read from disk)")
         return None
 
     def check_memory(self) -> None:
@@ -416,6 +426,39 @@ class LatentShardDataset(Dataset):
         state["_open"] = OrderedDict()
         state["_files_open"] = OrderedDict()
         return state
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def shared_memory_dir() -> Path:
+    """Where shared memory lives: /dev/shm on Linux (torch's shared tensors too), else the temp folder."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+# cgroup v2 (memory.max, memory.current) or v1 (memory/memory.limit_in_bytes, memory.usage_in_bytes)
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_memory_left() -> int | None:
+    """Bytes this process's memory cgroup still allows (its limit less its usage), or None when no
+    limit is set or none can be read."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = (CGROUP_ROOT / limit_file).read_text().strip()
+            usage = int((CGROUP_ROOT / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
+            return None
+        return max(0, int(limit) - usage)
+    return None
 
 
 def available_memory_bytes() -> int | None:

@@ -10,7 +10,6 @@ image its encoder sees, flipped as the training example is.
 from __future__ import annotations
 
 import hashlib
-import tempfile
 import uuid
 import weakref
 from dataclasses import dataclass
@@ -122,19 +121,23 @@ def load_latents_in_memory(info: DataInfo, accelerator, run_dir: Path) -> None:
     if refusals.item():  # start-up, not the step loop: one host read is fine here
         raise UserError(problem or f"data.in_memory: the latents of {ds.root} do not fit in the free memory of "
                                    f"another node of this job; set data.in_memory=false")
-    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    from ..data.latents import shared_memory_dir
+
+    shm = shared_memory_dir()
     key = hashlib.sha1(f"{Path(run_dir).resolve()}|{Path(ds.root).resolve()}".encode()).hexdigest()[:16]
     backing = shm / f"ancre-dit-latents-{key}"
     first = accelerator.is_local_main_process
-    if first:
-        ds.load_into_memory(backing, fill=True)
-    accelerator.wait_for_everyone()
-    if not first:
-        ds.load_into_memory(backing, fill=False)
-    accelerator.wait_for_everyone()
-    if first:
-        for part in shm.glob(f"{backing.name}.*"):
-            part.unlink()
+    try:
+        if first:
+            ds.load_into_memory(backing, fill=True)
+        accelerator.wait_for_everyone()
+        if not first:
+            ds.load_into_memory(backing, fill=False)
+        accelerator.wait_for_everyone()
+    finally:  # the mappings stay; the names go, whatever happened (a crash leaves no file in shared memory)
+        if first:
+            for part in shm.glob(f"{backing.name}.*"):
+                part.unlink(missing_ok=True)
 
 
 def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
