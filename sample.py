@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from ancre_dit.cli import CommandParser, output_file, output_folder, run_cli
+from ancre_dit.cli import COLLECTIVE_TIMEOUT_S, CommandParser, output_file, output_folder, run_cli
 from ancre_dit.diffusion import LAST_STEPS, SAMPLERS
 from ancre_dit.diffusion.sampler_registry import sampler_help, steps_help
 from ancre_dit.sampling import JobSettings, run_job
@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid-max", type=int, default=100)
     p.add_argument("--keep-parts", action="store_true", help="keep OUT.parts/ after merging")
     p.add_argument("--cpu", action="store_true", help="sample on the CPU even if a GPU is present")
+    p.add_argument("--collective-timeout-s", type=float, default=COLLECTIVE_TIMEOUT_S,
+                   help="under a launcher, seconds a process waits for the others in a collective (default %(default)g)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the DiT with static shapes (the last batch is padded); worth it for large "
                         "jobs such as FID-50K, where the compile time is small next to the sampling")
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         sde_last_step_size=a.sde_last_step_size, sde_diffusion_norm=a.sde_diffusion_norm,
         label_mode="random" if a.random_classes else "balanced", classes=a.classes, precision=a.precision,
         vae=a.vae, png_dir=a.png_dir, grid=a.grid, grid_max=a.grid_max, keep_parts=a.keep_parts, cpu=a.cpu,
-        compile=a.compile, tf32=a.tf32),
+        compile=a.compile, tf32=a.tf32, collective_timeout_s=a.collective_timeout_s),
         a.protocol))
     return 0
 

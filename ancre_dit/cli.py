@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Sequence
 
@@ -109,12 +110,19 @@ class SingleProcess:
         pass
 
 
+# Seconds a process waits in a collective before the job fails (train.collective_timeout_s, and the
+# commands' --collective-timeout-s): NCCL's own default, 10 minutes, is less than the main process
+# may work alone (a checkpoint on a slow filesystem, the reference features).
+COLLECTIVE_TIMEOUT_S = 1800.0
+
+
 @contextlib.contextmanager
-def job_processes(cpu: bool = False) -> Iterator:
+def job_processes(cpu: bool = False, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator:
     """The processes of a job: this one alone, or, under torchrun / accelerate launch (WORLD_SIZE > 1),
     accelerate's PartialState, whose process group is destroyed on the way out (a group left open
     makes gloo abort the process at exit). Without a GPU, or with ACCELERATE_USE_CPU=1 or `cpu`,
-    the group runs on the CPU (gloo): PartialState alone would treat each process as a lone one."""
+    the group runs on the CPU (gloo): PartialState alone would treat each process as a lone one.
+    `timeout_s`: how long a process waits in a collective."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         yield SingleProcess(cpu)
         return
@@ -122,7 +130,8 @@ def job_processes(cpu: bool = False) -> Iterator:
     from accelerate import PartialState
     from accelerate.utils import parse_flag_from_env
 
-    state = PartialState(cpu=cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available())
+    state = PartialState(cpu=cpu or parse_flag_from_env("ACCELERATE_USE_CPU") or not torch.cuda.is_available(),
+                         timeout=timedelta(seconds=timeout_s))
     try:
         yield state
     finally:

@@ -288,3 +288,28 @@ def test_inception_metrics_during_training_equal_the_offline_pipeline(tmp_path):
     offline = evaluate(samples, ref, weights, metrics=tuple(metrics), fid_method="eigh", device="cpu").metrics
     for m in metrics:
         assert during[f"{m}/cfg1.5"] == pytest.approx(offline[m], rel=1e-5), m
+
+
+@pytest.mark.slow
+def test_the_reference_features_are_ready_before_the_first_step(tmp_path):
+    """The main process extracts eval.ref's features while the trainer is built, not at the first
+    evaluation in the middle of training (where the other ranks would wait for it in a collective)."""
+    from ancre_dit.data.adm_npz import save_adm_npz, to_uint8
+    from ancre_dit.data.digits import DigitsDataset
+    from ancre_dit.evaluation import WEIGHTS_NAME, write_random_inception_weights
+    from ancre_dit.training import Trainer
+    from ancre_dit.training.periodic import EvaluationTask
+
+    weights = write_random_inception_weights(tmp_path / WEIGHTS_NAME, seed=0)
+    held = DigitsDataset("heldout")
+    ref = save_adm_npz(tmp_path / "ref.npz", to_uint8(held.images[:6]).transpose(0, 2, 3, 1), held.labels[:6].numpy())
+    reset_accelerate()
+    try:
+        trainer = Trainer(tiny_config(tmp_path / "run", "train.max_steps=2", "train.eval_every=2",
+                                      "eval.metrics=[fid,precision]", f"eval.ref={ref}",
+                                      f"eval.inception_weights={weights}", "eval.heldout_loss=false"))
+    finally:
+        reset_accelerate()
+    (task,) = [t for t in trainer.tasks if isinstance(t, EvaluationTask)]
+    side = task.evaluator._ref_side
+    assert trainer.step == 0 and side is not None and side.num_images == 6 and len(side.features.pool) == 6

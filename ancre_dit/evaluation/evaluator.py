@@ -120,6 +120,15 @@ class Evaluator:
             return None
         return {"metrics": metrics, "reference": reference, "seconds": round(time.perf_counter() - start, 3)}
 
+    def prepare_reference(self) -> None:
+        """The reference side of every metric that has one (Inception features or statistics, DINOv2
+        statistics), computed once: called at the run's start on the main process, which alone
+        scores (see build_run_evaluator)."""
+        if self.inception and self.settings.ref is not None:
+            self._reference_side()
+        if "dinov2" in self.features:
+            self._dinov2_reference()
+
     # -- parts ------------------------------------------------------------------------------
     def _evaluate(self, model, raw_model) -> tuple[dict[str, float], dict[str, float]]:
         metrics: dict[str, float] = {}
@@ -221,19 +230,25 @@ class Evaluator:
 
     def _inception_scores(self, features: list[dict[str, np.ndarray]]) -> dict[str, float]:
         from .inception import InceptionFeatures
-        from .pipeline import default_batch_size, has_stored_stats, load_side, score
+        from .pipeline import score
         from .sides import Side
 
         feats = InceptionFeatures(*(np.concatenate([f[k] for f in features]) for k in ("pool", "spatial", "logits")))
         samples = Side("samples", features=feats, num_images=len(feats))
+        # eigh: the same Fréchet distance as sqrtm, stable with fewer samples than feature dimensions
+        return score(samples, self._reference_side(), self.inception, fid_method="eigh", device=self.state.device)
+
+    def _reference_side(self):
+        """eval.ref for the Inception metrics: its stored statistics, or its images' features (once per run)."""
+        from .pipeline import default_batch_size, has_stored_stats, load_side
+
         if self._ref_side is None:
             needs_images = any(METRICS[m].needs == "reference images" for m in self.inception)
             device = torch.device(self.state.device)
             self._ref_side = load_side(self.settings.ref, "reference", self._get_extractor, default_batch_size(device),
                                        need_features=needs_images or not has_stored_stats(self.settings.ref,
                                                                                           self.inception))
-        # eigh: the same Fréchet distance as sqrtm, stable with fewer samples than feature dimensions
-        return score(samples, self._ref_side, self.inception, fid_method="eigh", device=self.state.device)
+        return self._ref_side
 
 
 # -- the evals file --------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from ..checkpoint import load_trained_model
-from ..cli import job_processes
+from ..cli import COLLECTIVE_TIMEOUT_S, job_processes
 from ..data.adm_npz import load_adm_npz, save_adm_npz
 from ..diffusion import SAMPLERS, SDEOptions
 from ..errors import UserError
@@ -65,6 +65,7 @@ class JobSettings:
     tf32: bool = True                 # TF32 matmuls on CUDA, as the trainer (train.tf32) and DiT's sampler
     compile: bool = False             # torch.compile the network, static shapes (the last part padded)
     protocol: str | None = None  # a named preset (protocols.py) the settings follow
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S  # under a launcher: a collective's wait
 
 
 def part_ranges(num_samples: int, batch_size: int) -> list[tuple[int, int]]:
@@ -178,7 +179,7 @@ def merge_parts(folder: Path, ranges: list[tuple[int, int]], labels: np.ndarray,
 def run_job(s: JobSettings) -> Path:
     """Samples s.num_samples images into s.out (+ PNG folder, grid); returns s.out."""
     guidance = check_settings(s)
-    with job_processes(s.cpu) as state:
+    with job_processes(s.cpu, s.collective_timeout_s) as state:
         configure_precision(state.device, s.tf32)
         model, spec = load_trained_model(s.ckpt, s.weights, state.device)
         return _run_model(model, spec, s, guidance, state)

@@ -154,6 +154,10 @@ class TrainConfig:
     # Ranks agree on a stop signal every N steps (a host-side all-reduce, no GPU wait): the stop
     # latency is at most N steps plus the checkpoint's write (docs/cluster.md).
     stop_check_every: int = ranged(10, ge=1)
+    # Seconds a rank waits in a collective before the job fails (NCCL's own default is 600): the main
+    # rank may work alone for minutes (filling a node's in-memory latents, the evaluation's reference
+    # features, a large checkpoint on a slow filesystem) while the others wait for it.
+    collective_timeout_s: float = ranged(1800.0, gt=0)
     # Peak dense bf16 TFLOP/s of one device, for the logged MFU; null = from the GPU's name
     # (ancre_dit.hardware), none for a CPU.
     peak_tflops: float | None = ranged(None, gt=0, hint="null = from the device's name")

@@ -29,14 +29,19 @@ def build_run_evaluator(config: Config, data, objective, decoder, state, log: Ca
     when no sample metric is asked for)."""
     from ..evaluation.evaluator import Evaluator
     from ..evaluation.heldout import build_heldout_set
+    from .agreement import main_decides
 
     e = config.eval
     heldout = None
     if e.heldout_loss and data.heldout is not None:
         heldout = build_heldout_set(data.heldout, data.kind, max_examples=e.heldout_max, draws=e.heldout_draws,
                                     seed=e.seed, objective=objective, latent_norm=data.latent_norm)
-    return Evaluator(e, data_kind=data.kind, num_classes=data.num_classes, objective=objective, heldout=heldout,
-                     decoder=decoder, state=state, log=log)
+    evaluator = Evaluator(e, data_kind=data.kind, num_classes=data.num_classes, objective=objective, heldout=heldout,
+                          decoder=decoder, state=state, log=log)
+    # The reference's features now, on the main process, while the others wait with nothing queued
+    # (their wait is bounded by train.collective_timeout_s); a bad reference stops every process here.
+    main_decides(state, evaluator.prepare_reference)
+    return evaluator
 
 
 def record_evaluation(run_dir: Path, result: dict[str, Any], identity: dict[str, Any], *, step: int,
@@ -112,7 +117,7 @@ def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overri
     run_dir = Path(run_dir)
     config = run_config(run_dir, overrides)
     selected = _select(ckpt.list_checkpoints(run_dir), steps, run_dir)
-    with job_processes(cpu) as state:
+    with job_processes(cpu, config.train.collective_timeout_s) as state:  # the run's own setting
         return _evaluate(run_dir, config, selected, state, log)
 
 

@@ -17,17 +17,24 @@ clean stop.
 
 Ranks agree on stopping over a CPU (gloo) process group every `check_every` steps: the agreement
 never waits on the GPU queue, and a signal that reached one rank only stops all of them at the
-same step. The stop latency is at most `check_every` steps plus the checkpoint's write.
+same step. The stop latency is at most `check_every` steps plus the checkpoint's write. Across
+nodes gloo binds to the address the host name resolves to, or to GLOO_SOCKET_IFNAME's interface: a
+loopback address is refused at start-up, and a group that cannot connect fails there in one line.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
+import socket
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..errors import UserError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 REPEAT_SECONDS = 2.0
@@ -78,17 +85,53 @@ def worker_signal_handlers(worker_id: int) -> None:
         signal.signal(sig, _forward_to_parent)
 
 
+GLOO_HINT = ("set GLOO_SOCKET_IFNAME to the network interface the nodes reach each other on (the one NCCL uses, "
+             "e.g. GLOO_SOCKET_IFNAME=ib0 or eth0; `ip -brief addr` lists them)")
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
+def check_gloo_address() -> None:
+    """Refuses a multi-node job whose gloo group would bind to a loopback address: with no
+    GLOO_SOCKET_IFNAME gloo takes the address the host name resolves to, which on many clusters
+    is 127.0.1.1 (Debian's /etc/hosts), unreachable from the other nodes, so the group would hang."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if world <= local or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    host = socket.gethostname()
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        raise UserError(f"the host name {host} does not resolve, so gloo (the stop agreement) cannot bind; "
+                        f"{GLOO_HINT}") from None
+    if ipaddress.ip_address(address).is_loopback:
+        raise UserError(f"this job spans nodes but the host name {host} resolves to {address}, a loopback address "
+                        f"the other nodes cannot reach, and gloo (the stop agreement) would bind there; {GLOO_HINT}")
+
+
 class StopAgreement:
     """`should_stop(step, signals)`: whether every rank stops after this step. Collective at the
     steps where `step % check_every == 0` (and at `force=True` calls, which every rank makes at the
     same point); elsewhere it answers False without communicating."""
 
-    def __init__(self, num_processes: int, check_every: int):
+    def __init__(self, num_processes: int, check_every: int, timeout_s: float = 1800.0):
         self.num_processes, self.check_every = num_processes, max(1, check_every)
         self._group = None
         if num_processes > 1:
-            # Gloo on the host even when training uses NCCL: this flag must not queue behind GPU work.
-            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            # Gloo on the host even when training uses NCCL: this flag must not queue behind GPU work
+            # (the NCCL group would make each check a device sync).
+            if dist.get_backend() == "gloo":
+                self._group = dist.group.WORLD
+                return
+            check_gloo_address()
+            try:
+                self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+                self.agree(False)  # the first exchange: a rank that cannot reach the others fails here, at start-up
+            except (RuntimeError, dist.DistBackendError) as err:
+                raise UserError(f"the ranks could not connect over gloo for the stop agreement ({_first_line(err)}); "
+                                f"{GLOO_HINT}") from None
 
     def should_stop(self, step: int, signals: StopSignals | None, force: bool = False) -> bool:
         local = bool(signals is not None and signals.requested)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import time
+from datetime import timedelta
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
 from ..errors import UserError
@@ -71,7 +72,8 @@ def _make_accelerator(c: Config, run_dir: Path) -> Accelerator:
         project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "logs")),
         # Buffers are never changed by a forward (nothing to broadcast each step); gradients live
         # in DDP's all-reduce buckets (no copy in and out of them).
-        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True)],
+        kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True),
+                         InitProcessGroupKwargs(timeout=timedelta(seconds=c.train.collective_timeout_s))],
     )
 
 
@@ -154,7 +156,7 @@ class Trainer:
                                     self.log.warning, scaler_handles_grads=c.train.mixed_precision == "fp16",
                                     bad_rows=lambda position: nonfinite_rows(d, c.train.global_batch_size,
                                                                              c.train.seed, position))
-        self.stop_agreement = StopAgreement(acc.num_processes, c.train.stop_check_every)
+        self.stop_agreement = StopAgreement(acc.num_processes, c.train.stop_check_every, c.train.collective_timeout_s)
         self._signals: StopSignals | None = None
         self.flops_per_image = flops_per_training_image(lambda device: create_model(c.model.name, **self.model_kwargs),
                                                         d.in_channels, d.input_size)
