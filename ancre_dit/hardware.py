@@ -3,14 +3,30 @@ sets up the same way (training, sampling and evaluation of the same weights must
 peak dense bf16 throughput that turns counted FLOPs into MFU."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
-__all__ = ["PEAK_BF16_TFLOPS", "peak_tflops", "configure_precision", "autocast_dtype"]
+__all__ = ["PEAK_BF16_TFLOPS", "table_peak", "peak_tflops", "configure_precision", "full_fp32", "autocast_dtype"]
 
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by device-name fragment, most specific first.
-PEAK_BF16_TFLOPS = (("GH200", 989.0), ("H200", 989.0), ("H100", 989.0), ("H800", 989.0), ("B200", 2250.0),
-                    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("A10G", 70.0), ("4090", 165.0),
-                    ("3090", 71.0), ("V100", 125.0))
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by a fragment of torch.cuda.get_device_name, the
+# most specific first: the first fragment the name contains wins ("H100 PCIe" before "H100", "H200"
+# before "H20", "L40S" before "L40" before "L4"). The vendors' data sheets; the SXM parts are the
+# bare names ("NVIDIA H100 80GB HBM3").
+PEAK_BF16_TFLOPS = (("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 PCIe", 756.0),
+                    ("H100 NVL", 835.0), ("H100", 989.0), ("H800 PCIe", 756.0), ("H800", 989.0), ("H20", 148.0),
+                    ("GB200", 2500.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+                    ("L40", 181.0), ("L4", 121.0), ("A10G", 70.0), ("4090", 165.0), ("3090", 71.0),
+                    ("V100", 125.0))
+
+
+def table_peak(name: str) -> tuple[float, str] | None:
+    """(peak, fragment) of the first table entry whose fragment `name` contains (case-insensitive)."""
+    for fragment, value in PEAK_BF16_TFLOPS:
+        if fragment.lower() in name.lower():
+            return value, fragment
+    return None
 
 
 def peak_tflops(device: torch.device | str, override: float | None = None) -> tuple[float | None, str]:
@@ -22,10 +38,10 @@ def peak_tflops(device: torch.device | str, override: float | None = None) -> tu
     if device.type != "cuda":
         return None, "no peak known for a CPU: set it to get an MFU"
     name = torch.cuda.get_device_name(device)
-    for fragment, value in PEAK_BF16_TFLOPS:
-        if fragment in name:
-            return value, f"table entry {fragment}"
-    return None, f"unknown device {name!r}: set its peak to get an MFU"
+    found = table_peak(name)
+    if found is None:
+        return None, f"unknown device {name!r}: set its peak to get an MFU"
+    return found[0], f"table entry {found[1]} ({name})"
 
 
 def configure_precision(device: torch.device | str, tf32: bool = True) -> None:
@@ -37,6 +53,19 @@ def configure_precision(device: torch.device | str, tf32: bool = True) -> None:
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
+
+
+@contextlib.contextmanager
+def full_fp32() -> Iterator[None]:
+    """Full fp32 products and convolutions meanwhile, whatever configure_precision set: evaluation
+    features and distances (Inception, DINOv2, precision / recall), since TF32 perturbs features at
+    the 1e-3 level and ADM's reference numbers were computed in full fp32."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def autocast_dtype(mixed_precision: str) -> torch.dtype | None:

@@ -331,3 +331,42 @@ def test_digits_report_real_high_noise_chance(tmp_path, monkeypatch, capsys):
     code, stdout, stderr = _run_cli(monkeypatch, capsys, "--samples", str(path), "--digits")
     assert code == 0, stderr
     assert "NOT FID-50K" in stdout
+
+
+def test_evaluation_features_and_distances_run_in_full_fp32(monkeypatch):
+    """configure_precision turns TF32 on for training and sampling; DINOv2's features and the
+    precision / recall distances (as Inception's features) are computed without it."""
+    import importlib
+
+    import numpy as np
+
+    from ancre_dit.evaluation.dinov2 import DinoV2Extractor
+
+    pr = importlib.import_module("ancre_dit.evaluation.precision_recall")  # the package exports a function of that name
+
+    seen = []
+
+    def flags():
+        seen.append((torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+
+    real_distances = pr._squared_distances
+    monkeypatch.setattr(pr, "_squared_distances", lambda a, b: (flags(), real_distances(a, b))[1])
+
+    class Net(torch.nn.Module):
+        def forward_features(self, x):
+            flags()
+            return torch.zeros(len(x), 2, 3)
+
+    dinov2 = DinoV2Extractor.__new__(DinoV2Extractor)
+    dinov2.net, dinov2.device = Net(), torch.device("cpu")
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as configure_precision on CUDA
+    try:
+        rng = np.random.default_rng(0)
+        pr.precision_recall(rng.random((12, 4)), rng.random((12, 4)), k=3)
+        dinov2.batch(np.zeros((2, 8, 8, 3), dtype=np.uint8))
+        after = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    assert len(seen) >= 3 and set(seen) == {(False, False)}
+    assert after == (True, True)  # the caller's setting back

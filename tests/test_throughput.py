@@ -33,12 +33,24 @@ def test_metrics_carry_the_rate_per_process_and_the_mfu(tmp_path):
         assert r["images_per_s"] == pytest.approx(r["images_per_sec"])  # one process
         assert r["tflops_per_s"] == pytest.approx(r["images_per_s"] * expected / 1e12)
         assert r["mfu"] == pytest.approx(r["tflops_per_s"] / 0.002)
+        assert (r["peak_tflops"], r["peak_source"]) == (0.002, "given")  # which peak the MFU is against
         assert r["lr"] == pytest.approx(1e-3)
 
 
-def test_the_peak_comes_from_the_device_table_or_the_setting():
+def test_the_peak_comes_from_the_device_table_or_the_setting(monkeypatch):
     assert peak_tflops("cpu") == (None, "no peak known for a CPU: set it to get an MFU")
     assert peak_tflops("cpu", 123.0) == (123.0, "given")
+    # what torch.cuda.get_device_name says of each part, the most specific entry first
+    names = {"NVIDIA H100 80GB HBM3": 989.0, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0, "NVIDIA H200": 989.0,
+             "NVIDIA H200 NVL": 835.0, "NVIDIA H800 PCIe": 756.0, "NVIDIA H800": 989.0, "NVIDIA H20": 148.0,
+             "NVIDIA GH200 480GB": 989.0, "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA L40S": 362.0, "NVIDIA L40": 181.0,
+             "NVIDIA L4": 121.0, "NVIDIA B200": 2250.0}
+    for name, peak in names.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        value, source = peak_tflops("cuda:0")
+        assert value == peak and name in source, (name, value, source)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert peak_tflops("cuda:0") == (None, "unknown device 'Some Future GPU': set its peak to get an MFU")
 
 
 @pytest.mark.parametrize("topology", ["hc", "mhc", "ancre"])

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from ..data.adm_npz import to_rgb_uint8
 from ..errors import MissingFileError, UserError
+from ..hardware import full_fp32
 from ..models.timm_weights import load_timm_weights, weights_hint
 
 DINOV2_MODEL = "vit_large_patch14_dinov2"
@@ -68,7 +69,8 @@ class DinoV2Extractor:
     def batch(self, images: np.ndarray) -> torch.Tensor:
         """uint8 (N, H, W[, 1|3]) -> float32 CLS features (N, D) on the CPU."""
         x = preprocess(torch.from_numpy(np.require(to_rgb_uint8(images), requirements="CW")).to(self.device))
-        tokens = self.net.forward_features(x)
+        with full_fp32():
+            tokens = self.net.forward_features(x)
         return tokens[:, 0].float().cpu()
 
     def extract(self, batches: Iterable[np.ndarray], total: int | None = None, desc: str = "dinov2") -> np.ndarray:

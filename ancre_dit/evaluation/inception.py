@@ -15,7 +15,6 @@ ones stored in ADM reference batches.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import UserError
+from ..hardware import full_fp32
 from ..data.adm_npz import to_rgb_uint8
 
 WEIGHTS_NAME = "weights-inception-2015-12-05-6726825d.pth"
@@ -118,18 +118,6 @@ class InceptionFeatures:
         return len(self.pool)
 
 
-@contextlib.contextmanager
-def _full_fp32():
-    """TF32 convolutions/matmuls (on by default for cuDNN on Ampere+) perturb features at the 1e-3
-    level; ADM's reference numbers were computed in full fp32, so turn TF32 off while extracting."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
-
-
 class InceptionExtractor:
     """torch-fidelity's inception-v3-compat with weights from a local file, plus ADM's spatial tensor."""
 
@@ -158,7 +146,7 @@ class InceptionExtractor:
     def batch(self, images: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """uint8 (B, H, W, 3) -> (pool, spatial, logits) float32 tensors on the CPU."""
         x = torch.tensor(images, dtype=torch.uint8).to(self.device).permute(0, 3, 1, 2)  # a copy: memmaps are read-only
-        with _full_fp32():
+        with full_fp32():
             pool, logits = self.model(x)
         spatial, self._spatial = self._spatial, None
         return pool.cpu(), spatial.cpu(), logits.cpu()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 from ..errors import UserError
+from ..hardware import full_fp32
 
 
 def _squared_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -63,8 +64,9 @@ def precision_recall(real: np.ndarray, fake: np.ndarray, k: int = 3, batch_size:
     if real_t.ndim != 2 or fake_t.ndim != 2 or real_t.shape[1] != fake_t.shape[1]:
         raise ValueError(f"precision/recall needs (N, D) features of one D, got {tuple(real_t.shape)} "
                          f"and {tuple(fake_t.shape)}")
-    real_radii = manifold_radii(real_t, k, batch_size)
-    fake_radii = manifold_radii(fake_t, k, batch_size)
-    precision = _covered(fake_t, real_t, real_radii, batch_size).double().mean().item()
-    recall = _covered(real_t, fake_t, fake_radii, batch_size).double().mean().item()
+    with full_fp32():  # the distances' matmuls: TF32 would move points across a radius
+        real_radii = manifold_radii(real_t, k, batch_size)
+        fake_radii = manifold_radii(fake_t, k, batch_size)
+        precision = _covered(fake_t, real_t, real_radii, batch_size).double().mean().item()
+        recall = _covered(real_t, fake_t, fake_radii, batch_size).double().mean().item()
     return precision, recall

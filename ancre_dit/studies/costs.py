@@ -115,11 +115,11 @@ class ComputeRate:
 
 
 def _table_peak(gpu: str) -> float:
-    from ..hardware import PEAK_BF16_TFLOPS
+    from ..hardware import PEAK_BF16_TFLOPS, table_peak
 
-    for fragment, value in PEAK_BF16_TFLOPS:
-        if fragment.lower() in gpu.lower():
-            return value
+    found = table_peak(gpu)
+    if found is not None:
+        return found[0]
     raise UserError(f"--gpu {gpu}: no peak known for it (known: {', '.join(f for f, _ in PEAK_BF16_TFLOPS)}); "
                     f"give its dense bf16 peak with --gpu-peak-tflops")
 

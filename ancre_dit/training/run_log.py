@@ -45,9 +45,10 @@ class MetricsLog:
     (`write`: a collective, every process calls it)."""
 
     def __init__(self, accelerator, run_dir: Path, global_batch_size: int, flops_per_image: float,
-                 peak_tflops: float | None, log: logging.Logger, topology_matrix=None):
+                 peak_tflops: float | None, log: logging.Logger, topology_matrix=None, peak_source: str = ""):
         self.accelerator, self.path, self.log = accelerator, run_dir / "logs" / METRICS_FILE, log
         self.global_batch_size, self.flops_per_image, self.peak_tflops = global_batch_size, flops_per_image, peak_tflops
+        self.peak_source = peak_source  # which peak the MFU is against (hardware.peak_tflops), in each record
         self.topology_matrix = topology_matrix  # () -> the (K, K) matrix to track, or None
         self.last: dict[str, float] = {}
         self._reset(started=0.0)
@@ -79,7 +80,8 @@ class MetricsLog:
                                   self.flops_per_image, self.peak_tflops))
         metrics["train_seconds"] = round(train_seconds, 3)
         if acc.is_main_process:
-            append_jsonl(self.path, {"step": step, **metrics})
+            append_jsonl(self.path, {"step": step, **metrics, "peak_tflops": self.peak_tflops,
+                                     "peak_source": self.peak_source})
             acc.log(self._tracked(metrics), step=step)
         mfu = metrics["mfu"]
         if progress is not None:

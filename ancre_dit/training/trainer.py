@@ -163,7 +163,8 @@ class Trainer:
         self.peak_tflops, self.peak_source = peak_tflops(acc.device, c.train.peak_tflops)
         learnable_topology = any(True for _ in self.raw_model.topology.parameters())
         self.metrics = MetricsLog(acc, self.run_dir, c.train.global_batch_size, self.flops_per_image, self.peak_tflops,
-                                  self.log, (lambda: topology_matrix(self.raw_model)) if learnable_topology else None)
+                                  self.log, (lambda: topology_matrix(self.raw_model)) if learnable_topology else None,
+                                  peak_source=self.peak_source)
         self.context = RunContext(run_dir=self.run_dir, config=c, accelerator=acc, data=d,
                                   objective=self.objective, raw_model=self.raw_model, ema_model=self.ema.module,
                                   data_spec=self.data_spec(), log=self.log, progress=self.progress, save=self.save,
