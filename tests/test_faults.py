@@ -83,9 +83,12 @@ def _same_tree(a: Path, b: Path, ignore: tuple[str, ...] = ()) -> None:
 
 
 # -- training ----------------------------------------------------------------------------------
+TRAIN_STEPS = 32
+
+
 def _train_cmd(run: Path) -> list[str]:
     return [str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"), *TINY_TRAIN,
-            f"run_dir={run}", "train.max_steps=16", "train.ckpt_every=2", "train.keep_last=2", "train.log_every=1",
+            f"run_dir={run}", f"train.max_steps={TRAIN_STEPS}", "train.ckpt_every=2", "train.keep_last=2", "train.log_every=1",
             "--resume", "auto"]
 
 
@@ -98,7 +101,7 @@ def _assert_every_checkpoint_sound(run: Path) -> None:
 
 
 def _final_state(run: Path) -> dict[str, bytes]:
-    last = run / "checkpoints" / "0000016"
+    last = run / "checkpoints" / f"{TRAIN_STEPS:07d}"
     names = ["model.safetensors", "ema.safetensors", "accelerate/optimizer.bin",
              "rng/rank0.pt", "trainer_state.json", "topology.json"]
     state = {n: (last / n).read_bytes() for n in names}
@@ -120,9 +123,11 @@ def test_training_survives_kill_9_anywhere(tmp_path):
     saving = lambda: any(True for _ in (run / "checkpoints").glob(".tmp-*"))  # noqa: E731
     tried = landed = 0
     # Random moments (start-up, steps, saves), then kills timed to land while a checkpoint is
-    # being written (its .tmp- folder exists).
+    # being written (its .tmp- folder exists). A tiny step takes tens of milliseconds: the jitter
+    # stays within a few of them, so that every kill lands before the job's last step.
     for k in range(KILLS + 2):
-        until, extra = _progress_kill(rng, steps_done) if k < KILLS else (saving, rng.uniform(0.0, 0.05))
+        until, extra = (_progress_kill(rng, steps_done, jitter=0.1) if k < KILLS
+                        else (saving, rng.uniform(0.0, 0.05)))
         landed += _kill_after(_train_cmd(run), until, extra)
         tried += 1
         _assert_every_checkpoint_sound(run)

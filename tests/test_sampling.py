@@ -215,10 +215,10 @@ def test_ranks_leave_once_their_parts_are_written_and_the_main_one_merges(digits
     args = ["--ckpt", str(digits_ckpt), "--num-samples", "7", "--batch-size", "3", "--steps", "2"]
     run_sample(*args, "--out", str(tmp_path / "one.npz"))
     out = tmp_path / "two.npz"
-    monkeypatch.setattr(job_module, "job_processes", lambda cpu: contextlib.nullcontext(_Rank(1, 2)))
+    monkeypatch.setattr(job_module, "job_processes", lambda cpu, timeout_s: contextlib.nullcontext(_Rank(1, 2)))
     run_sample(*args, "--out", str(out))  # rank 1 writes part 3-6 and returns: no barrier, no merge
     assert not out.exists() and [p.name for p in (tmp_path / "two.parts").glob("part-*")] == ["part-0000003-0000006.npz"]
-    monkeypatch.setattr(job_module, "job_processes", lambda cpu: contextlib.nullcontext(_Rank(0, 2)))
+    monkeypatch.setattr(job_module, "job_processes", lambda cpu, timeout_s: contextlib.nullcontext(_Rank(0, 2)))
     run_sample(*args, "--out", str(out))
     with np.load(tmp_path / "one.npz") as one, np.load(out) as two:
         assert np.array_equal(one["arr_0"], two["arr_0"]) and np.array_equal(one["arr_1"], two["arr_1"])
