@@ -113,6 +113,7 @@ def test_an_item_past_its_limit_is_cut_and_the_run_goes_on(tmp_path, monkeypatch
     assert "CUT: ran past its limit of 1 s" in (tmp_path / "gpu_check.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_child_past_its_limit_is_killed_with_what_it_started(tmp_path):
     """A launcher's workers are its children: the whole process group goes."""
     pid_file = tmp_path / "grandchild.pid"
