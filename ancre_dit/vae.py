@@ -9,6 +9,7 @@ statistics (`data.latent_norm: channel`); `LoadedVAE.channel_mean/std` then undo
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,12 +114,29 @@ def load_vae(name: str, device: torch.device | str, dtype: torch.dtype = torch.f
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(f"could not load {kind} from {where} {name}: {first}") from None
     config = vae.config
-    factor = float(scaling_factor if scaling_factor is not None else config.scaling_factor)
+    factor = _scaling_factor(name, config) if scaling_factor is None else scaling_factor
     shift = getattr(config, "shift_factor", None)
     vae = vae.to(device=device).eval().requires_grad_(False)
     return LoadedVAE(vae=vae, name=name, scaling_factor=factor,
                      shift_factor=None if shift is None else float(shift),
                      downsample=VAE_CLASSES[kind][0](config), latent_channels=int(config.latent_channels), kind=kind)
+
+
+def _scaling_factor(name: str, config) -> float:
+    """The VAE config's scaling_factor, refused when its config.json does not give one (diffusers
+    would take SD's 0.18215 without a word, wrong for most other VAEs) or gives no positive number."""
+    if "scaling_factor" in getattr(config, "_use_default_values", ()):
+        raise UserError(f"the VAE config of {name} sets no scaling_factor (diffusers would take SD's 0.18215, wrong "
+                        "for most other VAEs); add it to its config.json or pass --scaling-factor")
+    value = config.scaling_factor
+    try:
+        factor = float(value)
+    except (TypeError, ValueError):
+        factor = float("nan")
+    if isinstance(value, bool) or not (math.isfinite(factor) and factor > 0):
+        raise UserError(f"the VAE config of {name} has scaling_factor {value!r}, not a positive number; fix its "
+                        "config.json or pass --scaling-factor")
+    return factor
 
 
 def check_vae_fits(name: str, latent_shape: tuple[int, int, int], image_size: int, what: str = "data.vae") -> None:

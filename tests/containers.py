@@ -78,3 +78,24 @@ def make_wds(folder: Path, out: Path, per_tar: int = 4, drop_label_of: int | Non
     return out
 
 
+
+
+def rewrite_parquet(src: Path, dst: Path, labels: list | None = None, class_names: list[str] | None = None) -> Path:
+    """A copy of an HF parquet folder with other label values (written as they are, without the
+    ClassLabel schema: floats, strings) or another ClassLabel name list for the same labels."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    dst.mkdir(parents=True)
+    for path in sorted(src.glob("*.parquet")):
+        table = pq.read_table(path)
+        if labels is not None:
+            table = table.set_column(table.schema.get_field_index("label"), "label", pa.array(labels[:len(table)]))
+            pq.write_table(table.replace_schema_metadata(None), dst / path.name)
+            continue
+        features = datasets.Features.from_arrow_schema(table.schema)
+        features["label"] = datasets.ClassLabel(names=class_names)
+        datasets.Dataset(table.cast(features.arrow_schema), info=datasets.DatasetInfo(features=features)).to_parquet(
+            str(dst / path.name))
+    return dst

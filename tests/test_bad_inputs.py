@@ -107,6 +107,38 @@ def _more_inputs(w: Path) -> None:
     rng = np.random.default_rng(1)
     np.savez(w / "rgba.npz", arr_0=rng.integers(0, 256, (4, 16, 16, 4), dtype=np.uint8), arr_1=np.arange(4))
     np.savez(w / "empty.npz", arr_0=np.zeros((0, 16, 16, 3), np.uint8), arr_1=np.zeros(0, np.int64))
+    # Labels that are not what they look like, in each container that reads a label column.
+    from containers import make_hf, rewrite_parquet
+    rewrite_parquet(w / "parquet", w / "parquet_float_labels", labels=[1.7, 0.0, 1.0, 0.0])
+    rewrite_parquet(w / "parquet", w / "parquet_text_labels", labels=["cat", "dog", "cat", "dog"])
+    both = w / "parquet_two_class_lists"
+    shutil.copytree(w / "parquet", both)
+    rewrite_parquet(w / "parquet", w / "parquet_swapped_names", class_names=["b", "a"])
+    for part in sorted((w / "parquet_swapped_names").glob("*.parquet")):
+        shutil.move(part, both / f"second-{part.name}")
+    make_hf(w / "images", w / "hf_disk")
+    _hf_float_labels(w / "hf_disk", w / "hf_disk_float_labels")
+    # Statistics that cannot be right.
+    mu, sigma = np.zeros(2048), np.eye(2048)
+    np.savez(w / "ref_nan_sigma.npz", mu=mu, sigma=np.full((2048, 2048), np.nan), mu_s=mu, sigma_s=sigma)
+    np.savez(w / "ref_no_sigma.npz", mu=mu)
+    np.savez(w / "ref_other_dim.npz", mu=np.zeros(64), sigma=np.eye(64))
+    np.savez(w / "ref_inf_mu.npz", mu=np.full(2048, np.inf), sigma=sigma)
+    for name, edit in (("vae_no_factor", lambda c: c.pop("scaling_factor")), ("vae_big_factor", lambda c: c.update(scaling_factor="big")),
+                       ("vae_zero_factor", lambda c: c.update(scaling_factor=0.0))):
+        config = json.loads((w / "vae" / "config.json").read_text())
+        edit(config)
+        _copy(w / "vae", w / name, lambda p, config=config: p.write_text(json.dumps(config)), "config.json")
+    (w / "topology_nan.json").write_text('{"probabilities": [[1.0, 0.0], [NaN, NaN]]}')
+
+
+def _hf_float_labels(src: Path, dst: Path) -> None:
+    """A save_to_disk dataset whose label column holds floats."""
+    import datasets
+
+    ds = datasets.load_from_disk(str(src))
+    labels = [float(y) + 0.5 for y in ds["label"]]
+    ds.remove_columns("label").add_column("label", labels).save_to_disk(str(dst))
 
 
 def _copy(src: Path, dst: Path, damage: Callable[[Path], None] | None = None, *relative: str) -> Path:
@@ -208,6 +240,15 @@ NO_RUN_FOLDER = {"entropy weight without a learned topology", "latent manifest c
 
 def _fresh(w: Path) -> str:
     return f"run_dir={w / FRESH}"
+
+
+def _extract(w: Path, data: str = "images", vae: str = "vae") -> list[str]:
+    return ["--data-path", str(w / data), "--vae", str(w / vae), "--out", str(w / "lat"), "--image-size", "16"]
+
+
+def _fid(w: Path, ref: str) -> list[str]:
+    return ["--samples", str(w / "big.npz"), "--ref", str(w / ref), "--inception-weights", _w8(w), "--metrics", "fid",
+            "--device", "cpu"]
 
 
 def _ck(w: Path) -> str:
@@ -452,12 +493,56 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
      "has an image but no .cls label"),
     ("extract label outside the class list", "extract",
      lambda w: ["--data-path", str(w / "parquet_label_5"), "--vae", str(w / "vae"), "--out", str(w / "lat")],
-     "has label 5, outside the 2 classes"),
+     "has label 5, beyond the 2 classes"),
     ("extract vae folder of an unknown class", "extract",
      lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae_unet"), "--out", str(w / "lat"),
                 "--image-size", "16"], "names the class UNet2DModel"),
     ("extract into a file", "extract",
      lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "a_file")], "is a file"),
+    ("extract negative max shards", "extract",
+     lambda w: [*_extract(w), "--max-shards", "-1"], "--max-shards must be positive, got -1"),
+    ("extract scaling factor zero", "extract",
+     lambda w: [*_extract(w), "--scaling-factor", "0"], "--scaling-factor 0.0 must be a positive finite number"),
+    ("extract scaling factor nan", "extract",
+     lambda w: [*_extract(w), "--scaling-factor", "nan"], "--scaling-factor nan must be a positive finite number"),
+    ("extract vae config without a scaling factor", "extract",
+     lambda w: [*_extract(w, vae="vae_no_factor")], "sets no scaling_factor"),
+    ("extract vae config with a text scaling factor", "extract",
+     lambda w: [*_extract(w, vae="vae_big_factor")], "has scaling_factor 'big', not a positive number"),
+    ("extract vae config with a zero scaling factor", "extract",
+     lambda w: [*_extract(w, vae="vae_zero_factor")], "has scaling_factor 0.0, not a positive number"),
+    ("extract into the image tree", "extract",
+     lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "images" / "latents"),
+                "--image-size", "16"], "lies inside --data-path"),
+    ("extract into the image folder itself", "extract",
+     lambda w: ["--data-path", str(w / "images"), "--vae", str(w / "vae"), "--out", str(w / "images"),
+                "--image-size", "16"], "is a non-empty folder that holds no latent folder"),
+    ("extract parquet float labels", "extract",
+     lambda w: [*_extract(w, data="parquet_float_labels")], "holds 1.7 (float), not a class index"),
+    ("extract parquet text labels", "extract",
+     lambda w: [*_extract(w, data="parquet_text_labels")], "holds 'cat' (str), not a class index"),
+    ("extract saved dataset float labels", "extract",
+     lambda w: [*_extract(w, data="hf_disk_float_labels")], "holds 0.5 (float), not a class index"),
+    ("extract parquet files with two class lists", "extract",
+     lambda w: [*_extract(w, data="parquet_two_class_lists")], "disagree on their ClassLabel names (class 0: 'a' vs 'b')"),
+    # -- statistics and command lines that cannot be right -----------------------------------------
+    ("reference with NaN sigma", "evaluate", lambda w: _fid(w, "ref_nan_sigma.npz"), "sigma holds non-finite values"),
+    ("reference with an infinite mu", "evaluate", lambda w: _fid(w, "ref_inf_mu.npz"), "mu holds non-finite values"),
+    ("reference without sigma", "evaluate", lambda w: _fid(w, "ref_no_sigma.npz"), "holds mu but no sigma"),
+    ("reference statistics of another dimension", "evaluate", lambda w: _fid(w, "ref_other_dim.npz"), "do not match"),
+    ("reference stats over a file of images", "evaluate",
+     lambda w: ["--save-ref-stats", str(w / "big.npz"), "--images", str(w / "images"), "--inception-weights", _w8(w),
+                "--image-size", "16", "--device", "cpu"], "holds images (arr_0)"),
+    ("reference stats over a file that is not an npz", "evaluate",
+     lambda w: ["--save-ref-stats", str(w / "garbage.npz"), "--images", str(w / "images"), "--inception-weights",
+                _w8(w), "--image-size", "16", "--device", "cpu"], "is not an .npz of reference statistics"),
+    ("key twice on the command line", "train", lambda w: [*_cfg(w), _fresh(w), "train.lr=1e-3", "train.lr=5e-2"],
+     "train.lr is given twice on the command line (train.lr=1e-3 and train.lr=5e-2)"),
+    ("eval key twice on the command line", "evaluate",
+     lambda w: ["--run", str(w / "run"), "eval.num_samples=4", "eval.num_samples=8"], "eval.num_samples is given twice"),
+    ("negative seed", "sample", lambda w: ["--ckpt", _ck(w), "--seed", "-1", "--out", str(w / "o.npz")],
+     "--seed -1 must be a non-negative integer"),
+    ("topology with NaN weights", "topology", lambda w: ["show", str(w / "topology_nan.json")], "non-finite weights"),
     # -- scripts/topology.py show ------------------------------------------------------------------
     ("topology missing", "topology", lambda w: ["show", str(w / "nope.json")], "not found"),
     ("topology not JSON", "topology", lambda w: ["show", str(w / "topology_broken.json")], "is not a topology JSON"),

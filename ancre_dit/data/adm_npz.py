@@ -87,4 +87,28 @@ def load_adm_npz(path: str | os.PathLike) -> ADMBatch:
         raise UserError(f"{path} is not a readable ADM .npz ({err}); regenerate it") from None
     if images is None and not stats:
         raise UserError(f"{path} holds neither images (arr_0) nor statistics (mu, sigma)")
+    check_stats(stats, path)
     return ADMBatch(images, labels, stats)
+
+
+STAT_PAIRS = (("mu", "sigma"), ("mu_s", "sigma_s"), ("mu_dinov2", "sigma_dinov2"))
+
+
+def check_stats(stats: dict[str, np.ndarray], path: str | os.PathLike) -> None:
+    """Each mean comes with its covariance, shaped (D,) and (D, D), every value finite: a statistic
+    that cannot be right is refused here rather than scored into a NaN."""
+    for mu_key, sigma_key in STAT_PAIRS:
+        if (mu_key in stats) != (sigma_key in stats):
+            have, lack = (mu_key, sigma_key) if mu_key in stats else (sigma_key, mu_key)
+            raise UserError(f"{path} holds {have} but no {lack}; recompute the reference statistics "
+                            "(evaluate.py --save-ref-stats)")
+        if mu_key not in stats:
+            continue
+        mu, sigma = np.asarray(stats[mu_key]), np.asarray(stats[sigma_key])
+        if mu.ndim != 1 or sigma.shape != (len(mu), len(mu)):
+            raise UserError(f"{path}: {mu_key} {tuple(mu.shape)} and {sigma_key} {tuple(sigma.shape)} are not a mean "
+                            "(D,) and its covariance (D, D); recompute the reference statistics")
+        for key, value in ((mu_key, mu), (sigma_key, sigma)):
+            if not np.issubdtype(value.dtype, np.number) or not np.isfinite(value).all():
+                raise UserError(f"{path}: {key} holds non-finite values (NaN or infinity); recompute the reference "
+                                "statistics (evaluate.py --save-ref-stats)")

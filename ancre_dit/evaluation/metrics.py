@@ -84,8 +84,8 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
     mu1, mu2 = np.atleast_1d(np.asarray(mu1, np.float64)), np.atleast_1d(np.asarray(mu2, np.float64))
     sigma1, sigma2 = np.atleast_2d(np.asarray(sigma1, np.float64)), np.atleast_2d(np.asarray(sigma2, np.float64))
     if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape or sigma1.shape != (len(mu1), len(mu1)):
-        raise ValueError(f"statistics do not match: mu {mu1.shape} vs {mu2.shape}, sigma {sigma1.shape} vs "
-                         f"{sigma2.shape}; were they computed with the same features?")
+        raise UserError(f"statistics do not match: mu {mu1.shape} vs {mu2.shape}, sigma {sigma1.shape} vs "
+                        f"{sigma2.shape}; were they computed with the same features?")
     if method == "sqrtm":
         tr_covmean = _trace_sqrt_product_sqrtm(sigma1, sigma2, eps)
     elif method == "eigh":
@@ -102,7 +102,8 @@ def frechet_distance_to_features(features: np.ndarray, mu: np.ndarray, sigma: np
     x = np.asarray(features, dtype=np.float64)
     mu, sigma = np.asarray(mu, np.float64), np.asarray(sigma, np.float64)
     if x.ndim != 2 or len(x) < 2 or x.shape[1] != len(mu) or sigma.shape != (len(mu), len(mu)):
-        raise ValueError(f"features {x.shape} do not match statistics mu {mu.shape}, sigma {sigma.shape}")
+        raise UserError(f"features {x.shape} do not match statistics mu {mu.shape}, sigma {sigma.shape}; were they "
+                        "computed with the same feature network?")
     if len(x) > x.shape[1]:
         return frechet_distance(*feature_statistics(x), mu, sigma, method="eigh")
     centred = x - x.mean(axis=0)

@@ -7,6 +7,7 @@ when the folder has one subfolder per class) so precision / recall can be comput
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,23 @@ from .sources import ImageFolderBatches
 from ..errors import UserError
 
 
+def check_replaceable(out: Path) -> None:
+    """An existing `out` is replaced only when it is a statistics file (mu, sigma, no images): a
+    sample file or an ADM reference batch holds images that a rerun here would destroy."""
+    if not out.exists():
+        return
+    try:
+        with zipfile.ZipFile(out) as npz:
+            members = set(npz.namelist())
+    except (zipfile.BadZipFile, OSError):
+        raise UserError(f"{out} exists and is not an .npz of reference statistics; move it or pick another "
+                        "--save-ref-stats name") from None
+    if "arr_0.npy" in members or "mu.npy" not in members:
+        raise UserError(f"{out} exists and holds {'images (arr_0)' if 'arr_0.npy' in members else 'no statistics'}: "
+                        "a sample file or an ADM reference batch, which writing statistics there would destroy; "
+                        "pick another --save-ref-stats name")
+
+
 def save_reference_stats(images_dir: str | os.PathLike, out: str | os.PathLike, weights: str | os.PathLike,
                          image_size: int = 256, with_images: bool = False, max_images: int | None = None,
                          seed: int = 0, batch_size: int | None = None, device: str | torch.device | None = None,
@@ -30,6 +48,7 @@ def save_reference_stats(images_dir: str | os.PathLike, out: str | os.PathLike, 
     computes Inception statistics and writes them (and optionally the images) to `out`.
     `max_images` keeps a seeded random subset (a sorted prefix of ImageNet would be a few classes).
     With `dinov2_weights`, also FD-DINOv2's mu_dinov2 / sigma_dinov2 from the same crops."""
+    check_replaceable(Path(out))
     device = torch.device(device) if device is not None else default_device()
     extractor = get_extractor(weights, device)  # fail on bad weights before reading any image
     dinov2 = None

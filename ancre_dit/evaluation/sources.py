@@ -15,7 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..data.adm_npz import STAT_KEYS, ADMBatch, load_adm_npz
+from ..data.adm_npz import STAT_KEYS, ADMBatch, check_stats, load_adm_npz
 from ..data.image_folder import load_rgb
 from ..errors import UserError
 
@@ -66,6 +66,7 @@ def open_adm_npz(path: str | os.PathLike) -> ADMBatch:
     with np.load(path) as data:
         labels = data["arr_1"].astype(np.int64) if "arr_1" in data.files else None
         stats = {k: data[k] for k in STAT_KEYS if k in data.files}
+    check_stats(stats, path)
     return ADMBatch(images, labels, stats)
 
 

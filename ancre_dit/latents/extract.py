@@ -184,9 +184,16 @@ def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageSource,
 def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> ExtractResult:
     """Encodes this process's missing shards; process 0 then writes manifest + report if all exist."""
     ctx = ctx or DistContext()
-    for name in ("image_size", "shard_size", "batch_size"):
-        if getattr(cfg, name) <= 0:
-            raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    for name in ("image_size", "shard_size", "batch_size", "max_shards"):
+        value = getattr(cfg, name)
+        if value is not None and value <= 0:
+            raise UserError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if cfg.scaling_factor is not None and not (math.isfinite(cfg.scaling_factor) and cfg.scaling_factor > 0):
+        raise UserError(f"--scaling-factor {cfg.scaling_factor} must be a positive finite number (SD's VAE: 0.18215)")
+    data, out = Path(cfg.data_path).resolve(), Path(cfg.out).resolve()
+    if data.is_dir() and (out == data or data in out.parents):
+        raise UserError(f"--out {cfg.out} lies inside --data-path {cfg.data_path}: the latents would be written "
+                        "into the image tree (and read as images next time); pick a folder outside it")
     if cfg.vae_dtype not in DTYPES:
         raise UserError(f"--vae-dtype must be one of {', '.join(DTYPES)}, got {cfg.vae_dtype}")
     if cfg.vae_dtype != "fp32" and ctx.device.type != "cuda":

@@ -84,9 +84,27 @@ def open_source(path: str, fmt: str | None = None, image_column: str = "image",
 
 def _check_labels(labels: list[int], class_names: list[str], where: Callable[[int], str]) -> None:
     for i, y in enumerate(labels):
-        if not 0 <= y < len(class_names):
-            raise UserError(f"{where(i)} has label {y}, outside the {len(class_names)} classes [0, {len(class_names)}); "
-                            "remove unlabelled rows (e.g. a test split's -1) or fix the class list")
+        if y < 0:
+            raise UserError(f"{where(i)} has label {y}, an unlabelled row (e.g. a test split's -1); remove such rows")
+        if y >= len(class_names):
+            raise UserError(f"{where(i)} has label {y}, beyond the {len(class_names)} classes of the class list "
+                            f"({', '.join(class_names[:5])}{', ...' if len(class_names) > 5 else ''}); every file must "
+                            "share one class list: fix the labels or the list")
+
+
+def _class_indices(values: list[Any], where: str) -> list[int]:
+    """Label column values as class indices (None: -1, unlabelled); anything that is not an integer
+    is refused rather than cast (a float 1.7 would become class 1, a string cannot be placed)."""
+    out = []
+    for i, y in enumerate(values):
+        if y is None:
+            out.append(-1)
+        elif isinstance(y, int) and not isinstance(y, bool):
+            out.append(y)
+        else:
+            raise UserError(f"{where} row {i}: the label column holds {y!r} ({type(y).__name__}), not a class index; "
+                            "store integer labels (or a ClassLabel feature), or name the right --label-column")
+    return out
 
 
 def _decode(position: int, data: bytes | None, path: str | None, image_size: int, min_side: int) -> LoadedImage:
@@ -151,7 +169,7 @@ def _open_hf(path: str, image_column: str, label_column: str) -> ImageSource:
             raise UserError(f"{path} is not a readable save_to_disk dataset ({str(err).splitlines()[0]})") from None
         _check_columns(ds.column_names, image_column, label_column, path)
         table = ds.with_format("arrow").select_columns([image_column, label_column])[:]
-        labels = [int(y) if y is not None else -1 for y in table.column(label_column).to_pylist()]
+        labels = _class_indices(table.column(label_column).to_pylist(), path)
         names = _class_names(ds.features, label_column, labels)
         paths = _image_paths(table.column(image_column))
         files = [f"{i}" + (f" {p}" if p else "") for i, p in enumerate(paths)]
@@ -173,17 +191,22 @@ def _open_parquet(root: Path, image_column: str, label_column: str, options: dic
         f = pq.ParquetFile(p)
         _check_columns(f.schema_arrow.names, image_column, label_column, str(p))
         part = f.read(columns=[label_column]).column(label_column).to_pylist()
-        labels += [int(y) if y is not None else -1 for y in part]
+        labels += _class_indices(part, str(p))
         rel = p.relative_to(root)
         has_paths = f.schema_arrow.field(image_column).type.num_fields > 0  # an Image struct, not plain bytes
         paths_here = (_image_paths(f.read(columns=[f"{image_column}.path"]).column(image_column)) if has_paths
                       else [None] * len(part))  # only the path field: the image bytes are not read here
         files += [f"{rel}:{i}" + (f" {q}" if q else "") for i, q in enumerate(paths_here)]
         counts.append(len(part))
-        if names is None:  # the class list of the first file's features (HF writes them in the schema)
-            features = datasets.Features.from_arrow_schema(f.schema_arrow)
-            names = features.get(label_column)
-            names = list(names.names) if isinstance(names, datasets.ClassLabel) else None
+        # the class list each file's features carry (HF writes them in the schema): one for all files
+        feature = datasets.Features.from_arrow_schema(f.schema_arrow).get(label_column)
+        here = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
+        if names is not None and here is not None and here != names:
+            k = next((k for k, (a, b) in enumerate(zip(names, here)) if a != b), min(len(names), len(here)))
+            theirs = lambda n: repr(n[k]) if k < len(n) else f"absent ({len(n)} classes)"  # noqa: E731
+            raise UserError(f"{p} and {paths[0]} disagree on their ClassLabel names (class {k}: {theirs(here)} vs "
+                            f"{theirs(names)}): one index would mean two classes; write every file with one class list")
+        names = names if names is not None else here
     names = names if names is not None else [str(k) for k in range(max(labels, default=-1) + 1)]
     _check_labels(labels, names, lambda i: f"{root} image {files[i]}")
     parquet = [str(p) for p in paths]

@@ -105,6 +105,8 @@ def check_settings(s: JobSettings) -> Guidance:
         raise UserError(f"--num-samples {s.num_samples} must be at least 1")
     if s.batch_size < 1:
         raise UserError(f"--batch-size {s.batch_size} must be at least 1")
+    if not 0 <= s.seed < 2**63:  # each sample's noise stream is seeded from (seed, index)
+        raise UserError(f"--seed {s.seed} must be a non-negative integer (below 2^63)")
     if not str(s.out).endswith(".npz"):
         raise UserError(f"--out {s.out} must name an .npz file (ADM sample layout), e.g. --out samples.npz")
     if s.grid and s.grid_max < 1:

@@ -276,6 +276,10 @@ def load_topology_json(path: str | Path) -> torch.Tensor:
         raise MissingFileError(f"topology file {path} not found; pass the topology.json written at a checkpoint")
     try:
         payload = json.loads(path.read_text())
-        return torch.tensor(payload["probabilities"], dtype=torch.float32)
+        P = torch.tensor(payload["probabilities"], dtype=torch.float32)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise UserError(f"{path} is not a topology JSON with a 'probabilities' matrix ({err})") from None
+    if not torch.isfinite(P).all():
+        raise UserError(f"{path} holds non-finite weights (NaN or infinity: written by a run that diverged?); "
+                        "pass the topology.json of a checkpoint from before it")
+    return P
