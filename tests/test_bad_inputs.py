@@ -118,6 +118,17 @@ def _more_inputs(w: Path) -> None:
         shutil.move(part, both / f"second-{part.name}")
     make_hf(w / "images", w / "hf_disk")
     _hf_float_labels(w / "hf_disk", w / "hf_disk_float_labels")
+    # WebDataset tars cut short: at a member boundary (a valid-looking shorter tar), inside a member, garbage.
+    from containers import make_wds
+    tar = next(make_wds(w / "images", w / "wds", per_tar=4).glob("*.tar"))
+    import tarfile
+    with tarfile.open(tar) as t:
+        last = t.getmembers()[-2]  # the last sample's image: cut just before it
+    data = tar.read_bytes()
+    for name, content in (("wds_cut_at_member", data[:last.offset]), ("wds_cut_inside", data[:last.offset_data + 40]),
+                          ("wds_garbage", b"not a tar at all " * 64)):
+        (w / name).mkdir()
+        (w / name / tar.name).write_bytes(content)
     # Statistics that cannot be right.
     mu, sigma = np.zeros(2048), np.eye(2048)
     np.savez(w / "ref_nan_sigma.npz", mu=mu, sigma=np.full((2048, 2048), np.nan), mu_s=mu, sigma_s=sigma)
@@ -523,6 +534,11 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
      lambda w: [*_extract(w, data="parquet_text_labels")], "holds 'cat' (str), not a class index"),
     ("extract saved dataset float labels", "extract",
      lambda w: [*_extract(w, data="hf_disk_float_labels")], "holds 0.5 (float), not a class index"),
+    ("extract tar cut at a member boundary", "extract", lambda w: [*_extract(w, data="wds_cut_at_member")],
+     "without the end-of-archive blocks: the file was cut short"),
+    ("extract tar cut inside a member", "extract", lambda w: [*_extract(w, data="wds_cut_inside")],
+     "it is damaged or cut short"),
+    ("extract garbage tar", "extract", lambda w: [*_extract(w, data="wds_garbage")], "is not a readable tar"),
     ("extract parquet files with two class lists", "extract",
      lambda w: [*_extract(w, data="parquet_two_class_lists")], "disagree on their ClassLabel names (class 0: 'a' vs 'b')"),
     # -- statistics and command lines that cannot be right -----------------------------------------
