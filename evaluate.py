@@ -98,7 +98,6 @@ def _digits(args) -> int:
 
 
 def _run(args) -> int:
-    from ancre_dit.training.config import check_unique_overrides
     from ancre_dit.training.run_evaluation import evaluate_run
 
     steps = None
@@ -107,7 +106,7 @@ def _run(args) -> int:
             steps = [int(s) for s in args.steps.split(",") if s.strip()]
         except ValueError:
             raise UserError(f"--steps {args.steps!r} must be comma-separated integers, e.g. --steps 500,1000") from None
-    evaluate_run(args.run, steps, check_unique_overrides(args.overrides), cpu=args.cpu)
+    evaluate_run(args.run, steps, args.overrides, cpu=args.cpu)
     return 0
 
 
