@@ -84,7 +84,9 @@ def _job_with_timeout() -> None:
     from ancre_dit.cli import job_processes
 
     with job_processes(cpu=True, timeout_s=77) as state:
+        state.wait_for_everyone()  # both ranks connected before either leaves
         assert state.num_processes == 2 and _timeout(dist.group.WORLD) == timedelta(seconds=77)
+        state.wait_for_everyone()
 
 
 @pytest.mark.slow
