@@ -89,6 +89,13 @@ def _digits(args) -> int:
     batch = load_adm_npz(args.samples)
     if batch.images is None or batch.labels is None:
         raise UserError(f"{args.samples} needs images (arr_0) and labels (arr_1) for --digits; write it with sample.py")
+    size = batch.images.shape[1:3]
+    if tuple(size) != (8, 8):
+        raise UserError(f"--digits scores the 8x8 samples of a digits run; {args.samples} holds {size[0]}x{size[1]} "
+                        "images: evaluate them with --ref and the Inception metrics instead")
+    if len(batch.labels) and not (0 <= batch.labels.min() and batch.labels.max() <= 9):
+        raise UserError(f"{args.samples}: --digits needs labels 0..9, arr_1 holds "
+                        f"{batch.labels.min()}..{batch.labels.max()}; pass the samples of a digits run")
     report = digits_report(batch.images, batch.labels)
     print(format_digits_report(report))
     if args.json:
@@ -98,6 +105,7 @@ def _digits(args) -> int:
 
 
 def _run(args) -> int:
+    from ancre_dit.training.config import check_unique_overrides
     from ancre_dit.training.run_evaluation import evaluate_run
 
     steps = None
@@ -106,7 +114,7 @@ def _run(args) -> int:
             steps = [int(s) for s in args.steps.split(",") if s.strip()]
         except ValueError:
             raise UserError(f"--steps {args.steps!r} must be comma-separated integers, e.g. --steps 500,1000") from None
-    evaluate_run(args.run, steps, args.overrides, cpu=args.cpu)
+    evaluate_run(args.run, steps, check_unique_overrides(args.overrides), cpu=args.cpu)
     return 0
 
 

@@ -17,8 +17,9 @@ def main() -> int:
                         help="config overrides, e.g. train.max_steps=20 run_dir=results/try")
     args = parser.parse_intermixed_args()  # overrides may come before and after --resume
     from ancre_dit.training import load_config, train  # after argparse: --help stays fast
+    from ancre_dit.training.config import check_unique_overrides
 
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, check_unique_overrides(args.overrides))
     train(config, resume=args.resume)
     return 0
 

@@ -83,17 +83,31 @@ def run_cli(main: Callable[[], int | None]) -> None:
     except UserError as err:
         if os.environ.get("ANCRE_DEBUG"):
             raise
+        _close_progress_bars()
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: one copy of the line
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
+        _close_progress_bars()
         print("interrupted", file=sys.stderr)
         sys.exit(130)
     except Exception:  # noqa: BLE001 - a bug: show where it happened
+        _close_progress_bars()
         traceback.print_exc()
         print(f"internal error: {BUG_REPORT}", file=sys.stderr)
         sys.exit(1)
     sys.exit(code or 0)
+
+
+def _close_progress_bars() -> None:
+    """Closes the progress bars an error left open (a bar outside a `with` block is still drawn):
+    each ends its line now, so the message starts a line of its own and no redraw follows it."""
+    if "tqdm" not in sys.modules:
+        return
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
 
 
 class SingleProcess:

@@ -120,8 +120,6 @@ def show_routing(args) -> None:
         out = output_file(args.out or args.topology / "routing.png", (".png",))
     if args.summary_json:
         output_file(args.summary_json, (".json",), "--summary-json")
-    if not all(0.0 <= t <= 1.0 for t in args.t):
-        raise UserError(f"--t takes normalised times in [0, 1] (0 = data, 1 = noise), got {args.t}")
     folder = _checkpoint_of(args.topology)
     model, spec = load_trained_model(folder)
     objective = build_objective(spec["diffusion"])
@@ -198,8 +196,6 @@ def diagnose(args) -> None:
     from ancre_dit.figures import plot_diagnosis
 
     out = output_folder(args.out, "diagnosis", "diagnose.json")
-    if not all(0.0 <= t <= 1.0 for t in args.t):
-        raise UserError(f"--t takes normalised times in [0, 1] (0 = data, 1 = noise), got {args.t}")
     folder = _checkpoint_of(args.checkpoint)
     model, spec = load_trained_model(folder, args.weights)
     objective = build_objective(spec["diffusion"])
@@ -284,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "compare" and len(args.topologies) < 2:
         raise UserError("compare needs at least two runs or topology.json files")
+    if not all(0.0 <= t <= 1.0 for t in getattr(args, "t", [])):  # show and diagnose alike
+        raise UserError(f"--t takes normalised times in [0, 1] (0 = data, 1 = noise), got {' '.join(map(str, args.t))}")
+    if getattr(args, "samples", 1) < 1:
+        raise UserError(f"--samples {args.samples} must be at least 1 (the examples of the probe batch)")
+    if getattr(args, "seed", 0) < 0:
+        raise UserError(f"--seed {args.seed} must be a non-negative integer")
     args.func(args)
     return 0
 

@@ -64,6 +64,13 @@ def inputs(n: int = 3, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch
     return torch.randn(n, 1, 8, 8, generator=g), torch.tensor([0, 10, 999][:n]), torch.tensor([1, 5, 10][:n])
 
 
+def tiny_overrides(*overrides: str) -> list[str]:
+    """TINY_TRAIN with overrides on top, each key once with the last value, as a command line
+    must give it (train.py refuses a key given twice)."""
+    merged = {item.partition("=")[0]: item for item in [*TINY_TRAIN, *overrides]}
+    return list(merged.values())
+
+
 def tiny_config(run_dir: Path, *overrides: str) -> Config:
     """A training config for the tiny model on digits writing to run_dir; overrides win."""
     return load_config(None, [*TINY_TRAIN, f"run_dir={run_dir}", *overrides])

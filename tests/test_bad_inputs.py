@@ -106,6 +106,7 @@ def _more_inputs(w: Path) -> None:
               str(w / "latents_other_channels" / "shard-00001.safetensors"))
     rng = np.random.default_rng(1)
     np.savez(w / "rgba.npz", arr_0=rng.integers(0, 256, (4, 16, 16, 4), dtype=np.uint8), arr_1=np.arange(4))
+    np.savez(w / "nchw.npz", arr_0=rng.integers(0, 256, (4, 3, 16, 16), dtype=np.uint8), arr_1=np.arange(4))
     np.savez(w / "empty.npz", arr_0=np.zeros((0, 16, 16, 3), np.uint8), arr_1=np.zeros(0, np.int64))
     # Labels that are not what they look like, in each container that reads a label column.
     from containers import make_hf, rewrite_parquet
@@ -129,6 +130,15 @@ def _more_inputs(w: Path) -> None:
                           ("wds_garbage", b"not a tar at all " * 64)):
         (w / name).mkdir()
         (w / name / tar.name).write_bytes(content)
+    for name, label in (("wds_float_label", b"1.7"), ("wds_text_label", b"cat")):
+        _relabel_first_sample(tar, w / name / tar.name, label)
+    # A parquet file of no bytes beside a good one; a parquet of no rows.
+    shutil.copytree(w / "parquet", w / "parquet_with_empty_file")
+    (w / "parquet_with_empty_file" / "train-00001-of-00002.parquet").write_bytes(b"")
+    import pyarrow.parquet as pq
+    (w / "parquet_no_rows").mkdir()
+    for part in sorted((w / "parquet").glob("*.parquet")):
+        pq.write_table(pq.read_table(part).slice(0, 0), w / "parquet_no_rows" / part.name)
     # Statistics that cannot be right.
     mu, sigma = np.zeros(2048), np.eye(2048)
     np.savez(w / "ref_nan_sigma.npz", mu=mu, sigma=np.full((2048, 2048), np.nan), mu_s=mu, sigma_s=sigma)
@@ -141,6 +151,39 @@ def _more_inputs(w: Path) -> None:
         edit(config)
         _copy(w / "vae", w / name, lambda p, config=config: p.write_text(json.dumps(config)), "config.json")
     (w / "topology_nan.json").write_text('{"probabilities": [[1.0, 0.0], [NaN, NaN]]}')
+    # Samples whose labels do not pair with their images; a class folder without images.
+    np.savez(w / "few_labels.npz", arr_0=rng.integers(0, 256, (10, 8, 8, 3), dtype=np.uint8), arr_1=np.arange(7))
+    np.savez(w / "float_labels.npz", arr_0=rng.integers(0, 256, (4, 8, 8, 3), dtype=np.uint8),
+             arr_1=np.array([1.7, 0.0, 2.0, 3.0]))
+    np.savez(w / "labels_beyond_digits.npz", arr_0=rng.integers(0, 256, (4, 8, 8, 3), dtype=np.uint8),
+             arr_1=np.array([1, 12, 2, 3]))
+    (_copy(w / "images", w / "images_empty_class") / "c").mkdir()
+    _manifest_edit(_copy(w / "latents", w / "latents_empty"), lambda m: m.update(shards=[], num_images=0))
+    for shard in (w / "latents_empty").glob("shard-*"):
+        shard.unlink()
+    # Latent manifests whose statistics were edited.
+    _manifest_edit(_copy(w / "extracted", w / "extracted_rescaled"), lambda m: m.update(scaling_factor=0.5))
+    for name, edit in (("extracted_tiny_std", lambda m: m["channel_std"].__setitem__(0, 1e-30)),
+                       ("extracted_inf_std", lambda m: m["channel_std"].__setitem__(1, float("inf"))),
+                       ("extracted_zero_factor", lambda m: m.update(scaling_factor=0)),
+                       ("extracted_text_factor", lambda m: m.update(scaling_factor="big"))):
+        _manifest_edit(_copy(w / "extracted", w / name), edit)
+
+
+def _relabel_first_sample(src: Path, dst: Path, label: bytes) -> None:
+    """A copy of a WebDataset tar whose first .cls member holds `label`."""
+    import io
+    import tarfile
+
+    dst.parent.mkdir(parents=True)
+    done = False
+    with tarfile.open(src) as tar_in, tarfile.open(dst, "w") as tar_out:
+        for member in tar_in.getmembers():
+            payload = tar_in.extractfile(member).read()
+            if member.name.endswith(".cls") and not done:
+                payload, done = label, True
+            member.size = len(payload)
+            tar_out.addfile(member, io.BytesIO(payload))
 
 
 def _hf_float_labels(src: Path, dst: Path) -> None:
@@ -197,6 +240,9 @@ def world(tmp_path_factory) -> Path:
         from ancre_dit.latents.extract import ExtractConfig, run_extraction
         run_extraction(ExtractConfig(str(w / "images"), str(w / "vae"), str(w / "extracted"), image_size=16,
                                      shard_size=4, batch_size=4))
+        train(tiny_config(w / "latent_run", "data.kind=latents", f"data.path={w / 'extracted'}", "data.image_size=16",
+                          "train.global_batch_size=4", "train.max_steps=2", "train.ckpt_every=2"))
+        reset_accelerate()
         from containers import make_hf, make_wds, relabel_parquet
         make_hf(w / "images", w / "parquet_jpg", parquet=True, image_column="jpg")
         relabel_parquet(make_hf(w / "images", w / "parquet", parquet=True), w / "parquet_label_5", 5)
@@ -246,7 +292,9 @@ def _cfg(w: Path) -> list[str]:
 FRESH = "fresh_run"
 # Cases refused while the trainer starts (after the config loaded): a new run folder is removed again.
 NO_RUN_FOLDER = {"entropy weight without a learned topology", "latent manifest count beyond a shard's rows",
-                 "latent shard listed twice", "latent shard of another channel count", "triton kernels without a GPU"}
+                 "latent shard listed twice", "latent shard of another channel count", "triton kernels without a GPU",
+                 "training data smaller than one batch", "latent folder of no images",
+                 "image folder with an empty class folder"}
 
 
 def _fresh(w: Path) -> str:
@@ -257,8 +305,8 @@ def _extract(w: Path, data: str = "images", vae: str = "vae") -> list[str]:
     return ["--data-path", str(w / data), "--vae", str(w / vae), "--out", str(w / "lat"), "--image-size", "16"]
 
 
-def _fid(w: Path, ref: str) -> list[str]:
-    return ["--samples", str(w / "big.npz"), "--ref", str(w / ref), "--inception-weights", _w8(w), "--metrics", "fid",
+def _fid(w: Path, ref: str, samples: str = "big.npz") -> list[str]:
+    return ["--samples", str(w / samples), "--ref", str(w / ref), "--inception-weights", _w8(w), "--metrics", "fid",
             "--device", "cpu"]
 
 
@@ -354,6 +402,21 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("data.vae contradicts the latents", "train",
      lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", f"data.path={w / 'latents'}", "data.image_size=16",
                 f"data.vae={w / 'vae'}"], "makes 4x8x8 latents of 16 px images but the data holds 4x2x2"),
+    *[(f"latent manifest with {what}", "train",
+       lambda w, name=name: [*_cfg(w), _fresh(w), "data.kind=latents", f"data.path={w / name}", "data.image_size=16",
+                             "train.global_batch_size=4", "data.latent_norm=channel"], expected)
+      for what, name, expected in (
+          ("a channel std of 1e-30", "extracted_tiny_std", "channel_std has an entry of 1e-30, at or below 0.0001"),
+          ("an infinite channel std", "extracted_inf_std", "channel_mean / channel_std hold a non-finite value"),
+          ("a zero scaling factor", "extracted_zero_factor", "has scaling_factor 0, not a positive finite number"),
+          ("a text scaling factor", "extracted_text_factor", "has scaling_factor 'big', not a positive finite number"))],
+    ("training data smaller than one batch", "train",
+     lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", f"data.path={w / 'extracted'}", "data.image_size=16",
+                "train.global_batch_size=16"],
+     "holds 4 samples, fewer than one batch of train.global_batch_size=16; set train.global_batch_size to at most 4"),
+    ("latent folder of no images", "train",
+     lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", f"data.path={w / 'latents_empty'}", "data.image_size=16"],
+     "holds no samples; point data.path at a dataset with images"),
     ("latent shard deleted", "train", lambda w: [*_cfg(w), _fresh(w), "data.kind=latents",
                                                  f"data.path={w / 'latents_missing_shard'}"], "lacks 1 shard"),
     ("latent shard truncated", "train", lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", "data.image_size=16",
@@ -373,6 +436,9 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("image folder with an unreadable image", "train",
      lambda w: [*_cfg(w), _fresh(w), "data.kind=images", f"data.path={w / 'images_corrupt'}", "data.image_size=16",
                 "train.global_batch_size=4"], "0.png is not a readable image"),
+    ("image folder with an empty class folder", "train",
+     lambda w: [*_cfg(w), _fresh(w), "data.kind=images", f"data.path={w / 'images_empty_class'}", "data.image_size=16"],
+     "images_empty_class/c holds no images"),
     ("image folder without class folders", "train",
      lambda w: [*_cfg(w), _fresh(w), "data.kind=images", f"data.path={w / 'empty_images'}", "data.image_size=16"],
      "has no class subfolders"),
@@ -382,6 +448,13 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
      "depth 2 in the checkpoint, 4 in the config"),
     ("resume another topology", "train", lambda w: [*_cfg(w), "model.topology=cascaded", "--resume", _ck(w)],
      "builds (topology ancre in the checkpoint, cascaded in the config; "),  # the decisive difference first
+    ("resume with the latents normalised otherwise", "train",
+     lambda w: ["--config", str(w / "latent_run" / "config.yaml"), "data.latent_norm=channel", "--resume",
+                str(w / "latent_run" / "checkpoints" / "0000002")],
+     "was trained on data the config changes (data.latent_norm scale in the checkpoint, channel in the config"),
+    ("resume on latents of another scaling factor", "train",
+     lambda w: ["--config", str(w / "latent_run" / "config.yaml"), f"data.path={w / 'extracted_rescaled'}", "--resume",
+                str(w / "latent_run" / "checkpoints" / "0000002")], "data.scaling_factor 0.18215 in the checkpoint, 0.5"),
     ("resume broken model_spec.json", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_bad_spec")],
      "model_spec.json"),
     ("resume truncated ema.safetensors", "train", lambda w: [*_cfg(w), "--resume", str(w / "ck_trunc_ema")],
@@ -458,7 +531,9 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
                 "--metrics", "is", "--device", "cpu"], "not (20, 24) like the first image"),
     ("samples with 4 channels", "evaluate",
      lambda w: ["--samples", str(w / "rgba.npz"), "--ref", str(w / "big.npz"), "--inception-weights", _w8(w),
-                "--metrics", "fid", "--device", "cpu"], "with 4 channels"),
+                "--metrics", "fid", "--device", "cpu"], "drop the alpha channel, images[..., :3]"),
+    ("samples stored channels-first", "evaluate", lambda w: _fid(w, "big.npz", samples="nchw.npz"),
+     "it looks channels-first (N, C, H, W): transpose it"),
     ("samples without images", "evaluate",
      lambda w: ["--samples", str(w / "empty.npz"), "--ref", str(w / "big.npz"), "--inception-weights", _w8(w),
                 "--metrics", "fid", "--device", "cpu"], "empty.npz) holds no images to evaluate"),
@@ -539,6 +614,15 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("extract tar cut inside a member", "extract", lambda w: [*_extract(w, data="wds_cut_inside")],
      "it is damaged or cut short"),
     ("extract garbage tar", "extract", lambda w: [*_extract(w, data="wds_garbage")], "is not a readable tar"),
+    ("extract tar with a float label", "extract", lambda w: [*_extract(w, data="wds_float_label")],
+     ".cls holds '1.7', not a class index"),
+    ("extract tar with a text label", "extract", lambda w: [*_extract(w, data="wds_text_label")],
+     ".cls holds 'cat', not a class index"),
+    ("extract parquet with an empty file beside a good one", "extract",
+     lambda w: [*_extract(w, data="parquet_with_empty_file")],
+     "train-00001-of-00002.parquet is not a readable parquet file"),
+    ("extract parquet of no rows", "extract", lambda w: [*_extract(w, data="parquet_no_rows")],
+     "holds no images (hf: 0 rows)"),
     ("extract parquet files with two class lists", "extract",
      lambda w: [*_extract(w, data="parquet_two_class_lists")], "disagree on their ClassLabel names (class 0: 'a' vs 'b')"),
     # -- statistics and command lines that cannot be right -----------------------------------------
@@ -552,6 +636,22 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("reference stats over a file that is not an npz", "evaluate",
      lambda w: ["--save-ref-stats", str(w / "garbage.npz"), "--images", str(w / "images"), "--inception-weights",
                 _w8(w), "--image-size", "16", "--device", "cpu"], "is not an .npz of reference statistics"),
+    ("key twice on the command line", "train", lambda w: [*_cfg(w), _fresh(w), "train.lr=1e-3", "train.lr=5e-2"],
+     "train.lr is given twice on the command line (train.lr=1e-3 and train.lr=5e-2)"),
+    ("eval key twice on the command line", "evaluate",
+     lambda w: ["--run", str(w / "run"), "eval.num_samples=4", "eval.num_samples=8"], "eval.num_samples is given twice"),
+    ("extract an empty class folder", "extract", lambda w: [*_extract(w, data="images_empty_class")],
+     "images_empty_class/c holds no images"),
+    ("digits samples with fewer labels than images", "evaluate",
+     lambda w: ["--samples", str(w / "few_labels.npz"), "--digits"], "holds 10 images (arr_0) but 7 labels (arr_1)"),
+    ("digits samples with float labels", "evaluate",
+     lambda w: ["--samples", str(w / "float_labels.npz"), "--digits"], "arr_1 holds float64 (4,), not one integer"),
+    ("digits of 16x16 RGB samples", "evaluate", lambda w: ["--samples", str(w / "big.npz"), "--digits"],
+     "--digits scores the 8x8 samples of a digits run; "),
+    ("digits samples with a label beyond 9", "evaluate",
+     lambda w: ["--samples", str(w / "labels_beyond_digits.npz"), "--digits"], "--digits needs labels 0..9"),
+    ("FID of samples with fewer labels than images", "evaluate", lambda w: _fid(w, "big.npz", samples="few_labels.npz"),
+     "holds 10 images (arr_0) but 7 labels"),
     ("negative seed", "sample", lambda w: ["--ckpt", _ck(w), "--seed", "-1", "--out", str(w / "o.npz")],
      "--seed -1 must be a non-negative integer"),
     ("topology with NaN weights", "topology", lambda w: ["show", str(w / "topology_nan.json")], "non-finite weights"),
@@ -577,6 +677,14 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("topology show under a file", "topology", lambda w: ["show", str(w / "run"), "--out", str(w / "a_file" / "h.png")],
      "is a file, not a folder"),
     ("topology unknown command", "topology", lambda w: ["draw", str(w / "run")], "invalid choice: 'draw'"),
+    ("topology show at a negative time", "topology", lambda w: ["show", str(w / "run"), "--t", "-1"],
+     "--t takes normalised times in [0, 1] (0 = data, 1 = noise), got -1.0"),
+    ("topology diagnose beyond t = 1", "topology",
+     lambda w: ["diagnose", str(w / "run"), "--t", "0.5", "1.5", "--out", str(w / "diag")], "got 0.5 1.5"),
+    ("topology diagnose of zero samples", "topology",
+     lambda w: ["diagnose", str(w / "run"), "--samples", "0", "--out", str(w / "diag")], "--samples 0 must be at least 1"),
+    ("topology diagnose with a negative seed", "topology",
+     lambda w: ["diagnose", str(w / "run"), "--seed", "-3", "--out", str(w / "diag")], "--seed -3 must be a non-negative"),
     # -- scripts/import_checkpoint.py ---------------------------------------------------------------
     ("import a text file", "import", lambda w: [str(w / "notes.txt"), "--model", "DiT-T/2", "--out", str(w / "imp")],
      "neither a torch archive nor a pickle"),
@@ -746,3 +854,23 @@ def test_fid_against_a_reference_of_another_resolution_warns(world, caplog):
     with caplog.at_level("WARNING", logger="ancre_dit"):
         evaluate(world / "big.npz", world / "big.npz", _w8(world), metrics="fid", device="cpu", fid_method="eigh")
     assert not [r for r in caplog.records if "reference images" in r.getMessage()]
+
+
+def test_an_error_under_an_open_progress_bar_starts_its_own_line_and_is_last(capsys):
+    """A bar left open (not in a `with` block) is closed before the message: the bar's line ends,
+    `error:` starts the next one, and nothing is drawn after it."""
+    from tqdm import tqdm
+
+    from ancre_dit.errors import UserError
+
+    def main():
+        bar = tqdm(total=10, desc="encoding", file=sys.stderr)
+        bar.update(3)
+        raise UserError("shard 4 is damaged")
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(main)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.endswith("\nerror: shard 4 is damaged\n"), repr(err)
+    assert "encoding:  30%" in err.split("\n")[0]

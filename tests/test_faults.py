@@ -25,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import ROOT, TINY_TRAIN, fork_command, run_command
+from helpers import ROOT, TINY_TRAIN, fork_command, run_command, tiny_overrides
 
 from ancre_dit.checkpoint import load_trained_model  # noqa: E402
 from ancre_dit.training.checkpointing import checkpoint_problem, list_checkpoints  # noqa: E402
@@ -86,10 +86,10 @@ def _same_tree(a: Path, b: Path, ignore: tuple[str, ...] = ()) -> None:
 TRAIN_STEPS = 32
 
 
-def _train_cmd(run: Path) -> list[str]:
-    return [str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"), *TINY_TRAIN,
-            f"run_dir={run}", f"train.max_steps={TRAIN_STEPS}", "train.ckpt_every=2", "train.keep_last=2", "train.log_every=1",
-            "--resume", "auto"]
+def _train_cmd(run: Path, *overrides: str) -> list[str]:
+    return [str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"),
+            *tiny_overrides(f"run_dir={run}", f"train.max_steps={TRAIN_STEPS}", "train.ckpt_every=2", "train.keep_last=2",
+                            *overrides), "--resume", "auto"]
 
 
 def _assert_every_checkpoint_sound(run: Path) -> None:
@@ -150,8 +150,8 @@ def _sample_cmd(ckpt: Path, out: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("sampling-run")
-    _finish([str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"), *TINY_TRAIN,
-             f"run_dir={run}", "train.max_steps=2", "train.ckpt_every=2"])
+    _finish([str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"),
+             *tiny_overrides(f"run_dir={run}", "train.max_steps=2", "train.ckpt_every=2")])
     return run / "checkpoints" / "0000002"
 
 
@@ -223,7 +223,7 @@ def test_latent_extraction_survives_kill_9_anywhere(extraction_inputs, tmp_path)
 @pytest.mark.slow
 def test_a_second_training_on_a_run_folder_is_refused_and_a_kill_frees_it(tmp_path):
     run = tmp_path / "run"
-    long_run = [*_train_cmd(run)[:-2], "train.max_steps=100000", "train.ckpt_every=100000"]
+    long_run = _train_cmd(run, "train.max_steps=100000", "train.ckpt_every=100000")[:-2]
     metrics = run / "logs" / "metrics.jsonl"
     first = _start(long_run)
     try:
@@ -242,7 +242,7 @@ def test_a_second_training_on_a_run_folder_is_refused_and_a_kill_frees_it(tmp_pa
         first.join(timeout=60)
     # kill -9 leaves no claim behind; the next start also removes the temporary folder of a dead save.
     (run / "checkpoints" / ".tmp-0000099" / "accelerate").mkdir(parents=True)
-    _finish([*_train_cmd(run)[:-2], "train.max_steps=2"])
+    _finish(_train_cmd(run, "train.max_steps=2")[:-2])
     assert [p.name for p in (run / "checkpoints").iterdir()] == ["0000002"]
 
 
@@ -301,8 +301,8 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_loses_nothing(small_fs,
     train_main = runpy.run_path(str(ROOT / "train.py"), run_name="faults")["main"]
     disk = small_fs("4m")
     run = disk / "run"
-    argv = ["--config", str(ROOT / "configs" / "digits-ancre.yaml"), *TINY_TRAIN, f"run_dir={run}",
-            "train.ckpt_every=2", "train.keep_last=0", "--resume", "auto"]
+    argv = ["--config", str(ROOT / "configs" / "digits-ancre.yaml"),
+            *tiny_overrides(f"run_dir={run}", "train.ckpt_every=2", "train.keep_last=0"), "--resume", "auto"]
     try:
         with one_torch_thread():
             assert _cli(train_main, [*argv, "train.max_steps=2"], monkeypatch, capsys)[0] == 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import ROOT, TINY_TRAIN, reset_accelerate, subprocess_env, tiny_config
+from helpers import ROOT, reset_accelerate, subprocess_env, tiny_config, tiny_overrides
 
 import ancre_dit.training.trainer as trainer_module  # noqa: E402
 from ancre_dit.training import train  # noqa: E402
@@ -144,7 +144,7 @@ def test_an_inf_data_sample_is_skipped_or_stops_the_command(tmp_path):
     # stop, through the real command line: exit 2, the error line names the step and the policy.
     run = tmp_path / "stop"
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"),
-                           *TINY_TRAIN, f"run_dir={run}", "train.max_steps=9", "train.nonfinite=stop", *common],
+                           *tiny_overrides(f"run_dir={run}", "train.max_steps=9", "train.nonfinite=stop", *common)],
                           capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, TINY_TRAIN, assert_same_weights, reset_accelerate, subprocess_env, tiny_config
+from helpers import ROOT, assert_same_weights, reset_accelerate, subprocess_env, tiny_config, tiny_overrides
 from safetensors.torch import load_file
 
 import ancre_dit.training.trainer as trainer_module
@@ -156,7 +156,7 @@ def test_figures_off_writes_the_data_and_no_png(tmp_path):
 
 def test_sigterm_writes_a_checkpoint(tmp_path):
     run = tmp_path / "run"
-    overrides = [*TINY_TRAIN, f"run_dir={run}", "train.max_steps=100000", "train.ckpt_every=100000"]
+    overrides = tiny_overrides(f"run_dir={run}", "train.max_steps=100000", "train.ckpt_every=100000")
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"), *overrides]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=ROOT)
     try:

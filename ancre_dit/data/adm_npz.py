@@ -81,14 +81,28 @@ def load_adm_npz(path: str | os.PathLike) -> ADMBatch:
         with np.load(path) as data:
             keys = set(data.files)
             images = to_rgb_uint8(data["arr_0"]) if "arr_0" in keys else None
-            labels = data["arr_1"].astype(np.int64) if "arr_1" in keys else None
+            labels = data["arr_1"] if "arr_1" in keys else None
             stats = {k: data[k] for k in STAT_KEYS if k in keys}
     except (zipfile.BadZipFile, ValueError, OSError, EOFError) as err:
         raise UserError(f"{path} is not a readable ADM .npz ({err}); regenerate it") from None
     if images is None and not stats:
         raise UserError(f"{path} holds neither images (arr_0) nor statistics (mu, sigma)")
+    if labels is not None:
+        labels = check_labels(labels, None if images is None else len(images), path)
     check_stats(stats, path)
     return ADMBatch(images, labels, stats)
+
+
+def check_labels(labels: np.ndarray, num_images: int | None, path: Path) -> np.ndarray:
+    """arr_1 as int64 class indices, one per image; floats or a count that disagrees are refused
+    (a cast would turn 1.7 into class 1, a short list would pair images with other labels)."""
+    if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
+        raise UserError(f"{path}: arr_1 holds {labels.dtype} {tuple(labels.shape)}, not one integer class label per "
+                        "image; regenerate the file with sample.py")
+    if num_images is not None and len(labels) != num_images:
+        raise UserError(f"{path} holds {num_images} images (arr_0) but {len(labels)} labels (arr_1); "
+                        "regenerate the file with sample.py")
+    return labels.astype(np.int64)
 
 
 STAT_PAIRS = (("mu", "sigma"), ("mu_s", "sigma_s"), ("mu_dinov2", "sigma_dinov2"))

@@ -18,6 +18,7 @@ jpeg, png, ppm, bmp, pgm, tif, tiff, webp); anything else (notes, json) is ignor
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,11 @@ def list_image_folder(root: str | os.PathLike, require_classes: bool = False) ->
                             "of images per class")
         raise MissingFileError(f"no images ({', '.join(extensions)}) in the class folders of {root}")
     if samples:
+        empty = sorted(set(class_names) - {class_names[label] for _, label in samples})
+        if empty and require_classes:  # a class that no image teaches (torchvision's ImageFolder refuses it too)
+            raise UserError(f"class folder {root / empty[0]} holds no images ({', '.join(extensions)})"
+                            f"{f' (and {len(empty) - 1} more)' if len(empty) > 1 else ''}; add its images or "
+                            "remove the folder, so that every class has images")
         files = [os.path.relpath(path, root) for path, _ in samples]
         return ImageList(root, files, [label for _, label in samples], class_names)
     if not top:
@@ -166,6 +172,8 @@ def load_and_crop(path: str | os.PathLike, image_size: int, min_side: int) -> tu
         array = np.asarray(center_crop_arr(img, image_size), dtype=np.uint8)
     except Exception as err:  # noqa: BLE001 - any decoder failure means "skip this file"
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        # PIL names an in-memory source by its repr, whose address changes from run to run.
+        reason = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "(in-memory bytes)", reason)
         return None, "skipped", f"unreadable ({type(err).__name__}: {reason})"
     if array.shape != (image_size, image_size, 3):
         return None, "skipped", f"crop gave shape {array.shape}"

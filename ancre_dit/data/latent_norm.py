@@ -21,6 +21,8 @@ import torch
 from ..errors import UserError
 
 LATENT_NORMS = ("scale", "channel")
+# Real latent channels have std of order 0.1-10; a std this small is a constant or edited channel.
+MIN_CHANNEL_STD = 1e-4
 
 
 def moment_sums(mean: np.ndarray, std: np.ndarray) -> dict[str, Any]:
@@ -45,12 +47,17 @@ def channel_statistics(parts: list[dict[str, Any]]) -> tuple[list[float], list[f
 class ChannelNorm:
     """(x - mean) / std per channel of (N, C, h, w) latents, and its inverse."""
 
-    def __init__(self, mean: list[float], std: list[float]):
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1)
-        self.std = torch.tensor(std, dtype=torch.float32).view(-1, 1, 1)
-        if not bool((self.std > 0).all()):
-            raise UserError("the latents' channel_std has a zero entry; a constant channel cannot be normalised "
-                            "(use data.latent_norm=scale)")
+    def __init__(self, mean: list[float], std: list[float], where: str = "the latents"):
+        self.mean = torch.tensor(mean, dtype=torch.float64).view(-1, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float64).view(-1, 1, 1)
+        if not bool(self.mean.isfinite().all() and self.std.isfinite().all()):
+            raise UserError(f"{where}: channel_mean / channel_std hold a non-finite value; the statistics are damaged, "
+                            "extract the latents again or use data.latent_norm=scale")
+        if not bool((self.std > MIN_CHANNEL_STD).all()):
+            raise UserError(f"{where}: channel_std has an entry of {float(self.std.min()):g}, at or below "
+                            f"{MIN_CHANNEL_STD:g}: dividing by it would blow the channel up; a constant or damaged "
+                            "channel cannot be normalised (use data.latent_norm=scale)")
+        self.mean, self.std = self.mean.float(), self.std.float()
         self._on: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,11 +92,11 @@ def latent_norm_from_manifest(mode: str, manifest: dict[str, Any], where: str) -
         raise UserError(f"data.latent_norm=channel needs the per-channel statistics of the latents, but {where} "
                         "has none (extracted by an older version); rerun extract_latents.py into a new folder, "
                         "or set data.latent_norm=scale")
-    return ChannelNorm(mean, std)
+    return ChannelNorm(mean, std, where)
 
 
 def latent_norm_from_spec(data_spec: dict[str, Any]) -> ChannelNorm | None:
     """The normalisation a checkpoint was trained with (None: `scale`, also for older checkpoints)."""
     if data_spec.get("latent_norm", "scale") != "channel":
         return None
-    return ChannelNorm(data_spec["channel_mean"], data_spec["channel_std"])
+    return ChannelNorm(data_spec["channel_mean"], data_spec["channel_std"], "the checkpoint's data spec")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -131,6 +132,10 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     if manifest.get("version") != FORMAT_VERSION:
         raise UserError(f"{path} has format version {manifest.get('version')}, this code reads "
                          f"version {FORMAT_VERSION}; re-extract the latents with this version")
+    factor = manifest.get("scaling_factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (math.isfinite(factor) and factor > 0):
+        raise UserError(f"{path} has scaling_factor {factor!r}, not a positive finite number; the manifest is "
+                        f"damaged or edited: {hint}")
     return manifest
 
 

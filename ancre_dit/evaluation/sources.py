@@ -15,7 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..data.adm_npz import STAT_KEYS, ADMBatch, check_stats, load_adm_npz
+from ..data.adm_npz import STAT_KEYS, ADMBatch, check_labels, check_stats, load_adm_npz
 from ..data.image_folder import load_rgb
 from ..errors import UserError
 
@@ -61,13 +61,22 @@ def open_adm_npz(path: str | os.PathLike) -> ADMBatch:
     if images is None or images.dtype != np.uint8 or images.ndim not in (3, 4):
         return load_adm_npz(path)  # compressed, odd, or broken: its reader gives the clear errors
     if images.ndim == 4 and images.shape[-1] not in (1, 3):
-        raise UserError(f"{path}: arr_0 holds images of shape {tuple(images.shape)} with {images.shape[-1]} channels; "
-                        f"ADM images are (N, H, W[, 1|3]) uint8: drop the alpha channel (images[..., :3]) and save again")
+        raise UserError(f"{path}: arr_0 holds images of shape {tuple(images.shape)}; ADM images are (N, H, W[, 1|3]) "
+                        f"uint8: {_layout_fix(images.shape)}, and save again")
     with np.load(path) as data:
-        labels = data["arr_1"].astype(np.int64) if "arr_1" in data.files else None
+        labels = check_labels(data["arr_1"], len(images), path) if "arr_1" in data.files else None
         stats = {k: data[k] for k in STAT_KEYS if k in data.files}
     check_stats(stats, path)
     return ADMBatch(images, labels, stats)
+
+
+def _layout_fix(shape: tuple[int, ...]) -> str:
+    """What turns an (N, ?, ?, ?) array into ADM's (N, H, W, C) one."""
+    if shape[1] in (1, 3, 4):
+        return "it looks channels-first (N, C, H, W): transpose it, images.transpose(0, 2, 3, 1)"
+    if shape[-1] == 4:
+        return "drop the alpha channel, images[..., :3]"
+    return f"{shape[-1]} is not a channel count of RGB or grayscale images"
 
 
 class ImageFolderBatches:

@@ -199,6 +199,9 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
     if cfg.vae_dtype != "fp32" and ctx.device.type != "cuda":
         raise UserError(f"--vae-dtype {cfg.vae_dtype} is for GPUs; on {ctx.device.type} the VAE runs in fp32 (drop the flag)")
     images = open_source(cfg.data_path, cfg.data_format, cfg.image_column, cfg.label_column)
+    if not images.files:
+        raise UserError(f"--data-path {cfg.data_path} holds no images ({images.format}: 0 rows); "
+                        "pass the dataset's folder or files that hold its images")
     vae = load_vae(cfg.vae, ctx.device, DTYPES[cfg.vae_dtype], cfg.scaling_factor)
     if cfg.image_size % vae.downsample:
         raise UserError(f"--image-size {cfg.image_size} is not a multiple of the VAE's downsampling factor "
@@ -285,6 +288,9 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: Load
     lines = ["index\tpath\taction\tdetail"] + ["\t".join(str(v) for v in row) for row in report]
     write_atomic(out / REPORT_NAME, ("\n".join(lines) + "\n").encode())
     num_images = sum(s["count"] for s in shards)
+    if not num_images:  # no manifest: a latent folder of no images must not look finished
+        raise UserError(f"none of the {len(images.files)} images of {cfg.data_path} could be encoded (every one "
+                        f"was skipped; why, image by image: {out / REPORT_NAME}); fix or replace the images")
     channel_mean, channel_std = channel_statistics(stats)
     manifest = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION,

@@ -181,6 +181,7 @@ def _open_hf(path: str, image_column: str, label_column: str) -> ImageSource:
 
 def _open_parquet(root: Path, image_column: str, label_column: str, options: dict[str, Any]) -> ImageSource:
     import datasets
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     paths = sorted(root.rglob("*.parquet"))
@@ -188,7 +189,11 @@ def _open_parquet(root: Path, image_column: str, label_column: str, options: dic
         raise MissingFileError(f"{root} holds no parquet files nor a save_to_disk dataset")
     labels, files, names, counts = [], [], None, []
     for p in paths:
-        f = pq.ParquetFile(p)
+        try:
+            f = pq.ParquetFile(p)
+        except (pa.ArrowException, OSError) as err:
+            raise UserError(f"{p} is not a readable parquet file ({str(err).splitlines()[0]}): empty, cut short or "
+                            "not parquet; copy it again, or move it out of --data-path") from None
         _check_columns(f.schema_arrow.names, image_column, label_column, str(p))
         part = f.read(columns=[label_column]).column(label_column).to_pylist()
         labels += _class_indices(part, str(p))

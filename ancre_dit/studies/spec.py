@@ -94,13 +94,14 @@ class Study:
     @property
     def jobs(self) -> list[Job]:
         """Seed by seed (every arm's seed 0 first): a study stopped part-way still compares every arm."""
-        common = [f"{k}={yaml_value(v)}" for k, v in self.overrides.items()]
         out = []
         for seed in self.seeds:
             for arm, values in self.arms.items():
-                own = [f"{k}={yaml_value(v)}" for k, v in values.items()]
                 run_dir = self.run_dir(arm, seed)
-                out.append(Job(arm, seed, run_dir, (*common, *own, f"train.seed={seed}", f"run_dir={run_dir}")))
+                # An arm's value replaces the common one: each key once on the command line.
+                merged = {**self.overrides, **values}
+                out.append(Job(arm, seed, run_dir, (*(f"{k}={yaml_value(v)}" for k, v in merged.items()),
+                                                    f"train.seed={seed}", f"run_dir={run_dir}")))
         return out
 
     def record(self) -> dict[str, Any]:

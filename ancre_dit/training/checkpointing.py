@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -118,6 +119,27 @@ def model_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str
     return diffs
 
 
+# What the model sees of its data: a change makes the resumed run learn from other inputs (the
+# VAE's path and the data folder may move; their contents are what these record).
+DATA_KEYS = ("kind", "image_size", "image_channels", "num_classes", "scaling_factor", "latent_norm",
+             "channel_mean", "channel_std")
+
+
+def data_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
+    """'data.key: A in the checkpoint, B in the config' for each DATA_KEYS entry that differs
+    (floats compared to 1e-6 relative: the statistics went through JSON)."""
+    saved, wanted = {"latent_norm": "scale", **saved}, {"latent_norm": "scale", **json.loads(json.dumps(wanted))}
+    return [f"data.{key} {saved.get(key)} in the checkpoint, {wanted.get(key)} in the config"
+            for key in DATA_KEYS if not _same_value(saved.get(key), wanted.get(key))]
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+    return math.isclose(a, b, rel_tol=1e-6) if numbers else a == b
+
+
 def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
     """Before Accelerate loads anything: the checkpoint must hold the network the config builds,
     else one line saying what differs (instead of a list of every unexpected state-dict key)."""
@@ -129,6 +151,11 @@ def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
         raise UserError(f"--resume {folder} holds another model than the config builds ({'; '.join(diffs)}); "
                         f"resume with the config the run was started with ({folder.parent.parent / 'config.yaml'}), "
                         f"or start a new run_dir")
+    diffs = data_differences(saved.get("data") or {}, wanted_spec.get("data") or {})
+    if diffs:
+        raise UserError(f"--resume {folder} was trained on data the config changes ({'; '.join(diffs)}): the "
+                        "resumed steps would learn from other inputs; resume with the run's own data settings "
+                        f"({folder.parent.parent / 'config.yaml'}), or start a new run_dir")
 
 
 def read_trainer_state(folder: Path) -> dict[str, Any]:

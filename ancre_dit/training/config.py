@@ -49,6 +49,19 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), check_pa
     return config
 
 
+def check_unique_overrides(overrides: Iterable[str]) -> list[str]:
+    """The command line's overrides, refused when one key is given twice: it would say two things and
+    the last would win silently (a key twice in a YAML file is refused the same way)."""
+    seen: dict[str, str] = {}
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        key = key.strip()
+        if sep and key in seen:
+            raise UserError(f"{key} is given twice on the command line ({seen[key]} and {item}); give it once")
+        seen[key] = item
+    return list(overrides)
+
+
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"config file {path} not found; pass --config configs/<name>.yaml")

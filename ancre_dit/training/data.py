@@ -101,7 +101,19 @@ def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
         what = "latent side" if info.kind == "latents" else "data.image_size"
         raise UserError(f"{what} {info.input_size} is not divisible by the patch size {patch_size} of "
                         f"{config.model.name}; pick a model with a patch size that divides it")
+    check_enough_samples(len(info.dataset), config.train.global_batch_size, d.path if d.kind != "digits" else "digits")
     return info
+
+
+def check_enough_samples(num_samples: int, global_batch: int, where: str) -> None:
+    """A training set that fills at least one global batch (an incomplete last batch is dropped)."""
+    if num_samples == 0:
+        raise UserError(f"the training data ({where}) holds no samples; point data.path at a dataset with images "
+                        "(for latents: the --out folder of a finished extract_latents.py)")
+    if num_samples < global_batch:
+        raise UserError(f"the training data ({where}) holds {num_samples} samples, fewer than one batch of "
+                        f"train.global_batch_size={global_batch}; set train.global_batch_size to at most "
+                        f"{num_samples}, or train on more data")
 
 
 def load_latents_in_memory(info: DataInfo, accelerator, run_dir: Path) -> None:
@@ -201,9 +213,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
 
     def __init__(self, num_samples: int, global_batch: int, world: int, rank: int, accum: int, seed: int,
                  epoch: int = 0, offset: int = 0):
-        if num_samples < global_batch:
-            raise UserError(f"the dataset has {num_samples} samples, fewer than train.global_batch_size="
-                            f"{global_batch}; lower the batch size")
+        check_enough_samples(num_samples, global_batch, "the sampler's dataset")
         self.n, self.B, self.world, self.rank, self.accum, self.seed = num_samples, global_batch, world, rank, accum, seed
         self.micro = global_batch // (world * accum)
         self.epoch, self.offset = epoch, offset
