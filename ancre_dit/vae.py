@@ -187,6 +187,9 @@ def load_run_vae(data_spec: dict[str, Any], latent_channels: int, vae: str | Non
     if not named:
         raise UserError("this checkpoint samples VAE latents but its run names no VAE; pass --vae DIR "
                         "(the local diffusers AutoencoderKL folder the latents were extracted with)")
+    if not vae and not Path(str(named)).expanduser().exists() and not _HUB_ID.match(str(named)):
+        raise UserError(f"the VAE this run was trained with, {named}, is not there any more (moved or deleted); "
+                        "pass --vae DIR, the diffusers AutoencoderKL folder its latents were extracted with")
     loaded = load_vae(str(named), device, scaling_factor=data_spec.get("scaling_factor"))
     norm = latent_norm_from_spec(data_spec)  # trained on (x - mean) / std: decoding undoes it first
     if norm is not None:

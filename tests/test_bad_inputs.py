@@ -139,6 +139,13 @@ def _more_inputs(w: Path) -> None:
     (w / "parquet_no_rows").mkdir()
     for part in sorted((w / "parquet").glob("*.parquet")):
         pq.write_table(pq.read_table(part).slice(0, 0), w / "parquet_no_rows" / part.name)
+    for image in _copy(w / "images", w / "images_all_unreadable").rglob("*.png"):
+        image.write_bytes(b"\x89PNG\r\n\x1a\n not a png")
+    # Files cut short in the Hugging Face containers.
+    for part in _copy(w / "parquet", w / "parquet_cut").glob("*.parquet"):
+        _truncate(part)
+    for part in _copy(w / "hf_disk", w / "hf_disk_cut").glob("*.arrow"):
+        _truncate(part)
     # Statistics that cannot be right.
     mu, sigma = np.zeros(2048), np.eye(2048)
     np.savez(w / "ref_nan_sigma.npz", mu=mu, sigma=np.full((2048, 2048), np.nan), mu_s=mu, sigma_s=sigma)
@@ -161,6 +168,12 @@ def _more_inputs(w: Path) -> None:
     _manifest_edit(_copy(w / "latents", w / "latents_empty"), lambda m: m.update(shards=[], num_images=0))
     for shard in (w / "latents_empty").glob("shard-*"):
         shard.unlink()
+    spec_path = _copy(w / "latent_run" / "checkpoints" / "0000002", w / "ck_vae_gone") / "model_spec.json"
+    spec = json.loads(spec_path.read_text())
+    spec["data"]["vae"] = str(w / "vae_moved_away")
+    spec_path.write_text(json.dumps(spec))
+    (w / "run_empty_metrics" / "logs").mkdir(parents=True)
+    (w / "run_empty_metrics" / "logs" / "metrics.jsonl").write_text("")
     # Latent manifests whose statistics were edited.
     _manifest_edit(_copy(w / "extracted", w / "extracted_rescaled"), lambda m: m.update(scaling_factor=0.5))
     for name, edit in (("extracted_tiny_std", lambda m: m["channel_std"].__setitem__(0, 1e-30)),
@@ -444,6 +457,8 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
      "has no class subfolders"),
     # -- train.py: --resume ----------------------------------------------------------------------
     ("resume path missing", "train", lambda w: [*_cfg(w), "--resume", str(w / "nope")], "not a complete checkpoint"),
+    ("resume naming the run folder", "train", lambda w: [*_cfg(w), "--resume", str(w / "run")],
+     "is a run folder, not one of its checkpoints; pass --resume auto with run_dir="),
     ("resume another architecture", "train", lambda w: [*_cfg(w), "model.depth=4", "--resume", _ck(w)],
      "depth 2 in the checkpoint, 4 in the config"),
     ("resume another topology", "train", lambda w: [*_cfg(w), "model.topology=cascaded", "--resume", _ck(w)],
@@ -621,6 +636,12 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("extract parquet with an empty file beside a good one", "extract",
      lambda w: [*_extract(w, data="parquet_with_empty_file")],
      "train-00001-of-00002.parquet is not a readable parquet file"),
+    ("extract parquet cut short", "extract", lambda w: [*_extract(w, data="parquet_cut")],
+     "is not a readable parquet file"),
+    ("extract saved dataset cut short", "extract", lambda w: [*_extract(w, data="hf_disk_cut")],
+     "hf_disk_cut is not a readable save_to_disk dataset"),
+    ("extract a folder of unreadable images", "extract", lambda w: [*_extract(w, data="images_all_unreadable")],
+     "none of the 4 images of"),
     ("extract parquet of no rows", "extract", lambda w: [*_extract(w, data="parquet_no_rows")],
      "holds no images (hf: 0 rows)"),
     ("extract parquet files with two class lists", "extract",
@@ -652,6 +673,16 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
      lambda w: ["--samples", str(w / "labels_beyond_digits.npz"), "--digits"], "--digits needs labels 0..9"),
     ("FID of samples with fewer labels than images", "evaluate", lambda w: _fid(w, "big.npz", samples="few_labels.npz"),
      "holds 10 images (arr_0) but 7 labels"),
+    ("sample when the run's VAE is gone", "sample",
+     lambda w: ["--ckpt", str(w / "ck_vae_gone"), "--num-samples", "1", "--out", str(w / "o.npz")],
+     "vae_moved_away, is not there any more (moved or deleted); pass --vae DIR"),
+    ("extract latents beyond float16", "extract", lambda w: [*_extract(w), "--scaling-factor", "1e9"],
+     "the VAE ran in fp32, so its weights (or --scaling-factor) give values beyond float16's range"),
+    ("latent data.path naming the manifest", "train",
+     lambda w: [*_cfg(w), _fresh(w), "data.kind=latents", f"data.path={w / 'latents' / 'manifest.json'}"],
+     f"data.path names the latent folder that holds manifest.json and the shards: set data.path="),
+    ("extract a brace pattern of missing tars", "extract", lambda w: [*_extract(w, data="imgs{v2}")],
+     "a folder whose name holds a brace is read as a pattern of tars: give --format imagefolder"),
     ("negative seed", "sample", lambda w: ["--ckpt", _ck(w), "--seed", "-1", "--out", str(w / "o.npz")],
      "--seed -1 must be a non-negative integer"),
     ("topology with NaN weights", "topology", lambda w: ["show", str(w / "topology_nan.json")], "non-finite weights"),
@@ -709,6 +740,9 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
      lambda w: [str(w / "run"), "--target", "fid/cfg1=3", "--out", str(w / "cmp")], "no run has that metric"),
     ("compare a run with a torn config", "compare",
      lambda w: [str(w / "run"), str(w / "run_bad_config"), "--out", str(w / "cmp")], "is not valid YAML"),
+    ("compare a run with an empty metrics log", "compare",
+     lambda w: [str(w / "run"), str(w / "run_empty_metrics"), "--out", str(w / "cmp")],
+     "logs/metrics.jsonl hold no records yet (the run logged no step)"),
     ("compare into a file", "compare", lambda w: [str(w / "run"), "--out", str(w / "a_file")], "is a file"),
     ("compare under a file", "compare", lambda w: [str(w / "run"), "--out", str(w / "a_file" / "sub")],
      "is a file, not a folder"),

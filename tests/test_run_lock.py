@@ -18,9 +18,13 @@ def test_a_claimed_folder_is_refused_to_another_holder_and_freed_on_release(tmp_
     run = tmp_path / "run"
     stale = run / "checkpoints" / ".tmp-0000008"
     stale.mkdir(parents=True)
+    torn_config = run / "config.yaml.tmp4242"  # a kill -9 during an atomic write
+    torn_config.write_text("model: {na")
+    (run / "notes.tmpl").write_text("mine")
     try:
         acquire_run_dir(run)
         assert not stale.exists()  # a dead run's temporary checkpoint, removed once claimed
+        assert not torn_config.exists() and (run / "notes.tmpl").exists()
         acquire_run_dir(run)  # the same process again (a second training in a notebook)
         with open(run / LOCK_FILE) as other, pytest.raises(BlockingIOError):
             fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the kernel lock is really held

@@ -41,6 +41,14 @@ def test_container_detected_from_the_path(containers):
     assert detect_format(str(containers["wds"] / "train-{0000..0001}.tar")) == "wds"
 
 
+def test_an_existing_folder_with_a_brace_in_its_name_is_a_folder(containers, tmp_path):
+    import shutil
+
+    braced = shutil.copytree(containers["imagefolder"], tmp_path / "imgs{v1}")
+    assert detect_format(str(braced)) == "imagefolder"
+    assert open_source(str(braced)).files == open_source(str(containers["imagefolder"])).files
+
+
 def test_listings_agree(containers):
     sources = {k: open_source(str(p)) for k, p in containers.items()}
     sources["pattern"] = open_source(str(containers["wds"] / "train-{0000..0001}.tar"))

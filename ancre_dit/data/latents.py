@@ -119,6 +119,9 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     hint = ("run scripts/extract_latents.py --data-path IMAGES --vae VAE_DIR --out "
             f"{root} (rerun the same command to finish an interrupted extraction), then check it with "
             f"scripts/extract_latents.py --verify {root}")
+    if root.is_file():
+        raise UserError(f"{root} is a file; data.path names the latent folder that holds {MANIFEST_NAME} and the "
+                        f"shards: set data.path={root.parent if root.name == MANIFEST_NAME else 'LATENT_DIR'}")
     if not root.is_dir():
         raise UserError(f"latent directory {root} does not exist; {hint}")
     if not path.is_file():

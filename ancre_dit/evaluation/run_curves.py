@@ -99,6 +99,11 @@ def load_run(path: str | Path) -> Run:
                 by_metric.setdefault(k, {})[int(row["step"])] = point(row, v)
         run.series.update({k: _series(v) for k, v in by_metric.items()})
     if not run.series:
+        present = [p.relative_to(path) for p in (path / "logs" / "metrics.jsonl", path / "logs" / "evals.jsonl")
+                   if p.is_file()]
+        if present:  # there, but without a record (a run stopped before its first log step)
+            raise UserError(f"{path}: {' and '.join(map(str, present))} hold no records yet (the run logged no step); "
+                            "let it train past train.log_every, or leave that run out")
         raise UserError(f"{path} holds no logs/metrics.jsonl or logs/evals.jsonl; pass run directories written by train.py")
     return run
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -157,6 +158,14 @@ class _ShardBuffer:
         return out
 
 
+def _nonfinite_cause(vae: LoadedVAE) -> str:
+    dtype = next(vae.vae.parameters()).dtype
+    if dtype != torch.float32:
+        return f"an overflow of {dtype} is likely; rerun with --vae-dtype fp32 to resume"
+    return ("the VAE ran in fp32, so its weights (or --scaling-factor) give values beyond float16's range in which "
+            "latents are stored; check the VAE folder and the scaling factor")
+
+
 def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageSource, buf: _ShardBuffer) -> int:
     for it in items:
         if it.action != "ok":
@@ -167,18 +176,24 @@ def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageSource,
     pixels = torch.from_numpy(np.stack([it.array for it in good]))
     # The image and its horizontal flip (of the crop, as DiT flips after cropping) in one batch.
     mean, std = encode_moments(vae, torch.cat([pixels, pixels.flip(2)]))
-    if not (torch.isfinite(mean).all() and torch.isfinite(std).all()):
-        raise UserError(f"the VAE gave non-finite latents near {images.files[good[0].position]} "
-                        "(half-precision overflow?); rerun with --vae-dtype bf16 or fp32 to resume")
     n = len(good)
-    # (2n, C, h, w) -> (n, 2, C, h, w): row i holds [image i, flipped image i]
-    buf.mean.append(mean.view(2, n, *mean.shape[1:]).transpose(0, 1).half().cpu())
-    buf.std.append(std.view(2, n, *std.shape[1:]).transpose(0, 1).half().cpu())
+    # (2n, C, h, w) -> (n, 2, C, h, w): row i holds [image i, flipped image i]; stored in float16
+    mean = mean.view(2, n, *mean.shape[1:]).transpose(0, 1).half().cpu()
+    std = std.view(2, n, *std.shape[1:]).transpose(0, 1).half().cpu()
+    if not (torch.isfinite(mean).all() and torch.isfinite(std).all()):
+        raise UserError(f"the VAE gave non-finite latents near {images.files[good[0].position]}: "
+                        f"{_nonfinite_cause(vae)}")
+    buf.mean.append(mean)
+    buf.std.append(std)
     buf.labels += [images.labels[it.position] for it in good]
     buf.index += [it.position for it in good]
     if buf.image_size is not None:  # the crop the VAE saw, unflipped, channels first
         buf.images.append(pixels.permute(0, 3, 1, 2).contiguous())
     return n
+
+
+class NothingEncoded(UserError):
+    """Every image of the source was skipped: the shards hold nothing worth keeping."""
 
 
 def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> ExtractResult:
@@ -208,7 +223,21 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
                         f"{vae.downsample}; use e.g. {max(1, round(cfg.image_size / vae.downsample)) * vae.downsample}")
     latent_shape = (vae.latent_channels, cfg.image_size // vae.downsample, cfg.image_size // vae.downsample)
     out = Path(cfg.out)
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _extract_into(out, cfg, ctx, images, vae, latent_shape)
+    except UserError as err:
+        # A refused first batch, or shards of no image at all, leave no --out behind; finished
+        # shards of images are kept for the rerun.
+        if created and ctx.rank == 0 and (isinstance(err, NothingEncoded) or not any(out.glob("shard-*"))):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+
+def _extract_into(out: Path, cfg: ExtractConfig, ctx: DistContext, images: ImageSource, vae: LoadedVAE,
+                  latent_shape: tuple[int, int, int]) -> ExtractResult:
     num_files = len(images.files)
     num_shards = math.ceil(num_files / cfg.shard_size)
     fingerprint = _fingerprint(cfg, images, vae)
@@ -289,8 +318,10 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: Load
     write_atomic(out / REPORT_NAME, ("\n".join(lines) + "\n").encode())
     num_images = sum(s["count"] for s in shards)
     if not num_images:  # no manifest: a latent folder of no images must not look finished
-        raise UserError(f"none of the {len(images.files)} images of {cfg.data_path} could be encoded (every one "
-                        f"was skipped; why, image by image: {out / REPORT_NAME}); fix or replace the images")
+        first = next((row for row in report if row[2] == "skipped"), None)
+        raise NothingEncoded(f"none of the {len(images.files)} images of {cfg.data_path} could be encoded: every one "
+                             f"was skipped{f' (first: {first[1]}: {first[3]})' if first else ''}; fix or replace "
+                             "the images")
     channel_mean, channel_std = channel_statistics(stats)
     manifest = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION,

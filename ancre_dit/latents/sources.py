@@ -51,9 +51,9 @@ class ImageSource:
 
 def detect_format(path: str) -> str:
     """imagefolder | hf | wds from what the path holds (see `open_source`)."""
-    if "{" in path or path.endswith(".tar"):
-        return "wds"
     root = Path(path)
+    if not root.is_dir() and ("{" in path or path.endswith(".tar")):  # a folder named imgs{v1} is a folder
+        return "wds"
     if not root.is_dir():
         raise MissingFileError(f"--data-path {path} is not a folder, a .tar file or a brace pattern of tars")
     if any((root / name).is_file() for name in (*_HF_DISK_FILES, _HF_DICT_FILE)):
@@ -284,8 +284,10 @@ def _wds_urls(path: str) -> list[str]:
     urls = expand_urls(path)
     missing = [u for u in urls if not Path(u).is_file()]
     if missing:
+        hint = ("; a folder whose name holds a brace is read as a pattern of tars: give --format imagefolder "
+                "or --format hf for a folder" if "{" in path and ".." not in path else "")
         raise MissingFileError(f"{missing[0]} (from --data-path {path}) does not exist; "
-                               f"{len(missing)} of {len(urls)} tar files are missing")
+                               f"{len(missing)} of {len(urls)} tar files are missing{hint}")
     return urls
 
 

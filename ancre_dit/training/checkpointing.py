@@ -72,6 +72,19 @@ def checkpoint_problem(folder: Path) -> str | None:
     return None
 
 
+def check_resume_path(resume: str) -> Path:
+    """A --resume PATH that is a checkpoint folder by its layout (cheap: run before the run folder
+    is claimed, so a wrong path changes nothing); its files are checked by resolve_resume."""
+    path = Path(resume)
+    if path.is_dir() and (path / STATE_FILE).is_file() and (path / ACCELERATE_DIR).is_dir():
+        return path
+    if checkpoints_dir(path).is_dir():
+        raise UserError(f"--resume {resume} is a run folder, not one of its checkpoints; pass --resume auto with "
+                        f"run_dir={resume} (its newest sound checkpoint), or --resume {checkpoints_dir(path)}/<step>")
+    raise UserError(f"--resume {resume} is not a complete checkpoint folder (RUN/checkpoints/<step> "
+                    f"holding {STATE_FILE}); pass one, or --resume auto")
+
+
 def resolve_resume(resume: str | None, run_dir: str | Path, warn: Callable[[str], None] = print) -> Path | None:
     """`auto` -> newest sound checkpoint of the run (None if there is none; a damaged newer one is
     skipped with a warning); a path -> that checkpoint (a UserError if it is incomplete or damaged)."""
@@ -88,10 +101,7 @@ def resolve_resume(resume: str | None, run_dir: str | Path, warn: Callable[[str]
             raise UserError(f"--resume auto: every checkpoint in {checkpoints_dir(run_dir)} is damaged; resume from a "
                             f"copy of a good one with --resume PATH, or use a new run_dir to start over")
         return None
-    path = Path(resume)
-    if not (path.is_dir() and (path / STATE_FILE).is_file() and (path / ACCELERATE_DIR).is_dir()):
-        raise UserError(f"--resume {resume} is not a complete checkpoint folder (RUN/checkpoints/<step> "
-                        f"holding {STATE_FILE}); pass one, or --resume auto")
+    path = check_resume_path(resume)
     problem = checkpoint_problem(path)
     if problem:
         raise UserError(f"--resume {resume}: the checkpoint is damaged ({problem}); pass another checkpoint, "

@@ -121,6 +121,9 @@ def _check_data_path(d: DataConfig, paths: _Paths) -> None:
         return
     if not d.path:
         raise UserError(f"data.kind={d.kind} needs data.path (the {'latent directory' if d.kind == 'latents' else 'image folder'})")
+    if d.kind == "latents" and Path(d.path).is_file():
+        from ..data.latents import read_manifest
+        read_manifest(d.path)  # its one line on a file given for the folder
     if not paths.found("data.path", d.path, "dir"):
         raise UserError(f"data path {d.path} does not exist; set data.path to the "
                         f"{'directory written by scripts/extract_latents.py' if d.kind == 'latents' else 'ImageFolder root (one folder per class)'}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -91,13 +92,17 @@ def acquire_run_dir(run_dir: str | Path) -> None:
 
 
 def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
-    """Deletes checkpoints/.tmp-* folders: with the run folder claimed, no save is in progress, so
+    """Deletes checkpoints/.tmp-* folders and the run folder's `<file>.tmp<pid>` files (files.write_atomic's
+    temporaries: config.yaml, topology.json): with the run folder claimed, no save is in progress, so
     each one was left by a run that died mid-save (they would pile up and hold the free space)."""
     root = checkpoints_dir(run_dir)
     stale = sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []
     for folder in stale:
         shutil.rmtree(folder, ignore_errors=True)
-    return stale
+    files = sorted(p for p in Path(run_dir).glob("*.tmp*") if p.is_file() and re.search(r"\.tmp\d+$", p.name))
+    for path in files:
+        path.unlink(missing_ok=True)
+    return stale + files
 
 
 def release_run_dir(run_dir: str | Path) -> None:

@@ -68,7 +68,10 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # Once a stop was asked for, the work is saved and the process is leaving: a scheduler's
+            # repeated SIGTERM must not turn that exit into a kill (SIGINT is given back for Ctrl-C).
+            keep_out = self.requested and sig != signal.SIGINT
+            signal.signal(sig, signal.SIG_IGN if keep_out else handler)
         self._previous.clear()
 
 

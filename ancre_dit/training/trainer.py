@@ -87,6 +87,8 @@ class Trainer:
         # Processes, and the run folder claimed before anything is written (one training per run_dir).
         self.accelerator = acc = _make_accelerator(c, self.run_dir)
         self.micro_batch = check_batch_layout(c, acc.num_processes)
+        if resume and resume != "auto":
+            ckpt.check_resume_path(resume)  # a wrong path is refused before the folder is claimed
         claim_run_dir(self.run_dir, acc)
         if acc.is_main_process:
             (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -227,11 +229,13 @@ class Trainer:
             progress.close()
             for task in self.tasks:  # the last evaluation and checkpoint
                 task.finish(self.context, stopped)
-        if self.accelerator.is_main_process and self.config.log.figures:
-            plot_loss(self.run_dir)
-        log_time_shares(self.log, self.train_seconds - launch_started_at, self.tasks)
-        self.log.info("done at step %d; outputs in %s", self.step, self.run_dir)
-        self._end()
+            # Still under the handlers: a stop signal repeated while the run winds down (a scheduler
+            # that sends SIGTERM again) must not kill the process after its work is saved.
+            if self.accelerator.is_main_process and self.config.log.figures:
+                plot_loss(self.run_dir)
+            log_time_shares(self.log, self.train_seconds - launch_started_at, self.tasks)
+            self.log.info("done at step %d; outputs in %s", self.step, self.run_dir)
+            self._end()
         return {"step": self.step, "stopped": stopped, "metrics": self.metrics.last, "run_dir": str(self.run_dir)}
 
     # -- one step ------------------------------------------------------------------------------
