@@ -5,9 +5,6 @@ so nearly all of the time is the weighted history sums, forward + backward.
 Forms, all of one `ANCReTopology` (same logits, same inputs), interleaved round by round:
 
     chain      the plain addcmul chain (what torch.compile sees; autograd's backward)
-    fused      the fused weighted sum, each edge handing its source its own gradient
-    routed     the fused weighted sum with the history gradients accumulated in place once per
-               tensor (topologies/aggregation.py, `RoutingPlan`)
     stacked    the history in one store, one product per node forward and per source backward, the
                weights' gradient one Gram product (the eager default; aggregation.py, `StackedPlan`)
     compiled   (--compile) the chain under torch.compile (inductor), which fuses it itself
@@ -51,7 +48,7 @@ from ancre_dit.models.topologies.ancre import ANCReTopology
 from benchmarks import traffic
 from benchmarks.traffic import BANDWIDTH_TBS
 
-FORMS = ("chain", "fused", "routed", "stacked")
+FORMS = ("chain", "stacked")
 
 
 class ScaleBlock(torch.nn.Module):
@@ -114,9 +111,7 @@ def make_topology(form: str, depth: int) -> ANCReTopology:
         g = torch.Generator().manual_seed(0)
         for logits in topology.logits:
             logits.copy_(0.01 * torch.randn(logits.shape, generator=g))
-    topology.fused_aggregation = form != "chain"
-    topology.route_gradients = form in ("routed", "stacked")
-    topology.stacked_history = form == "stacked"
+    topology.use_chain = form == "chain"
     return topology
 
 

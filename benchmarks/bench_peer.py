@@ -98,7 +98,7 @@ def build(variant: str, name: str, input_size: int, compile_: bool) -> torch.nn.
         model = create_model(name, topology=topology, input_size=input_size, in_channels=4, num_classes=1000,
                              **options)
         if variant.startswith("ancre-chain"):
-            model.topology.fused_aggregation = False
+            model.topology.use_chain = True
         model.set_grad_checkpointing(variant.endswith("+gc"))
     leave_zero_init(model)
     return torch.compile(model) if compile_ else model

@@ -28,17 +28,16 @@ def saved_activation_bytes(model: torch.nn.Module, batch: Sequence[torch.Tensor]
 
 
 def aggregation_share(model: torch.nn.Module, batch: Sequence[torch.Tensor], steps: int = 3) -> tuple[float, float]:
-    """(seconds in ANCRe's fused aggregation, seconds in the whole step), per eager forward + backward.
+    """(seconds in ANCRe's stacked aggregation, seconds in the whole step), per eager forward + backward.
 
     The aggregation's time is the profiler's total of its autograd functions' forward and backward
-    nodes (`_StackedNode` of the stacked form, `_WeightedSum` of the per-edge one; their child ops
-    included); both numbers come from the same steps, so a shared machine's
+    nodes (`_StackedNode` of the stacked form; their child ops included); both numbers come from the same steps, so a shared machine's
     drifts, which swamp a 2% difference between two separately timed models, cancel out of their
     ratio. It estimates ANCRe / cascaded - 1 on the assumption that the blocks cost the same in both.
     """
     from torch.profiler import ProfilerActivity, profile  # (only the benchmarks that ask pay for its import)
 
-    names = ("_StackedNode", "_StackedNodeBackward", "_WeightedSum", "_WeightedSumBackward")
+    names = ("_StackedNode", "_StackedNodeBackward")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):

@@ -38,9 +38,8 @@ def test_bench_aggregation_times_every_form_after_checking_they_agree(capsys):
     args = bench.parse_args(["--depth", "4", "--tokens", "4", "--width", "8", "--rounds", "2", "--steps", "1",
                              "--threads", "1"])
     times = bench.measure(args)
-    assert set(times) == {"chain", "fused", "routed", "stacked"} and all(len(v) == 2 and min(v) > 0 for v in times.values())
-    topology = bench.make_topology("fused", 4)
-    assert topology.fused_aggregation and not topology.route_gradients
+    assert set(times) == {"chain", "stacked"} and all(len(v) == 2 and min(v) > 0 for v in times.values())
+    assert bench.make_topology("chain", 4).use_chain and not bench.make_topology("stacked", 4).use_chain
     out = capsys.readouterr().out
     assert "faults/step" in out
     assert "one read of all 10 edge sources" in out

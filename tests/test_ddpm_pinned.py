@@ -117,11 +117,11 @@ def test_ddpm_losses_and_ddpm250_samples_are_unchanged():
 @pytest.mark.slow
 def test_ddpm_training_is_unchanged(tmp_path, monkeypatch):
     torch.set_num_threads(1)
-    # The pin is about the objective. The tiny run is ANCRe, whose eager aggregation is now a fused
-    # sum that rounds differently from the addcmul chain it had then (test_grad_checkpointing
+    # The pin is about the objective. The tiny run is ANCRe, whose eager aggregation is now the
+    # stacked form that rounds differently from the addcmul chain it had then (test_grad_checkpointing
     # checks the two agree); the chain is what produced the pinned numbers.
     from ancre_dit.models.topologies import WeightedHistoryTopology
-    monkeypatch.setattr(WeightedHistoryTopology, "fused_aggregation", False)
+    monkeypatch.setattr(WeightedHistoryTopology, "use_chain", True)
     run = tmp_path / "run"
     try:
         reset_accelerate()

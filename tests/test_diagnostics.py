@@ -151,9 +151,9 @@ def test_grad_rms_of_ancre_is_the_gradient_autograd_gives_on_the_plain_chain(mod
     model = randomize(create_model("DiT-S/2", depth=4, topology="ancre", ancre_mode=mode, **KW)).double()
     x, draws = x.double(), tuple(d.double() for d in draws)
     profile = depth_profile(model, objective, x, y, draws)
-    assert model.topology.fused_aggregation  # (restored)
+    assert not model.topology.use_chain  # (restored)
     states = []
-    model.topology.fused_aggregation = False  # the plain addcmul chain, autograd's own backward
+    model.topology.use_chain = True  # the plain addcmul chain, autograd's own backward
     model.topology.state_hook = lambda k, z: states.append(z)
     loss = objective.losses(model, x, y, draws)["loss"].mean()
     model.topology.state_hook = None

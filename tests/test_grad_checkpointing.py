@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ancre_dit.models.topologies.aggregation import weighted_sum
 from helpers import inputs, randomize, tiny_model
 
 # One per trunk family: plain loop, weighted history (ANCRe and its fixed sparse ablation),
@@ -66,35 +65,12 @@ def test_checkpointing_gives_the_same_gradients_with_less_saved_memory(topology)
         assert torch.equal(out, model(x, t, y))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_fused_weighted_sum_matches_the_addcmul_chain(dtype):
-    g = torch.Generator().manual_seed(0)
-    out = torch.randn(2, 5, 7, generator=g, dtype=dtype, requires_grad=True)
-    sources = [torch.randn(2, 5, 7, generator=g, dtype=dtype, requires_grad=True) for _ in range(4)]
-    logits = torch.randn(4, generator=g, dtype=dtype, requires_grad=True)
-    upstream = torch.randn(2, 5, 7, generator=g, dtype=dtype)
-    results = []
-    for fused in (True, False):
-        w = torch.softmax(logits / 0.1, dim=0)
-        if fused:
-            s = weighted_sum(out, w, sources)
-        else:
-            s = out
-            for i, src in enumerate(sources):
-                s = torch.addcmul(s, src, w[i])
-        grads = torch.autograd.grad((s * upstream).sum(), [logits, out, *sources])
-        results.append((s, *grads))
-    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, **tol)
-
-
 @pytest.mark.parametrize("topology", ["ancre", "first-previous"])
 def test_fused_and_chained_aggregation_give_the_same_model_gradients(topology):
     model = _tiny(topology)
     x, t, y = inputs()
     fused = _grads(model, x, t, y)
-    model.topology.fused_aggregation = False
+    model.topology.use_chain = True
     chained = _grads(model, x, t, y)
     for name in fused:
         torch.testing.assert_close(fused[name], chained[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -124,7 +100,7 @@ def test_routed_history_gradients_equal_autograds_for_every_edge_layout(topology
         model = _tiny(topology)
     x, t, y = inputs()
     fused = _grads(model, x, t, y)
-    model.topology.fused_aggregation = False
+    model.topology.use_chain = True
     chained = _grads(model, x, t, y)
     assert fused.keys() == chained.keys()
     for name in fused:

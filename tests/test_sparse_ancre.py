@@ -56,7 +56,7 @@ def test_sparse_forward_and_gradients_equal_the_fixed_matrix(mode):
     reference.topology.set_edges([list(range(j + 1)) for j in range(model.topology.num_blocks)])  # every edge read
     expected = reference.eval()(x, t, y)
     for fused in (True, False):
-        model.topology.fused_aggregation = fused
+        model.topology.use_chain = not fused
         model.zero_grad(set_to_none=True)
         out = model(x, t, y)
         torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)

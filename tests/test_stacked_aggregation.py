@@ -28,7 +28,7 @@ def _model(topology: str, options: dict, depth: int = 5):
 
 def _run(model, fused: bool, loss_on=None):
     """Output and every gradient (parameters and input) of a fixed weighted loss."""
-    model.topology.fused_aggregation = fused
+    model.topology.use_chain = not fused
     model.zero_grad(set_to_none=True)
     x, t, y = inputs()
     x = x.double().requires_grad_(True)
@@ -88,7 +88,7 @@ def test_no_grad_forward_matches_and_the_history_store_is_one_tensor():
     x, t, y = inputs()
     with torch.no_grad():
         stacked = model(x.double(), t, y)
-        model.topology.fused_aggregation = False
+        model.topology.use_chain = True
         chain = model(x.double(), t, y)
     torch.testing.assert_close(stacked, chain, rtol=0, atol=1e-12 * chain.abs().max().item())
 
@@ -102,7 +102,7 @@ def test_bf16_history_under_autocast_only(fused):
     full, half = (randomize(tiny_model("ancre", depth=4, history_dtype=d)) for d in ("float32", "bfloat16"))
     half.load_state_dict(full.state_dict())
     for m in (full, half):
-        m.topology.fused_aggregation = fused
+        m.topology.use_chain = not fused
     x, t, y = inputs()
     with torch.no_grad():
         assert torch.equal(full(x, t, y), half(x, t, y))
@@ -121,7 +121,7 @@ def test_bf16_history_gradients_match_between_stacked_and_chain():
     x, t, y = inputs()
     grads = {}
     for fused in (True, False):
-        model.topology.fused_aggregation = fused
+        model.topology.use_chain = not fused
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(x, t, y).float().square().mean()

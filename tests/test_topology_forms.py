@@ -105,7 +105,7 @@ def test_replace_matches_its_definition_with_learned_weights():
         history.append(h)
     expected = model.unpatchify(model.final_layer(history[-1], c))
     torch.testing.assert_close(model(x, t, y), expected, rtol=1e-5, atol=1e-5)
-    model.topology.fused_aggregation = False  # the addcmul chain torch.compile sees
+    model.topology.use_chain = True  # the addcmul chain torch.compile sees
     torch.testing.assert_close(model(x, t, y), expected, rtol=1e-5, atol=1e-5)
 
 

@@ -114,25 +114,18 @@ def test_zero_edges_of_a_pruned_frozen_topology_cost_nothing(monkeypatch):
         torch.nn.init.normal_(block.adaLN_modulation[-1].weight, std=0.05)
     dense = WeightedHistoryTopology(K)
     dense.probabilities = lambda: pruned  # same weights, every edge visited
-    calls = []  # one entry per history tensor read by the aggregation, in both eager forms
-    real_addcmul, real_fused = torch.addcmul, topology_base.weighted_sum
-    for fused in (True, False):
-        with monkeypatch.context() as patch:
-            patch.setattr(WeightedHistoryTopology, "fused_aggregation", fused)
-            patch.setattr(WeightedHistoryTopology, "stacked_history", False)  # (the stacked form: below)
-            if fused:  # (the fused sum uses addcmul inside: count its sources only)
-                patch.setattr(topology_base, "weighted_sum",
-                              lambda out, w, sources, *routing: calls.extend([1] * len(sources)) or real_fused(out, w, sources, *routing))
-            else:
-                patch.setattr(topology_base.torch, "addcmul", lambda *a, **k: calls.append(1) or real_addcmul(*a, **k))
-            calls.clear()
-            with torch.no_grad():
-                out_sparse = FixedTopology(pruned)(h0, blocks, c)
-                sparse_calls = len(calls)
-                out_dense = dense(h0, blocks, c)
-        assert sparse_calls == int((pruned != 0).sum()) == 1 + 2 * (K - 1)
-        assert len(calls) - sparse_calls == K * (K + 1) // 2
-        torch.testing.assert_close(out_sparse, out_dense, rtol=0, atol=1e-6)
+    calls = []  # one entry per history tensor read by the addcmul chain
+    real_addcmul = torch.addcmul
+    with monkeypatch.context() as patch:
+        patch.setattr(WeightedHistoryTopology, "use_chain", True)
+        patch.setattr(topology_base.torch, "addcmul", lambda *a, **k: calls.append(1) or real_addcmul(*a, **k))
+        with torch.no_grad():
+            out_sparse = FixedTopology(pruned)(h0, blocks, c)
+            sparse_calls = len(calls)
+            out_dense = dense(h0, blocks, c)
+    assert sparse_calls == int((pruned != 0).sum()) == 1 + 2 * (K - 1)
+    assert len(calls) - sparse_calls == K * (K + 1) // 2
+    torch.testing.assert_close(out_sparse, out_dense, rtol=0, atol=1e-6)
     stacked = FixedTopology(pruned)  # the stacked form reads the kept edges only, and agrees
     assert sum(map(len, stacked._stacked_plan.edges)) == int((pruned != 0).sum())
     with torch.no_grad():

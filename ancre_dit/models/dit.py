@@ -201,7 +201,7 @@ class DiT(nn.Module):
     def _embed(self, x, t, y) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # Contiguous: PatchEmbed returns a transposed view (N, T, D over an (N, D, T) buffer) and
         # every residual add would keep that layout, so each flattening of a history tensor (the
-        # fused aggregation's logit gradients) would copy it. One copy here instead.
+        # stacked aggregation's Gram product) would copy it. One copy here instead.
         h0 = (self.x_embedder(x) + self.pos_embed).contiguous()
         t_emb = self.t_embedder(t)
         return h0, t_emb + self.y_embedder(y, self.training), t_emb

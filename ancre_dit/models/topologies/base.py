@@ -15,7 +15,7 @@ each next block to an optional `state_hook` (training diagnostics, representatio
 
 This module holds the interface and the topologies with no learned weights (cascaded, a fixed
 matrix); ANCRe and its ablations live in `ancre.py`, the peer schemes in `peers.py`, and the
-eager fused aggregation with its gradient routing in `aggregation.py`.
+eager stacked aggregation in `aggregation.py`.
 """
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ...errors import MissingFileError, UserError
-from .aggregation import (GradientRouting, RoutingPlan, StackedPlan, StackedTrunk, aggregation_kernels,
-                          check_aggregation_kernel, stacked_sum, weighted_sum)
+from .aggregation import StackedPlan, StackedTrunk, aggregation_kernels, check_aggregation_kernel, stacked_sum
 
 
 class TopologyNotDefined(ValueError):
@@ -82,7 +81,8 @@ class ResidualTopology(nn.Module):
     @contextlib.contextmanager
     def exact_state_gradients(self) -> Iterator[None]:
         """While on, a gradient taken with respect to a state given to `state_hook` is its whole
-        gradient (the diagnostics' backward decay). Every topology's is, but ANCRe's fused routing."""
+        gradient (the diagnostics' backward decay). Every topology's is, but the stacked
+        aggregation's (it routes the skip gradients inside its nodes)."""
         yield
 
     def forward(self, h0: torch.Tensor, blocks: Sequence[nn.Module], c: torch.Tensor) -> torch.Tensor:
@@ -110,21 +110,17 @@ class CascadedTopology(ResidualTopology):
 class WeightedHistoryTopology(ResidualTopology):
     """h_j = B_j(h_{j-1}) + sum_{i<j} P[j-1, i] h_i, with P given by `probabilities()`.
 
-    The weighted sum is a running sum over the kept history list (no stacked (K, ...) tensor), so
-    activation memory matches the cascaded model. `edges[j]` lists the sources that can carry a
-    non-zero weight into block j+1, so fixed sparse layouts skip their zero edges entirely.
-    In eager mode the history lives in one store and each block's sum is one `_StackedNode` (one
-    product over its sources; the backward also keeps the gradients stacked, see aggregation.py);
-    under torch.compile it is the plain `addcmul` chain, which the compiler fuses itself.
+    `edges[j]` lists the sources that can carry a non-zero weight into block j+1, so fixed sparse
+    layouts skip their zero edges entirely. In eager mode the history lives in one store and each
+    block's sum is one `_StackedNode` (one product over its sources; the backward also keeps the
+    gradients stacked, see aggregation.py); under torch.compile it is the plain `addcmul` chain,
+    which the compiler fuses itself.
     """
 
-    fused_aggregation = True  # False: the addcmul chain in eager mode too (benchmarks and pinned tests compare both)
-    route_gradients = True  # False: each edge hands its source its own gradient (the form before routing; benchmarks)
-    # True: the stacked aggregation (one store for the history, one product per node forward and per
-    # source backward, a Gram product for the weights) where every block has a source; False: the
-    # per-edge fused sums above (benchmarks compare both)
-    stacked_history = True
     MODES = ("add", "replace")
+    # True: the plain addcmul chain (the form torch.compile sees) in eager mode too; on inside
+    # `exact_state_gradients`, and the reference the tests compare the stacked form with.
+    use_chain = False
 
     def __init__(self, num_blocks: int, edges: list[list[int]] | None = None, mode: str = "add"):
         super().__init__(num_blocks)
@@ -143,18 +139,12 @@ class WeightedHistoryTopology(ResidualTopology):
         if self.mode == "replace":  # every block subtracts its own input: the previous source is always an edge
             edges = [sorted(set(e) | {j}) for j, e in enumerate(edges)]
         self.edges = [list(e) for e in edges]
-        # How each block's weights are read from its row of P, decided once: a contiguous run of
-        # sources is a slice (a view), anything else an index list (a gather).
-        self._row_selectors = [None if not e else slice(e[0], e[-1] + 1) if e == list(range(e[0], e[-1] + 1)) else e
-                               for e in self.edges]
-        self._routing_plan = RoutingPlan(self.edges)
-        self._stacked_plan = StackedPlan(self.edges) if StackedPlan.applies(self.edges) else None
-        if self._stacked_plan is not None:
-            # On the model's device, moved with it: the backward masks the weights' gradient with it
-            # and would otherwise copy it from the host every step.
-            mask = self._stacked_plan.mask()
-            self.register_buffer("edge_mask", mask.to(self.edge_mask.device) if hasattr(self, "edge_mask") else mask,
-                                 persistent=False)
+        self._stacked_plan = StackedPlan(self.edges)
+        # On the model's device, moved with it: the backward masks the weights' gradient with it
+        # and would otherwise copy it from the host every step.
+        mask = self._stacked_plan.mask()
+        self.register_buffer("edge_mask", mask.to(self.edge_mask.device) if hasattr(self, "edge_mask") else mask,
+                             persistent=False)
 
     def _history_cast(self, h0: torch.Tensor) -> torch.dtype | None:
         """bfloat16 when the history is kept in bf16 and the model runs under bf16 autocast, else None."""
@@ -166,14 +156,14 @@ class WeightedHistoryTopology(ResidualTopology):
 
     @contextlib.contextmanager
     def exact_state_gradients(self) -> Iterator[None]:
-        """The plain chain meanwhile: the fused routing hands part of each history tensor's gradient
-        straight to the node that made it, so autograd never sees that part arrive at the state."""
-        fused = self.fused_aggregation
-        self.fused_aggregation = False
+        """The plain chain meanwhile: the stacked backward adds the later blocks' reads of each history
+        tensor to the gradient of the node that made it, so autograd never sees that part arrive at the state."""
+        chain = self.use_chain
+        self.use_chain = True
         try:
             yield
         finally:
-            self.fused_aggregation = fused
+            self.use_chain = chain
 
     def mixing_weights(self) -> torch.Tensor:
         """The weights the skip sums use: P (add), or P minus the identity (replace: the block's own
@@ -186,23 +176,16 @@ class WeightedHistoryTopology(ResidualTopology):
     def forward(self, h0, blocks, c):
         self.check_blocks(blocks)
         weights = self.mixing_weights()
-        fused = self.fused_aggregation and not torch.compiler.is_compiling()
         cast = self._history_cast(h0)
-        if fused and self.stacked_history and self._stacked_plan is not None:
+        if not (self.use_chain or torch.compiler.is_compiling()):
             return self._stacked_forward(h0, blocks, c, weights, cast)
-        routing = (GradientRouting(self._routing_plan) if fused and self.route_gradients and torch.is_grad_enabled()
-                   else None)
         history = [h0 if cast is None else h0.to(cast)]
         h = h0
         self.emit_state(0, h)
         for j, block in enumerate(blocks):
             out = self.run_block(block, h, c)
-            edges = self.edges[j]
-            if fused and edges:
-                out = weighted_sum(out, weights[j, self._row_selectors[j]], [history[i] for i in edges], routing, j)
-            else:
-                for i in edges:
-                    out = torch.addcmul(out, history[i], weights[j, i])
+            for i in self.edges[j]:
+                out = torch.addcmul(out, history[i], weights[j, i])
             h = out
             history.append(h if cast is None else h.to(cast))
             self.emit_state(j + 1, h)
