@@ -1,14 +1,8 @@
 """Fixtures shared by the whole suite; the plain functions behind them live in tests/helpers.py
 (``from helpers import ...`` works in any test file and in the scripts the tests launch).
 
-Models and inputs
-  tiny_model      factory ``tiny_model(topology="ancre", seed=0, **overrides)``: THE tiny DiT of the
-                  suite (helpers.TINY_DIT: DiT-T/2, 2 blocks, width 32, 8x8x1 digits, 10 classes),
-                  built after ``torch.manual_seed(seed)``; e.g. ``tiny_model("hc", depth=3, hc_streams=2)``.
-  randomize       ``randomize(model, seed=1)``: random adaLN / final-layer weights (adaLN-Zero makes
-                  every block the identity at init), returns the model in eval mode.
-  model_inputs    factory ``model_inputs(n=3, seed=2) -> (x, t, y)`` for the tiny model, with
-                  timesteps 0, 10, 999 and labels including the null class 10.
+Models and inputs: the plain functions of tests/helpers.py (``tiny_model(topology, seed, **overrides)``,
+THE tiny DiT of the suite; ``randomize``; ``inputs``), imported where needed.
 
 Training
   tiny_run_config factory ``tiny_run_config(*overrides, run_dir=None) -> Config``: the tiny model
@@ -21,8 +15,6 @@ Training
 Processes and threads
   one_thread      runs the test with one torch thread (faster for tiny models beside other load, and
                   the thread count of a torchrun worker, so results match bit for bit).
-  repo_root       the repository root (train.py, sample.py, configs/).
-  subprocess_env  environment for a child python: this checkout on PYTHONPATH, one thread, CPU only.
 
 Parallel runs: under pytest-xdist (``-n auto``, what scripts/run_tests.sh does) each worker runs
 torch on one thread, so N workers use N cores instead of N x cores threads. The modules that hold
@@ -61,21 +53,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
-@pytest.fixture(scope="session")
-def tiny_model() -> Callable[..., torch.nn.Module]:
-    return helpers.tiny_model
-
-
-@pytest.fixture(scope="session")
-def randomize() -> Callable:
-    return helpers.randomize
-
-
-@pytest.fixture(scope="session")
-def model_inputs() -> Callable:
-    return helpers.inputs
-
-
 @pytest.fixture
 def tiny_run_config(tmp_path: Path) -> Callable[..., Config]:
     def make(*overrides: str, run_dir: Path | None = None) -> Config:
@@ -94,13 +71,3 @@ def fresh_accelerate() -> Iterator[None]:
 def one_thread() -> Iterator[None]:
     with helpers.one_torch_thread():
         yield
-
-
-@pytest.fixture(scope="session")
-def repo_root() -> Path:
-    return helpers.ROOT
-
-
-@pytest.fixture
-def subprocess_env() -> dict[str, str]:
-    return helpers.subprocess_env()

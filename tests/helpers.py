@@ -260,6 +260,12 @@ def _as_child() -> None:
     os.environ.pop("ANCRE_DEBUG", None)
     torch.set_num_threads(1)
     reset_accelerate()
+    # A lock of its own for the progress bars: tqdm's default one holds a semaphore shared with the
+    # parent across the fork, and a child killed while drawing a bar would leave it held for good.
+    import threading
+
+    from tqdm import tqdm
+    tqdm.set_lock(threading.RLock())
 
 
 def _rank_main(rank: int, world_size: int, port: int, target, args) -> None:

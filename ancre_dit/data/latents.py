@@ -49,8 +49,8 @@ _DTYPES = {"F16": (np.dtype("<f2"), torch.float16), "BF16": (np.dtype("<u2"), to
 def read_safetensors_layout(path: str | os.PathLike) -> tuple[int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
     """(start of the data section, {name: (dtype, shape, begin, end)}) from a safetensors header.
 
-    Read by hand because the batched reader needs byte offsets for numpy.memmap: safetensors'
-    `get_slice` only takes contiguous ranges, so gathering 256 random rows would cost 256 calls.
+    Read by hand because the batched reader needs each tensor's byte offsets for its positional reads:
+    safetensors' `get_slice` only takes contiguous ranges, so gathering 256 random rows would cost 256 calls.
     """
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")

@@ -32,7 +32,7 @@ from ..hardware import configure_precision, peak_tflops
 from ..diffusion import build_objective
 from ..models import create_model
 from ..models.flops import flops_per_training_image
-from ..models.topologies.analysis import check_entropy_topology, topology_entropy
+from ..models.topologies.analysis import topology_entropy
 from ..checkpoint import WEIGHT_FILES, make_model_spec, save_safetensors, write_model_files
 from ..checkpoint import load_safetensors_checked
 from . import checkpointing as ckpt
@@ -44,7 +44,7 @@ from .ema import EMA, ema_update_
 from .model_setup import model_kwargs, param_groups
 from .guards import NonFiniteGuard
 from .stopping import StopAgreement, StopSignals
-from .periodic import RunContext, TrainProgress, build_tasks, topology_matrix, write_topology_files
+from .periodic import PeriodicTask, RunContext, TrainProgress, build_tasks, topology_matrix, write_topology_files
 from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, describe, load_latents_in_memory,
                    make_loader, nonfinite_rows, prepare_batch)
 from .repa import RepaAlignment, build_repa, check_resume as check_same_repa
@@ -112,8 +112,6 @@ class Trainer:
         self.repa = build_repa(c.repa, self.raw_model, d.input_size, acc.device, bf16=c.train.mixed_precision == "bf16",
                                seed=_seed(c.train.seed, 2), log=self.log)  # None with repa.weight 0
         self.entropy_weight = c.model.topology_entropy_weight
-        if self.entropy_weight:
-            check_entropy_topology(self.raw_model.topology)
         rank = acc.process_index
         set_seed(_seed(c.train.seed, rank, 0))
         self.generator = torch.Generator(device=acc.device).manual_seed(_seed(c.train.seed, rank, 1))
@@ -201,19 +199,21 @@ class Trainer:
             stopped = self._stop_requested()  # a stop during that work: checkpoint without another step
             while not stopped and self.step < c.max_steps:
                 # 1. One optimizer step; its loss terms stay on the device.
-                started, lr = time.perf_counter(), self.lr_at(self.step)
+                started = time.perf_counter()
                 try:
                     terms = self.train_step(batches)
                 except UserError as err:  # unreadable data: nothing saved over the good checkpoints
                     self._stop_with(err, progress)
                 self.progress.train_seconds += time.perf_counter() - started
-                self.metrics.add(terms, lr)
+                self.metrics.add(terms, self.lr)
                 progress.update(1)
                 # 2. The guard's verdict on the steps since the last one, at log steps and before any
                 # periodic task (so no checkpoint is written before a stop is decided, on every rank);
                 # then the metrics, at log steps.
                 log_step = self.step % c.log_every == 0 or self.step == c.max_steps
-                if log_step or any(task.every and self.step % task.every == 0 for task in self.tasks):
+                # (the base rule of `due`, the same on every rank: the guard's report is collective,
+                # while a task may be due on the main process only)
+                if log_step or any(PeriodicTask.due(task, self.context) for task in self.tasks):
                     self._report_guard(progress)
                 if log_step:
                     self.metrics.write(self.step, self.train_seconds, time.perf_counter(), progress)
@@ -244,7 +244,7 @@ class Trainer:
         tensors. Nothing here reads a value back to the host (that would drain the GPU queue every
         step): the non-finite guard decides on the device, and the terms are read at log steps."""
         acc, c = self.accelerator, self.config.train
-        lr = self.lr_at(self.step)
+        self.lr = lr = self.lr_at(self.step)  # (the metrics log it)
         # lr by hand: Accelerate steps prepared schedulers once per process
         for group, group_lr in zip(self.optimizer.param_groups, self._group_lrs(lr)):
             group["lr"] = group_lr

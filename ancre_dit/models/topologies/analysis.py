@@ -245,14 +245,8 @@ def tsallis_entropy(P: torch.Tensor, q: float = 2.0) -> torch.Tensor:
     return entropy.mean()
 
 
-def check_entropy_topology(topology: ResidualTopology) -> None:
-    """The regulariser needs incoming weights that form a distribution (the topology declares it)."""
-    if not topology.incoming_softmax:
-        raise UserError(f"the topology entropy needs the ancre topology (a learned softmax over each block's "
-                        f"incoming edges), not {type(topology).__name__}")
-
-
 def topology_entropy(topology: ResidualTopology, q: float = 2.0) -> torch.Tensor:
-    """`tsallis_entropy` of an ANCRe topology's current incoming weights (gradients reach its logits)."""
-    check_entropy_topology(topology)
+    """`tsallis_entropy` of an ANCRe topology's current incoming weights (gradients reach its logits);
+    the rows must be distributions, which the topology's registry entry declares (`incoming_softmax`,
+    checked with the config)."""
     return tsallis_entropy(topology.probabilities(), q)

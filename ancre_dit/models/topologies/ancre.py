@@ -61,7 +61,6 @@ class ANCReTopology(_PerBlockLogits):
     """
 
     softmax_dim = 1  # over sources i: the incoming edges of each block
-    incoming_softmax = True
     frozen_block: int | None = 0
 
     def __init__(self, num_blocks: int, tau: float = TAU["tau"].default, mode: str = "add", init: str = "uniform",
@@ -135,7 +134,6 @@ class OutgoingANCReTopology(ANCReTopology):
     """
 
     softmax_dim = 0  # over targets j: the outgoing edges of each source
-    incoming_softmax = False
     frozen_block = None
 
 

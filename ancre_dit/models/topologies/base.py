@@ -44,10 +44,6 @@ class ResidualTopology(nn.Module):
     and call every block (or the unit they wire around it) through `run_block`, so activation
     checkpointing (`DiT.set_grad_checkpointing`) works with every topology."""
 
-    # True: each row of `probabilities()` is a softmax over the block's incoming edges (a distribution),
-    # so the topology entropy regulariser applies (its registry entry says the same: `incoming_softmax`).
-    incoming_softmax = False
-
     def __init__(self, num_blocks: int):
         super().__init__()
         self.num_blocks = num_blocks
