@@ -84,7 +84,7 @@ def _check_positive(**values: int | None) -> None:
 
 def _digits(args) -> int:
     from ancre_dit.data.adm_npz import load_adm_npz
-    from ancre_dit.evaluation.digits import digits_report, format_digits_report
+    from ancre_dit.evaluation.digits_metric import digits_report, format_digits_report
 
     batch = load_adm_npz(args.samples)
     if batch.images is None or batch.labels is None:

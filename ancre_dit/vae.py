@@ -5,7 +5,7 @@ uint8 images in chunks (sampling and the trainer's sample grids).
 The autoencoder classes are one table (`VAE_CLASSES`), picked by the folder's config `_class_name`:
 AutoencoderKL of any latent channel count (SD's 4, SD3 / FLUX's 16, ...) and AutoencoderDC (DC-AE,
 deterministic: its posterior std is 0). Latents may be normalised per channel with dataset
-statistics (`data.latent_norm: channel`); `LoadedVAE.channel_mean/std` then undo it before decoding."""
+statistics (`data.latent_norm: channel`); `LoadedVAE.latent_norm` then undoes it before decoding."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .data.adm_npz import to_uint8
-from .data.latent_norm import latent_norm_from_spec
+from .data.latent_norm import ChannelNorm, latent_norm_from_spec
 from .errors import UserError
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -36,8 +36,7 @@ class LoadedVAE:
     downsample: int
     latent_channels: int
     kind: str = "AutoencoderKL"
-    channel_mean: torch.Tensor | None = None  # set: latents are (z - mean) / std per channel (latent_norm channel)
-    channel_std: torch.Tensor | None = None
+    latent_norm: ChannelNorm | None = None  # set: latents are (z - mean) / std per channel (latent_norm channel)
 
 
 def _kl_downsample(config: Any) -> int:
@@ -191,9 +190,7 @@ def load_run_vae(data_spec: dict[str, Any], latent_channels: int, vae: str | Non
         raise UserError(f"the VAE this run was trained with, {named}, is not there any more (moved or deleted); "
                         "pass --vae DIR, the diffusers AutoencoderKL folder its latents were extracted with")
     loaded = load_vae(str(named), device, scaling_factor=data_spec.get("scaling_factor"))
-    norm = latent_norm_from_spec(data_spec)  # trained on (x - mean) / std: decoding undoes it first
-    if norm is not None:
-        loaded.channel_mean, loaded.channel_std = norm.mean, norm.std
+    loaded.latent_norm = latent_norm_from_spec(data_spec)  # trained on (x - mean) / std: decoding undoes it first
     if loaded.latent_channels != latent_channels:
         raise UserError(f"VAE {named} has {loaded.latent_channels} latent channels but the model samples "
                         f"{latent_channels}; pass the VAE the latents were extracted with (--vae DIR)")
@@ -208,8 +205,8 @@ def decode_to_uint8(loaded: LoadedVAE, z: torch.Tensor, chunk: int = 32) -> np.n
     param = next(vae.parameters())
     out = []
     for part in z.split(chunk):
-        if loaded.channel_mean is not None:
-            part = part.float() * loaded.channel_std.to(part.device) + loaded.channel_mean.to(part.device)
+        if loaded.latent_norm is not None:
+            part = loaded.latent_norm.invert(part.float())
         latents = part.to(param.device, param.dtype) / loaded.scaling_factor
         if loaded.shift_factor is not None:
             latents = latents + loaded.shift_factor

@@ -32,7 +32,7 @@ from PIL import Image
 from ancre_dit.cli import run_cli
 from ancre_dit.latents.extract import DistContext, ExtractConfig, run_extraction
 from ancre_dit.data.image_folder import CroppedImages, list_image_folder
-from ancre_dit.latents.sources import open_source
+from ancre_dit.latents.image_datasets import open_source
 from ancre_dit.vae import DTYPES, encode_moments, load_vae
 
 ARCHS = {

@@ -8,7 +8,7 @@ other, seeds aggregated: curves, final values, steps to cascaded's final value).
 weights of each run sample the same balanced labels with the same seed at every sampler of their
 objective, at one guidance scale: DDPM-250 and DPM-Solver-25, flow Euler-50, Heun-25, dopri5
 (adaptive) and SiT's SDE-250. Per sampler, mean +- std over seeds: held-out classifier accuracy and
-pixel Fréchet distance (ancre_dit.evaluation.digits, NOT FID), network forward passes per sample
+pixel Fréchet distance (ancre_dit.evaluation.digits_metric, NOT FID), network forward passes per sample
 (guided: cond + uncond count 2) and sampling wall time. Reruns continue unfinished runs.
 
     python -m benchmarks.bench_objectives --seeds 0 1 2 --steps 1000 --depth 4 --width 64 --num-samples 100
@@ -80,7 +80,7 @@ def score(checkpoint: Path, sampler: str, steps: int | None, labels: np.ndarray,
           seed: int) -> dict[str, float]:
     """Digits accuracy / pixel FD of the checkpoint's EMA samples, forwards per sample, seconds."""
     from ancre_dit.checkpoint import load_trained_model
-    from ancre_dit.evaluation.digits import digits_report
+    from ancre_dit.evaluation.digits_metric import digits_report
     from ancre_dit.sampling import Guidance, plan_sampling
     from ancre_dit.sampling.decode import decode_pixels
 

@@ -78,7 +78,7 @@ def digits_quality(args: argparse.Namespace, device: torch.device) -> None:
         print(f"skipped: no trained digits checkpoint ({args.digits_ckpt or 'results/quickstart/checkpoints/<step>'}); "
               f"run bash scripts/quickstart.sh or pass --digits-ckpt RUN/checkpoints/<step>")
         return
-    from ancre_dit.evaluation.digits import digits_report
+    from ancre_dit.evaluation.digits_metric import digits_report
 
     model, spec = load_trained_model(ckpt, "ema", device)
     if spec["data"].get("kind") != "digits":

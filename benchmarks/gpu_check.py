@@ -319,11 +319,11 @@ def markdown(report: dict) -> str:
                   "", "| recipe | processes | batch/process | compile | images/s (all) | images/s per GPU | MFU | wall s |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in trainer.get("runs", []):
-            if "images_per_sec" not in r:
+            if "images_per_s_total" not in r:
                 lines.append(f"| {r['model']}-{r['topology']} | {not_measured(r)} |||||||")
                 continue
             lines.append(f"| {r['model']}-{r['topology']} | {r['processes']} | {r['batch_per_process']} | {r['compile']} | "
-                         f"{r['images_per_sec']:.1f} | {_fmt(r['images_per_s'], '.1f')} | {_fmt(r['mfu'], '.1%')} | "
+                         f"{r['images_per_s_total']:.1f} | {_fmt(r['images_per_s_per_process'], '.1f')} | {_fmt(r['mfu'], '.1%')} | "
                          f"{r['wall_s']:.0f} |")
     if report.get("pipeline"):
         lines += ["", "## A user's path (torchrun, synthetic latents, tiny random VAE and Inception)", "",

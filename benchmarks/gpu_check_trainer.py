@@ -46,10 +46,15 @@ def read_trainer_metrics(run_dir: Path, skip_first: int = 1) -> dict:
         raise RuntimeError(f"{run_dir}/logs/metrics.jsonl holds no log line")
     steady = rows[skip_first:] or rows[-1:]
     result: dict = {"steps": rows[-1]["step"], "log_lines": len(rows), "log_lines_used": len(steady)}
-    for key in ("images_per_sec", "images_per_s", "mfu", "tflops_per_s"):
-        values = [r[key] for r in steady if r.get(key) is not None]
+    for key in ("images_per_s_total", "images_per_s_per_process", "mfu", "tflops_per_s"):
+        old = OLD_METRIC_NAMES.get(key, key)  # logs written before the rename
+        values = [r.get(key, r.get(old)) for r in steady if r.get(key, r.get(old)) is not None]
         result[key] = float(np.median(values)) if values else None
     return result
+
+
+# metrics.jsonl's names before they said what they count: all processes, one process.
+OLD_METRIC_NAMES = {"images_per_s_total": "images_per_sec", "images_per_s_per_process": "images_per_s"}
 
 
 def trainer_run(model: str, topology: str, cfg: dict, device: torch.device, processes: int, deadline: Deadline) -> dict:
@@ -84,7 +89,7 @@ def child_env() -> dict:
 def trainer_summary(rows: list[dict], device_name: str, peak: float | None) -> dict:
     """gpu_check.json's "trainer": every train.py run, and the MFU a study's --dry-run takes (that of
     the largest model measured, ancre preferred)."""
-    measured = [r for r in rows if r.get("images_per_sec")]
+    measured = [r for r in rows if r.get("images_per_s_total")]
     order = {"dit-b2": 2, "dit-s2": 1}
     best = max(measured, key=lambda r: (order.get(r["model"], 0), r["topology"] == "ancre"), default=None)
     return {"device": device_name, "peak_tflops": peak, "runs": rows,

@@ -67,7 +67,7 @@ def dense_reference(model, x, t, y, scale: float) -> torch.Tensor:
     """Dense depth attention written out: every sublayer (and the final aggregator) attends over all
     earlier outputs v_0..v_{l-1} with alpha = softmax(q . RMSNorm(v) * scale), values raw."""
     topo = model.topology
-    h0, c = model.embed(x, t, y)
+    h0, c, _ = model.embed(x, t, y)
     t_emb = model.t_embedder(t)
     outputs, previous = [h0], h0
 

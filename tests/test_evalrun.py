@@ -102,7 +102,7 @@ def test_one_and_two_process_evaluations_give_the_same_numbers(tmp_path):
 def test_digits_metric_separates_real_digits_from_noise(tmp_path):
     from ancre_dit.data.adm_npz import to_uint8
     from ancre_dit.data.digits import DigitsDataset
-    from ancre_dit.evaluation.digits import _classifier, classify, digits_metric, digits_reference_scores
+    from ancre_dit.evaluation.digits_metric import _classifier, classify, digits_metric, digits_reference_scores
 
     ref = digits_reference_scores()
     assert ref["real_heldout_acc"] > 0.9

@@ -59,7 +59,7 @@ def _fake_items(monkeypatch, tmp_path, seen_on_disk: dict, slow_item: str | None
     monkeypatch.setattr(gpu_check, "pipeline_run", lambda cfg, device, n, env, deadline: [
         {"stage": "train, SIGTERM to python at step 3", "seconds": 2.0, "result": "checkpoint at step 3"}])
     monkeypatch.setattr(gpu_check, "trainer_run", lambda m, topo, cfg, device, n, deadline: {
-        "processes": n, "batch_per_process": 4, "compile": False, "images_per_sec": 50.0, "images_per_s": 50.0,
+        "processes": n, "batch_per_process": 4, "compile": False, "images_per_s_total": 50.0, "images_per_s_per_process": 50.0,
         "mfu": 0.3 if m == "dit-b2" else None, "wall_s": 1.0})
     monkeypatch.setattr(gpu_check, "inception_run", lambda cfg, device: {"images_per_s": 3.0, "batch": 2,
                                                                           "image_size": 64, "weights": "random"})
@@ -201,8 +201,8 @@ def test_smoke_run_through_the_device_wrapper_writes_every_measurement(tmp_path)
     # train.py itself, through accelerate launch on synthetic latents, read back from its metrics.jsonl
     (run,) = report["trainer"]["runs"]
     assert (run["model"], run["processes"], run["steps"], run["mixed_precision"]) == ("dit-b2", 1, 6, "bf16")
-    assert run["images_per_sec"] > 0 and run["log_lines"] == 3
-    assert run["images_per_s"] > 0 and 0 < run["mfu"] < 1 and report["trainer"]["mfu"] == run["mfu"]
+    assert run["images_per_s_total"] > 0 and run["log_lines"] == 3
+    assert run["images_per_s_per_process"] > 0 and 0 < run["mfu"] < 1 and report["trainer"]["mfu"] == run["mfu"]
     # a user's path: SIGTERM once 3 steps are logged (no step limit in reach) -> a checkpoint, resumed
     # for 3 more steps, sampled, evaluated
     stages = report["pipeline"]
@@ -244,10 +244,12 @@ def test_an_item_meant_to_be_compiled_that_did_not_compile_fails():
 
 
 def test_trainer_metrics_are_medians_after_the_first_log_line(tmp_path):
+    # the first two lines under the names of older logs (images_per_sec: all processes), still read
     lines = [{"step": 50, "images_per_sec": 10.0}, {"step": 100, "images_per_sec": 300.0, "mfu": 0.41},
-             {"step": 150, "images_per_sec": 320.0, "mfu": 0.43}, {"step": 200, "images_per_sec": 310.0, "mfu": 0.42}]
+             {"step": 150, "images_per_s_total": 320.0, "mfu": 0.43},
+             {"step": 200, "images_per_s_total": 310.0, "mfu": 0.42}]
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     got = gpu_check_trainer.read_trainer_metrics(tmp_path)
-    assert (got["steps"], got["log_lines_used"], got["images_per_sec"], got["mfu"], got["images_per_s"]) == \
-        (200, 3, 310.0, 0.42, None)
+    assert (got["steps"], got["log_lines_used"], got["images_per_s_total"], got["mfu"],
+            got["images_per_s_per_process"]) == (200, 3, 310.0, 0.42, None)

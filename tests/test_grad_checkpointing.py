@@ -124,7 +124,7 @@ def test_trunk_history_is_contiguous_so_the_fused_backward_copies_nothing():
     flattening in the aggregation's backward copies an activation (measured: about a third of it)."""
     model = tiny_model("ancre")
     x, t, y = inputs()
-    h0, c = model.embed(x, t, y)
+    h0, c, _ = model.embed(x, t, y)
     assert h0.is_contiguous() and model.blocks[0](h0, c).is_contiguous()
 
 

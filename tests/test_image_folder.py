@@ -21,8 +21,12 @@ def test_a_class_tree_is_listed_like_imagefolder(tmp_path):
     for rel in ("b/2.png", "b/10.PNG", "a/z.jpg", "a/sub/x.webp", "a-b/y.bmp", "c/k.pgm"):
         _save(root / rel)
     (root / "a" / "notes.txt").write_text("not an image")
-    (root / "empty").mkdir()  # still a class: the folders after it keep their labels
-    listing = list_image_folder(root, require_classes=True)
+    (root / "empty").mkdir()
+    # Training and extraction refuse a class no image teaches (as ImageFolder does by default);
+    # a listing that needs no labels keeps it as a class, so the folders after it keep their labels.
+    with pytest.raises(UserError, match=r"class folder .*/empty holds no images"):
+        list_image_folder(root, require_classes=True)
+    listing = list_image_folder(root)
     assert listing.class_names == ["a", "a-b", "b", "c", "empty"]
     assert listing.files == ["a/z.jpg", "a/sub/x.webp", "a-b/y.bmp", "b/10.PNG", "b/2.png", "c/k.pgm"]
     assert listing.labels == [0, 0, 1, 2, 2, 3]

@@ -66,7 +66,7 @@ def test_ancre_output_equals_the_reference_formula_step_by_step():
     x, t, y = inputs()
     tau = model.topology.tau
     with torch.no_grad():
-        h0, c = model.embed(x, t, y)
+        h0, c, _ = model.embed(x, t, y)
         history = [h0]
         for j, block in enumerate(model.blocks):
             p = torch.softmax(model.topology.logits[j] / tau, dim=0)
@@ -81,7 +81,7 @@ def test_ancre_at_init_adds_the_mean_of_the_history():
     model = tiny().eval()
     x, t, y = inputs()
     with torch.no_grad():
-        h0, c = model.embed(x, t, y)
+        h0, c, _ = model.embed(x, t, y)
         history = [h0]
         for _ in model.blocks:
             history.append(history[-1] + torch.stack(history).mean(0))
@@ -112,7 +112,7 @@ def test_one_hot_previous_topology_is_the_cascaded_formula_with_its_extra_skip()
     scalars.eval()
     x, t, y = inputs()
     with torch.no_grad():
-        h0, c = ancre.embed(x, t, y)
+        h0, c, _ = ancre.embed(x, t, y)
         h = h0
         for block in ancre.blocks:
             h = block(h, c) + h

@@ -68,7 +68,7 @@ def test_denseformer_with_random_weights_follows_the_dwa_formula_step_by_step():
     perturb_topology(dense)
     x, t, y = inputs()
     with torch.no_grad():
-        h0, c = dense.embed(x, t, y)
+        h0, c, _ = dense.embed(x, t, y)
         X, Y = [h0], h0
         for j, block in enumerate(dense.blocks):
             X.append(block(Y, c))
@@ -88,7 +88,7 @@ def test_hyper_connections_at_init_are_the_cascaded_dit(topology, streams):
     cascaded, peer = pair(topology, hc_streams=streams)
     x, t, y = inputs()
     with torch.no_grad():
-        h0, c = cascaded.embed(x, t, y)
+        h0, c, _ = cascaded.embed(x, t, y)
         hK = cascaded.topology(h0, cascaded.blocks, c)
         assert torch.allclose(peer.topology(h0, peer.blocks, c), streams * hK, rtol=1e-6, atol=1e-5)
         expected = cascaded(x, t, y)
@@ -103,7 +103,7 @@ def test_static_hc_with_random_matrices_follows_the_stream_formula():
     top = hc.topology
     x, t, y = inputs()
     with torch.no_grad():
-        h0, c = hc.embed(x, t, y)
+        h0, c, _ = hc.embed(x, t, y)
         streams = [h0] * 3
         for k, block in enumerate(hc.blocks):
             mod = block.modulation(c)
@@ -205,7 +205,7 @@ def test_streams_stay_fp32_under_bf16_autocast(topology):
     states = []
     model.topology.state_hook = lambda k, z: states.append(z)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        h0, c = model.embed(x, t, y)
+        h0, c, _ = model.embed(x, t, y)
         assert model.topology(h0.bfloat16(), model.blocks, c).dtype == torch.float32
         assert model.topology(h0, model.blocks, c).dtype == torch.float32
     assert len(states) == 2 * (model.topology.num_blocks + 1) and all(z.dtype == torch.float32 for z in states)

@@ -28,7 +28,7 @@ from ancre_dit.evaluation.comparison import (PairedSpeedup, SeedSpeedup, interva
 from ancre_dit.evaluation.run_curves import Group, load_run
 from ancre_dit.files import read_jsonl
 from ancre_dit.studies import load_study
-from ancre_dit.studies.folder import claim_folder
+from ancre_dit.studies.ownership import claim_folder
 from ancre_dit.studies.spec import yaml_value
 
 STUDY_SCRIPT = ROOT / "scripts" / "study.py"
@@ -207,7 +207,7 @@ def test_duplicate_arm_in_the_yaml_and_another_studys_folder_are_refused(tmp_pat
     code, _, err = cli(capsys, "run", str(path), "--dry-run")
     assert code == 2 and "'a' is given twice" in err and err.count("\n") == 1
 
-    from ancre_dit.studies.folder import claim_folder
+    from ancre_dit.studies.ownership import claim_folder
     claim_folder(load_study(write_study(tmp_path / "a.yaml")))
     other = write_study(tmp_path / "b.yaml", overrides={**TINY, "train.lr": 0.01})
     code, _, err = cli(capsys, "run", str(other), "--dry-run")

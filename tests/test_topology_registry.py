@@ -66,7 +66,7 @@ def test_a_topology_registered_in_a_test_trains_checkpoints_and_reloads(tmp_path
         assert torch.equal(fresh(x, t, y), model(x, t, y))
         other = tiny_model("test-gain", gain=2.0).eval()
         other.load_state_dict(model.state_dict())
-        h0, c = model.embed(x, t, y)  # the final LayerNorm hides a pure rescaling: compare the trunks
+        h0, c, _ = model.embed(x, t, y)  # the final LayerNorm hides a pure rescaling: compare the trunks
         assert not torch.equal(other.topology(h0, other.blocks, c), model.topology(h0, model.blocks, c))
 
 

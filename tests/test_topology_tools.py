@@ -18,7 +18,7 @@ import ancre_dit.models.topologies.base as topology_base
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.models import create_model, load_topology_json
-from ancre_dit.models.topologies import ANCReTopology, CascadedTopology, FixedTopology, OutgoingANCReTopology
+from ancre_dit.models.topologies import ANCReTopology, FixedTopology
 from ancre_dit.models.topologies.base import WeightedHistoryTopology
 from ancre_dit.models.topologies.analysis import (compare_topologies, format_topology_summary, learned_edges, pearson,
                                                   prune_topology, strongest_edge_agreement, topology_entropy,
@@ -146,9 +146,6 @@ def test_tsallis_entropy_values_and_gradient():
     topology_entropy(topology).backward()
     # Descending the entropy sharpens the row toward its strongest edge.
     assert topology.logits[3].grad[0] < 0 and (topology.logits[3].grad[1:] > 0).all()
-    for other in (CascadedTopology(4), OutgoingANCReTopology(4)):
-        with pytest.raises(UserError, match="needs the ancre topology"):
-            topology_entropy(other)
 
 
 def test_show_draws_the_heatmap_and_prints_the_summary_of_a_file_or_a_run(tmp_path):

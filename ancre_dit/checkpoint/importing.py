@@ -29,7 +29,7 @@ from ..files import sha256_file
 from ..models import create_model, load_state_dict_checked, official_logit_layout, save_topology_json
 from ..models.convert import convert_official_state_dict
 from ..models.topologies import topology_entry
-from .folder import SPEC_FILE, make_model_spec, write_model_files
+from .model_spec import SPEC_FILE, make_model_spec, write_model_files
 
 SAFE_GLOBALS = [argparse.Namespace]  # what the official training scripts store besides tensors
 VAE_DOWNSAMPLE = 8  # SD VAE: 256 px -> 32 x 32 latents

@@ -142,7 +142,7 @@ class Evaluator:
             for cfg in self.settings.cfg_scales:
                 metrics.update({f"{k}/cfg{float(cfg):g}": v for k, v in self._sample_metrics(model, labels, cfg).items()})
             if "digits" in self.features and self.state.is_main_process:
-                from .digits import digits_reference_scores
+                from .digits_metric import digits_reference_scores
                 reference.update(digits_reference_scores())
         return metrics, reference
 
@@ -194,7 +194,7 @@ class Evaluator:
     def _features(self, images: np.ndarray) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
         if "digits" in self.features:
-            from .digits import classify
+            from .digits_metric import classify
             out["digits_features"], out["digits_pred"] = classify(images)
         if self.inception:
             from ..data.adm_npz import to_rgb_uint8

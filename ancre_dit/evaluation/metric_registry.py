@@ -126,7 +126,7 @@ def fd_dinov2(samples: np.ndarray, ref: tuple[np.ndarray, np.ndarray] | np.ndarr
 
 
 def digits(samples: tuple[np.ndarray, np.ndarray, np.ndarray], ref: None, o: MetricOptions) -> dict[str, float]:
-    from .digits import digits_metric
+    from .digits_metric import digits_metric
     return digits_metric(*samples)
 
 

@@ -9,7 +9,7 @@ Callers import this package inside the function that draws, so commands that dra
 pay matplotlib's import.
 """
 from .curves import plot_loss_curve, plot_panels
-from .diagnostics import plot_diagnosis, plot_diagnostics
+from .depth_profile import plot_diagnosis, plot_diagnostics
 from .grids import save_image_grid
 from .topology import plot_topology_heatmap, plot_topology_panels, save_topology_gif
 

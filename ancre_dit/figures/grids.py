@@ -1,17 +1,12 @@
-"""Sample grids: a batch of images as one PNG, small images enlarged so the grid is readable.
-
-The tiling is torchvision's make_grid and save_image, written with einops (tests/test_digits.py
-holds the PNG to torchvision's): importing torchvision imports torch's compiler, seconds in every
-sample.py.
-"""
+"""Sample grids: a batch of images as one PNG (torchvision's make_grid and save_image, as DiT
+writes its samples), small images enlarged so the grid is readable."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
 import torch
-from einops import rearrange
-from PIL import Image
+from torchvision.utils import make_grid, save_image
 
 
 def save_image_grid(images, path: str | Path, nrow: int = 8, scale: int | None = None) -> Path:
@@ -33,18 +28,6 @@ def save_image_grid(images, path: str | Path, nrow: int = 8, scale: int | None =
         x = torch.nn.functional.interpolate(x, scale_factor=scale, mode="nearest")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(_tile(x, nrow, padding=max(1, scale), fill=0.5)).save(path)
+    save_image(make_grid(x, nrow=nrow, padding=max(1, scale), pad_value=0.5), path)
     return path
 
-
-def _tile(x: torch.Tensor, nrow: int, padding: int, fill: float) -> np.ndarray:
-    """(N, C, H, W) in [0, 1] -> (rows (H + p) + p, cols (W + p) + p, 3) uint8: `nrow` images a row,
-    `padding` pixels of `fill` around each, grey images as RGB, an unfilled last row left as fill."""
-    cols = min(nrow, len(x))
-    rows = -(-len(x) // cols)
-    x = x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
-    x = torch.cat([x, x.new_full((rows * cols - len(x), *x.shape[1:]), fill)])
-    cells = torch.nn.functional.pad(x, (0, padding, 0, padding), value=fill)
-    grid = torch.nn.functional.pad(rearrange(cells, "(r c) ch h w -> ch (r h) (c w)", r=rows), (padding, 0, padding, 0),
-                                   value=fill)
-    return grid.mul(255).add_(0.5).clamp_(0, 255).permute(1, 2, 0).to(torch.uint8).numpy()

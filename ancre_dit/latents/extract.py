@@ -1,7 +1,7 @@
 """Images -> VAE latent shards: the work of one process of a (possibly multi-process) run.
 
 Shard k holds the images at positions [k * shard_size, (k + 1) * shard_size) of the source's listing
-(sources.py: the sorted file list of a folder, the rows of a dataset, the samples of the tars), minus
+(image_datasets.py: the sorted file list of a folder, the rows of a dataset, the samples of the tars), minus
 skipped images, and is written by process k % world. Images are batched within a shard
 only, so a shard's batches (and hence its values) do not depend on how many processes ran. Process 0
 writes the manifest and the report once every shard is on disk (after a barrier).
@@ -29,7 +29,7 @@ from ancre_dit.data.latents import (FORMAT_NAME, FORMAT_VERSION, IMAGE_KEY, MANI
 from ancre_dit.data.image_folder import LoadedImage
 from ancre_dit.data.latent_norm import channel_statistics, moment_sums
 from ancre_dit.files import write_atomic
-from ancre_dit.latents.sources import ImageSource, open_source
+from ancre_dit.latents.image_datasets import ImageSource, open_source
 from ancre_dit.latents.shards import (checksum_path, read_checksum, read_shard_meta, remove_stale_tmp,
                                       shard_is_complete, write_shard)
 from ancre_dit.vae import DTYPES, LoadedVAE, encode_moments, load_vae
@@ -52,7 +52,7 @@ class ExtractConfig:
     min_side: int = 8  # images with a shorter side are skipped as "too small"
     max_shards: int | None = None  # stop after this many new shards per process (split a job; tests)
     keep_images: bool = False  # also store each uint8 crop (REPA's encoder input): 3 x S x S bytes per image
-    data_format: str | None = None  # imagefolder | hf | wds; None: detected from data_path (sources.py)
+    data_format: str | None = None  # imagefolder | hf | wds; None: detected from data_path (image_datasets.py)
     image_column: str = "image"  # Hugging Face datasets: the image and label columns
     label_column: str = "label"
 

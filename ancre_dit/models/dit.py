@@ -193,12 +193,8 @@ class DiT(nn.Module):
         h = int(x.shape[1] ** 0.5)
         return rearrange(x, "n (h w) (p q c) -> n c (h p) (w q)", h=h, p=p, q=p)
 
-    def embed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens h_0 and the conditioning vector c = t-embedding + y-embedding."""
-        h0, c, _ = self._embed(x, t, y)
-        return h0, c
-
-    def _embed(self, x, t, y) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def embed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Tokens h_0, the conditioning vector c = t-embedding + y-embedding, and the t-embedding alone."""
         # Contiguous: PatchEmbed returns a transposed view (N, T, D over an (N, D, T) buffer) and
         # every residual add would keep that layout, so each flattening of a history tensor (the
         # stacked aggregation's Gram product) would copy it. One copy here instead.
@@ -208,7 +204,7 @@ class DiT(nn.Module):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x (N, C, H, W) noisy input, t (N,) timesteps, y (N,) labels (num_classes = null)."""
-        h0, c, t_emb = self._embed(x, t, y)
+        h0, c, t_emb = self.embed(x, t, y)
         if self.topology.takes_time_embedding:  # timestep-aware routing (DAR static-t)
             h = self.topology(h0, self.blocks, c, t_emb)
         else:

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError
-from .folder import check_folder, claim_folder, recorded
+from .ownership import check_folder, claim_folder, recorded
 from .runner import LocalRunner, usable_cores
 from .spec import Job, Study, validate
 from .status import RunStatus, format_table, run_status, status_table

@@ -31,7 +31,6 @@ from typing import Any
 import yaml
 
 from ..errors import UserError
-from ..files import DuplicateKeyError, load_yaml_unique
 
 KEYS = ("name", "description", "out", "base", "overrides", "arms", "grid", "seeds", "baseline", "slurm")
 SLURM_KEYS = ("partition", "account", "gpus_per_node", "nodes", "time_min", "array_parallelism", "cpus_per_task")
@@ -188,17 +187,11 @@ def _slurm(raw: Any, where: str) -> dict[str, Any]:
 
 def load_study(path: str | Path) -> Study:
     """Reads and checks a study file (not the configs: see `validate`)."""
+    from ..training.config import read_yaml_mapping
+
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"study file {path} not found; pass a study YAML such as studies/digits-depth.yaml")
-    try:
-        raw = load_yaml_unique(path.read_text())
-    except DuplicateKeyError as err:
-        raise UserError(f"{path}: {err}") from None
-    except yaml.YAMLError as err:
-        raise UserError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{path} must hold a mapping with base:, arms: and/or grid:, seeds:, baseline:")
+    raw = read_yaml_mapping(path, "study", "pass a study YAML such as studies/digits-depth.yaml",
+                            "base:, arms: and/or grid:, seeds:, baseline:")
     unknown = sorted(set(raw) - set(KEYS))
     if unknown:
         raise UserError(f"{path}: unknown key {unknown[0]!r}; a study file holds {', '.join(KEYS)}")

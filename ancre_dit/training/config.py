@@ -62,9 +62,12 @@ def check_unique_overrides(overrides: Iterable[str]) -> list[str]:
     return list(overrides)
 
 
-def _read_yaml(path: Path) -> dict:
+def read_yaml_mapping(path: Path, kind: str, fix_missing: str, contents: str) -> dict:
+    """A YAML file users write by hand (a training config, a study) as a mapping: a missing, empty or
+    non-YAML file, a key given twice in one mapping (PyYAML would keep the last silently) or anything
+    but a mapping is one UserError naming the file (`kind` file ... ; `contents`: what it must hold)."""
     if not path.is_file():
-        raise UserError(f"config file {path} not found; pass --config configs/<name>.yaml")
+        raise UserError(f"{kind} file {path} not found; {fix_missing}")
     try:
         raw = load_yaml_unique(path.read_text())
     except DuplicateKeyError as err:
@@ -72,12 +75,17 @@ def _read_yaml(path: Path) -> dict:
     except yaml.YAMLError as err:
         raise UserError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
     except UnicodeDecodeError:
-        raise UserError(f"{path} is not a text file; pass a YAML config") from None
+        raise UserError(f"{path} is not a text file; pass a YAML {kind} file") from None
     if raw is None:
-        raise UserError(f"config file {path} is empty; give it sections run_dir, model, data, train (see configs/)")
+        raise UserError(f"{kind} file {path} is empty; give it {contents}")
     if not isinstance(raw, dict):
-        raise UserError(f"{path} must hold a mapping with sections run_dir, model, data, train")
+        raise UserError(f"{path} must hold a mapping with {contents}")
     return raw
+
+
+def _read_yaml(path: Path) -> dict:
+    return read_yaml_mapping(path, "config", "pass --config configs/<name>.yaml",
+                             "sections run_dir, model, data, train (see configs/)")
 
 
 def _override(item: str) -> dict:

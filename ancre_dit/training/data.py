@@ -101,7 +101,6 @@ def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
         what = "latent side" if info.kind == "latents" else "data.image_size"
         raise UserError(f"{what} {info.input_size} is not divisible by the patch size {patch_size} of "
                         f"{config.model.name}; pick a model with a patch size that divides it")
-    check_enough_samples(len(info.dataset), config.train.global_batch_size, d.path if d.kind != "digits" else "digits")
     return info
 
 

@@ -35,7 +35,7 @@ def throughput(steps: int, elapsed: float, images: int, num_processes: int, flop
     per process and its MFU against the device's peak (None when that is unknown)."""
     per_process = images / elapsed / num_processes
     tflops = per_process * flops_per_image / 1e12
-    return {"steps_per_sec": steps / elapsed, "images_per_sec": images / elapsed, "images_per_s": per_process,
+    return {"steps_per_s": steps / elapsed, "images_per_s_total": images / elapsed, "images_per_s_per_process": per_process,
             "tflops_per_s": tflops, "mfu": tflops / peak_tflops if peak_tflops else None}
 
 
@@ -85,10 +85,10 @@ class MetricsLog:
             acc.log(self._tracked(metrics), step=step)
         mfu = metrics["mfu"]
         if progress is not None:
-            progress.set_postfix(loss=f"{metrics['loss']:.4f}", img_s_gpu=f"{metrics['images_per_s']:.1f}",
+            progress.set_postfix(loss=f"{metrics['loss']:.4f}", img_s_gpu=f"{metrics['images_per_s_per_process']:.1f}",
                                  **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
         self.log.info("step %d: loss %.4f, %.2f steps/s, %.1f images/s (%.1f per process)%s", step, metrics["loss"],
-                      metrics["steps_per_sec"], metrics["images_per_sec"], metrics["images_per_s"],
+                      metrics["steps_per_s"], metrics["images_per_s_total"], metrics["images_per_s_per_process"],
                       f", MFU {mfu:.1%}" if mfu is not None else "")
         self.last = metrics
         self._reset(now)

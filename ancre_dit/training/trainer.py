@@ -45,8 +45,8 @@ from .model_setup import model_kwargs, param_groups
 from .guards import NonFiniteGuard
 from .stopping import StopAgreement, StopSignals
 from .periodic import PeriodicTask, RunContext, TrainProgress, build_tasks, topology_matrix, write_topology_files
-from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, describe, load_latents_in_memory,
-                   make_loader, nonfinite_rows, prepare_batch)
+from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, check_enough_samples, describe,
+                   load_latents_in_memory, make_loader, nonfinite_rows, prepare_batch)
 from .repa import RepaAlignment, build_repa, check_resume as check_same_repa
 from .run_lock import abandon_new_run_dir, claim_run_dir, release_run_dir
 from .run_log import LOG_FILE, METRICS_FILE, MetricsLog, log_time_shares, make_logger, plot_loss
@@ -100,6 +100,7 @@ class Trainer:
         # rank 0's weights), then a distinct seed per rank for everything random during training.
         set_seed(c.train.seed)
         self.data: DataInfo = build_data(c)
+        check_enough_samples(len(self.data.dataset), c.train.global_batch_size, c.data.path or c.data.kind)
         if c.data.in_memory and self.data.latents is not None:
             load_latents_in_memory(self.data, acc, self.run_dir)
         d = self.data
