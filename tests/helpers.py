@@ -8,6 +8,7 @@ its own, which ``import tests.helpers`` could pick up instead. conftest.py wraps
 from __future__ import annotations
 
 import importlib.util
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -69,6 +71,27 @@ def tiny_overrides(*overrides: str) -> list[str]:
     must give it (train.py refuses a key given twice)."""
     merged = {item.partition("=")[0]: item for item in [*TINY_TRAIN, *overrides]}
     return list(merged.values())
+
+
+def write_latent_dir(root: Path, shards: list[dict[str, torch.Tensor]], num_classes: int, image_size: int,
+                     **manifest: Any) -> Path:
+    """A latent directory in ancre_dit.data.latents' format from each shard's tensors (mean and std
+    (n, 2, C, h, w) float16, label, index[, image]), written with the extractor's shard writer;
+    `manifest` adds or replaces manifest entries."""
+    from ancre_dit.data.latents import FORMAT_NAME, FORMAT_VERSION, shard_file_name
+    from ancre_dit.latents.shards import write_shard
+
+    root.mkdir(parents=True)
+    entries = []
+    for k, tensors in enumerate(shards):
+        count = len(tensors["label"])
+        digest = write_shard(root, k, tensors, {"shard": k, "count": count, "report": []})
+        entries.append({"file": shard_file_name(k), "count": count, "sha256": digest})
+    (root / "manifest.json").write_text(json.dumps({
+        "format": FORMAT_NAME, "version": FORMAT_VERSION, "num_images": sum(e["count"] for e in entries),
+        "num_classes": num_classes, "latent_shape": list(shards[0]["mean"].shape[2:]), "image_size": image_size,
+        "scaling_factor": 0.18215, "vae": None, "shards": entries, **manifest}))
+    return root
 
 
 def tiny_config(run_dir: Path, *overrides: str) -> Config:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import ROOT, reset_accelerate, tiny_config, tiny_vae
+from helpers import ROOT, reset_accelerate, tiny_config, tiny_vae, write_latent_dir
 
 from ancre_dit.cli import run_cli  # noqa: E402
 from ancre_dit.data.adm_npz import save_adm_npz  # noqa: E402
@@ -55,18 +55,9 @@ def _image_folder(root: Path, corrupt: bool = False) -> Path:
 
 
 def _latent_dir(root: Path) -> Path:
-    from safetensors.torch import save_file
-
-    root.mkdir(parents=True)
-    shards = []
-    for k in range(2):
-        save_file({"mean": torch.zeros(4, 2, 4, 2, 2).half(), "std": torch.ones(4, 2, 4, 2, 2).half(),
-                   "label": torch.arange(4) % 2, "index": torch.arange(4) + 4 * k}, str(root / f"shard-{k:05d}.safetensors"))
-        shards.append({"file": f"shard-{k:05d}.safetensors", "count": 4})
-    (root / "manifest.json").write_text(json.dumps({
-        "format": "ancre-dit-latents", "version": 1, "num_images": 8, "num_classes": 2, "latent_shape": [4, 2, 2],
-        "image_size": 16, "scaling_factor": 0.18215, "vae": None, "shards": shards}))
-    return root
+    shards = [{"mean": torch.zeros(4, 2, 4, 2, 2).half(), "std": torch.ones(4, 2, 4, 2, 2).half(),
+               "label": torch.arange(4) % 2, "index": torch.arange(4) + 4 * k} for k in range(2)]
+    return write_latent_dir(root, shards, num_classes=2, image_size=16)
 
 
 def _manifest_edit(root: Path, edit: Callable[[dict], None]) -> None:

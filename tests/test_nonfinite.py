@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from helpers import ROOT, reset_accelerate, subprocess_env, tiny_config, tiny_overrides
+from helpers import ROOT, reset_accelerate, subprocess_env, tiny_config, tiny_overrides, write_latent_dir
 
 import ancre_dit.training.trainer as trainer_module  # noqa: E402
 from ancre_dit.training import train  # noqa: E402
@@ -110,20 +110,15 @@ def test_a_run_that_skips_most_of_its_steps_stops(tmp_path, monkeypatch):
 
 def _latents_with_an_inf_sample(root: Path) -> Path:
     """Two shards of 4x4x4 latents; image 5's mean is +inf (a corrupted sample in real data)."""
-    root.mkdir(parents=True)
     g = torch.Generator().manual_seed(0)
     shards = []
     for k in range(2):
         mean = torch.randn(12, 2, 4, 4, 4, generator=g).half()
         if k == 0:
             mean[5] = float("inf")
-        save_file({"mean": mean, "std": (0.1 * torch.rand(12, 2, 4, 4, 4, generator=g)).half(),
-                   "label": torch.arange(12) % 3, "index": torch.arange(12) + 12 * k}, str(root / f"shard-{k:05d}.safetensors"))
-        shards.append({"file": f"shard-{k:05d}.safetensors", "count": 12})
-    (root / "manifest.json").write_text(json.dumps({
-        "format": "ancre-dit-latents", "version": 1, "num_images": 24, "num_classes": 3, "latent_shape": [4, 4, 4],
-        "image_size": 32, "scaling_factor": 0.18215, "vae": None, "shards": shards}))
-    return root
+        shards.append({"mean": mean, "std": (0.1 * torch.rand(12, 2, 4, 4, 4, generator=g)).half(),
+                       "label": torch.arange(12) % 3, "index": torch.arange(12) + 12 * k})
+    return write_latent_dir(root, shards, num_classes=3, image_size=32)
 
 
 @pytest.mark.slow

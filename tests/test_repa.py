@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from helpers import (REPA_ENCODER as ENCODER, REPA_ENCODER_KWARGS as ENCODER_KWARGS, ROOT, assert_same_weights,
                      load_script, repa_overrides, reset_accelerate, run_forked_ranks, tiny_config, tiny_model,
-                     tiny_repa_encoder, tiny_vae, train_tiny)
+                     tiny_repa_encoder, tiny_vae, train_tiny, write_latent_dir)
 from safetensors.torch import load_file, save_file
 
 from ancre_dit.errors import UserError
@@ -212,13 +212,9 @@ def test_digits_recipe_with_repa_trains_checkpoints_and_samples(tmp_path, weight
 
 # -- latent shards with their images ------------------------------------------------------------
 def _latent_dir(root: Path, images: bool, n: int = 12, shape=(4, 4, 4), size: int = 16) -> Path:
-    """Two shards written with the extractor's writer. The moments make the draw tell its flip: mean
-    0 unflipped, 1 flipped, std 0; each image is dark on its left half, bright on its right."""
-    from ancre_dit.data.latents import FORMAT_NAME, FORMAT_VERSION, shard_file_name
-    from ancre_dit.latents.shards import write_shard
-
-    root.mkdir(parents=True)
-    entries = []
+    """Two shards. The moments make the draw tell its flip: mean 0 unflipped, 1 flipped, std 0; each
+    image is dark on its left half, bright on its right."""
+    shards = []
     for k, count in enumerate((n // 2, n - n // 2)):
         mean = torch.zeros(count, 2, *shape)
         mean[:, 1] = 1.0
@@ -229,13 +225,8 @@ def _latent_dir(root: Path, images: bool, n: int = 12, shape=(4, 4, 4), size: in
             img[..., size // 2:] = 200
             img[:, 0, 0, 0] = torch.arange(count, dtype=torch.uint8) + 10 * k  # tells the images apart
             tensors["image"] = img
-        digest = write_shard(root, k, tensors, {"shard": k, "count": count, "report": []})
-        entries.append({"file": shard_file_name(k), "count": count, "sha256": digest})
-    manifest = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "num_images": n, "num_classes": 3,
-                "latent_shape": list(shape), "image_size": size, "scaling_factor": 0.18215, "vae": None,
-                "images": images, "shards": entries}
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return root
+        shards.append(tensors)
+    return write_latent_dir(root, shards, num_classes=3, image_size=size, images=images)
 
 
 @pytest.mark.parametrize("workers", [0, 1])

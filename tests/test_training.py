@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, assert_same_weights, reset_accelerate, subprocess_env, tiny_config, tiny_overrides
+from helpers import (ROOT, assert_same_weights, reset_accelerate, subprocess_env, tiny_config, tiny_overrides,
+                     write_latent_dir)
 from safetensors.torch import load_file
 
 import ancre_dit.training.trainer as trainer_module
@@ -187,22 +188,13 @@ def test_sigterm_writes_a_checkpoint(tmp_path):
 
 
 def _tiny_latent_dir(root: Path, n: int = 24, shape=(4, 4, 4)) -> Path:
-    """A hand-made latent directory in the format of ancre_dit.data.latents (two shards)."""
-    from safetensors.torch import save_file
-    root.mkdir(parents=True)
+    """Random moments of 3 classes in two shards."""
     g = torch.Generator().manual_seed(0)
-    shards = []
-    for k, count in enumerate((n // 2, n - n // 2)):
-        name = f"shard-{k:05d}.safetensors"
-        save_file({"mean": torch.randn(count, 2, *shape, generator=g).half(),
-                   "std": (0.1 * torch.rand(count, 2, *shape, generator=g)).half(),
-                   "label": torch.arange(count) % 3, "index": torch.arange(count) + k * (n // 2)}, str(root / name))
-        shards.append({"file": name, "count": count})
-    manifest = {"format": "ancre-dit-latents", "version": 1, "num_images": n, "num_classes": 3,
-                "latent_shape": list(shape), "image_size": 8 * shape[1], "scaling_factor": 0.18215, "vae": None,
-                "shards": shards}
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return root
+    shards = [{"mean": torch.randn(count, 2, *shape, generator=g).half(),
+               "std": (0.1 * torch.rand(count, 2, *shape, generator=g)).half(),
+               "label": torch.arange(count) % 3, "index": torch.arange(count) + k * (n // 2)}
+              for k, count in enumerate((n // 2, n - n // 2))]
+    return write_latent_dir(root, shards, num_classes=3, image_size=8 * shape[1])
 
 
 def test_trains_on_latent_shards(tmp_path):
