@@ -15,7 +15,7 @@ from helpers import ROOT
 from ancre_dit.diffusion import FlowObjective
 from ancre_dit.diffusion.sampler_registry import SAMPLERS, SamplerEntry, resolve_sampler, sampler_entry
 from ancre_dit.errors import UserError
-from ancre_dit.evaluation import digits as digits_classifier
+from ancre_dit.evaluation import digits_metric as digits_classifier
 from ancre_dit.evaluation.evaluator import Evaluator
 from ancre_dit.evaluation.inception import InceptionFeatures
 from ancre_dit.evaluation.metrics import feature_statistics, frechet_distance

@@ -30,8 +30,8 @@ def test_metrics_carry_the_rate_per_process_and_the_mfu(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [2, 4]
     for r in rows:
-        assert r["images_per_s"] == pytest.approx(r["images_per_sec"])  # one process
-        assert r["tflops_per_s"] == pytest.approx(r["images_per_s"] * expected / 1e12)
+        assert r["images_per_s_per_process"] == pytest.approx(r["images_per_s_total"])  # one process
+        assert r["tflops_per_s"] == pytest.approx(r["images_per_s_per_process"] * expected / 1e12)
         assert r["mfu"] == pytest.approx(r["tflops_per_s"] / 0.002)
         assert (r["peak_tflops"], r["peak_source"]) == (0.002, "given")  # which peak the MFU is against
         assert r["lr"] == pytest.approx(1e-3)
