@@ -46,6 +46,10 @@ LONGEST_FIRST = ("test_preemption.py", "test_gpu_check.py", "test_grad_checkpoin
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):  # one worker per core: a thread each
         torch.set_num_threads(1)
+    # No tqdm monitor thread: the suite forks children, and a fork while that thread holds the bars'
+    # lock would hand the child a lock that nobody can release.
+    from tqdm import tqdm
+    tqdm.monitor_interval = 0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

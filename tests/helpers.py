@@ -283,12 +283,17 @@ def _as_child() -> None:
     os.environ.pop("ANCRE_DEBUG", None)
     torch.set_num_threads(1)
     reset_accelerate()
-    # A lock of its own for the progress bars: tqdm's default one holds a semaphore shared with the
-    # parent across the fork, and a child killed while drawing a bar would leave it held for good.
+    # Locks of its own for the progress bars (every tqdm class keeps one): the inherited ones hold a
+    # semaphore shared with the parent, which a child killed mid-draw would leave held for good,
+    # and a thread lock that was held by one of the parent's threads at the fork.
     import threading
 
     from tqdm import tqdm
-    tqdm.set_lock(threading.RLock())
+    classes = [tqdm]
+    while classes:
+        cls = classes.pop()
+        cls._lock = threading.RLock()
+        classes += cls.__subclasses__()
 
 
 def _rank_main(rank: int, world_size: int, port: int, target, args) -> None:
