@@ -1,4 +1,4 @@
-"""Worker for tests/test_agreement.py under torchrun: each rank is shown its own view of the run
+"""Worker for tests/test_rank_decisions.py under torchrun: each rank is shown its own view of the run
 folder (BASE/view<rank>, as stale caches of a shared filesystem would), and writes what it was told to
 BASE/told<rank>.jsonl: a file per rank, since the ranks' lines on one shared stdout can interleave."""
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ancre_dit.cli import job_processes, run_cli
 from ancre_dit.errors import UserError
-from ancre_dit.training.agreement import agree_on_evaluated, agree_on_resume
+from ancre_dit.training.rank_decisions import agree_on_evaluated, agree_on_resume
 
 
 def main() -> int:

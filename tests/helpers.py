@@ -220,7 +220,7 @@ def run_forked_ranks(target, world_size: int, *args, timeout: float = 300) -> No
     starts with everything imported, where each process of a torchrun launch first imports torch,
     its compiler and ours: the tests whose subject is not the launcher run their multi-process jobs
     this way (the launchers themselves are tested in test_preemption.py, test_distributed.py,
-    test_agreement.py, test_latents.py and test_sampling.py)."""
+    test_rank_decisions.py, test_latents.py and test_sampling.py)."""
     port = free_port()
     ranks = [_fork(_rank_main, rank, world_size, port, target, args) for rank in range(world_size)]
     deadline = time.monotonic() + timeout

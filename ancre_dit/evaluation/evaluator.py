@@ -231,7 +231,7 @@ class Evaluator:
     def _inception_scores(self, features: list[dict[str, np.ndarray]]) -> dict[str, float]:
         from .inception import InceptionFeatures
         from .pipeline import score
-        from .sides import Side
+        from .image_sets import Side
 
         feats = InceptionFeatures(*(np.concatenate([f[k] for f in features]) for k in ("pool", "spatial", "logits")))
         samples = Side("samples", features=feats, num_images=len(feats))

@@ -7,7 +7,7 @@ read `METRICS`. A new metric is its function and one entry here.
 
 A metric function is `compute(samples, reference, options) -> {value name: value}`; what the two
 sides are depends on the network whose features it reads (`features`):
-- "inception": two `sides.Side` (Inception features and/or FID statistics); the reference may be
+- "inception": two `image_sets.Side` (Inception features and/or FID statistics); the reference may be
   `Side("reference (none)")` for a metric that needs nothing of it;
 - "dinov2": the samples' DINOv2 features (N, D), and the reference's (mu, sigma) or its features;
 - "digits": (features, predicted classes, labels) of the samples from the digits classifier, and
@@ -26,7 +26,7 @@ from .metrics import (
     feature_statistics, frechet_distance, frechet_distance_to_features, inception_score, kernel_inception_distance,
 )
 from .precision_recall import precision_recall
-from .sides import Side
+from .image_sets import Side
 
 FEATURES = ("digits", "inception", "dinov2")
 

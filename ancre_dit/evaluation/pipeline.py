@@ -33,7 +33,7 @@ from .inception import InceptionExtractor, default_device, iterate_batches
 from .metric_registry import (
     METRICS as METRIC_TABLE, MetricOptions, metric_entry, metric_names, reported_values, stored_stat_keys, value_label,
 )
-from .sides import Side
+from .image_sets import Side
 from .sources import ImageFolderBatches, open_adm_npz
 from ..errors import UserError
 

@@ -29,7 +29,7 @@ def build_run_evaluator(config: Config, data, objective, decoder, state, log: Ca
     when no sample metric is asked for)."""
     from ..evaluation.evaluator import Evaluator
     from ..evaluation.heldout import build_heldout_set
-    from .agreement import main_decides
+    from .rank_decisions import main_decides
 
     e = config.eval
     heldout = None
@@ -125,7 +125,7 @@ def _evaluate(run_dir: Path, config: Config, selected: list[tuple[int, Path]], s
     from ..checkpoint import load_model_spec, load_trained_model
     from ..diffusion import build_objective
     from ..sampling.decode import build_decoder
-    from .agreement import agree_on_evaluated
+    from .rank_decisions import agree_on_evaluated
     from .data import build_data
 
     log = log if state.is_main_process else (lambda *a, **k: None)

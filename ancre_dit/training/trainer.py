@@ -39,7 +39,7 @@ from . import checkpointing as ckpt
 from .config import flat_config, save_config
 from .config_checks import check_batch_layout, diffusion_spec
 from .config_schema import Config
-from .agreement import agree_on_resume
+from .rank_decisions import agree_on_resume
 from .ema import EMA, ema_update_
 from .model_setup import model_kwargs, param_groups
 from .guards import NonFiniteGuard
