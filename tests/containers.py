@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import tarfile
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from PIL import Image
@@ -78,6 +79,19 @@ def make_wds(folder: Path, out: Path, per_tar: int = 4, drop_label_of: int | Non
     return out
 
 
+
+
+def replace_in_tar(src: Path, dst: Path, pick: Callable[[tarfile.TarInfo], bool], payload: bytes) -> Path:
+    """A copy of tar `src` at `dst` whose first member that `pick` accepts holds `payload` instead."""
+    done = False
+    with tarfile.open(src) as tar_in, tarfile.open(dst, "w") as tar_out:
+        for member in tar_in.getmembers():
+            data = tar_in.extractfile(member).read()
+            if not done and pick(member):
+                data, done = payload, True
+            member.size = len(data)
+            tar_out.addfile(member, io.BytesIO(data))
+    return dst
 
 
 def rewrite_parquet(src: Path, dst: Path, labels: list | None = None, class_names: list[str] | None = None) -> Path:

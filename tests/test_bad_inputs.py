@@ -111,7 +111,7 @@ def _more_inputs(w: Path) -> None:
     make_hf(w / "images", w / "hf_disk")
     _hf_float_labels(w / "hf_disk", w / "hf_disk_float_labels")
     # WebDataset tars cut short: at a member boundary (a valid-looking shorter tar), inside a member, garbage.
-    from containers import make_wds
+    from containers import make_wds, replace_in_tar
     tar = next(make_wds(w / "images", w / "wds", per_tar=4).glob("*.tar"))
     import tarfile
     with tarfile.open(tar) as t:
@@ -122,7 +122,8 @@ def _more_inputs(w: Path) -> None:
         (w / name).mkdir()
         (w / name / tar.name).write_bytes(content)
     for name, label in (("wds_float_label", b"1.7"), ("wds_text_label", b"cat")):
-        _relabel_first_sample(tar, w / name / tar.name, label)
+        (w / name).mkdir()
+        replace_in_tar(tar, w / name / tar.name, lambda member: member.name.endswith(".cls"), label)
     # A parquet file of no bytes beside a good one; a parquet of no rows.
     shutil.copytree(w / "parquet", w / "parquet_with_empty_file")
     (w / "parquet_with_empty_file" / "train-00001-of-00002.parquet").write_bytes(b"")
@@ -172,22 +173,6 @@ def _more_inputs(w: Path) -> None:
                        ("extracted_zero_factor", lambda m: m.update(scaling_factor=0)),
                        ("extracted_text_factor", lambda m: m.update(scaling_factor="big"))):
         _manifest_edit(_copy(w / "extracted", w / name), edit)
-
-
-def _relabel_first_sample(src: Path, dst: Path, label: bytes) -> None:
-    """A copy of a WebDataset tar whose first .cls member holds `label`."""
-    import io
-    import tarfile
-
-    dst.parent.mkdir(parents=True)
-    done = False
-    with tarfile.open(src) as tar_in, tarfile.open(dst, "w") as tar_out:
-        for member in tar_in.getmembers():
-            payload = tar_in.extractfile(member).read()
-            if member.name.endswith(".cls") and not done:
-                payload, done = label, True
-            member.size = len(payload)
-            tar_out.addfile(member, io.BytesIO(payload))
 
 
 def _hf_float_labels(src: Path, dst: Path) -> None:

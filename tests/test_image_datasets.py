@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from containers import CLASSES, make_hf, make_image_folder, make_wds
+from containers import CLASSES, make_hf, make_image_folder, make_wds, replace_in_tar
 from helpers import one_torch_thread, tiny_vae
 from safetensors.torch import load_file
 
@@ -137,19 +137,11 @@ def test_tars_on_two_processes_and_resumed_hf_with_workers_give_the_same_shards(
 def test_a_skipped_in_memory_image_leaves_the_same_bytes_run_after_run(containers, vae_dir, tmp_path):
     """An unreadable image inside a tar is skipped and reported; the report stored in the shards
     names it without the decoder's object address, so two runs write byte-identical shards."""
-    import io
-    import tarfile
+    import shutil
 
-    damaged = tmp_path / "wds"
-    damaged.mkdir()
-    for tar_path in sorted(containers["wds"].glob("*.tar")):
-        with tarfile.open(tar_path) as src, tarfile.open(damaged / tar_path.name, "w") as dst:
-            for k, member in enumerate(src.getmembers()):
-                payload = src.extractfile(member).read()
-                if k == 0 and tar_path.name.endswith("0000.tar"):
-                    payload = b"not an image at all"
-                member.size = len(payload)
-                dst.addfile(member, io.BytesIO(payload))
+    damaged = shutil.copytree(containers["wds"], tmp_path / "wds")
+    first = sorted(containers["wds"].glob("*.tar"))[0]
+    replace_in_tar(first, damaged / first.name, lambda member: True, b"not an image at all")  # its first image
     runs = [_extract(damaged, vae_dir, tmp_path / f"out{k}") for k in range(2)]
     assert all(json.loads(r.manifest.read_text())["num_skipped"] == 1 for r in runs)
     assert _shard_bytes(tmp_path / "out0") == _shard_bytes(tmp_path / "out1")

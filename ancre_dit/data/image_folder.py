@@ -74,8 +74,8 @@ def list_image_folder(root: str | os.PathLike, require_classes: bool = False) ->
                             "of images per class")
         raise MissingFileError(f"no images ({', '.join(extensions)}) in the class folders of {root}")
     if samples:
-        empty = sorted(set(class_names) - {class_names[label] for _, label in samples})
-        if empty and require_classes:  # a class that no image teaches (torchvision's ImageFolder refuses it too)
+        empty = sorted(set(class_names) - {class_names[label] for _, label in samples}) if require_classes else []
+        if empty:  # a class that no image teaches (torchvision's ImageFolder refuses it too)
             raise UserError(f"class folder {root / empty[0]} holds no images ({', '.join(extensions)})"
                             f"{f' (and {len(empty) - 1} more)' if len(empty) > 1 else ''}; add its images or "
                             "remove the folder, so that every class has images")

@@ -235,9 +235,9 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
         raise
 
 
-
 def _extract_into(out: Path, cfg: ExtractConfig, ctx: DistContext, images: ImageSource, vae: LoadedVAE,
                   latent_shape: tuple[int, int, int]) -> ExtractResult:
+    """The encoding itself, into the existing folder `out` (run_extraction's checks passed)."""
     num_files = len(images.files)
     num_shards = math.ceil(num_files / cfg.shard_size)
     fingerprint = _fingerprint(cfg, images, vae)
