@@ -6,10 +6,9 @@ images at the ImageNet-256 latent shape 4x32x32, about 3.3 GB; reused when alrea
 iterates the trainer's own loader (`LatentShardDataset` + `GlobalBatchSampler` + `make_loader`,
 one process, global batch 256) for each worker count and read path:
 
-    per-sample  one `ds[i]` per image (two safetensors `get_slice` calls) and `collate`
-    batched     one `get_batch` per micro-batch: the rows of each shard read by positional reads
-                straight into the batch buffer (in a worker: a reused shared buffer, handed over
-                as its slot number)
+    batched     one `get_batch` per micro-batch (the DataLoader's `__getitems__`): the rows of each
+                shard read by positional reads straight into the batch tensor (in a worker: a
+                shared-memory tensor, as torch's default collate makes)
     in-memory   `data.in_memory=true`: every shard read once into RAM (not timed; its load time is
                 printed), then one `index_select` per micro-batch
 
@@ -41,7 +40,7 @@ from ancre_dit.errors import UserError
 from ancre_dit.latents.shards import write_shard
 from ancre_dit.training.data import DataInfo, GlobalBatchSampler, make_loader
 
-PATHS = ("per-sample", "batched", "in-memory")
+PATHS = ("batched", "in-memory")
 _IN_MEMORY: dict[Path, LatentShardDataset] = {}  # loaded once per run, shared by its rounds
 
 
@@ -96,7 +95,7 @@ def loader_images_per_second(root: Path, path: str, workers: int, batch: int, ba
     ds = open_dataset(root, path)
     info = DataInfo(ds, "latents", ds.latent_shape[1], ds.latent_shape[0], ds.num_classes, 256, 3)
     sampler = GlobalBatchSampler(len(ds), batch, 1, 0, 1, seed)
-    loader = make_loader(info, sampler, workers, pin_memory=False, batched=path != "per-sample")
+    loader = make_loader(info, sampler, workers, pin_memory=False)
     it = iter(loader)
     for _ in range(warmup):
         next(it)

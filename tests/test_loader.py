@@ -1,4 +1,4 @@
-"""The batched latent reader: the same batches as the per-sample path."""
+"""The batched latent reader and the training loader: the stored rows, in the sampler's order."""
 from __future__ import annotations
 
 import itertools
@@ -24,16 +24,30 @@ def _info(ds: LatentShardDataset) -> DataInfo:
     return DataInfo(ds, "latents", 4, 4, ds.num_classes, 32, 3)
 
 
-def test_get_batch_equals_stacked_samples_across_evicted_shards(latent_dir):
+def _stored_rows(root: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every image's (moments (N, 2, 2, C, h, w) [flip][mean, std], label), read with safetensors
+    itself: the reference the hand-written positional reads must give back."""
+    import json
+
+    from safetensors.torch import load_file
+
+    shards = [load_file(str(root / s["file"])) for s in json.loads((root / "manifest.json").read_text())["shards"]]
+    moments = torch.cat([torch.stack([t["mean"], t["std"]], dim=2) for t in shards])
+    return moments, torch.cat([t["label"] for t in shards])
+
+
+def test_get_batch_gives_the_stored_rows_across_evicted_shards(latent_dir):
     ds = LatentShardDataset(latent_dir, max_open_shards=2)  # every batch reopens shards
     assert len(ds) == 91
+    stored_x, stored_y = _stored_rows(latent_dir)
     rng = np.random.default_rng(0)
     for indices in ([0], [90, 0, 13, 12, 13], rng.permutation(91)[:40].tolist(), [-1, -91, 5], list(range(91))):
         x, y = ds.get_batch(indices)
-        ref_x, ref_y = collate([ds[i] for i in indices])
-        assert x.dtype == ref_x.dtype == torch.float16 and y.dtype == ref_y.dtype == torch.int64
-        assert torch.equal(x, ref_x) and torch.equal(y, ref_y), indices
+        assert x.dtype == torch.float16 and y.dtype == torch.int64
+        assert torch.equal(x, stored_x[indices]) and torch.equal(y, stored_y[indices]), indices
         assert len(ds._files_open) <= 2
+    for i in (0, 13, 90, -1):
+        assert torch.equal(ds[i][0], stored_x[i]) and ds[i][1] == int(stored_y[i])
     x, y = ds.get_batch([])
     assert x.shape == (0, 2, 2, 4, 4, 4) and y.shape == (0,)
     for bad in ([91], [3, -92]):
@@ -41,22 +55,32 @@ def test_get_batch_equals_stacked_samples_across_evicted_shards(latent_dir):
             ds.get_batch(bad)
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_batched_loader_yields_the_per_sample_loaders_batches(latent_dir, workers):
+@pytest.mark.parametrize("workers", [0, 1, 2])
+def test_the_loader_yields_the_samplers_rows(latent_dir, workers):
     """Same (epoch, offset) start, rank 1 of 2 with 2 accumulation steps, across an epoch boundary:
-    the batched loader and the per-sample loader give bitwise the same micro-batches."""
+    with or without workers, every micro-batch is the stored rows of the sampler's indices, bitwise."""
     ds = LatentShardDataset(latent_dir, max_open_shards=3)
-    streams = []
-    for batched in (True, False):
-        sampler = GlobalBatchSampler(len(ds), 16, world=2, rank=1, accum=2, seed=3, epoch=1, offset=32)
-        loader = make_loader(_info(ds), sampler, workers, pin_memory=False, batched=batched)
-        streams.append(list(itertools.islice(iter(loader), 12)))  # 5 global batches per epoch: crosses into epoch 2
-    for (xa, ya), (xb, yb) in zip(*streams):
-        assert xa.shape == (4, 2, 2, 4, 4, 4) and torch.equal(xa, xb) and torch.equal(ya, yb)
-    # The batches are the sampler's indices, read back: labels match the shards' label column.
-    sampler = GlobalBatchSampler(len(ds), 16, world=2, rank=1, accum=2, seed=3, epoch=1, offset=32)
-    for (x, y), indices in zip(streams[0], itertools.islice(iter(sampler), 12)):
-        assert y.tolist() == [ds[i][1] for i in indices]
+    stored_x, stored_y = _stored_rows(latent_dir)
+
+    def sampler():
+        return GlobalBatchSampler(len(ds), 16, world=2, rank=1, accum=2, seed=3, epoch=1, offset=32)
+
+    stream = list(itertools.islice(iter(make_loader(_info(ds), sampler(), workers, pin_memory=False)), 12))
+    for (x, y), indices in zip(stream, itertools.islice(iter(sampler()), 12)):  # 5 global batches an epoch: into epoch 2
+        assert x.shape == (4, 2, 2, 4, 4, 4) and torch.equal(x, stored_x[indices]) and torch.equal(y, stored_y[indices])
+
+
+def test_the_loader_stacks_datasets_read_one_sample_at_a_time():
+    """A dataset without a batched read (the digits, image folders) is read a sample at a time and
+    stacked: the same batches as indexing it by hand."""
+    from ancre_dit.data.digits import DigitsDataset
+
+    ds = DigitsDataset("train")
+    info = DataInfo(ds, "digits", 8, 1, 10, 8, 1)
+    loader = make_loader(info, GlobalBatchSampler(len(ds), 8, 1, 0, 1, seed=0), 0, pin_memory=False)
+    for (x, y), indices in zip(itertools.islice(iter(loader), 3), GlobalBatchSampler(len(ds), 8, 1, 0, 1, seed=0)):
+        ref_x, ref_y = collate([ds[i] for i in indices])
+        assert torch.equal(x, ref_x) and torch.equal(y, ref_y) and y.dtype == torch.int64
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -188,74 +212,12 @@ def test_a_node_copy_is_one_set_of_pages_mapped_by_every_local_rank(latent_dir, 
     assert torch.equal(other[0][0], torch.full_like(other[0][0], 7))
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_reused_worker_buffers_survive_a_slow_consumer(latent_dir, workers):
-    """Workers write batches into a ring of reused shared buffers (BatchFetcher); a consumer slower
-    than the workers still gets every batch intact. The same loader with a one-buffer ring hands
-    over overwritten batches: the ring size is what keeps them apart."""
-    import time
-
-    from torch.utils.data import DataLoader
-
-    from ancre_dit.training.data import BatchFetcher, _CopiedBatches, _whole_batch
-
-    ds = LatentShardDataset(latent_dir)
-
-    def sampler():
-        return GlobalBatchSampler(len(ds), 8, world=1, rank=0, accum=1, seed=7)
-
-    def slowly(loader) -> list:
-        out = []
-        for x, y in itertools.islice(iter(loader), 14):
-            time.sleep(0.03)  # the workers run ahead as far as the DataLoader lets them
-            out.append((x, y))
-        return out
-
-    reference = list(itertools.islice(iter(make_loader(_info(ds), sampler(), 0, pin_memory=False)), 14))
-    for (xa, ya), (xb, yb) in zip(slowly(make_loader(_info(ds), sampler(), workers, pin_memory=False)), reference):
-        assert torch.equal(xa, xb) and torch.equal(ya, yb)
-    too_small = DataLoader(BatchFetcher(ds, ring_size=1), sampler=sampler(), batch_size=None, collate_fn=_whole_batch,
-                           num_workers=workers, prefetch_factor=4, generator=torch.Generator())
-    broken = slowly(_CopiedBatches(too_small))
-    assert any(not torch.equal(xa, xb) for (xa, _), (xb, _) in zip(broken, reference))
-
-
-def test_a_worker_buffer_crosses_once_then_batches_travel_as_slot_numbers(latent_dir, monkeypatch):
-    """What a worker puts on the queue: the shared buffer the first time a slot is used, then only
-    the slot and the labels; the main process rebuilds the same batch from its copy of the buffer."""
-    import gc
-    import pickle
-    from types import SimpleNamespace
-
-    from ancre_dit.training import data as training_data
-
-    ds = LatentShardDataset(latent_dir)
-    fetcher = training_data.BatchFetcher(ds, ring_size=2)
-    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: SimpleNamespace(id=3))
-    batches = [[0, 5, 9], [4, 1, 7], [2, 8, 3], [6, 0, 1]]
-    sent = [fetcher[indices] for indices in batches[:2]]  # slots 0 and 1, first use: buffers included
-    assert all(b.buffers is not None for b in sent)
-    received = [pickle.loads(pickle.dumps(b)) for b in sent]  # (as the main process unpickles them)
-    for indices in batches[2:]:  # slots 0 and 1 again: no buffer, same results
-        batch = fetcher[indices]
-        assert batch.buffers is None and len(pickle.dumps(batch)) < 1000
-        x, y = pickle.loads(pickle.dumps(batch))
-        reference = ds.get_batch(indices)
-        assert torch.equal(y, reference[1])
-        assert x.data_ptr() == received[batches.index(indices) - 2][0].data_ptr()  # the main process's copy of the slot
-    assert set(training_data._RECEIVED_SLOTS[fetcher.ring_id]) == {(3, 0), (3, 1)}
-    ring_id = fetcher.ring_id
-    del fetcher, sent, received, batch, x
-    gc.collect()
-    assert ring_id not in training_data._RECEIVED_SLOTS  # dropped with the loader's fetcher
-
-
 def test_bench_loader_runs(latent_dir, capsys):
     bench = bench_loader
     args = bench.parse_args(["--dir", str(latent_dir), "--shards", "7", "--per-shard", "13", "--latent-side", "4",
                              "--batch-size", "8", "--workers", "0", "--batches", "2", "--warmup", "1", "--rounds", "1"])
     medians = bench.measure(args)
-    assert set(medians) == {("per-sample", 0), ("batched", 0), ("in-memory", 0)} and all(v > 0 for v in medians.values())
+    assert set(medians) == {("batched", 0), ("in-memory", 0)} and all(v > 0 for v in medians.values())
     assert "batched" in capsys.readouterr().out
 
 
@@ -269,12 +231,15 @@ def test_heldout_slice_of_the_training_latents_keeps_the_batched_read(latent_dir
                                 "eval.heldout_from_train=10"])
     info = build_data(config, patch_size=2)
     train_set, heldout = info.dataset, info.heldout
-    assert (len(train_set), len(heldout)) == (81, 10) and hasattr(train_set, "get_batch")
+    assert (len(train_set), len(heldout)) == (81, 10)
     full = LatentShardDataset(latent_dir)
     indices = [80, 0, 40, 13, 13]
-    x, y = train_set.get_batch(indices)
-    ref_x, ref_y = collate([full[i] for i in indices])
-    assert torch.equal(x, ref_x) and torch.equal(y, ref_y)
+    calls = []
+    full_read = full.get_batch
+    train_set.dataset.__getitems__ = lambda idx: calls.append(idx) or full_read(idx)
+    x, y = train_set.__getitems__(indices)  # what the DataLoader calls: one batched read
+    ref_x, ref_y = full.get_batch(indices)
+    assert calls == [indices] and torch.equal(x, ref_x) and torch.equal(y, ref_y)
     assert torch.equal(heldout[0][0], full[81][0])  # the held-out part starts where training stops
 
 

@@ -22,7 +22,6 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from torch.utils.data import Dataset
 from ..errors import UserError
 from ..files import file_problem
@@ -180,11 +179,12 @@ def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int,
 class LatentShardDataset(Dataset):
     """Random access over all images of a latent directory.
 
-    `ds[i] -> (moments, label)`: moments float16 (2, 2, C, h, w) indexed [flip][0=mean, 1=std].
-    `ds.get_batch(indices) -> (moments (N, 2, 2, C, h, w), labels int64 (N,))` is the same as
-    stacking `ds[i]` for each index, read in one gather per shard (the training loader's path).
-    Shards are memory-mapped and opened lazily (so each DataLoader worker opens its own handles);
-    at most `max_open_shards` stay open per process and per path.
+    `ds.get_batch(indices) -> (moments (N, 2, 2, C, h, w), labels int64 (N,))`, moments float16
+    indexed [flip][0=mean, 1=std], read in one gather per shard; `ds[i] -> (moments, label)` is the
+    same read for one index. `get_batch` is also `__getitems__`, the DataLoader's batched fetch
+    (which `Subset` passes on), so a loader over this dataset reads a micro-batch in one call.
+    Shards are opened lazily (so each DataLoader worker opens its own descriptors); at most
+    `max_open_shards` stay open per process.
 
     `in_memory=True` reads every shard once, here, into one array in shared memory (DataLoader
     workers see it without a copy); batches are then one `index_select`, the same bytes as from
@@ -228,7 +228,6 @@ class LatentShardDataset(Dataset):
             raise UserError(f"{self.root}/{MANIFEST_NAME} lists {total} images in its shards but "
                              f"num_images={self.manifest['num_images']}; run --verify and re-extract")
         self._max_open = max(1, max_open_shards)
-        self._open: OrderedDict[int, Any] = OrderedDict()
         self._files_open: OrderedDict[int, _ShardFile] = OrderedDict()
         # headers, kept: a few hundred bytes per shard
         self._layouts: dict[int, tuple[int, dict]] = {k: layouts[s["file"]] for k, s in enumerate(nonempty)}
@@ -252,19 +251,6 @@ class LatentShardDataset(Dataset):
                             f"{size}px image), or set repa.weight=0")
         return (3, size, size)
 
-    def _handle(self, shard: int):
-        """(open safetensors handle, labels of the shard), least recently used evicted first."""
-        entry = self._open.get(shard)
-        if entry is None:
-            handle = safe_open(str(self._files[shard]), framework="pt")
-            entry = (handle, handle.get_tensor("label").tolist())
-            self._open[shard] = entry
-            if len(self._open) > self._max_open:
-                self._open.popitem(last=False)  # the file closes when its handle is dropped
-        else:
-            self._open.move_to_end(shard)
-        return entry
-
     def locate(self, i: int) -> tuple[int, int]:
         """Global image position -> (shard position among non-empty shards, row in the shard)."""
         if not -self._len <= i < self._len:
@@ -279,15 +265,8 @@ class LatentShardDataset(Dataset):
         return f"{self._files[shard].name} row {row}"
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        if self._memory is not None:
-            self.locate(int(i))  # the range check
-            moments, labels, _ = self._memory
-            return moments[int(i)].clone(), int(labels[int(i)])
-        shard, row = self.locate(int(i))
-        f, labels = self._handle(shard)
-        mean = f.get_slice("mean")[row:row + 1][0]
-        std = f.get_slice("std")[row:row + 1][0]
-        return torch.stack([mean, std], dim=1), labels[row]
+        moments, labels = self.get_batch([int(i)])[:2]
+        return moments[0], int(labels[0])
 
     def _moments_dtype(self) -> torch.dtype:
         """The dtype of the stored mean/std, from the first shard's header (an unknown one fails in _ShardFile)."""
@@ -308,12 +287,9 @@ class LatentShardDataset(Dataset):
             raise UserError(f"{self._files[shard]} stores {entry.torch_dtype}, other shards {dtype}; re-extract the latents")
         return entry
 
-    def get_batch(self, indices: Sequence[int], out: tuple[torch.Tensor, ...] | None = None
-                  ) -> tuple[torch.Tensor, ...]:
+    def get_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
         """`(stack of ds[i][0], tensor of ds[i][1])` over `indices`, in their order, and with
-        `images` their clean images third. `out`, an earlier batch, lends its moments and images
-        tensors where they have the right shape and dtype (reused buffers): the batch then holds
-        those very tensors, so that a caller can tell its buffers were used.
+        `images` their clean images third.
 
         Rows are read shard by shard in file order, each shard opened at most once per batch
         however many shards the batch spans, straight into the batch tensor (allocated in shared
@@ -326,18 +302,12 @@ class LatentShardDataset(Dataset):
             bad = idx[(idx < -self._len) | (idx >= self._len)][0]
             raise IndexError(f"index {bad} out of range for {self._len} latents")
         idx = idx % max(self._len, 1)
-        moments_out = out[0] if out else None
-        images_out = out[2] if out and len(out) > 2 else None
-        images = None
-        if self.images:
-            shape = (n, *self.image_shape)
-            images = images_out if _fits(images_out, shape, torch.uint8) else _new_batch_tensor(shape, torch.uint8)
+        images = _new_batch_tensor((n, *self.image_shape), torch.uint8) if self.images else None
         if self._memory is not None:
             all_moments, all_labels, all_images = self._memory
             picked = torch.from_numpy(idx)
-            if not _fits(moments_out, (n, *all_moments.shape[1:]), all_moments.dtype):
-                moments_out = _new_batch_tensor((n, *all_moments.shape[1:]), all_moments.dtype)
-            moments = torch.index_select(all_moments, 0, picked, out=moments_out)
+            moments = _new_batch_tensor((n, *all_moments.shape[1:]), all_moments.dtype)
+            torch.index_select(all_moments, 0, picked, out=moments)
             if images is not None:
                 torch.index_select(all_images, 0, picked, out=images)
             return _batch(moments, all_labels[picked], images)
@@ -345,7 +315,7 @@ class LatentShardDataset(Dataset):
         rows = idx - self._starts_np[shard_of]
         dtype = self._moments_dtype()
         shape = (n, 2, 2, *self.latent_shape)
-        moments = moments_out if _fits(moments_out, shape, dtype) else _new_batch_tensor(shape, dtype)
+        moments = _new_batch_tensor(shape, dtype)
         labels = torch.empty(n, dtype=torch.int64)
         raw = moments.view(torch.uint8).numpy().reshape(n, 2, 2, moments[0, 0, 0].nbytes if n else 0)  # [sample, flip, mean/std, bytes]
         image_rows = images.numpy().reshape(n, int(np.prod(self.image_shape))) if images is not None else None
@@ -361,6 +331,8 @@ class LatentShardDataset(Dataset):
                     f.read_row(IMAGE_KEY, row, [image_rows[k]])
                 label_out[k] = f.labels[row]
         return _batch(moments, labels, images)
+
+    __getitems__ = get_batch
 
     def memory_needed(self) -> int:
         """Bytes that `load_into_memory` takes (the moments, and the images with REPA)."""
@@ -431,7 +403,6 @@ class LatentShardDataset(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         # Open handles are not picklable (spawned DataLoader workers); each worker reopens lazily.
         state = self.__dict__.copy()
-        state["_open"] = OrderedDict()
         state["_files_open"] = OrderedDict()
         return state
 
@@ -483,10 +454,6 @@ def available_memory_bytes() -> int | None:
 
 def _batch(moments: torch.Tensor, labels: torch.Tensor, images: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     return (moments, labels) if images is None else (moments, labels, images)
-
-
-def _fits(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
-    return out is not None and tuple(out.shape) == tuple(shape) and out.dtype == dtype and out.is_contiguous()
 
 
 def _new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

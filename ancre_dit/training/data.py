@@ -10,8 +10,6 @@ image its encoder sees, flipped as the training example is.
 from __future__ import annotations
 
 import hashlib
-import uuid
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -167,7 +165,7 @@ def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
     if k:
         if k >= len(ds):
             raise UserError(f"eval.heldout_from_train={k} leaves no training data ({len(ds)} latents); lower it")
-        return _SubsetBatches(ds, range(len(ds) - k)), Subset(ds, range(len(ds) - k, len(ds)))
+        return Subset(ds, range(len(ds) - k)), Subset(ds, range(len(ds) - k, len(ds)))
     return ds, None
 
 
@@ -244,130 +242,28 @@ def advance_position(epoch: int, offset: int, global_batch: int, num_samples: in
     return epoch, offset
 
 
-def collate(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def collate(items) -> tuple[torch.Tensor, ...]:
+    """The DataLoader's batch: a batched read's tuple of tensors (the latent shards' `__getitems__`)
+    as it is, a list of (x, label) samples stacked."""
+    if isinstance(items, tuple):
+        return items
     xs, ys = zip(*items)
     return torch.stack([torch.as_tensor(x) for x in xs]), torch.tensor([int(y) for y in ys])
 
 
-class BatchFetcher(Dataset):
-    """`fetcher[indices]` -> the whole batch from `dataset.get_batch(indices)`.
-
-    Lets the DataLoader hand each worker a whole micro-batch of indices (sampler=GlobalBatchSampler,
-    batch_size=None), so a dataset that can gather a batch in one pass per file (the latent
-    shards) is not asked for one sample at a time. The batches are identical to collating
-    `dataset[i]`; tests/test_loader.py checks that.
-
-    Inside a worker the batches are written into a ring of `ring_size` shared-memory buffers that
-    are reused: a fresh shared buffer costs a page fault per 4 KiB (comparable to reading the
-    batch), a reused one nothing. Each buffer crosses to the main process once; after that a batch
-    travels as its slot number and its labels (`_SlotBatch`), since handing over a shared tensor
-    again costs a file-descriptor transfer per tensor (BENCHMARKS.md, "The latent input pipeline").
-    A slot holds every tensor of the batch but its labels (the moments, and REPA's images).
-    `make_loader` copies (or pins, which copies) every batch in the main process before the worker
-    can come back to its buffer; see `_CopiedBatches`.
-    """
-
-    def __init__(self, dataset: Dataset, ring_size: int = 0):
-        self.dataset, self.ring_size = dataset, ring_size
-        self.ring_id = uuid.uuid4().hex  # names this loader's buffers in the main process's `_RECEIVED_SLOTS`
-        self._ring: list[tuple | None] = [None] * ring_size  # per slot: the batch whose buffers the main process holds too
-        self._calls = 0
-        if ring_size:  # (in the main process: drop the received buffers with the loader)
-            weakref.finalize(self, _RECEIVED_SLOTS.pop, self.ring_id, None)
-
-    def __getitem__(self, indices: list[int]):
-        worker = torch.utils.data.get_worker_info()
-        if not self.ring_size or worker is None:
-            return self.dataset.get_batch(indices)
-        slot = self._calls % self.ring_size
-        self._calls += 1
-        held = self._ring[slot]
-        batch = self.dataset.get_batch(indices, out=held)
-        self._ring[slot] = batch  # its buffers: the held ones when they fitted, else new ones, reused next time
-        reused = held is not None and all(a is b for a, b in zip(_buffers(batch), _buffers(held)))
-        return _SlotBatch((self.ring_id, worker.id, slot), None if reused else _buffers(batch), batch[1].numpy())
-
-
-def _buffers(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """A batch's tensors but its labels: what a ring slot holds."""
-    return (batch[0], *batch[2:])
-
-
-# Main process: (ring id, worker id, slot) -> that worker's shared buffers, as first received.
-_RECEIVED_SLOTS: dict[str, dict[tuple[int, int], tuple[torch.Tensor, ...]]] = {}
-
-
-class _SlotBatch:
-    """A batch in a worker's ring, pickled as its slot (plus the buffers, the first time a slot holds
-    them) and labels. Unpickled in the main process it is the plain batch tuple, its tensors still
-    the shared buffers: a batch of another shape never fits the old buffers (`get_batch` then makes
-    new ones, sent again), so the buffers held for a slot always have the batch's shape."""
-
-    def __init__(self, key: tuple[str, int, int], buffers: tuple[torch.Tensor, ...] | None, labels: np.ndarray):
-        self.key, self.buffers, self.labels = key, buffers, labels
-
-    def __reduce__(self):
-        return _receive_slot_batch, (self.key, self.buffers, self.labels)
-
-
-def _receive_slot_batch(key: tuple[str, int, int], buffers: tuple[torch.Tensor, ...] | None,
-                        labels: np.ndarray) -> tuple[torch.Tensor, ...]:
-    ring, worker, slot = key
-    received = _RECEIVED_SLOTS.setdefault(ring, {})
-    if buffers is not None:
-        received[(worker, slot)] = buffers
-    first, *rest = received[(worker, slot)]
-    return (first, torch.from_numpy(labels), *rest)
-
-
-class _SubsetBatches(Subset):
-    """A Subset that keeps its dataset's batched read (eval.heldout_from_train's training part)."""
-
-    def get_batch(self, indices, out=None):
-        return self.dataset.get_batch([self.indices[i] for i in indices], out=out)
-
-
-class _CopiedBatches:
-    """Iterates a DataLoader whose workers reuse buffers (BatchFetcher's ring), copying each batch
-    before asking for the next one (with pin_memory the pinning thread copies; this is not needed).
-
-    Why the ring is safe: the DataLoader keeps at most P = prefetch_factor x workers batches in
-    flight and sends the task for batch m + P just before it returns batch m, so a worker writes
-    batch m + P while batches m .. m + P - 1 may still be uncopied: at most prefetch_factor + 1 of
-    them are that worker's (tasks go round-robin), and its ring holds prefetch_factor + 2.
-    """
-
-    def __init__(self, loader: torch.utils.data.DataLoader):
-        self.loader = loader
-
-    def __iter__(self):
-        for batch in self.loader:
-            yield tuple(t.clone() for t in batch)
-
-
-def _whole_batch(batch):
-    return batch  # BatchFetcher already returns the collated batch
-
-
-def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool,
-                batched: bool = True):
-    """The training DataLoader over `sampler`'s micro-batches (an iterable of (x, y)). Datasets
-    with a `get_batch` method are read a batch at a time (unless `batched=False`: one `dataset[i]`
-    per sample, then `collate`); both give the same batches."""
-    prefetch = 4
+def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool
+                ) -> torch.utils.data.DataLoader:
+    """The training DataLoader over `sampler`'s micro-batches (an iterable of (x, y), with REPA's
+    images third). The latent shards are read a micro-batch per call (their `__getitems__`)."""
     # A private generator: DataLoader would otherwise draw its worker base seed from the
     # global RNG, which the model's label dropout uses, and break exact resume.
     # worker_signal_handlers: a stop signal sent to the process group must not kill the workers
     # (the rank would lose its steps since the last checkpoint); they pass it on to the rank.
-    common = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
-                  generator=torch.Generator(), prefetch_factor=prefetch if num_workers > 0 else None,
-                  worker_init_fn=worker_signal_handlers if num_workers > 0 else None)
-    if batched and hasattr(info.dataset, "get_batch"):
-        ring = prefetch + 2 if num_workers > 0 else 0
-        loader = torch.utils.data.DataLoader(BatchFetcher(info.dataset, ring), sampler=sampler, batch_size=None,
-                                             collate_fn=_whole_batch, **common)
-        return _CopiedBatches(loader) if ring and not pin_memory else loader
-    return torch.utils.data.DataLoader(info.dataset, batch_sampler=sampler, collate_fn=collate, **common)
+    workers = num_workers > 0
+    return torch.utils.data.DataLoader(
+        info.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers, pin_memory=pin_memory,
+        persistent_workers=workers, generator=torch.Generator(), prefetch_factor=4 if workers else None,
+        worker_init_fn=worker_signal_handlers if workers else None)
 
 
 def nonfinite_rows(info: DataInfo, global_batch: int, seed: int, position: tuple[int, int]) -> str:
@@ -392,5 +288,4 @@ def describe(info: DataInfo) -> str:
             f"{info.in_channels}x{info.input_size}x{info.input_size}")
 
 
-__all__ = ["DataInfo", "build_data", "prepare_batch", "GlobalBatchSampler", "advance_position", "make_loader", "BatchFetcher",
-           "describe"]
+__all__ = ["DataInfo", "build_data", "prepare_batch", "GlobalBatchSampler", "advance_position", "make_loader", "describe"]
