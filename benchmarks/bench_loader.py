@@ -6,7 +6,7 @@ images at the ImageNet-256 latent shape 4x32x32, about 3.3 GB; reused when alrea
 iterates the trainer's own loader (`LatentShardDataset` + `GlobalBatchSampler` + `make_loader`,
 one process, global batch 256) for each worker count and read path:
 
-    batched     one `get_batch` per micro-batch (the DataLoader's `__getitems__`): the rows of each
+    batched     one `get_batch` per micro-batch: the rows of each
                 shard read by positional reads straight into the batch tensor (in a worker: a
                 shared-memory tensor, as torch's default collate makes)
     in-memory   `data.in_memory=true`: every shard read once into RAM (not timed; its load time is
@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from ancre_dit.cli import run_cli
-from ancre_dit.data.latents import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, LatentShardDataset, shard_file_name
+from ancre_dit.data.latent_shards import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, LatentShardDataset, shard_file_name
 from ancre_dit.errors import UserError
 from ancre_dit.latents.shards import write_shard
 from ancre_dit.training.data import DataInfo, GlobalBatchSampler, make_loader

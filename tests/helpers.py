@@ -75,10 +75,10 @@ def tiny_overrides(*overrides: str) -> list[str]:
 
 def write_latent_dir(root: Path, shards: list[dict[str, torch.Tensor]], num_classes: int, image_size: int,
                      **manifest: Any) -> Path:
-    """A latent directory in ancre_dit.data.latents' format from each shard's tensors (mean and std
+    """A latent directory in ancre_dit.data.latent_shards' format from each shard's tensors (mean and std
     (n, 2, C, h, w) float16, label, index[, image]), written with the extractor's shard writer;
     `manifest` adds or replaces manifest entries."""
-    from ancre_dit.data.latents import FORMAT_NAME, FORMAT_VERSION, shard_file_name
+    from ancre_dit.data.latent_shards import FORMAT_NAME, FORMAT_VERSION, shard_file_name
     from ancre_dit.latents.shards import write_shard
 
     root.mkdir(parents=True)

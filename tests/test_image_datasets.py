@@ -145,7 +145,7 @@ def test_a_skipped_in_memory_image_leaves_the_same_bytes_run_after_run(container
     runs = [_extract(damaged, vae_dir, tmp_path / f"out{k}") for k in range(2)]
     assert all(json.loads(r.manifest.read_text())["num_skipped"] == 1 for r in runs)
     assert _shard_bytes(tmp_path / "out0") == _shard_bytes(tmp_path / "out1")
-    from ancre_dit.data.latents import REPORT_NAME
+    from ancre_dit.data.latent_shards import REPORT_NAME
 
     report = (tmp_path / "out0" / REPORT_NAME).read_text()
     assert "unreadable" in report and " at 0x" not in report and "(in-memory bytes)" in report

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from ancre_dit.errors import UserError
 from ancre_dit.data.image_folder import center_crop_arr, load_and_crop
-from ancre_dit.data.latents import LatentShardDataset, draw_latents_from_moments
+from ancre_dit.data.latent_shards import LatentShardDataset, draw_latents_from_moments
 from ancre_dit.latents.extract import ExtractConfig, run_extraction
 from ancre_dit.vae import load_vae
 

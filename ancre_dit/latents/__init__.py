@@ -1,4 +1,4 @@
-"""Images -> VAE latent shards (scripts/extract_latents.py); the reader is ancre_dit.data.latents.
+"""Images -> VAE latent shards (scripts/extract_latents.py); the reader is ancre_dit.data.latent_shards.
 
 image_datasets.py lists an image folder, a Hugging Face dataset or WebDataset tars (ancre_dit.data.image_folder
 decodes and crops), ancre_dit.vae loads and encodes; here shards.py writes and checksums, extract.py

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from ancre_dit.errors import UserError
-from ancre_dit.data.latents import (FORMAT_NAME, FORMAT_VERSION, IMAGE_KEY, MANIFEST_NAME, REPORT_NAME,
+from ancre_dit.data.latent_shards import (FORMAT_NAME, FORMAT_VERSION, IMAGE_KEY, MANIFEST_NAME, REPORT_NAME,
                                     shard_file_name)
 from ancre_dit.data.image_folder import LoadedImage
 from ancre_dit.data.latent_norm import channel_statistics, moment_sums

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from ancre_dit.data.latents import shard_file_name
+from ancre_dit.data.latent_shards import shard_file_name
 from ancre_dit.files import sha256_file, write_atomic
 
 META_KEY = "ancre_dit"

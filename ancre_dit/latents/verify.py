@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from ancre_dit.data.latents import IMAGE_KEY, SHARD_KEYS, read_manifest, shard_file_name
+from ancre_dit.data.latent_shards import IMAGE_KEY, SHARD_KEYS, read_manifest, shard_file_name
 from ancre_dit.files import sha256_file
 
 _DTYPES = {"mean": torch.float16, "std": torch.float16, "label": torch.int64, "index": torch.int64,

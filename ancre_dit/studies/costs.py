@@ -174,7 +174,7 @@ def data_shape(config) -> tuple[int, int, int, str]:
         from ..data.digits import DIGITS_NUM_CLASSES
         return 8, 1, DIGITS_NUM_CLASSES, "digits"
     if d.kind == "latents":
-        from ..data.latents import read_manifest
+        from ..data.latent_shards import read_manifest
         try:
             m = read_manifest(d.path)
             c, h, _ = (int(s) for s in m["latent_shape"])

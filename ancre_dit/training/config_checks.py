@@ -122,7 +122,7 @@ def _check_data_path(d: DataConfig, paths: _Paths) -> None:
     if not d.path:
         raise UserError(f"data.kind={d.kind} needs data.path (the {'latent directory' if d.kind == 'latents' else 'image folder'})")
     if d.kind == "latents" and Path(d.path).is_file():
-        from ..data.latents import read_manifest
+        from ..data.latent_shards import read_manifest
         read_manifest(d.path)  # its one line on a file given for the folder
     if not paths.found("data.path", d.path, "dir"):
         raise UserError(f"data path {d.path} does not exist; set data.path to the "

@@ -74,7 +74,7 @@ def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
         if d.image_size != 8:
             raise UserError(f"the digits are 8x8 pixels; set data.image_size=8 (got {d.image_size})")
     elif d.kind == "latents":
-        from ..data.latents import LatentShardDataset
+        from ..data.latent_shards import LatentShardDataset
         # data.in_memory is loaded by load_latents_in_memory, once per node.
         ds = LatentShardDataset(d.path, images=config.repa.weight > 0)
         c, h, w = ds.latent_shape
@@ -130,7 +130,7 @@ def load_latents_in_memory(info: DataInfo, accelerator, run_dir: Path) -> None:
     if refusals.item():  # start-up, not the step loop: one host read is fine here
         raise UserError(problem or f"data.in_memory: the latents of {ds.root} do not fit in the free memory of "
                                    f"another node of this job; set data.in_memory=false")
-    from ..data.latents import shared_memory_dir
+    from ..data.latent_shards import shared_memory_dir
 
     shm = shared_memory_dir()
     key = hashlib.sha1(f"{Path(run_dir).resolve()}|{Path(ds.root).resolve()}".encode()).hexdigest()[:16]
@@ -155,7 +155,7 @@ def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
     without evaluation see the same data)."""
     e = config.eval
     if e.val_path:
-        from ..data.latents import LatentShardDataset
+        from ..data.latent_shards import LatentShardDataset
         val = LatentShardDataset(e.val_path)
         if val.latent_shape != ds.latent_shape or val.num_classes != ds.num_classes:
             raise UserError(f"eval.val_path {e.val_path} holds {val.latent_shape} latents of {val.num_classes} classes, "
@@ -165,7 +165,7 @@ def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
     if k:
         if k >= len(ds):
             raise UserError(f"eval.heldout_from_train={k} leaves no training data ({len(ds)} latents); lower it")
-        return Subset(ds, range(len(ds) - k)), Subset(ds, range(len(ds) - k, len(ds)))
+        return _SubsetBatches(ds, range(len(ds) - k)), Subset(ds, range(len(ds) - k, len(ds)))
     return ds, None
 
 
@@ -179,7 +179,7 @@ def prepare_batch(info: DataInfo, batch: tuple, device: torch.device, generator:
     images = stored[0] if stored else None
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
     if info.kind == "latents":
-        from ..data.latents import draw_latents_from_moments
+        from ..data.latent_shards import draw_latents_from_moments
         x, flip = draw_latents_from_moments(x, generator=generator, return_flip=True)
         if info.latent_norm is not None:
             x = info.latent_norm(x)
@@ -242,28 +242,45 @@ def advance_position(epoch: int, offset: int, global_batch: int, num_samples: in
     return epoch, offset
 
 
-def collate(items) -> tuple[torch.Tensor, ...]:
-    """The DataLoader's batch: a batched read's tuple of tensors (the latent shards' `__getitems__`)
-    as it is, a list of (x, label) samples stacked."""
-    if isinstance(items, tuple):
-        return items
+def collate(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     xs, ys = zip(*items)
     return torch.stack([torch.as_tensor(x) for x in xs]), torch.tensor([int(y) for y in ys])
+
+
+class _BatchReads(Dataset):
+    """`reads[indices]` -> `dataset.get_batch(indices)`: with `batch_size=None` the DataLoader hands
+    each worker a whole micro-batch of indices, which the latent shards read in one pass per file."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __getitem__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        return self.dataset.get_batch(indices)
+
+
+class _SubsetBatches(Subset):
+    """A Subset that keeps its dataset's batched read (eval.heldout_from_train's training part)."""
+
+    def get_batch(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        return self.dataset.get_batch([self.indices[i] for i in indices])
 
 
 def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool
                 ) -> torch.utils.data.DataLoader:
     """The training DataLoader over `sampler`'s micro-batches (an iterable of (x, y), with REPA's
-    images third). The latent shards are read a micro-batch per call (their `__getitems__`)."""
+    images third). A dataset with `get_batch` (the latent shards) is read a micro-batch per call,
+    others a sample at a time, then `collate`."""
     # A private generator: DataLoader would otherwise draw its worker base seed from the
     # global RNG, which the model's label dropout uses, and break exact resume.
     # worker_signal_handlers: a stop signal sent to the process group must not kill the workers
     # (the rank would lose its steps since the last checkpoint); they pass it on to the rank.
     workers = num_workers > 0
-    return torch.utils.data.DataLoader(
-        info.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=num_workers, pin_memory=pin_memory,
-        persistent_workers=workers, generator=torch.Generator(), prefetch_factor=4 if workers else None,
-        worker_init_fn=worker_signal_handlers if workers else None)
+    common = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=workers,
+                  generator=torch.Generator(), prefetch_factor=4 if workers else None,
+                  worker_init_fn=worker_signal_handlers if workers else None)
+    if hasattr(info.dataset, "get_batch"):
+        return torch.utils.data.DataLoader(_BatchReads(info.dataset), sampler=sampler, batch_size=None, **common)
+    return torch.utils.data.DataLoader(info.dataset, batch_sampler=sampler, collate_fn=collate, **common)
 
 
 def nonfinite_rows(info: DataInfo, global_batch: int, seed: int, position: tuple[int, int]) -> str:

@@ -181,9 +181,7 @@ class LatentShardDataset(Dataset):
 
     `ds.get_batch(indices) -> (moments (N, 2, 2, C, h, w), labels int64 (N,))`, moments float16
     indexed [flip][0=mean, 1=std], read in one gather per shard; `ds[i] -> (moments, label)` is the
-    same read for one index. `get_batch` is also `__getitems__`, the DataLoader's batched fetch
-    (which `Subset` passes on), so a loader over this dataset reads a micro-batch in one call.
-    Shards are opened lazily (so each DataLoader worker opens its own descriptors); at most
+    same read for one index (the training loader calls `get_batch` once per micro-batch). Shards are opened lazily (so each DataLoader worker opens its own descriptors); at most
     `max_open_shards` stay open per process.
 
     `in_memory=True` reads every shard once, here, into one array in shared memory (DataLoader
@@ -331,8 +329,6 @@ class LatentShardDataset(Dataset):
                     f.read_row(IMAGE_KEY, row, [image_rows[k]])
                 label_out[k] = f.labels[row]
         return _batch(moments, labels, images)
-
-    __getitems__ = get_batch
 
     def memory_needed(self) -> int:
         """Bytes that `load_into_memory` takes (the moments, and the images with REPA)."""
