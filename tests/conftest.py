@@ -11,6 +11,8 @@ Training
                   is the same with run_dir first.
   fresh_accelerate  resets Accelerate's process-wide state before and after the test; use it (or
                   ``pytestmark = pytest.mark.usefixtures("fresh_accelerate")``) for in-process training.
+                  A test that runs several trainers or commands in one process runs each in
+                  ``with helpers.accelerate_state():`` (the same resets around one block).
 
 Processes and threads
   one_thread      runs the test with one torch thread (faster for tiny models beside other load, and
@@ -66,9 +68,8 @@ def tiny_run_config(tmp_path: Path) -> Callable[..., Config]:
 
 @pytest.fixture
 def fresh_accelerate() -> Iterator[None]:
-    helpers.reset_accelerate()
-    yield
-    helpers.reset_accelerate()
+    with helpers.accelerate_state():
+        yield
 
 
 @pytest.fixture

@@ -117,11 +117,8 @@ def train_straight_and_resumed(root: Path, *overrides: str, steps: int = 4, stop
 
     for folder, legs in ((root / "straight", [(steps, None)]), (root / "resumed", [(stop_at, None), (steps, "auto")])):
         for max_steps, resume in legs:
-            reset_accelerate()
-            try:
+            with accelerate_state():
                 train(tiny_config(folder, *overrides, f"train.max_steps={max_steps}"), resume=resume)
-            finally:
-                reset_accelerate()
     last = f"{steps:07d}"
     assert_same_weights(root / "straight" / "checkpoints" / last, root / "resumed" / "checkpoints" / last)
     return root / "resumed" / "checkpoints" / last
@@ -170,6 +167,18 @@ def reset_accelerate() -> None:
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+@contextmanager
+def accelerate_state() -> Iterator[None]:
+    """A fresh Accelerate state for the block, reset again when it ends (an error included): for a
+    test that runs several trainers or commands in one process, each in its own block. The
+    fresh_accelerate fixture is this around a whole test."""
+    reset_accelerate()
+    try:
+        yield
+    finally:
+        reset_accelerate()
 
 
 def deterministic_draws(self, x: torch.Tensor):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import ROOT, reset_accelerate, tiny_config, tiny_vae, write_latent_dir
+from helpers import ROOT, accelerate_state, tiny_config, tiny_vae, write_latent_dir
 
 from ancre_dit.cli import run_cli  # noqa: E402
 from ancre_dit.data.adm_npz import save_adm_npz  # noqa: E402
@@ -198,9 +198,8 @@ def world(tmp_path_factory) -> Path:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        reset_accelerate()
-        train(tiny_config(w / "run", "train.max_steps=4", "train.ckpt_every=2"))
-        reset_accelerate()
+        with accelerate_state():
+            train(tiny_config(w / "run", "train.max_steps=4", "train.ckpt_every=2"))
         ck = w / "run" / "checkpoints" / "0000004"
         _copy(ck, w / "ck_bad_spec", lambda p: p.write_text("{\n"), "model_spec.json")
         _copy(ck, w / "ck_trunc_ema", _truncate, "ema.safetensors")
@@ -229,9 +228,10 @@ def world(tmp_path_factory) -> Path:
         from ancre_dit.latents.extract import ExtractConfig, run_extraction
         run_extraction(ExtractConfig(str(w / "images"), str(w / "vae"), str(w / "extracted"), image_size=16,
                                      shard_size=4, batch_size=4))
-        train(tiny_config(w / "latent_run", "data.kind=latents", f"data.path={w / 'extracted'}", "data.image_size=16",
-                          "train.global_batch_size=4", "train.max_steps=2", "train.ckpt_every=2"))
-        reset_accelerate()
+        with accelerate_state():
+            train(tiny_config(w / "latent_run", "data.kind=latents", f"data.path={w / 'extracted'}",
+                              "data.image_size=16", "train.global_batch_size=4", "train.max_steps=2",
+                              "train.ckpt_every=2"))
         from containers import make_hf, make_wds, relabel_parquet
         make_hf(w / "images", w / "parquet_jpg", parquet=True, image_column="jpg")
         relabel_parquet(make_hf(w / "images", w / "parquet", parquet=True), w / "parquet_label_5", 5)
@@ -782,12 +782,8 @@ def _run(command: str, argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
         _MAINS[command] = runpy.run_path(str(SCRIPTS[command]), run_name="bad_inputs")["main"]
     monkeypatch.setattr(sys, "argv", [SCRIPTS[command].name, *argv])
     main = _MAINS[command]
-    reset_accelerate()
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            run_cli(lambda: main())
-    finally:
-        reset_accelerate()
+    with accelerate_state(), pytest.raises(SystemExit) as exit_info:
+        run_cli(lambda: main())
     return exit_info.value.code, capsys.readouterr().err
 
 
@@ -831,6 +827,7 @@ def test_bad_input_is_one_line_and_touches_nothing(name, command, argv, expected
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fresh_accelerate")
 def test_resume_auto_skips_a_damaged_newest_checkpoint(world, tmp_path):
     """Not an error: --resume auto warns about the damaged newest checkpoint, takes the previous
     complete one, and the run goes on from there (rewriting the damaged step)."""
@@ -841,11 +838,7 @@ def test_resume_auto_skips_a_damaged_newest_checkpoint(world, tmp_path):
     warnings: list[str] = []
     assert resolve_resume("auto", run, warn=warnings.append) == run / "checkpoints" / "0000002"
     assert len(warnings) == 1 and "0000004/ema.safetensors" in warnings[0] and "skipping damaged" in warnings[0]
-    reset_accelerate()
-    try:
-        out = train(tiny_config(run, "train.max_steps=4", "train.ckpt_every=2"), resume="auto")
-    finally:
-        reset_accelerate()
+    out = train(tiny_config(run, "train.max_steps=4", "train.ckpt_every=2"), resume="auto")
     assert out["step"] == 4
     assert "skipping damaged checkpoint" in (run / "log.txt").read_text()
     model, spec = load_trained_model(run / "checkpoints" / "0000004")  # rewritten whole

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import TINY_DIT, TINY_NAME, reset_accelerate, tiny_config
+from helpers import TINY_DIT, TINY_NAME, tiny_config
 
 from ancre_dit.diffusion import build_objective
 from ancre_dit.models import create_model
@@ -115,6 +115,7 @@ def test_ddpm_losses_and_ddpm250_samples_are_unchanged():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fresh_accelerate")
 def test_ddpm_training_is_unchanged(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     # The pin is about the objective. The tiny run is ANCRe, whose eager aggregation is now the
@@ -123,12 +124,8 @@ def test_ddpm_training_is_unchanged(tmp_path, monkeypatch):
     from ancre_dit.models.topologies import WeightedHistoryTopology
     monkeypatch.setattr(WeightedHistoryTopology, "use_chain", True)
     run = tmp_path / "run"
-    try:
-        reset_accelerate()
-        train(tiny_config(run, "train.max_steps=3", "train.ckpt_every=3", "model.learn_sigma=true",
-                          "model.class_dropout=0.1"))
-    finally:
-        reset_accelerate()
+    train(tiny_config(run, "train.max_steps=3", "train.ckpt_every=3", "model.learn_sigma=true",
+                      "model.class_dropout=0.1"))
     rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert approx_hex([r["loss"] for r in rows], BEFORE_TRAIN_LOSSES, LOSS_REL), [float(r["loss"]).hex() for r in rows]
     weights = load_file(str(run / "checkpoints" / "0000003" / "model.safetensors"))

@@ -19,7 +19,7 @@ from ancre_dit.files import read_jsonl
 from ancre_dit.models.topologies import TOPOLOGIES, save_topology_json
 from ancre_dit.training import train
 
-from helpers import ROOT, load_script, reset_accelerate, tiny_config
+from helpers import ROOT, accelerate_state, load_script, tiny_config
 
 KW = dict(input_size=8, in_channels=1, num_classes=10, learn_sigma=False, hidden_size=32, num_heads=2)
 FLOW = {"objective": "flow", "learn_sigma": False}
@@ -85,12 +85,9 @@ def test_time_probe_reads_a_linear_time_and_not_noise():
 def test_training_logs_diagnostics_without_changing_the_run(tmp_path):
     runs = {}
     for name, switch in (("on", "true"), ("off", "false")):
-        reset_accelerate()
-        try:
+        with accelerate_state():
             train(tiny_config(tmp_path / name, "train.max_steps=4", "train.log_every=2", "train.ckpt_every=4",
                               f"train.diagnostics={switch}", f"log.tensorboard={switch}", "log.figures=true"))
-        finally:
-            reset_accelerate()
         runs[name] = load_file(str(tmp_path / name / "checkpoints" / "0000004" / "model.safetensors"))
     assert all(torch.equal(runs["on"][k], runs["off"][k]) for k in runs["on"])  # the run itself is untouched
     records = read_jsonl(tmp_path / "on" / "logs" / "diagnostics.jsonl")

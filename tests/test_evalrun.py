@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import ROOT, assert_same_weights, reset_accelerate, run_forked_ranks, script_main, subprocess_env, tiny_config
+from helpers import ROOT, accelerate_state, assert_same_weights, run_forked_ranks, script_main, subprocess_env, tiny_config
 
 from ancre_dit.errors import UserError
 from ancre_dit.evaluation.comparison import SeedSpeedup, interval_curve, steps_to_target, summarize, write_report
@@ -32,11 +32,7 @@ EVAL = ["train.eval_every=1", "eval.num_samples=20", "eval.batch_size=8", "eval.
         "model.learn_sigma=true"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate():
-    reset_accelerate()
-    yield
-    reset_accelerate()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def _by_step(entries: list[dict]) -> dict[int, dict]:
@@ -46,8 +42,8 @@ def _by_step(entries: list[dict]) -> dict[int, dict]:
 @pytest.mark.slow
 def test_eval_entries_match_evaluate_run_and_leave_training_unchanged(tmp_path):
     ckpt = ["train.ckpt_every=2"]
-    train(tiny_config(tmp_path / "on", "train.max_steps=4", *ckpt, *EVAL, "log.figures=true"))
-    reset_accelerate()
+    with accelerate_state():
+        train(tiny_config(tmp_path / "on", "train.max_steps=4", *ckpt, *EVAL, "log.figures=true"))
     entries = read_evals(tmp_path / "on")
     assert [e["step"] for e in entries] == [1, 2, 3, 4]
     first = entries[0]["metrics"]
@@ -58,16 +54,16 @@ def test_eval_entries_match_evaluate_run_and_leave_training_unchanged(tmp_path):
     assert (tmp_path / "on" / "quality.png").is_file() and (tmp_path / "on" / "loss.png").is_file()
 
     # The same run with evaluation off trains the same weights (the training streams are untouched).
-    train(tiny_config(tmp_path / "off", "train.max_steps=4", *ckpt, *EVAL[1:], "train.eval_every=0"))
-    reset_accelerate()
+    with accelerate_state():
+        train(tiny_config(tmp_path / "off", "train.max_steps=4", *ckpt, *EVAL[1:], "train.eval_every=0"))
     assert_same_weights(tmp_path / "on" / "checkpoints" / "0000004", tmp_path / "off" / "checkpoints" / "0000004")
     assert not (tmp_path / "off" / "logs" / "evals.jsonl").exists()
 
     # Resume with evaluation on: 2 steps, then 2 more from the checkpoint -> same weights and entries.
-    train(tiny_config(tmp_path / "split", "train.max_steps=2", *ckpt, *EVAL))
-    reset_accelerate()
-    train(tiny_config(tmp_path / "split", "train.max_steps=4", *ckpt, *EVAL), resume="auto")
-    reset_accelerate()
+    with accelerate_state():
+        train(tiny_config(tmp_path / "split", "train.max_steps=2", *ckpt, *EVAL))
+    with accelerate_state():
+        train(tiny_config(tmp_path / "split", "train.max_steps=4", *ckpt, *EVAL), resume="auto")
     assert_same_weights(tmp_path / "on" / "checkpoints" / "0000004", tmp_path / "split" / "checkpoints" / "0000004")
     assert _by_step(read_evals(tmp_path / "split")) == _by_step(entries)
 
@@ -86,8 +82,8 @@ def test_eval_entries_match_evaluate_run_and_leave_training_unchanged(tmp_path):
 
 @pytest.mark.slow
 def test_one_and_two_process_evaluations_give_the_same_numbers(tmp_path):
-    train(tiny_config(tmp_path / "one", "train.max_steps=2", "train.ckpt_every=2", *EVAL[1:]))
-    reset_accelerate()
+    with accelerate_state():
+        train(tiny_config(tmp_path / "one", "train.max_steps=2", "train.ckpt_every=2", *EVAL[1:]))
     shutil.copytree(tmp_path / "one", tmp_path / "two")
     # `evaluate.py --run` as one process and as two gloo ranks, forked from this one
     run_forked_ranks(script_main(ROOT / "evaluate.py", "--run", str(tmp_path / "one")), 1)
@@ -270,21 +266,21 @@ def test_inception_metrics_during_training_equal_the_offline_pipeline(tmp_path):
     ref = save_adm_npz(tmp_path / "ref.npz", to_uint8(held.images[:10]).transpose(0, 2, 3, 1), held.labels[:10].numpy())
     metrics = ["fid", "is", "precision", "recall"]
     run = tmp_path / "run"
-    train(tiny_config(run, "train.max_steps=2", "train.ckpt_every=2", "train.eval_every=2", "eval.num_samples=8",
-                      "eval.batch_size=4", "eval.sampler=ddpm", "eval.steps=3", "eval.cfg_scales=[1.5]",
-                      "eval.heldout_loss=false", f"eval.metrics=[{','.join(metrics)}]", f"eval.ref={ref}",
-                      f"eval.inception_weights={weights}"))
-    reset_accelerate()
+    with accelerate_state():
+        train(tiny_config(run, "train.max_steps=2", "train.ckpt_every=2", "train.eval_every=2", "eval.num_samples=8",
+                          "eval.batch_size=4", "eval.sampler=ddpm", "eval.steps=3", "eval.cfg_scales=[1.5]",
+                          "eval.heldout_loss=false", f"eval.metrics=[{','.join(metrics)}]", f"eval.ref={ref}",
+                          f"eval.inception_weights={weights}"))
     (entry,) = read_evals(run)
     during = entry["metrics"]
     assert set(during) == {f"{m}/cfg1.5" for m in metrics}
     assert during["fid/cfg1.5"] > 0 and during["is/cfg1.5"] > 1.0
 
     samples = tmp_path / "samples.npz"
-    load_script(ROOT / "sample.py").main(["--ckpt", str(run / "checkpoints" / "0000002"), "--num-samples", "8",
-                                          "--batch-size", "4", "--sampler", "ddpm", "--steps", "3", "--cfg-scale", "1.5",
-                                          "--seed", "0", "--out", str(samples), "--cpu"])
-    reset_accelerate()
+    with accelerate_state():
+        load_script(ROOT / "sample.py").main(["--ckpt", str(run / "checkpoints" / "0000002"), "--num-samples", "8",
+                                              "--batch-size", "4", "--sampler", "ddpm", "--steps", "3",
+                                              "--cfg-scale", "1.5", "--seed", "0", "--out", str(samples), "--cpu"])
     offline = evaluate(samples, ref, weights, metrics=tuple(metrics), fid_method="eigh", device="cpu").metrics
     for m in metrics:
         assert during[f"{m}/cfg1.5"] == pytest.approx(offline[m], rel=1e-5), m
@@ -303,13 +299,10 @@ def test_the_reference_features_are_ready_before_the_first_step(tmp_path):
     weights = write_random_inception_weights(tmp_path / WEIGHTS_NAME, seed=0)
     held = DigitsDataset("heldout")
     ref = save_adm_npz(tmp_path / "ref.npz", to_uint8(held.images[:6]).transpose(0, 2, 3, 1), held.labels[:6].numpy())
-    reset_accelerate()
-    try:
+    with accelerate_state():
         trainer = Trainer(tiny_config(tmp_path / "run", "train.max_steps=2", "train.eval_every=2",
                                       "eval.metrics=[fid,precision]", f"eval.ref={ref}",
                                       f"eval.inception_weights={weights}", "eval.heldout_loss=false"))
-    finally:
-        reset_accelerate()
     (task,) = [t for t in trainer.tasks if isinstance(t, EvaluationTask)]
     side = task.evaluator._ref_side
     assert trainer.step == 0 and side is not None and side.num_images == 6 and len(side.features.pool) == 6

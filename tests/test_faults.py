@@ -25,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import ROOT, TINY_TRAIN, fork_command, run_command, tiny_overrides
+from helpers import ROOT, TINY_TRAIN, accelerate_state, fork_command, run_command, tiny_overrides
 
 from ancre_dit.checkpoint import load_trained_model  # noqa: E402
 from ancre_dit.training.checkpointing import checkpoint_problem, list_checkpoints  # noqa: E402
@@ -270,16 +270,11 @@ def small_fs(tmp_path):
 
 
 def _cli(main, argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
-    from helpers import reset_accelerate
     from ancre_dit.cli import run_cli
 
     monkeypatch.setattr(sys, "argv", ["train.py", *argv])
-    reset_accelerate()
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            run_cli(main)
-    finally:
-        reset_accelerate()
+    with accelerate_state(), pytest.raises(SystemExit) as exit_info:
+        run_cli(main)
     return exit_info.value.code, capsys.readouterr().err
 
 

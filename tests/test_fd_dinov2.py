@@ -82,7 +82,7 @@ def test_fd_dinov2_bad_weights_are_one_line(vit, tmp_path):
 def test_fd_dinov2_during_training_equals_the_offline_pipeline(vit, tmp_path):
     """eval.metrics=[fd_dinov2] in training gives the number of sample.py + evaluate.py on the same
     checkpoint, seed and sampler."""
-    from helpers import ROOT, load_script, reset_accelerate, tiny_config
+    from helpers import ROOT, accelerate_state, load_script, tiny_config
 
     from ancre_dit.data.adm_npz import to_uint8
     from ancre_dit.data.digits import DigitsDataset
@@ -93,19 +93,18 @@ def test_fd_dinov2_during_training_equals_the_offline_pipeline(vit, tmp_path):
     held = DigitsDataset("heldout")
     ref = save_adm_npz(tmp_path / "ref.npz", to_uint8(held.images[:10]).transpose(0, 2, 3, 1), held.labels[:10].numpy())
     run = tmp_path / "run"
-    reset_accelerate()
-    train(tiny_config(run, "train.max_steps=2", "train.ckpt_every=2", "train.eval_every=2", "eval.num_samples=8",
-                      "eval.batch_size=4", "eval.sampler=ddpm", "eval.steps=3", "eval.cfg_scales=[1.5]",
-                      "eval.heldout_loss=false", "eval.metrics=[fd_dinov2]", f"eval.ref={ref}",
-                      f"eval.dinov2_weights={weights}", f"eval.dinov2_model={TINY_VIT}"))
-    reset_accelerate()
+    with accelerate_state():
+        train(tiny_config(run, "train.max_steps=2", "train.ckpt_every=2", "train.eval_every=2", "eval.num_samples=8",
+                          "eval.batch_size=4", "eval.sampler=ddpm", "eval.steps=3", "eval.cfg_scales=[1.5]",
+                          "eval.heldout_loss=false", "eval.metrics=[fd_dinov2]", f"eval.ref={ref}",
+                          f"eval.dinov2_weights={weights}", f"eval.dinov2_model={TINY_VIT}"))
     (entry,) = read_evals(run)
     assert set(entry["metrics"]) == {"fd_dinov2/cfg1.5"}
     samples = tmp_path / "samples.npz"
-    load_script(ROOT / "sample.py").main(["--ckpt", str(run / "checkpoints" / "0000002"), "--num-samples", "8",
-                                          "--batch-size", "4", "--sampler", "ddpm", "--steps", "3", "--cfg-scale", "1.5",
-                                          "--seed", "0", "--out", str(samples), "--cpu"])
-    reset_accelerate()
+    with accelerate_state():
+        load_script(ROOT / "sample.py").main(["--ckpt", str(run / "checkpoints" / "0000002"), "--num-samples", "8",
+                                              "--batch-size", "4", "--sampler", "ddpm", "--steps", "3",
+                                              "--cfg-scale", "1.5", "--seed", "0", "--out", str(samples), "--cpu"])
     offline = evaluate(samples, ref, None, metrics="fd_dinov2", fid_method="eigh", device="cpu",
                        dinov2_weights=weights, dinov2_model=TINY_VIT).metrics
     assert entry["metrics"]["fd_dinov2/cfg1.5"] == pytest.approx(offline["fd_dinov2"], rel=1e-5)

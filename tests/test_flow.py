@@ -11,7 +11,7 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from helpers import assert_same_weights, reset_accelerate, run_forked_ranks, script_main, tiny_config
+from helpers import accelerate_state, assert_same_weights, run_forked_ranks, script_main, tiny_config
 from test_sampling import DIGITS, REPO, TINY, random_model, run_sample
 
 from ancre_dit.diffusion import FlowObjective, build_objective
@@ -199,15 +199,12 @@ def test_flow_resume_is_bitwise_exact_and_the_spec_records_the_objective(tmp_pat
 
     common = ["train.ckpt_every=3", "model.learn_sigma=false", "model.class_dropout=0.1", "diffusion.objective=flow",
               "diffusion.time_sampling=logit-normal", "diffusion.logit_std=0.8"]
-    try:
-        reset_accelerate()
+    with accelerate_state():
         train(tiny_config(tmp_path / "straight", "train.max_steps=6", *common))
-        reset_accelerate()
+    with accelerate_state():
         train(tiny_config(tmp_path / "split", "train.max_steps=3", *common))
-        reset_accelerate()
+    with accelerate_state():
         train(tiny_config(tmp_path / "split", "train.max_steps=6", *common), resume="auto")
-    finally:
-        reset_accelerate()
     a, b = tmp_path / "straight" / "checkpoints" / "0000006", tmp_path / "split" / "checkpoints" / "0000006"
     assert_same_weights(a, b)
     _, spec = load_trained_model(a)

@@ -20,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import repa_overrides, reset_accelerate, tiny_config, tiny_repa_encoder
+from helpers import repa_overrides, tiny_config, tiny_repa_encoder
 
 import ancre_dit
 from ancre_dit.models.topologies.base import save_topology_json
@@ -187,20 +187,17 @@ def _round_trips_by_step(run_dir: Path, overrides: tuple[str, ...], log_every: i
         return real_step(self, batches)
 
     monkeypatch.setattr(Trainer, "train_step", step)
-    reset_accelerate()
-    try:
-        trainer = Trainer(tiny_config(run_dir, *DEPTH, f"train.max_steps={max_steps}", f"train.log_every={log_every}",
-                                      "train.ckpt_every=1000", *overrides))
-        with counter:
-            counter.active = True
-            trainer.run()
-    finally:
-        reset_accelerate()
+    trainer = Trainer(tiny_config(run_dir, *DEPTH, f"train.max_steps={max_steps}", f"train.log_every={log_every}",
+                                  "train.ckpt_every=1000", *overrides))
+    with counter:
+        counter.active = True
+        trainer.run()
     return dict(by_step)
 
 
 @pytest.mark.parametrize("recipe", [*RECIPES, "frozen", "repa"])
 @pytest.mark.slow
+@pytest.mark.usefixtures("fresh_accelerate")
 def test_no_host_round_trip_in_steps_that_log_nothing(tmp_path, monkeypatch, recipe):
     if recipe == "frozen":
         save_topology_json(tmp_path / "topology.json", torch.tril(torch.rand(4, 4)))

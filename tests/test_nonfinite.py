@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import ROOT, reset_accelerate, subprocess_env, tiny_config, tiny_overrides, write_latent_dir
+from helpers import ROOT, subprocess_env, tiny_config, tiny_overrides, write_latent_dir
 
 import ancre_dit.training.trainer as trainer_module  # noqa: E402
 from ancre_dit.training import train  # noqa: E402
@@ -20,11 +20,7 @@ from ancre_dit.training.checkpointing import list_checkpoints  # noqa: E402
 from ancre_dit.training.guards import NonFiniteStop  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate():
-    reset_accelerate()
-    yield
-    reset_accelerate()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def _inject_inf_at(monkeypatch, steps: set[int]) -> None:
@@ -135,7 +131,6 @@ def test_an_inf_data_sample_is_skipped_or_stops_the_command(tmp_path):
     # The warning names the data: the shard file and row of the poisoned sample.
     assert "its input batch itself is non-finite (non-finite data: shard-00000.safetensors row 5)" in (run / "log.txt").read_text()
     assert all(r["loss"] == r["loss"] for r in rows if not r["skipped"])  # the others are finite
-    reset_accelerate()
     # stop, through the real command line: exit 2, the error line names the step and the policy.
     run = tmp_path / "stop"
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "digits-ancre.yaml"),

@@ -10,24 +10,23 @@ import torch
 from ancre_dit import create_model
 from ancre_dit.training.trainer import Trainer
 
-from helpers import reset_accelerate, tiny_config
+from helpers import accelerate_state, tiny_config
 
 
 def observe(run_dir, *overrides: str) -> dict:
     """What a fresh trainer will draw: its backbone weights, first batches, first noise draws, and
     the global random state (label dropout)."""
-    reset_accelerate()
-    trainer = Trainer(tiny_config(run_dir, *overrides))
-    try:
-        backbone = {k: v.clone() for k, v in trainer.raw_model.state_dict().items() if not k.startswith("topology.")}
-        rng = torch.get_rng_state().clone()
-        batches = iter(trainer._loader())
-        first = [next(batches) for _ in range(3)]
-        x = torch.zeros(16, 1, 8, 8)
-        draws = [trainer.draw_timesteps_and_noise(x) for _ in range(2)]
-    finally:
-        trainer.accelerator.end_training()
-        reset_accelerate()
+    with accelerate_state():
+        trainer = Trainer(tiny_config(run_dir, *overrides))
+        try:
+            backbone = {k: v.clone() for k, v in trainer.raw_model.state_dict().items() if not k.startswith("topology.")}
+            rng = torch.get_rng_state().clone()
+            batches = iter(trainer._loader())
+            first = [next(batches) for _ in range(3)]
+            x = torch.zeros(16, 1, 8, 8)
+            draws = [trainer.draw_timesteps_and_noise(x) for _ in range(2)]
+        finally:
+            trainer.accelerator.end_training()
     return {"backbone": backbone, "rng": rng, "batches": first, "draws": draws}
 
 

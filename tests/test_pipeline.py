@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import ROOT, load_script, reset_accelerate, tiny_config, tiny_vae
+from helpers import ROOT, accelerate_state, load_script, tiny_config, tiny_vae
 from PIL import Image
 
 from ancre_dit.data.adm_npz import load_adm_npz
@@ -36,14 +36,11 @@ def test_images_to_latents_to_training_to_samples(tmp_path, vae_and_images):
     data = LatentShardDataset(latents)
     assert len(data) == 8 and data.num_classes == 2 and tuple(data.latent_shape) == (4, 8, 8)
 
-    reset_accelerate()
     run = tmp_path / "run"
-    try:
+    with accelerate_state():
         out = train(tiny_config(run, "data.kind=latents", f"data.path={latents}", "data.image_size=16",
                                 "train.max_steps=3", "train.global_batch_size=4", "train.ckpt_every=3",
                                 "train.sample_every=3", "train.num_sample_images=2"))
-    finally:
-        reset_accelerate()
     assert out["step"] == 3
     assert (run / "samples" / "0000003.png").is_file()  # the grid decoded through the run's VAE
     ckpt = run / "checkpoints" / "0000003"

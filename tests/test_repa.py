@@ -14,8 +14,8 @@ import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from helpers import (REPA_ENCODER as ENCODER, REPA_ENCODER_KWARGS as ENCODER_KWARGS, ROOT, assert_same_weights,
-                     load_script, repa_overrides, reset_accelerate, run_forked_ranks, tiny_config, tiny_model,
+from helpers import (REPA_ENCODER as ENCODER, REPA_ENCODER_KWARGS as ENCODER_KWARGS, ROOT, accelerate_state,
+                     assert_same_weights, load_script, repa_overrides, run_forked_ranks, tiny_config, tiny_model,
                      tiny_repa_encoder, tiny_vae, train_tiny, write_latent_dir)
 from safetensors.torch import load_file, save_file
 
@@ -131,40 +131,38 @@ def test_the_tap_compiles_into_the_models_graph(one_thread):
 @pytest.mark.usefixtures("fresh_accelerate")
 def test_encoder_stays_frozen_and_resume_is_exact(tmp_path, weights, one_thread):
     common = [*repa_overrides(weights), "train.ckpt_every=2", "train.ema_warmup=true"]
-    trainer = Trainer(tiny_config(tmp_path / "straight", "train.max_steps=4", *common))
-    encoder_before = {k: v.clone() for k, v in trainer.repa.encoder.state_dict().items()}
-    projector_before = {k: v.clone() for k, v in trainer.repa.projector.state_dict().items()}
-    trainer.run()
+    with accelerate_state():
+        trainer = Trainer(tiny_config(tmp_path / "straight", "train.max_steps=4", *common))
+        encoder_before = {k: v.clone() for k, v in trainer.repa.encoder.state_dict().items()}
+        projector_before = {k: v.clone() for k, v in trainer.repa.projector.state_dict().items()}
+        trainer.run()
     for k, v in trainer.repa.encoder.state_dict().items():
         assert torch.equal(v, encoder_before[k]), k
     assert not all(torch.equal(v, projector_before[k]) for k, v in trainer.repa.projector.state_dict().items())
-    reset_accelerate()
-    train(tiny_config(tmp_path / "split", "train.max_steps=2", *common))
-    reset_accelerate()
-    train(tiny_config(tmp_path / "split", "train.max_steps=4", *common), resume="auto")
+    with accelerate_state():
+        train(tiny_config(tmp_path / "split", "train.max_steps=2", *common))
+    with accelerate_state():
+        train(tiny_config(tmp_path / "split", "train.max_steps=4", *common), resume="auto")
     a, b = _ckpt(tmp_path / "straight", 4), _ckpt(tmp_path / "split", 4)
     assert_same_weights(a, b)
     pa, pb = load_file(a / "repa_projector.safetensors"), load_file(b / "repa_projector.safetensors")
     assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
     assert all(torch.equal(pa[k], v.cpu()) for k, v in trainer.repa.projector.state_dict().items())
     assert [m["repa_loss"] for m in _metrics(tmp_path / "straight")] == [m["repa_loss"] for m in _metrics(tmp_path / "split")]
-    reset_accelerate()  # paired seeds: with REPA off, the same network, batch and draws at step 1
-    train(tiny_config(tmp_path / "off", "train.max_steps=1", "train.ckpt_every=2", "train.ema_warmup=true"))
+    with accelerate_state():  # paired seeds: with REPA off, the same network, batch and draws at step 1
+        train(tiny_config(tmp_path / "off", "train.max_steps=1", "train.ckpt_every=2", "train.ema_warmup=true"))
     on, off = _metrics(tmp_path / "straight")[0], _metrics(tmp_path / "off")[0]
     assert (on["loss"], on["mse"]) == (off["loss"], off["mse"]) and "repa_loss" not in off
     # The sampled model is what it is without REPA: no projector in its files or spec.
     assert set(load_file(a / "model.safetensors")) == set(trainer.raw_model.state_dict())
     assert "repa" not in (a / "model_spec.json").read_text()
-    reset_accelerate()
-    with pytest.raises(UserError) as err:  # resuming without REPA would misread the optimizer state
+    with accelerate_state(), pytest.raises(UserError) as err:  # resuming without REPA would misread the optimizer state
         Trainer(tiny_config(tmp_path / "split", "train.max_steps=6"), resume="auto")
     assert "trained with REPA" in _one_line(err)
-    reset_accelerate()
-    with pytest.raises(UserError) as err:
+    with accelerate_state(), pytest.raises(UserError) as err:
         Trainer(tiny_config(tmp_path / "split", "train.max_steps=6", *common, "repa.projector_dim=8"), resume="auto")
     assert "its REPA projector has 0.weight (16, 32), this config's (8, 32)" in _one_line(err)
-    reset_accelerate()
-    with pytest.raises(UserError) as err:  # the same projector shapes, another block: the saved settings tell
+    with accelerate_state(), pytest.raises(UserError) as err:  # same projector shapes, another block: the saved settings tell
         Trainer(tiny_config(tmp_path / "split", "train.max_steps=6", *repa_overrides(weights, depth=2),
                             "train.ckpt_every=2", "train.ema_warmup=true"), resume="auto")
     assert "other REPA settings (repa.depth 1 in the checkpoint, 2 in the config)" in _one_line(err)
@@ -270,16 +268,17 @@ def test_trains_on_latents_with_images_and_refuses_shards_without(tmp_path, weig
     latents = ["data.kind=latents", "data.image_size=16", "train.global_batch_size=4", "train.max_steps=2",
                "train.ckpt_every=2"]
     with_images = _latent_dir(tmp_path / "with", images=True)
-    out = train(tiny_config(tmp_path / "run", *latents, f"data.path={with_images}", *repa_overrides(weights),
-                            "train.mixed_precision=bf16", "train.grad_accum=2"))
+    with accelerate_state():
+        out = train(tiny_config(tmp_path / "run", *latents, f"data.path={with_images}", *repa_overrides(weights),
+                                "train.mixed_precision=bf16", "train.grad_accum=2"))
     assert out["step"] == 2 and np.isfinite(out["metrics"]["repa_loss"])  # 16 px images, 8 px encoder input, 2 x 2 tokens
-    reset_accelerate()
     without = _latent_dir(tmp_path / "without", images=False)
-    with pytest.raises(UserError) as err:
+    with accelerate_state(), pytest.raises(UserError) as err:
         Trainer(tiny_config(tmp_path / "run2", *latents, f"data.path={without}", *repa_overrides(weights)))
     assert "holds no images" in _one_line(err) and "--keep-images" in str(err.value)
-    reset_accelerate()
-    assert train(tiny_config(tmp_path / "run3", *latents, f"data.path={without}"))["step"] == 2  # REPA off: as before
+    with accelerate_state():
+        out = train(tiny_config(tmp_path / "run3", *latents, f"data.path={without}"))
+    assert out["step"] == 2  # REPA off: as before
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_same_weights, deterministic_draws, reset_accelerate, run_forked_ranks, tiny_config, train_tiny
+from helpers import accelerate_state, assert_same_weights, deterministic_draws, run_forked_ranks, tiny_config, train_tiny
 from safetensors.torch import load_file
 
 from ancre_dit.training import Trainer
@@ -28,11 +28,8 @@ HOLD_ROUTING = "train.topology_warmup_steps=6"
 
 
 def _one_process(run: Path, steps: int, *extra: str, resume: str | None = None) -> None:
-    reset_accelerate()
-    try:
+    with accelerate_state():
         Trainer(tiny_config(run, *SETTINGS, f"train.max_steps={steps}", *extra), resume=resume).run()
-    finally:
-        reset_accelerate()
 
 
 def _two_processes(run: Path, steps: int, *extra: str, resume: str | None = None) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from ancre_dit.training.trainer import Trainer
 
-from helpers import inputs, randomize, reset_accelerate, tiny_config, tiny_model
+from helpers import accelerate_state, inputs, randomize, tiny_config, tiny_model
 
 LAYOUTS = [("ancre", {}), ("ancre", {"ancre_mode": "replace"}), ("ancre", {"topology_topk": 2}),
            ("ancre", {"topology_topk": 1, "ancre_mode": "replace"}), ("ancre-outgoing", {}), ("fixed-dense", {}),
@@ -135,12 +135,11 @@ def test_bf16_history_gradients_match_between_stacked_and_chain():
 def test_history_dtype_enters_the_model_spec_only_when_set(tmp_path):
     """Specs of runs that do not set it stay as they were, so older runs resume."""
     for overrides, expected in (((), None), (("model.history_dtype=bfloat16",), "bfloat16")):
-        reset_accelerate()
-        trainer = Trainer(tiny_config(tmp_path / str(expected), *overrides))
-        try:
-            kwargs = trainer.model_spec()["model"]["kwargs"]
-            assert kwargs.get("history_dtype") == expected and "topology_topk" not in kwargs
-            assert trainer.raw_model.topology.history_dtype == (torch.bfloat16 if expected else torch.float32)
-        finally:
-            trainer.accelerator.end_training()
-            reset_accelerate()
+        with accelerate_state():
+            trainer = Trainer(tiny_config(tmp_path / str(expected), *overrides))
+            try:
+                kwargs = trainer.model_spec()["model"]["kwargs"]
+                assert kwargs.get("history_dtype") == expected and "topology_topk" not in kwargs
+                assert trainer.raw_model.topology.history_dtype == (torch.bfloat16 if expected else torch.float32)
+            finally:
+                trainer.accelerator.end_training()

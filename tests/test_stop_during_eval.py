@@ -12,18 +12,15 @@ from ancre_dit.evaluation.evaluator import Evaluator, read_evals
 from ancre_dit.training import train
 from ancre_dit.training.checkpointing import list_checkpoints
 
-from helpers import reset_accelerate, tiny_config
+from helpers import accelerate_state, tiny_config
 
 EVAL = ["train.eval_every=4", "train.max_steps=8", "train.ckpt_every=100", "eval.num_samples=40",
         "eval.batch_size=10", "eval.metrics=[digits]", "eval.steps=2", "eval.heldout_max=16"]
 
 
 def run(run_dir, resume=None):
-    reset_accelerate()
-    try:
+    with accelerate_state():
         return train(tiny_config(run_dir, *EVAL), resume=resume)
-    finally:
-        reset_accelerate()
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import TINY_DIT, TINY_NAME, reset_accelerate, tiny_config
+from helpers import TINY_DIT, TINY_NAME, tiny_config
 
 from ancre_dit import create_model
 from ancre_dit.hardware import peak_tflops
@@ -15,13 +15,10 @@ from ancre_dit.training import Trainer
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fresh_accelerate")
 def test_metrics_carry_the_rate_per_process_and_the_mfu(tmp_path):
-    reset_accelerate()
-    try:
-        trainer = Trainer(tiny_config(tmp_path / "run", "train.max_steps=4", "train.log_every=2", "train.peak_tflops=0.002"))
-        trainer.run()
-    finally:
-        reset_accelerate()
+    trainer = Trainer(tiny_config(tmp_path / "run", "train.max_steps=4", "train.log_every=2", "train.peak_tflops=0.002"))
+    trainer.run()
     # The count made on the meta device is the count of the real model on a real image.
     model = create_model(TINY_NAME, **{k: v for k, v in TINY_DIT.items()}, topology="ancre", learn_sigma=True)
     x = torch.randn(1, TINY_DIT["in_channels"], TINY_DIT["input_size"], TINY_DIT["input_size"])

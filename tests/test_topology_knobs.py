@@ -10,7 +10,9 @@ from safetensors.torch import load_file
 from ancre_dit.training import train
 from ancre_dit.training.trainer import Trainer
 
-from helpers import reset_accelerate, tiny_config
+from helpers import accelerate_state, tiny_config
+
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def weights(run, step: int) -> dict[str, torch.Tensor]:
@@ -22,11 +24,7 @@ def routing(state: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def run_tiny(run, *overrides: str) -> None:
-    reset_accelerate()
-    try:
-        train(tiny_config(run, "model.depth=3", "train.ckpt_every=1", *overrides))
-    finally:
-        reset_accelerate()
+    train(tiny_config(run, "model.depth=3", "train.ckpt_every=1", *overrides))
 
 
 def checkpoint_steps(run) -> list[int]:
@@ -52,33 +50,31 @@ def test_warmup_holds_the_routing_for_exactly_n_steps(tmp_path):
 
 def test_groups_and_learning_rates(tmp_path):
     """The routing group is what the topology declares; its lr and decay follow the knobs."""
-    reset_accelerate()
-    trainer = Trainer(tiny_config(tmp_path / "a", "train.lr=0.01", "train.weight_decay=0.05",
-                                  "train.topology_lr_mult=0.5", "train.topology_warmup_steps=2",
-                                  "train.topology_weight_decay=0.2"))
-    try:
-        groups = trainer.optimizer.param_groups
-        declared = {id(p) for p in trainer.raw_model.topology.routing_parameters() if p.requires_grad}
-        assert {id(p) for p in groups[trainer.routing_group]["params"]} == declared
-        assert groups[trainer.routing_group]["weight_decay"] == 0.2 and groups[0]["weight_decay"] == 0.05
-        assert trainer._group_lrs(0.01) == [0.01, 0.0]  # step 0 of 2 held steps
-        trainer.progress.step = 2
-        assert trainer._group_lrs(0.01) == [0.01, 0.005]
-    finally:
-        trainer.accelerator.end_training()
-        reset_accelerate()
-    trainer = Trainer(tiny_config(tmp_path / "b", "train.lr=0.01", "model.topology=cascaded"))
-    try:  # no routing parameters: one group, the knobs have nothing to act on
-        assert trainer.routing_group is None and trainer._group_lrs(0.01) == [0.01]
-    finally:
-        trainer.accelerator.end_training()
-        reset_accelerate()
+    with accelerate_state():
+        trainer = Trainer(tiny_config(tmp_path / "a", "train.lr=0.01", "train.weight_decay=0.05",
+                                      "train.topology_lr_mult=0.5", "train.topology_warmup_steps=2",
+                                      "train.topology_weight_decay=0.2"))
+        try:
+            groups = trainer.optimizer.param_groups
+            declared = {id(p) for p in trainer.raw_model.topology.routing_parameters() if p.requires_grad}
+            assert {id(p) for p in groups[trainer.routing_group]["params"]} == declared
+            assert groups[trainer.routing_group]["weight_decay"] == 0.2 and groups[0]["weight_decay"] == 0.05
+            assert trainer._group_lrs(0.01) == [0.01, 0.0]  # step 0 of 2 held steps
+            trainer.progress.step = 2
+            assert trainer._group_lrs(0.01) == [0.01, 0.005]
+        finally:
+            trainer.accelerator.end_training()
+    with accelerate_state():
+        trainer = Trainer(tiny_config(tmp_path / "b", "train.lr=0.01", "model.topology=cascaded"))
+        try:  # no routing parameters: one group, the knobs have nothing to act on
+            assert trainer.routing_group is None and trainer._group_lrs(0.01) == [0.01]
+        finally:
+            trainer.accelerator.end_training()
 
 
 def test_defaults_keep_the_optimizer_as_it_was(tmp_path):
     """Two groups as before the knobs existed: the backbone with train.weight_decay, the topology's
     logits with no decay, both at train.lr."""
-    reset_accelerate()
     trainer = Trainer(tiny_config(tmp_path, "train.lr=0.01", "train.weight_decay=0.05"))
     try:
         groups = trainer.optimizer.param_groups
@@ -88,7 +84,6 @@ def test_defaults_keep_the_optimizer_as_it_was(tmp_path):
         assert {id(p) for p in groups[1]["params"]} == topology
     finally:
         trainer.accelerator.end_training()
-        reset_accelerate()
 
 
 @pytest.mark.parametrize("override, message", [

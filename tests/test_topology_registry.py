@@ -14,7 +14,7 @@ from ancre_dit.models.topologies import (TOPOLOGIES, CascadedTopology, TopologyN
 from ancre_dit.ranges import Rule
 from ancre_dit.checkpoint import load_trained_model
 from ancre_dit.training import load_config, train
-from helpers import TINY_DIT, TINY_NAME, TINY_TRAIN, reset_accelerate, tiny_model
+from helpers import TINY_DIT, TINY_NAME, TINY_TRAIN, tiny_model
 
 class GainTopology(CascadedTopology):
     """h_j = B_j(h_{j-1}) + gain * h_{j-1}: a cascaded trunk with one hyperparameter."""
@@ -48,12 +48,12 @@ def gain_topology():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("fresh_accelerate")
 def test_a_topology_registered_in_a_test_trains_checkpoints_and_reloads(tmp_path, gain_topology):
     config = load_config(None, [*TINY_TRAIN, f"run_dir={tmp_path / 'run'}", "model.topology=test-gain", "model.gain=0.5",
                                 "train.max_steps=2", "train.ckpt_every=2"])
     assert config.model.topology_options == {"gain": 0.5}
     train(config)
-    reset_accelerate()
 
     model, spec = load_trained_model(tmp_path / "run" / "checkpoints" / "0000002")
     assert spec["model"]["kwargs"]["gain"] == 0.5 and isinstance(model.topology, GainTopology)

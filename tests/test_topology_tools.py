@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import ROOT, reset_accelerate, tiny_config
+from helpers import ROOT, accelerate_state, tiny_config
 
 import ancre_dit.models.topologies.base as topology_base
 from ancre_dit.cli import run_cli
@@ -27,11 +27,7 @@ from ancre_dit.models.topologies.analysis import (compare_topologies, format_top
 SCRIPT = ROOT / "scripts" / "topology.py"
 
 
-@pytest.fixture(autouse=True)
-def _fresh_accelerate():
-    reset_accelerate()
-    yield
-    reset_accelerate()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate")
 
 
 def _random_topology(K: int, seed: int) -> np.ndarray:
@@ -195,7 +191,8 @@ def test_pruned_frozen_topology_trains_samples_and_evolution_draws(tmp_path):
     common = ("model.depth=4", "train.global_batch_size=32", "model.learn_sigma=false")
     # An ANCRe run with two checkpoints: its evolution strip, then its topology pruned and frozen.
     run = tmp_path / "ancre"
-    train(tiny_config(run, *common, "train.max_steps=20", "train.ckpt_every=10"))
+    with accelerate_state():
+        train(tiny_config(run, *common, "train.max_steps=20", "train.ckpt_every=10"))
     out = _run_script("evolution", str(run), "--gif", str(tmp_path / "evo.gif"))
     assert out.returncode == 0, out.stderr
     assert "2 checkpoints" in out.stdout and (run / "topology_evolution.png").stat().st_size > 0
@@ -204,10 +201,10 @@ def test_pruned_frozen_topology_trains_samples_and_evolution_draws(tmp_path):
     sparse = tmp_path / "sparse.json"
     assert _run_script("prune", str(run), "--top-k", "1", "--out", str(sparse)).returncode == 0
     P = load_topology_json(sparse)
-    reset_accelerate()
     frozen = tmp_path / "frozen"
-    train(tiny_config(frozen, *common, "model.topology=frozen", f"model.topology_path={sparse}", "train.max_steps=60",
-                      "train.log_every=10", "train.ckpt_every=60"))
+    with accelerate_state():
+        train(tiny_config(frozen, *common, "model.topology=frozen", f"model.topology_path={sparse}",
+                          "train.max_steps=60", "train.log_every=10", "train.ckpt_every=60"))
     losses = [json.loads(line)["loss"] for line in (frozen / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < 0.8 * losses[0], losses
     model, spec = load_trained_model(frozen / "checkpoints" / "0000060")
@@ -222,11 +219,12 @@ def test_entropy_regulariser_is_added_logged_and_sharpens(tmp_path):
 
     common = ("model.depth=4", "train.max_steps=12", "train.log_every=4")
     run = tmp_path / "ent"
-    train(tiny_config(run, *common, "model.topology_entropy_weight=100.0"))
+    with accelerate_state():
+        train(tiny_config(run, *common, "model.topology_entropy_weight=100.0"))
     rows = [json.loads(line) for line in (run / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert all("topology_entropy" in r for r in rows)
-    reset_accelerate()
-    train(tiny_config(tmp_path / "plain", *common))
+    with accelerate_state():
+        train(tiny_config(tmp_path / "plain", *common))
     plain = [json.loads(line) for line in (tmp_path / "plain" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert "topology_entropy" not in plain[0]
 
@@ -239,8 +237,7 @@ def test_entropy_regulariser_is_added_logged_and_sharpens(tmp_path):
     assert (raw_topology(run) - raw_topology(tmp_path / "plain")).abs().max() > 0.01
     logged = [r["topology_entropy"] for r in rows]
     assert logged[0] < (1 / 2 + 2 / 3 + 3 / 4) / 3 and logged[1] < logged[0] and logged[2] < logged[1], logged
-    reset_accelerate()
-    with pytest.raises(UserError, match="needs the ancre topology"):
+    with accelerate_state(), pytest.raises(UserError, match="needs the ancre topology"):
         train(tiny_config(tmp_path / "casc", "model.topology=cascaded", "model.topology_entropy_weight=1.0"))
     with pytest.raises(UserError, match="topology_entropy_weight must be"):
         tiny_config(tmp_path / "neg", "model.topology_entropy_weight=-1")

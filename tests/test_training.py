@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import (ROOT, assert_same_weights, reset_accelerate, subprocess_env, tiny_config, tiny_overrides,
+from helpers import (ROOT, accelerate_state, assert_same_weights, subprocess_env, tiny_config, tiny_overrides,
                      write_latent_dir)
 from safetensors.torch import load_file
 
@@ -56,15 +56,15 @@ def test_resume_is_bitwise_exact_and_survives_a_crash_mid_save(tmp_path, monkeyp
     N = 3
     # Learned sigma and label dropout on: every random stream (t, noise, dropout) must be restored.
     common = ["train.ckpt_every=3", "model.learn_sigma=true", "model.class_dropout=0.1", "train.ema_warmup=true"]
-    train(tiny_config(tmp_path / "straight", f"train.max_steps={2 * N}", *common))
-    reset_accelerate()
+    with accelerate_state():
+        train(tiny_config(tmp_path / "straight", f"train.max_steps={2 * N}", *common))
 
     # N steps, then a new process-like start with --resume auto for N more.
-    train(tiny_config(tmp_path / "split", f"train.max_steps={N}", *common))
-    reset_accelerate()
-    train(tiny_config(tmp_path / "split", f"train.max_steps={2 * N}", *common), resume="auto")
+    with accelerate_state():
+        train(tiny_config(tmp_path / "split", f"train.max_steps={N}", *common))
+    with accelerate_state():
+        train(tiny_config(tmp_path / "split", f"train.max_steps={2 * N}", *common), resume="auto")
     _assert_same_state(_ckpt(tmp_path / "straight", 2 * N), _ckpt(tmp_path / "split", 2 * N))
-    reset_accelerate()
 
     # A crash inside the second save, after Accelerate's files are written.
     real_write = trainer_module.write_model_files
@@ -77,15 +77,15 @@ def test_resume_is_bitwise_exact_and_survives_a_crash_mid_save(tmp_path, monkeyp
             raise RuntimeError("simulated crash mid-save")
 
     monkeypatch.setattr(trainer_module, "write_model_files", crashing_write)
-    with pytest.raises(RuntimeError, match="simulated crash"):
+    with accelerate_state(), pytest.raises(RuntimeError, match="simulated crash"):
         train(tiny_config(tmp_path / "crash", f"train.max_steps={2 * N}", *common))
     monkeypatch.setattr(trainer_module, "write_model_files", real_write)
-    reset_accelerate()
     ck = tmp_path / "crash" / "checkpoints"
     assert (ck / f".tmp-{2 * N:07d}").is_dir() and not _ckpt(tmp_path / "crash", 2 * N).exists()
     assert [s for s, _ in list_checkpoints(tmp_path / "crash")] == [N]
     assert resolve_resume("auto", tmp_path / "crash") == _ckpt(tmp_path / "crash", N)
-    out = train(tiny_config(tmp_path / "crash", f"train.max_steps={2 * N}", *common), resume="auto")
+    with accelerate_state():
+        out = train(tiny_config(tmp_path / "crash", f"train.max_steps={2 * N}", *common), resume="auto")
     assert out["step"] == 2 * N
     assert not (ck / f".tmp-{2 * N:07d}").exists()
     _assert_same_state(_ckpt(tmp_path / "straight", 2 * N), _ckpt(tmp_path / "crash", 2 * N))
@@ -142,10 +142,10 @@ def test_figures_off_writes_the_data_and_no_png(tmp_path):
     """log.figures=false: topology.json in the run and its checkpoint, the jsonl logs, and no PNG
     (no heatmap, loss, quality or diagnostics figure); the weights are those of a run with figures."""
     for name, figures in (("off", "false"), ("on", "true")):
-        train(tiny_config(tmp_path / name, "train.max_steps=2", "train.ckpt_every=2", "train.eval_every=2",
-                          "eval.num_samples=4", "eval.batch_size=4", "eval.steps=2", "train.diagnostics=true",
-                          f"log.figures={figures}"))
-        reset_accelerate()
+        with accelerate_state():
+            train(tiny_config(tmp_path / name, "train.max_steps=2", "train.ckpt_every=2", "train.eval_every=2",
+                              "eval.num_samples=4", "eval.batch_size=4", "eval.steps=2", "train.diagnostics=true",
+                              f"log.figures={figures}"))
     off, on = tmp_path / "off", tmp_path / "on"
     assert (off / "topology.json").is_file() and (_ckpt(off, 2) / "topology.json").is_file()
     assert (off / "logs" / "evals.jsonl").is_file() and (off / "logs" / "diagnostics.jsonl").is_file()

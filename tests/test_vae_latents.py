@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from containers import make_image_folder
-from helpers import ROOT, load_script, one_torch_thread, reset_accelerate, tiny_config
+from helpers import ROOT, accelerate_state, load_script, one_torch_thread, tiny_config
 from safetensors.torch import load_file
 
 from ancre_dit.data.image_folder import load_rgb
@@ -137,13 +137,10 @@ def test_16_channel_latents_train_and_sample_with_channel_norm(kl_latents, tmp_p
     vae_dir, out = kl_latents
     latents = shutil.copytree(out, tmp_path / "latents")
     run = tmp_path / "run"
-    reset_accelerate()
-    try:
+    with accelerate_state():
         train(tiny_config(run, "data.kind=latents", f"data.path={latents}", f"data.image_size={SIZE}",
                           "data.latent_norm=channel", "train.max_steps=3", "train.global_batch_size=4",
                           "train.ckpt_every=3", "train.sample_every=3"))
-    finally:
-        reset_accelerate()
     manifest = json.loads((latents / "manifest.json").read_text())
     model, spec = load_trained_model(run / "checkpoints" / "0000003", "ema")
     assert (model.in_channels, model.input_size) == (16, 4)
