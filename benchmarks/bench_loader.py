@@ -6,9 +6,9 @@ images at the ImageNet-256 latent shape 4x32x32, about 3.3 GB; reused when alrea
 iterates the trainer's own loader (`LatentShardDataset` + `GlobalBatchSampler` + `make_loader`,
 one process, global batch 256) for each worker count and read path:
 
-    batched     one `get_batch` per micro-batch: the rows of each
-                shard read by positional reads straight into the batch tensor (in a worker: a
-                shared-memory tensor, as torch's default collate makes)
+    batched     one `get_batch` per micro-batch: the rows of each shard read by positional reads
+                straight into the batch tensor (in a worker: a shared-memory tensor, as torch's
+                default collate makes)
     in-memory   `data.in_memory=true`: every shard read once into RAM (not timed; its load time is
                 printed), then one `index_select` per micro-batch
 

@@ -261,3 +261,16 @@ def test_a_shard_stored_in_another_dtype_is_one_clear_error(latent_dir, tmp_path
         ds.get_batch([0, 3 * 13])
     with pytest.raises(UserError, match=r"shard-00003.* stores torch.float32, other shards torch.float16; re-extract"):
         LatentShardDataset(mixed, in_memory=True)
+
+
+def test_only_whole_batches_are_allocated_in_shared_memory_inside_a_worker(latent_dir, monkeypatch):
+    """Inside a DataLoader worker a batch is read into shared memory (it crosses to the main process
+    without a copy); a single `ds[i]` is not, since a collate stacks it again anyway."""
+    from types import SimpleNamespace
+
+    for in_memory in (False, True):
+        ds = LatentShardDataset(latent_dir, in_memory=in_memory)
+        monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: SimpleNamespace(id=0))
+        assert ds.get_batch([3, 40])[0].is_shared() and not ds[3][0].is_shared()
+        monkeypatch.undo()
+        assert not ds.get_batch([3, 40])[0].is_shared()

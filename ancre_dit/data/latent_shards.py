@@ -180,9 +180,10 @@ class LatentShardDataset(Dataset):
     """Random access over all images of a latent directory.
 
     `ds.get_batch(indices) -> (moments (N, 2, 2, C, h, w), labels int64 (N,))`, moments float16
-    indexed [flip][0=mean, 1=std], read in one gather per shard; `ds[i] -> (moments, label)` is the
-    same read for one index (the training loader calls `get_batch` once per micro-batch). Shards are opened lazily (so each DataLoader worker opens its own descriptors); at most
-    `max_open_shards` stay open per process.
+    indexed [flip][0=mean, 1=std], read in one gather per shard (the training loader calls it once
+    per micro-batch); `ds[i] -> (moments, label)` is the same read for one index. Shards are opened
+    lazily (so each DataLoader worker opens its own descriptors); at most `max_open_shards` stay
+    open per process.
 
     `in_memory=True` reads every shard once, here, into one array in shared memory (DataLoader
     workers see it without a copy); batches are then one `index_select`, the same bytes as from
@@ -263,7 +264,7 @@ class LatentShardDataset(Dataset):
         return f"{self._files[shard].name} row {row}"
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        moments, labels = self.get_batch([int(i)])[:2]
+        moments, labels = self.get_batch([int(i)], shared=False)[:2]  # a sample, collated later: no shared tensor
         return moments[0], int(labels[0])
 
     def _moments_dtype(self) -> torch.dtype:
@@ -285,14 +286,14 @@ class LatentShardDataset(Dataset):
             raise UserError(f"{self._files[shard]} stores {entry.torch_dtype}, other shards {dtype}; re-extract the latents")
         return entry
 
-    def get_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
+    def get_batch(self, indices: Sequence[int], shared: bool = True) -> tuple[torch.Tensor, ...]:
         """`(stack of ds[i][0], tensor of ds[i][1])` over `indices`, in their order, and with
         `images` their clean images third.
 
         Rows are read shard by shard in file order, each shard opened at most once per batch
-        however many shards the batch spans, straight into the batch tensor (allocated in shared
-        memory inside a DataLoader worker, as torch's default collate does, so handing it to the
-        main process costs no copy).
+        however many shards the batch spans, straight into the batch tensor. With `shared`, inside
+        a DataLoader worker that tensor is allocated in shared memory, as torch's default collate
+        does, so handing it to the main process costs no copy.
         """
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = len(idx)
@@ -300,11 +301,11 @@ class LatentShardDataset(Dataset):
             bad = idx[(idx < -self._len) | (idx >= self._len)][0]
             raise IndexError(f"index {bad} out of range for {self._len} latents")
         idx = idx % max(self._len, 1)
-        images = _new_batch_tensor((n, *self.image_shape), torch.uint8) if self.images else None
+        images = _new_batch_tensor((n, *self.image_shape), torch.uint8, shared) if self.images else None
         if self._memory is not None:
             all_moments, all_labels, all_images = self._memory
             picked = torch.from_numpy(idx)
-            moments = _new_batch_tensor((n, *all_moments.shape[1:]), all_moments.dtype)
+            moments = _new_batch_tensor((n, *all_moments.shape[1:]), all_moments.dtype, shared)
             torch.index_select(all_moments, 0, picked, out=moments)
             if images is not None:
                 torch.index_select(all_images, 0, picked, out=images)
@@ -313,7 +314,7 @@ class LatentShardDataset(Dataset):
         rows = idx - self._starts_np[shard_of]
         dtype = self._moments_dtype()
         shape = (n, 2, 2, *self.latent_shape)
-        moments = _new_batch_tensor(shape, dtype)
+        moments = _new_batch_tensor(shape, dtype, shared)
         labels = torch.empty(n, dtype=torch.int64)
         raw = moments.view(torch.uint8).numpy().reshape(n, 2, 2, moments[0, 0, 0].nbytes if n else 0)  # [sample, flip, mean/std, bytes]
         image_rows = images.numpy().reshape(n, int(np.prod(self.image_shape))) if images is not None else None
@@ -452,9 +453,9 @@ def _batch(moments: torch.Tensor, labels: torch.Tensor, images: torch.Tensor | N
     return (moments, labels) if images is None else (moments, labels, images)
 
 
-def _new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An empty tensor; in shared memory inside a DataLoader worker (what default_collate does)."""
-    if torch.utils.data.get_worker_info() is None:
+def _new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """An empty tensor; with `shared`, in shared memory inside a DataLoader worker (what default_collate does)."""
+    if not shared or torch.utils.data.get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
     numel = int(np.prod(shape))
     storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(numel)
