@@ -6,11 +6,14 @@ import json
 import logging
 import os
 import pickletools
+import re
 import zipfile
 from pathlib import Path
 
 import yaml
 from safetensors import SafetensorError, safe_open
+
+from .errors import UserError
 
 _CHUNK = 1 << 22
 _log = logging.getLogger("ancre_dit")
@@ -54,10 +57,36 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# PyYAML (YAML 1.1) reads 1e-4, a number without a dot, as a string; YAML 1.2 and users read a number.
+_UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                                       list("-+0123456789."))
+
+
 def load_yaml_unique(text: str):
-    """yaml.safe_load that refuses a key given twice in one mapping (DuplicateKeyError), for the
-    files users write by hand (training configs, studies)."""
+    """yaml.safe_load that refuses a key given twice in one mapping (DuplicateKeyError) and reads 1e-4
+    as a number, for what users write by hand (training configs and overrides, studies)."""
     return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
+def read_yaml_mapping(path: Path, kind: str, fix_missing: str, contents: str) -> dict:
+    """A YAML file users write by hand (a training config, a study) as a mapping: a missing, empty or
+    non-YAML file, a key given twice in one mapping (PyYAML would keep the last silently) or anything
+    but a mapping is one UserError naming the file (`kind` file ... ; `contents`: what it must hold)."""
+    if not path.is_file():
+        raise UserError(f"{kind} file {path} not found; {fix_missing}")
+    try:
+        raw = load_yaml_unique(path.read_text())
+    except DuplicateKeyError as err:
+        raise UserError(f"{path}: {err} (PyYAML would keep only the last)") from None
+    except yaml.YAMLError as err:
+        raise UserError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not a text file; pass a YAML {kind} file") from None
+    if raw is None:
+        raise UserError(f"{kind} file {path} is empty; give it {contents}")
+    if not isinstance(raw, dict):
+        raise UserError(f"{path} must hold a mapping with {contents}")
+    return raw
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -32,7 +32,7 @@ from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.evaluation.stats import paired_ratio
 from ancre_dit.models import create_model
-from ancre_dit.training.config_schema import RepaConfig
+from ancre_dit.training.config_sections import RepaConfig
 from ancre_dit.training.repa import FrozenEncoder, StateTap, alignment_loss, build_encoder, make_projector
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -57,7 +57,7 @@ def test_paired_columns_print_the_median_quartiles_and_interval():
 
 @pytest.mark.parametrize("variant, message", [
     ("dar:chunk", "give options as key=value"),
-    ("dar:query=bogus", "query must be one of static, static-t or dynamic"),
+    ("dar:query=bogus", "query must be 'static', 'static-t' or 'dynamic'"),
     ("dar:frob=1", "unknown topology option(s) frob"),
     ("cascaded:norm=batchnorm", "unknown norm 'batchnorm'"),
     ("ancr", "unknown variant 'ancr'"),

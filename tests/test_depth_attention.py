@@ -180,9 +180,9 @@ def test_bad_options_are_one_line():
         model_of("dar", chunk=3)
     with pytest.raises(UserError, match="block 3 does not divide the 8 sublayers"):
         model_of("attnres", block=3)
-    with pytest.raises(UserError, match="query must be one of static, static-t or dynamic"):
+    with pytest.raises(UserError, match="query must be 'static', 'static-t' or 'dynamic'"):
         model_of("dar", query="learned")
-    with pytest.raises(UserError, match="chunk must be at least 1"):
+    with pytest.raises(UserError, match="chunk must be greater than or equal to 1"):
         model_of("dar", chunk=0)
 
 

@@ -136,8 +136,8 @@ def test_heldout_set_is_fixed_and_spreads_times():
     ("eval.metrics=[fidd]", "unknown metric 'fidd'"),
     ("eval.cfg_scales=[-1.0]", "eval.cfg_scales -1.0 is negative"),
     ("eval.val_path=/nowhere", "apply to data.kind=latents only"),
-    ("train.eval_every=-1", "train.eval_every must be >= 0"),
-    ("eval.num_samples=0", "eval.num_samples must be at least 1"),
+    ("train.eval_every=-1", "train.eval_every must be greater than or equal to 0"),
+    ("eval.num_samples=0", "eval.num_samples must be greater than or equal to 1"),
 ])
 def test_bad_eval_settings_one_line(override, message, tmp_path):
     with pytest.raises(UserError, match=message.replace("(", r"\(")):

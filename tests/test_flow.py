@@ -181,7 +181,7 @@ def test_config_checks_the_diffusion_section(tmp_path):
     base = [f"run_dir={tmp_path}", "data.kind=digits", "data.image_size=8"]
     with pytest.raises(UserError, match="set model.learn_sigma=false"):
         load_config(None, [*base, "diffusion.objective=flow"])
-    with pytest.raises(UserError, match="diffusion.objective; choose ddpm or flow"):
+    with pytest.raises(UserError, match="diffusion.objective must be 'ddpm' or 'flow'"):
         load_config(None, [*base, "diffusion.objective=edm"])
     with pytest.raises(UserError, match="applies only to diffusion.objective=flow"):
         load_config(None, [*base, "diffusion.time_sampling=logit-normal"])

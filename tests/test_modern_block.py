@@ -137,7 +137,7 @@ def test_bad_block_options_are_one_line(tmp_path):
 
     with pytest.raises(UserError, match="unknown mlp 'relu'"):
         create_model("DiT-S/2", mlp="relu", **KW)
-    with pytest.raises(UserError, match="model.norm must be one of layernorm or rmsnorm"):
+    with pytest.raises(UserError, match="unknown norm 'batchnorm'; choose one of layernorm, rmsnorm"):
         tiny_config(tmp_path, "model.norm=batchnorm")
     config = tiny_config(tmp_path, "model.pos_embed=rope2d", "model.qk_norm=true")
     assert (config.model.pos_embed, config.model.qk_norm) == ("rope2d", True)

@@ -41,11 +41,11 @@ def pair(topology, **kwargs):
 
 def test_peer_names_are_registered_and_bad_settings_fail_clearly():
     assert set(PEERS) <= set(TOPOLOGIES)
-    with pytest.raises(ValueError, match="hc_streams must be at least 1"):
+    with pytest.raises(ValueError, match="hc_streams must be greater than or equal to 1"):
         tiny("hc", hc_streams=0)
     with pytest.raises(ValueError, match="mhc needs hc_streams >= 2"):
         tiny("mhc", hc_streams=1)
-    with pytest.raises(ValueError, match="sinkhorn_iters must be at least 1"):
+    with pytest.raises(ValueError, match="sinkhorn_iters must be greater than or equal to 1"):
         tiny("mhc", sinkhorn_iters=0)
     from ancre_dit.models.topologies import build_topology
     with pytest.raises(ValueError, match="needs hidden_size"):

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from ancre_dit.errors import UserError
 from ancre_dit.training import Trainer, train
 from ancre_dit.training.config import load_config
-from ancre_dit.training.config_schema import RepaConfig
+from ancre_dit.training.config_sections import RepaConfig
 from ancre_dit.training.repa import RepaAlignment, StateTap, build_encoder
 
 
@@ -326,8 +326,8 @@ def test_config_mistakes_are_one_line(tmp_path, weights):
     assert "repa.depth=3 is beyond the 2 blocks" in error(*base, "repa.depth=3")
     assert "not a timm model name" in error(*base, "repa.encoder=no_such_vit")
     assert "must not set img_size" in error(*base, "repa.encoder_kwargs={img_size: 64}")
-    assert "repa.weight must be >= 0" in error(*base, "repa.weight=-1")
-    assert "repa.projector_dim must be at least 1" in error(*base, "repa.projector_dim=0")
+    assert "repa.weight must be greater than or equal to 0" in error(*base, "repa.weight=-1")
+    assert "repa.projector_dim must be greater than or equal to 1" in error(*base, "repa.projector_dim=0")
     assert not (tmp_path / "run").exists()  # nothing written before the checks
     # Off: none of it is looked at (the tiny model has 2 blocks, the default depth is 8).
     assert tiny_config(tmp_path / "run", "repa.depth=8", "repa.encoder_weights=nowhere").repa.weight == 0

@@ -123,11 +123,11 @@ def test_topology_init_favours_one_source_by_the_gap(init, source):
 
 
 def test_bad_form_options_are_one_line():
-    with pytest.raises(UserError, match="ancre_mode must be one of add or replace"):
+    with pytest.raises(UserError, match="ancre_mode must be 'add' or 'replace'"):
         create_model("DiT-S/2", depth=3, topology="ancre", ancre_mode="sum", **KW)
-    with pytest.raises(UserError, match="topology_init must be one of uniform, first or previous"):
+    with pytest.raises(UserError, match="topology_init must be 'uniform', 'first' or 'previous'"):
         create_model("DiT-S/2", depth=3, topology="ancre", topology_init="last", **KW)
-    with pytest.raises(UserError, match="topology_init_gap must be >= 0"):
+    with pytest.raises(UserError, match="topology_init_gap must be greater than or equal to 0"):
         create_model("DiT-S/2", depth=3, topology="ancre", topology_init_gap=-1.0, **KW)
 
 

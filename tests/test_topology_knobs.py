@@ -87,9 +87,9 @@ def test_defaults_keep_the_optimizer_as_it_was(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("train.topology_lr_mult=-1", "train.topology_lr_mult must be >= 0"),
-    ("train.topology_warmup_steps=-2", "train.topology_warmup_steps must be >= 0"),
-    ("train.topology_weight_decay=-0.1", "train.topology_weight_decay must be >= 0"),
+    ("train.topology_lr_mult=-1", "train.topology_lr_mult must be greater than or equal to 0"),
+    ("train.topology_warmup_steps=-2", "train.topology_warmup_steps must be greater than or equal to 0"),
+    ("train.topology_weight_decay=-0.1", "train.topology_weight_decay must be greater than or equal to 0"),
 ])
 def test_bad_knobs_are_one_line(override, message, tmp_path):
     from ancre_dit.errors import UserError

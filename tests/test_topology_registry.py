@@ -3,15 +3,18 @@ this file, with a hyperparameter of its own, trains, checkpoints and reloads wit
 the config, trainer or checkpoint code. Also: the command-line error contract (user error vs bug)."""
 from __future__ import annotations
 
+from typing import Annotated
+
 import pytest
 import torch
+from pydantic import AfterValidator, StrictFloat
 
 from ancre_dit.cli import run_cli
 from ancre_dit.errors import UserError
 from ancre_dit.models import create_model
 from ancre_dit.models.topologies import (TOPOLOGIES, CascadedTopology, TopologyNotDefined, TopologyOption,
                                          register_topology, resolve_options, unregister_topology)
-from ancre_dit.ranges import Rule
+from ancre_dit.models.topologies.registry import Float, PositiveInt
 from ancre_dit.checkpoint import load_trained_model
 from ancre_dit.training import load_config, train
 from helpers import TINY_DIT, TINY_NAME, TINY_TRAIN, tiny_model
@@ -35,13 +38,13 @@ class GainTopology(CascadedTopology):
 
 def _check_gain(options):
     if options["gain"] < 0:
-        raise UserError(f"gain must be >= 0, got {options['gain']}")
+        raise UserError(f"gain must be greater than or equal to 0, got {options['gain']}")
 
 
 @pytest.fixture
 def gain_topology():
     """Registers 'test-gain' for one test, the way a new topology module would."""
-    register_topology("test-gain", options={"gain": TopologyOption(float, 1.0, "skip gain")}, check=_check_gain)(
+    register_topology("test-gain", options={"gain": TopologyOption(Float, 1.0, "skip gain")}, check=_check_gain)(
         lambda num_blocks, hidden_size, gain: GainTopology(num_blocks, gain))
     yield
     unregister_topology("test-gain")
@@ -71,9 +74,9 @@ def test_a_topology_registered_in_a_test_trains_checkpoints_and_reloads(tmp_path
 
 
 def test_topology_options_are_typed_and_checked_by_their_entry(tmp_path, gain_topology):
-    with pytest.raises(UserError, match="config key model.gain must be float"):
+    with pytest.raises(UserError, match="model.gain must be a valid number, got 'abc'"):
         load_config(None, [*TINY_TRAIN, "model.topology=test-gain", "model.gain=abc"])
-    with pytest.raises(UserError, match="gain must be >= 0"):
+    with pytest.raises(UserError, match="gain must be greater than or equal to 0"):
         load_config(None, [*TINY_TRAIN, "model.topology=test-gain", "model.gain=-1"])
     with pytest.raises(UserError, match="unknown config key model.gian"):
         load_config(None, [*TINY_TRAIN, "model.topology=test-gain", "model.gian=1"])
@@ -89,37 +92,45 @@ def test_registry_holds_every_builtin_with_its_options():
     assert resolve_options("ancre", {"tau": 0.1, "hc_streams": 3}) == {  # others' options ignored
         "tau": 0.1, "ancre_mode": "add", "topology_init": "uniform", "topology_init_gap": 4.0}
     assert resolve_options("mhc", {}) == {"hc_streams": 4, "sinkhorn_iters": 20}
-    with pytest.raises(UserError, match="tau must be positive"):
+    with pytest.raises(UserError, match="tau must be greater than 0, got 0.0"):
         resolve_options("ancre", {"tau": 0.0})
 
 
 def test_a_config_load_checks_each_topology_option_once(gain_topology):
-    """One rule per option, run once per config load (resolve_options), and once more only where
-    create_model builds the topology; builders and constructors trust what they are given."""
+    """One rule per option (its type), run when the config names it (resolve_options, with the config
+    key) and where create_model builds the topology (the config's build on the meta device, then
+    each real build); builders and constructors trust what they are given."""
     seen = []
+
+    def counted(value: float) -> float:
+        seen.append(value)
+        if value <= 0:
+            raise ValueError("must be positive")
+        return value
+
     register_topology("test-counted", options={"count_me": TopologyOption(
-        float, 1.0, "an option whose rule counts its checks", Rule(gt=0, check=lambda key, value: seen.append(key)))})(
+        Annotated[StrictFloat, AfterValidator(counted)], 1.0, "an option whose rule counts its checks")})(
         lambda num_blocks, hidden_size, count_me: GainTopology(num_blocks, count_me))
-    assert seen == ["count_me"]  # its default, once, when registered
+    assert seen == [1.0]  # its default, once, when registered
     seen.clear()
     try:
         config = load_config(None, [*TINY_TRAIN, "model.topology=test-counted", "model.count_me=0.5"])
-        assert seen == ["model.count_me"] and config.model.topology_options == {"count_me": 0.5}
+        assert seen == [0.5, 0.5] and config.model.topology_options == {"count_me": 0.5}
         tiny_model("test-counted", count_me=0.5)
-        assert seen == ["model.count_me", "count_me"]
-        with pytest.raises(UserError, match=r"model.count_me must be positive, got -1.0"):  # the config fields' words
+        assert seen == [0.5, 0.5, 0.5]
+        with pytest.raises(UserError, match=r"model.count_me must be positive, got -1"):
             load_config(None, [*TINY_TRAIN, "model.topology=test-counted", "model.count_me=-1"])
     finally:
         unregister_topology("test-counted")
 
 
 def test_topology_options_take_their_type_and_a_default_within_their_rule(gain_topology):
-    with pytest.raises(UserError, match="tau must be float, got 'big'"):
+    with pytest.raises(UserError, match="tau must be a valid number, got 'big'"):
         tiny_model("ancre", tau="big")
     with pytest.raises(UserError, match="gain must be a finite number"):
         tiny_model("test-gain", gain=float("inf"))
-    with pytest.raises(UserError, match="must be at least 1"):  # a new topology's default out of its own range
-        register_topology("test-bad-default", options={"width": TopologyOption(int, 0, "", Rule(ge=1))})(
+    with pytest.raises(UserError, match="must be greater than or equal to 1"):  # a default out of its own range
+        register_topology("test-bad-default", options={"width": TopologyOption(PositiveInt, 0, "")})(
             lambda num_blocks, hidden_size, width: CascadedTopology(num_blocks))
     assert "test-bad-default" not in TOPOLOGIES
 

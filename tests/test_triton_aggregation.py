@@ -14,7 +14,7 @@ import torch
 
 from ancre_dit.errors import UserError
 from ancre_dit.models.topologies import aggregation
-from ancre_dit.training.config_schema import ModelConfig
+from ancre_dit.training.config_sections import ModelConfig
 from ancre_dit.training.model_setup import model_kwargs
 from benchmarks import traffic
 

@@ -19,6 +19,9 @@ def build_objective(spec: Mapping[str, Any] | Objective) -> Objective:
     spec = dict(spec)
     name = spec.get("objective")
     if name == "ddpm":
+        if spec.get("time_sampling", "uniform") != "uniform":
+            raise UserError(f"diffusion.time_sampling={spec['time_sampling']} applies only to diffusion.objective=flow "
+                            "(DDPM draws integer timesteps uniformly)")
         return DDPMObjective(learn_sigma=bool(spec.get("learn_sigma", True)), **schedule_of(spec))
     if name == "flow":
         return FlowObjective.from_spec(spec)

@@ -8,6 +8,8 @@ their defaults are the 2022 DiT.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn as nn
 from einops import rearrange
@@ -228,6 +230,12 @@ class DiT(nn.Module):
         eps = torch.cat([torch.cat([guided, guided], dim=0), eps[:, g:]], dim=1)
         return torch.cat([eps, rest], dim=1)
 
+
+# The architecture choices' defaults (the DiT constructor's): a run's model spec records a choice
+# only where it differs from these, so that specs of runs from before it existed stay the same.
+ARCHITECTURE_DEFAULTS = {key: parameter.default for key, parameter in inspect.signature(DiT).parameters.items()
+                         if key in ("norm", "mlp", "pos_embed", "qk_norm", "history_dtype", "topology_topk",
+                                    "aggregation_kernel")}
 
 # name -> (depth, hidden_size, num_heads) as in the DiT paper; "T" is ours, a tiny CPU model.
 DIT_SIZES = {

@@ -187,7 +187,7 @@ def _slurm(raw: Any, where: str) -> dict[str, Any]:
 
 def load_study(path: str | Path) -> Study:
     """Reads and checks a study file (not the configs: see `validate`)."""
-    from ..training.config import read_yaml_mapping
+    from ..files import read_yaml_mapping
 
     path = Path(path)
     raw = read_yaml_mapping(path, "study", "pass a study YAML such as studies/digits-depth.yaml",

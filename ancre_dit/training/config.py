@@ -1,50 +1,48 @@
 """Typed training configuration: a YAML file + `section.key=value` overrides -> Config.
 
-The dataclasses of config_schema.py are the schema (sections run_dir, model, data, train, diffusion,
-repa, eval, log). OmegaConf merges the file and then each override onto them as structured configs,
-so unknown keys and values of the wrong type are refused there; its errors come out as one
-UserError line naming the key. Each field's range or choices is then checked where it is declared
-(config_schema.check_fields), and what involves several fields or the file system by
-config_checks.py. All of it runs inside load_config, before anything is written, so a bad setting
-never leaves a half-made run folder behind.
+The sections are pydantic dataclasses (config_sections.py): pydantic refuses unknown keys, wrong
+types and values outside a field's declared range, and its first complaint becomes one UserError
+line naming the key. What a value means to the object that uses it
+(a model name, a topology and its options, a sampler, a guidance scale, the files named) is checked
+by building that object (config_checks.validate_config). Both run inside load_config, before
+anything is written, so a bad setting never leaves a half-made run folder behind.
 
-A topology's own hyperparameters (model.tau, model.hc_streams, ...) are not fields: the topology
-registry (models/topologies/registry.py) declares them with their types, defaults and ranges,
-ModelConfig.topology_options holds them, and config.yaml holds them flat as model.<option>.
+A topology's own hyperparameters (model.tau, model.hc_streams, ...) are given flat in the model
+section; the topology registry (models/topologies/registry.py) declares their types and defaults,
+and ModelConfig.topology_options holds them.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import types
-import typing
-from dataclasses import field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import yaml
-from omegaconf import MISSING, OmegaConf
-from omegaconf.errors import ValidationError
+from pydantic import ValidationError
 
-from ..errors import UserError
-from ..files import DuplicateKeyError, load_yaml_unique, write_atomic
+from ..errors import UserError, invalid_value
+from ..files import load_yaml_unique, read_yaml_mapping, write_atomic
 from ..models.topologies import all_topology_options
 from .config_checks import validate_config
-from .config_schema import RULE_KEY, Config, ModelConfig
+from .config_sections import Config, ModelConfig
 
-
-# -- reading: YAML file + overrides, merged by OmegaConf -------------------------------------------
+# -- reading: YAML file + overrides ----------------------------------------------------------------
 def load_config(path: str | Path | None, overrides: Iterable[str] = (), check_paths: bool = True) -> Config:
-    """Reads the YAML at `path` (or the defaults when None), applies `a.b=value` overrides
-    (values parsed as YAML) and validates everything that needs no data or processes; without
-    `check_paths`, the paths it names need not exist here (config_checks.validate_config)."""
-    layers = ([] if path is None else [_read_yaml(Path(path))]) + [_override(item) for item in overrides]
-    option_layers = [_take_topology_options(layer) for layer in layers]
-    for layer in layers:
-        _normalize(Config, layer, "")
-    config = _merge(Config, layers, "", OmegaConf.to_object)
-    config.model.topology_options = _typed_topology_options(option_layers)
+    """Reads the YAML at `path` (or the defaults when None), applies `a.b=value` overrides (values
+    parsed as YAML) and checks everything that needs no data or processes; without `check_paths`,
+    the paths it names need not exist here (config_checks.validate_config)."""
+    raw: dict = {} if path is None else read_yaml_mapping(
+        Path(path), "config", "pass --config configs/<name>.yaml", "sections run_dir, model, data, train (see configs/)")
+    for item in overrides:
+        _merge_into(raw, _override(item))
+    model = raw.get("model")
+    options = _take_topology_options(model) if isinstance(model, dict) else {}
+    try:
+        config = Config(**raw)
+    except ValidationError as err:
+        raise _config_error(err) from None
+    config.model.topology_options = options
     validate_config(config, check_paths)  # also records the topology's options, defaults included
     return config
 
@@ -62,32 +60,6 @@ def check_unique_overrides(overrides: Iterable[str]) -> list[str]:
     return list(overrides)
 
 
-def read_yaml_mapping(path: Path, kind: str, fix_missing: str, contents: str) -> dict:
-    """A YAML file users write by hand (a training config, a study) as a mapping: a missing, empty or
-    non-YAML file, a key given twice in one mapping (PyYAML would keep the last silently) or anything
-    but a mapping is one UserError naming the file (`kind` file ... ; `contents`: what it must hold)."""
-    if not path.is_file():
-        raise UserError(f"{kind} file {path} not found; {fix_missing}")
-    try:
-        raw = load_yaml_unique(path.read_text())
-    except DuplicateKeyError as err:
-        raise UserError(f"{path}: {err} (PyYAML would keep only the last)") from None
-    except yaml.YAMLError as err:
-        raise UserError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
-    except UnicodeDecodeError:
-        raise UserError(f"{path} is not a text file; pass a YAML {kind} file") from None
-    if raw is None:
-        raise UserError(f"{kind} file {path} is empty; give it {contents}")
-    if not isinstance(raw, dict):
-        raise UserError(f"{path} must hold a mapping with {contents}")
-    return raw
-
-
-def _read_yaml(path: Path) -> dict:
-    return read_yaml_mapping(path, "config", "pass --config configs/<name>.yaml",
-                             "sections run_dir, model, data, train (see configs/)")
-
-
 def _override(item: str) -> dict:
     """`train.max_steps=20` -> {"train": {"max_steps": 20}} (the value parsed as YAML, else kept as text)."""
     key, sep, text = item.partition("=")
@@ -95,7 +67,7 @@ def _override(item: str) -> dict:
     if not sep or not all(parts):
         raise UserError(f"override {item!r} is not key=value (e.g. train.max_steps=20)")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = load_yaml_unique(text) if text.strip() else None
     except yaml.YAMLError:
         value = text
     for part in reversed(parts):
@@ -103,134 +75,40 @@ def _override(item: str) -> dict:
     return value
 
 
-def _take_topology_options(layer: dict) -> dict:
-    """Removes the topology options (`model.<option>` keys) from a layer's model section and returns them."""
-    model = layer.get("model")
-    if not isinstance(model, dict):
-        return {}  # _normalize reports a model section that is not a mapping
+def _merge_into(base: dict, layer: dict) -> None:
+    for key, value in layer.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge_into(base[key], value)
+        else:
+            base[key] = value
+
+
+def _take_topology_options(model: dict) -> dict:
+    """Removes the topology options (`model.<option>` keys) from the model section and returns them."""
     if "topology_options" in model:  # the field load_config fills from the options given flat
         raise UserError("model.topology_options is not a config key; set each topology option as model.<option> "
                         "(e.g. model.tau=0.05)")
-    registered = all_topology_options()
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    return {key: model.pop(key) for key in [k for k in model if k in registered and k not in fields]}
+    fields = ModelConfig.__pydantic_fields__
+    return {key: model.pop(key) for key in [k for k in model if k in all_topology_options() and k not in fields]}
 
 
-def _typed_topology_options(option_layers: list[dict]) -> dict[str, Any]:
-    """The options given, typed by their registry entries the way OmegaConf types the fields."""
-    schema = dataclasses.make_dataclass("TopologyOptions", [
-        (key, option.type | None if option.optional else option.type, field(default=MISSING))
-        for key, option in all_topology_options().items()])
-    for layer in option_layers:
-        _normalize(schema, layer, "model.")
-    given = _merge(schema, option_layers, "model.", OmegaConf.to_container)
-    return {key: value for key, value in given.items() if value != MISSING}
-
-
-def _unwrap(tp: Any) -> tuple[Any, bool]:
-    """(T, optional) of an annotation T or T | None."""
-    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
-    if not args:
-        return tp, False
-    rest = [a for a in args if a is not type(None)]
-    return (rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]), len(rest) < len(args)
-
-
-def _type_name(tp: Any) -> str:
-    base, optional = _unwrap(tp)
-    if typing.get_origin(base) is list:
-        name = f"a list of {typing.get_args(base)[0].__name__}"
-    elif base is dict or typing.get_origin(base) is dict:
-        name = "a mapping"
-    else:
-        name = getattr(base, "__name__", str(base))
-    return f"{name} or null" if optional else name
-
-
-def _normalize(schema: type, values: dict, prefix: str) -> None:
-    """Readies one layer (the file, or one override) for OmegaConf, in place, where OmegaConf alone
-    would differ from what users rely on: a scalar where a list goes is a one-item list
-    (eval.cfg_scales=1.5, eval.metrics=fid); YAML 1.1 reads an unquoted `no` as false, which is the
-    string "no" where that is a choice (train.mixed_precision); a bool takes true or false only
-    (OmegaConf reads 3 and "yes" as true) and a string takes neither (OmegaConf would store "False");
-    a section takes a mapping and a plain value no mapping or list. Unknown keys are left to OmegaConf."""
-    hints = typing.get_type_hints(schema)
-    for f in dataclasses.fields(schema):
-        if f.name not in values:
-            continue
-        key, value = prefix + f.name, values[f.name]
-        tp, _ = _unwrap(hints[f.name])
-        wrong = UserError(f"config key {key} must be {_type_name(hints[f.name])}, got {value!r}")
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(value, dict):
-                raise UserError(f"the {key} section must be a mapping of its keys ({key}: {{key: value, ...}}), "
-                                f"got {value!r}")
-            _normalize(tp, value, f"{key}.")
-        elif value is None:
-            continue  # OmegaConf says whether the field may be null
-        elif typing.get_origin(tp) is list:
-            items = value if isinstance(value, list) else [value]
-            if isinstance(value, dict) or any(isinstance(item, (dict, list)) for item in items):
-                raise wrong
-            if not items:
-                raise UserError(f"config key {key} must not be an empty list")
-            values[f.name] = items
-        elif tp is dict or typing.get_origin(tp) is dict:
-            if not isinstance(value, dict):
-                raise wrong
-        elif isinstance(value, (dict, list)) or (tp is bool and not isinstance(value, bool)):
-            raise wrong
-        elif tp is str and isinstance(value, bool):
-            rule = f.metadata.get(RULE_KEY)
-            if value is not False or rule is None or "no" not in rule.options():
-                raise wrong
-            values[f.name] = "no"
-
-
-def _merge(schema: type, layers: list[dict], prefix: str, finish: Callable[[Any], Any]) -> Any:
-    """`finish` (to_object or to_container) of the layers merged onto `schema` in order; OmegaConf's
-    errors, and the TypeError / ValueError some of its merges raise, as one UserError."""
-    try:
-        return finish(OmegaConf.merge(OmegaConf.structured(schema), *layers))
-    except Exception as err:  # noqa: BLE001  (only OmegaConf runs in here)
-        raise _user_error(err, schema, layers, prefix) from None
-
-
-def _user_error(err: Exception, schema: type, layers: list[dict], prefix: str) -> UserError:
-    """One line naming the key and the fix, from what OmegaConf reports (the key at fault)."""
-    path = re.sub(r"\[\d+\]", "", str(getattr(err, "full_key", None) or ""))
-    parts = path.split(".") if path else []
-    key = prefix + path
-    owner: Any = schema
-    for part in parts[:-1]:
-        owner = typing.get_type_hints(owner).get(part) if dataclasses.is_dataclass(owner) else None
-    if parts and dataclasses.is_dataclass(owner):
-        names = [f.name for f in dataclasses.fields(owner)]
-        if parts[-1] not in names:
-            section = (prefix + ".".join(parts[:-1])).strip(".")
-            options = (f"; or a topology option: {', '.join(all_topology_options())}"
-                       if owner is ModelConfig and all_topology_options() else "")
-            return UserError(f"unknown config key {key}; valid keys{f' of {section}' if section else ''}: "
-                             f"{', '.join(names)}{options}")
-        if isinstance(err, ValidationError):
-            value = _given(layers, parts)
-            return UserError(f"config key {key} must be {_type_name(typing.get_type_hints(owner)[parts[-1]])}, "
-                             f"got {'null' if value is None else repr(value)}")
-    problem = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return UserError(f"config key {key}: {problem}" if key else f"the config could not be read: {problem}")
-
-
-def _given(layers: list[dict], parts: list[str]) -> Any:
-    """The value the last layer that sets the key gives it."""
-    for layer in reversed(layers):
-        node: Any = layer
-        for part in parts:
-            if not isinstance(node, dict) or part not in node:
-                break
-            node = node[part]
-        else:
-            return node
-    return None
+def _config_error(err: ValidationError) -> UserError:
+    """pydantic's first complaint as one line; an unknown key lists its section's keys."""
+    first = err.errors()[0]
+    loc = [str(part) for part in first["loc"] if not isinstance(part, int)]
+    key = ".".join(loc)
+    if first["type"] == "dataclass_type":
+        return UserError(f"the {key} section must be a mapping of its keys ({key}: {{key: value, ...}}), "
+                         f"got {first['input']!r}")
+    if first["type"] == "unexpected_keyword_argument":
+        owner: Any = Config
+        for part in loc[:-1]:
+            owner = owner.__pydantic_fields__[part].annotation
+        names = list(owner.__pydantic_fields__)
+        extra = f"; or a topology option: {', '.join(all_topology_options())}" if owner is ModelConfig else ""
+        return UserError(f"unknown config key {key}; valid keys{f' of {loc[-2]}' if len(loc) > 1 else ''}: "
+                         f"{', '.join(names)}{extra}")
+    return invalid_value(err)
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -258,11 +136,11 @@ def save_config(config: Config, path: str | Path) -> None:
 def flat_config(config: Config) -> dict[str, Any]:
     """{"train.lr": 1e-4, ...} with only bool/int/float/str values (what trackers accept)."""
     out: dict[str, Any] = {}
-    for section, values in config_to_dict(config).items():
+    for name, values in config_to_dict(config).items():
         for key, value in values.items() if isinstance(values, dict) else [(None, values)]:
             if isinstance(value, list):  # trackers take scalars only
                 value = ",".join(str(v) for v in value)
             elif isinstance(value, dict):
                 value = yaml.safe_dump(value, default_flow_style=True).strip()
-            out[f"{section}.{key}" if key else section] = "null" if value is None else value
+            out[f"{name}.{key}" if key else name] = "null" if value is None else value
     return out

@@ -1,6 +1,7 @@
-"""The configuration's checks that involve several fields, the objective or the file system (each
-field's own range or choices is declared in config_schema.py). All of them run inside load_config,
-before anything is written, so a bad setting never leaves a half-made run folder behind.
+"""The checks of a config that need more than its types: each value is checked by the object that
+uses it, built here once (the model on the meta device, the objective, the sampler and guidance
+settings, the encoder name), plus the few rules that tie sections together and the files named.
+All of it runs inside load_config, before anything is written.
 
 The paths a config names (data, reference, weights, a topology's files) must exist, unless the
 config is only read where they are not (a study's status, report or dry run away from the data):
@@ -14,17 +15,18 @@ from typing import Any
 
 import torch
 
-from ..diffusion import Objective, build_objective, samplers_for
+from ..diffusion import build_objective, samplers_for
 from ..diffusion.sampler_registry import SAMPLERS, check_steps
-from ..errors import MissingFileError, UserError
+from ..errors import MissingFileError, UserError, or_list
 from ..evaluation.evaluator import resolve_metrics
 from ..evaluation.inception import WEIGHTS_NAME, WEIGHTS_URL
-from ..evaluation.metric_registry import METRICS, stored_stat_keys
-from ..models import DIT_MODELS
-from ..models.dit import DIT_SIZES
+from ..evaluation.metric_registry import METRICS, TRAINING_METRICS, stored_stat_keys
+from ..models import create_model
 from ..models.topologies import all_topology_options, resolve_options, topology_entry
 from ..models.topologies.aggregation import check_aggregation_kernel
-from .config_schema import Config, DataConfig, EvalConfig, ModelConfig, check_fields, or_list
+from ..sampling.guidance import check_guidance_scale
+from .config_sections import Config, DataConfig, EvalConfig, ModelConfig
+from .model_setup import model_kwargs
 
 
 class _Paths:
@@ -50,70 +52,65 @@ def validate_config(config: Config, check_paths: bool = True) -> list[str]:
     Also records the options the topology is built with in model.topology_options (see below).
     Returns the paths not found here, as key=value (none when `check_paths`: each is an error)."""
     paths = _Paths(check_paths)
-    check_fields(config)
-    _resolve_topology_options(config.model, paths)
-    _check_entropy(config.model)
-    _check_sparsify(config)
-    check_aggregation_kernel(config.model.aggregation_kernel, cuda=torch.cuda.is_available())
-    _check_width_heads(config.model)
+    if _resolve_topology_options(config.model, paths):
+        _build_model(config)
+    _check_sparsify_step(config)
     _check_data_path(config.data, paths)
-    objective = _check_diffusion(config)
+    objective = build_objective(diffusion_spec(config))
     _check_repa(config, paths)
     _check_eval_data(config, paths)
     _check_eval_sampling(config.eval, objective)
+    check_guidance_scale("train.cfg_scale_for_grids", config.train.cfg_scale_for_grids)
+    for scale in config.eval.cfg_scales:
+        check_guidance_scale("eval.cfg_scales", scale)
     _check_eval_metrics(config, paths)
     return list(dict.fromkeys(paths.missing))
 
 
-def _resolve_topology_options(m: ModelConfig, paths: _Paths) -> None:
-    """Checks the topology options given (the ranges the registry declares, tau > 0, ..., then the
-    chosen topology's own checks), once, and the files its options name (e.g. frozen's
+def _resolve_topology_options(m: ModelConfig, paths: _Paths) -> bool:
+    """Checks the topology options given, once, and the files its options name (e.g. frozen's
     topology_path); records them with the topology's defaults, so that config.yaml holds them; in
     the registry's order, so that saving a loaded config writes the same bytes. Options of other
-    topologies are kept as given."""
-    resolved = resolve_options(m.topology, m.topology_options, prefix="model.")
+    topologies are kept as given. False when a file it names is missing here (unchecked)."""
+    resolved = resolve_options(m.topology, m.topology_options, prefix="model.", keep_others=True)
+    found = True
     for key, option in topology_entry(m.topology).options.items():
         if option.file and resolved[key] is not None and not paths.found(f"model.{key}", resolved[key]):
-            raise MissingFileError(f"model.{key} {resolved[key]} not found; pass an existing file ({option.help})")
-    options = {**m.topology_options, **resolved}
-    m.topology_options = {key: options[key] for key in all_topology_options() if key in options}
+            if paths.check:
+                raise MissingFileError(f"model.{key} {resolved[key]} not found; pass an existing file ({option.help})")
+            found = False
+    m.topology_options = {key: resolved[key] for key in all_topology_options() if key in resolved}
+    return found
 
 
-def _check_entropy(m: ModelConfig) -> None:
-    """The entropy regulariser needs rows that are distributions, as the topology's entry declares."""
+def _build_model(config: Config) -> None:
+    """The network, on the meta device (no memory, no initialisation cost): the model, its size, its
+    layers, its topology and aggregation settings check themselves. The data's shape is the
+    data's check (training/data.py); a stand-in one is used here."""
+    m = config.model
     if m.topology_entropy_weight and not topology_entry(m.topology).incoming_softmax:
         raise UserError(f"model.topology_entropy_weight needs the ancre topology (a learned softmax over each "
                         f"block's incoming edges), not {m.topology}; set it to 0 or use model.topology=ancre")
+    with torch.device("meta"):
+        model = create_model(m.name, **model_kwargs(m, input_size=8, in_channels=4, num_classes=10))
+    check_aggregation_kernel(m.aggregation_kernel, cuda=torch.cuda.is_available())  # where the run will be
+    blocks = len(model.blocks)
+    if config.repa.weight and config.repa.depth > blocks:
+        raise UserError(f"repa.depth={config.repa.depth} is beyond the {blocks} blocks of {m.name}; choose "
+                        f"1..{blocks} (REPA aligns block 8 of 12-block models)")
 
 
-def _check_sparsify(config: Config) -> None:
-    """Sparse ANCRe: topk and the step come together, on a topology that can sparsify, within the run."""
-    m, t = config.model, config.train
-    if not m.topology_topk and not t.topology_sparsify_step:
-        return
-    if not topology_entry(m.topology).sparse:
-        raise UserError(f"model.topology_topk applies to topology ancre only (model.topology={m.topology} "
-                        "has no per-block softmax to sparsify); remove it")
-    if not t.topology_sparsify_step:
-        raise UserError(f"model.topology_topk={m.topology_topk} needs train.topology_sparsify_step (the step "
+def _check_sparsify_step(config: Config) -> None:
+    """Sparse ANCRe: model.topology_topk and the step come together, within the run."""
+    topk, step, t = config.model.topology_topk, config.train.topology_sparsify_step, config.train
+    if topk and not step:
+        raise UserError(f"model.topology_topk={topk} needs train.topology_sparsify_step (the step "
                         "after which each block keeps its strongest edges)")
-    if not m.topology_topk:
-        raise UserError(f"train.topology_sparsify_step={t.topology_sparsify_step} needs model.topology_topk "
-                        "(the edges each block keeps)")
-    blocks = m.depth or DIT_SIZES[DIT_MODELS[m.name][0]][0]
-    if m.topology_topk >= blocks:
-        raise UserError(f"model.topology_topk={m.topology_topk} keeps every edge: the deepest of the {blocks} "
-                        f"blocks has {blocks} sources; choose 1..{blocks - 1}")
-    if t.topology_sparsify_step > t.max_steps:
-        raise UserError(f"train.topology_sparsify_step={t.topology_sparsify_step} is beyond "
-                        f"train.max_steps={t.max_steps}; choose a step within the run")
-
-
-def _check_width_heads(m: ModelConfig) -> None:
-    size = DIT_SIZES[DIT_MODELS[m.name][0]]  # (depth, width, heads) of the named size
-    width, heads = m.hidden_size or size[1], m.num_heads or size[2]
-    if width % heads:
-        raise UserError(f"model.hidden_size={width} is not divisible by model.num_heads={heads}; change one of them")
+    if step and not topk:
+        raise UserError(f"train.topology_sparsify_step={step} needs model.topology_topk (the edges each block keeps)")
+    if step > t.max_steps:
+        raise UserError(f"train.topology_sparsify_step={step} is beyond train.max_steps={t.max_steps}; "
+                        "choose a step within the run")
 
 
 def _check_data_path(d: DataConfig, paths: _Paths) -> None:
@@ -134,15 +131,6 @@ def diffusion_spec(config: Config) -> dict[str, Any]:
     return {**dataclasses.asdict(config.diffusion), "learn_sigma": config.model.learn_sigma}
 
 
-def _check_diffusion(config: Config) -> Objective:
-    """The objective the run trains, built once here so that its own checks run now."""
-    d = config.diffusion
-    if d.objective != "flow" and d.time_sampling != "uniform":
-        raise UserError(f"diffusion.time_sampling={d.time_sampling} applies only to diffusion.objective=flow "
-                        "(DDPM draws integer timesteps uniformly)")
-    return build_objective(diffusion_spec(config))
-
-
 def _check_repa(config: Config, paths: _Paths) -> None:
     """REPA on: an encoder timm knows, its weights as a local file, a depth inside the model. (The
     token grids and the weights' fit to the encoder are checked when the trainer builds it.)"""
@@ -154,10 +142,6 @@ def _check_repa(config: Config, paths: _Paths) -> None:
     if not timm.is_model(r.encoder):
         raise UserError(f"repa.encoder {r.encoder!r} is not a timm model name; use e.g. "
                         f"vit_base_patch14_dinov2.lvd142m (DINOv2 ViT-B/14, REPA's choice)")
-    blocks = config.model.depth or DIT_SIZES[DIT_MODELS[config.model.name][0]][0]
-    if r.depth > blocks:
-        raise UserError(f"repa.depth={r.depth} is beyond the {blocks} blocks of {config.model.name}; choose 1..{blocks} "
-                        f"(REPA aligns block 8 of 12-block models)")
     for key in ("img_size", "num_classes", "pretrained"):
         if key in r.encoder_kwargs:
             raise UserError(f"repa.encoder_kwargs must not set {key}: the trainer sets it"
@@ -182,10 +166,12 @@ def _check_eval_data(config: Config, paths: _Paths) -> None:
                         f"written by scripts/extract_latents.py")
 
 
-def _check_eval_sampling(e: EvalConfig, objective: Objective) -> None:
+def _check_eval_sampling(e: EvalConfig, objective) -> None:
     """eval.sampler must fit the objective and eval.steps its schedule (DDPM: at most its timesteps)."""
     sampler = e.sampler or objective.default_sampler
     fits = samplers_for(objective.name)
+    if sampler not in SAMPLERS:
+        raise UserError(f"unknown sampler {sampler!r} in eval.sampler; choose {or_list(fits)}")
     if sampler not in fits:
         raise UserError(f"eval.sampler={sampler} does not fit diffusion.objective={objective.name}; "
                         f"choose {or_list(fits)}")
@@ -198,6 +184,9 @@ def _check_eval_metrics(config: Config, paths: _Paths) -> None:
     of the network whose features they read."""
     e, kind = config.eval, config.data.kind
     metrics = resolve_metrics(e, kind)
+    for name in metrics:
+        if name not in TRAINING_METRICS:
+            raise UserError(f"unknown metric {name!r} in eval.metrics; choose {or_list(TRAINING_METRICS)}")
     for name in metrics:
         only = METRICS[name].only_for
         if only is not None and only[0] != kind:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..models.layers import DEFAULTS as BLOCK_DEFAULTS
-from .config_schema import AGGREGATION_DEFAULTS, ModelConfig, topology_options_of
+from ..models.dit import ARCHITECTURE_DEFAULTS
+from ..models.topologies import topology_entry
+from .config_sections import ModelConfig
 
 
 def model_kwargs(m: ModelConfig, input_size: int, in_channels: int, num_classes: int) -> dict[str, Any]:
@@ -17,12 +18,16 @@ def model_kwargs(m: ModelConfig, input_size: int, in_channels: int, num_classes:
     for key in ("depth", "hidden_size", "num_heads"):
         if getattr(m, key) is not None:
             kwargs[key] = getattr(m, key)
-    # The block's layer choices and the aggregation's settings only where they differ from their
-    # defaults: specs of default runs (and of runs from before the choices existed) stay what they
-    # were, so those runs resume.
-    kwargs.update({key: getattr(m, key) for key, default in {**BLOCK_DEFAULTS, **AGGREGATION_DEFAULTS}.items()
-                   if getattr(m, key) != default})
+    # The architecture choices only where they differ from the DiT's defaults: specs of default runs
+    # (and of runs from before a choice existed) stay what they were, so those runs resume.
+    kwargs.update({key: getattr(m, key) for key, default in ARCHITECTURE_DEFAULTS.items() if getattr(m, key) != default})
     return kwargs
+
+
+def topology_options_of(m: ModelConfig) -> dict[str, Any]:
+    """The options the chosen topology is built with: those given, else its defaults."""
+    options = topology_entry(m.topology).options
+    return {key: m.topology_options.get(key, option.default) for key, option in options.items()}
 
 
 def param_groups(model, weight_decay_of_routing: float, extra=None) -> tuple[list[dict[str, Any]], int | None]:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ..errors import UserError
 from ..models.timm_weights import load_timm_weights
-from .config_schema import RepaConfig
+from .config_sections import RepaConfig
 
 
 class StateTap:

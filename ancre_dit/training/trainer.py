@@ -36,9 +36,8 @@ from ..models.topologies.analysis import topology_entropy
 from ..checkpoint import WEIGHT_FILES, make_model_spec, save_safetensors, write_model_files
 from ..checkpoint import load_safetensors_checked
 from . import checkpointing as ckpt
-from .config import flat_config, save_config
+from .config import Config, flat_config, save_config
 from .config_checks import check_batch_layout, diffusion_spec
-from .config_schema import Config
 from .rank_decisions import agree_on_resume
 from .ema import EMA, ema_update_
 from .model_setup import model_kwargs, param_groups

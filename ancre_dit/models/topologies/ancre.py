@@ -6,30 +6,30 @@ registers the plain DiT ("cascaded") and the paper's frozen-topology ablation ("
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from pydantic import StrictStr
+
 from ...errors import UserError
-from ...ranges import Rule
 from .base import CascadedTopology, FixedTopology, ResidualTopology, WeightedHistoryTopology, load_topology_json
-from .registry import TopologyOption, register_topology
+from .registry import NonNegativeFloat, PositiveFloat, TopologyOption, register_topology
 
 
 # The ANCRe family's options, the only place their defaults and ranges are written (the training
 # config gets them from the registry). tau divides the logits: 0 would train NaN.
-TAU = {"tau": TopologyOption(float, 0.01, "softmax temperature of the logits (0.01 in the paper)", Rule(gt=0))}
-MODE = {"ancre_mode": TopologyOption(str, "add", "add: the skip sum on top of each block's own residual (the "
-                                     "official form); replace: the convex mix in place of it",
-                                     Rule(choices=WeightedHistoryTopology.MODES))}
+TAU = {"tau": TopologyOption(PositiveFloat, 0.01, "softmax temperature of the logits (0.01 in the paper)")}
+MODE = {"ancre_mode": TopologyOption(Literal[WeightedHistoryTopology.MODES], "add", "add: the skip sum on top of "
+                                     "each block's own residual (the official form); replace: the convex mix in "
+                                     "place of it")}
 INITS = ("uniform", "first", "previous")
-START = {"topology_init": TopologyOption(str, "uniform", "starting topology: uniform (zero logits, the official "
-                                         "start), first (favours h_0, the anchor) or previous (favours h_{j-1})",
-                                         Rule(choices=INITS)),
-         "topology_init_gap": TopologyOption(float, 4.0, "logit gap of the favoured source, in units of tau "
-                                             "(its weight is e^gap times each other source's)", Rule(ge=0))}
+START = {"topology_init": TopologyOption(Literal[INITS], "uniform", "starting topology: uniform (zero logits, the "
+                                         "official start), first (favours h_0, the anchor) or previous (favours h_{j-1})"),
+         "topology_init_gap": TopologyOption(NonNegativeFloat, 4.0, "logit gap of the favoured source, in units of "
+                                             "tau (its weight is e^gap times each other source's)")}
 
 
 class _PerBlockLogits(WeightedHistoryTopology):
@@ -223,7 +223,7 @@ def restore_frozen(state, ancre_mode: str = "add", **_) -> ResidualTopology:
 
 
 @register_topology("frozen", check=check_frozen, restore=restore_frozen,
-                   options={"topology_path": TopologyOption(str, None, "topology.json of a trained run", optional=True,
+                   options={"topology_path": TopologyOption(StrictStr | None, None, "topology.json of a trained run",
                                                            file=True),
                             **MODE},
                    summary="a topology loaded from a topology.json, never trained")

@@ -32,16 +32,15 @@ token that reads, so there each source's RMS is computed once and its logits per
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 import torch.nn as nn
 
 from ...errors import UserError
-from ...ranges import Rule
 from .base import ResidualTopology, TopologyNotDefined
 from .peers import _width
-from .registry import TopologyOption, register_topology
+from .registry import NonNegativeInt, PositiveInt, TopologyOption, register_topology
 
 QUERIES = ("static", "static-t", "dynamic")
 RMS_EPS = 1e-6
@@ -179,22 +178,22 @@ class DepthAttentionTopology(ResidualTopology):
         return f"{'dar' if self.grouping == 'chunk' else 'attnres'} query={self.query}, {what}, sublayers={2 * self.num_blocks}"
 
 
-QUERY = {"query": TopologyOption(str, "static", "the aggregators' queries: static (a learned vector), static-t "
-                                 "(plus a zero-initialised head of the timestep embedding) or dynamic (a map of the "
-                                 "previous output, per token)", Rule(choices=QUERIES))}
+QUERY = {"query": TopologyOption(Literal[QUERIES], "static", "the aggregators' queries: static (a learned "
+                                 "vector), static-t (plus a zero-initialised head of the timestep embedding) or "
+                                 "dynamic (a map of the previous output, per token)")}
 # Their weights depend on the token and the timestep: no (K, K) matrix, mean weights per time instead.
 DEPTH_ROUTING = {"matrix": False, "weights_per_time": True}
 
 
-@register_topology("dar", options={**QUERY, "chunk": TopologyOption(int, 4, "sublayers per chunk (1 = dense)",
-                                                                    Rule(ge=1))}, **DEPTH_ROUTING,
+@register_topology("dar", options={**QUERY, "chunk": TopologyOption(PositiveInt, 4,
+                                                                    "sublayers per chunk (1 = dense)")}, **DEPTH_ROUTING,
                    summary="DAR: softmax attention over earlier sublayer outputs (timestep-aware with static-t), chunked")
 def build_dar(num_blocks: int, hidden_size: int | None, query: str, chunk: int) -> ResidualTopology:
     return DepthAttentionTopology(num_blocks, _width("dar", hidden_size), query=query, group=chunk, grouping="chunk")
 
 
-@register_topology("attnres", options={**QUERY, "block": TopologyOption(int, 0, "sublayers per block (0 = full)",
-                                                                        Rule(ge=0))}, **DEPTH_ROUTING,
+@register_topology("attnres", options={**QUERY, "block": TopologyOption(NonNegativeInt, 0,
+                                                                        "sublayers per block (0 = full)")}, **DEPTH_ROUTING,
                    summary="AttnRes: attention residuals over earlier sublayer outputs, block sums with block S")
 def build_attnres(num_blocks: int, hidden_size: int | None, query: str, block: int) -> ResidualTopology:
     return DepthAttentionTopology(num_blocks, _width("attnres", hidden_size), query=query, group=block,

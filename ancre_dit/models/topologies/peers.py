@@ -27,9 +27,8 @@ import torch.nn.functional as F
 from einops import reduce, repeat
 
 from ...errors import UserError
-from ...ranges import Rule
 from .base import ResidualTopology, TopologyNotDefined
-from .registry import TopologyOption, register_topology
+from .registry import PositiveInt, TopologyOption, register_topology
 
 
 def autocast_off(device: torch.device):
@@ -302,7 +301,7 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
 
 
 # -- registry entries ---------------------------------------------------------------------------
-STREAMS = {"hc_streams": TopologyOption(int, 4, "residual streams n of hc / hc-dynamic / mhc", Rule(ge=1))}
+STREAMS = {"hc_streams": TopologyOption(PositiveInt, 4, "residual streams n of hc / hc-dynamic / mhc")}
 # n residual streams: no (K, K) block-to-block matrix.
 STREAM_ROUTING = {"matrix": False}
 
@@ -335,8 +334,8 @@ def check_mhc(options: dict) -> None:
 
 
 @register_topology("mhc", summary="mHC: HC with a doubly stochastic (Sinkhorn-Knopp) stream mixing",
-                   options={**STREAMS, "sinkhorn_iters": TopologyOption(int, 20, "Sinkhorn-Knopp iterations of mhc",
-                                                                        Rule(ge=1))},
+                   options={**STREAMS, "sinkhorn_iters": TopologyOption(PositiveInt, 20,
+                                                                        "Sinkhorn-Knopp iterations of mhc")},
                    check=check_mhc, **STREAM_ROUTING)
 def build_mhc(num_blocks: int, hidden_size: int | None, hc_streams: int, sinkhorn_iters: int) -> ResidualTopology:
     return ManifoldHyperConnectionTopology(num_blocks, _width("mhc", hidden_size), hc_streams, sinkhorn_iters)

@@ -2,11 +2,11 @@
 
 A topology module registers a builder with the options (config keys) it takes:
 
-    @register_topology("ancre", options={"tau": TopologyOption(float, 0.01, "softmax temperature", Rule(gt=0))},
+    @register_topology("ancre", options={"tau": TopologyOption(PositiveFloat, 0.01, "softmax temperature")},
                        summary="ANCRe: ingoing softmax over all earlier outputs")
     def build_ancre(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology: ...
 
-The options are checked once, by `resolve_options` (their rules, then the entry's own `check`),
+The options are checked once, by `resolve_options` (their types, then the entry's own `check`),
 so builders and constructors trust what they are given. An entry also declares what tools need
 to know of the topology, so that no code outside this package tests names or classes: whether
 it has a (K, K) matrix, whether its weights depend on the timestep, whether its rows are softmax
@@ -18,11 +18,20 @@ the trainer and the checkpoint loader all ask this registry; none of them tests 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Mapping
 
-from ...errors import UserError
-from ...ranges import Rule, check_value
+from pydantic import Field, StrictFloat, StrictInt, TypeAdapter, ValidationError
+
+from ...errors import UserError, invalid_value
+
+# Option types, strict as the config's fields are (true is no number, 2.5 no int), with their ranges.
+Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+PositiveFloat = Annotated[Float, Field(gt=0)]
+NonNegativeFloat = Annotated[Float, Field(ge=0)]
+PositiveInt = Annotated[StrictInt, Field(ge=1)]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 
 if TYPE_CHECKING:
     import torch
@@ -32,14 +41,24 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TopologyOption:
-    """A hyperparameter a topology takes: its type (bool, int, float or str), default, help and what it
-    accepts beyond its type, in the config fields' language (e.g. `Rule(gt=0)`, `Rule(choices=...)`)."""
-    type: type
+    """A hyperparameter a topology takes: its type as pydantic reads it, ranges and choices included
+    (e.g. `PositiveFloat`, `Literal["add", "replace"]`, `str | None`), its default and help."""
+    type: Any
     default: Any
     help: str = ""
-    rule: Rule | None = None
-    optional: bool = False  # None is allowed (e.g. a path that only some uses need)
     file: bool = False  # names a file that must exist (checked with the config's other paths)
+
+    def validate(self, key: str, value: Any) -> Any:
+        """`value` as this option's type; a UserError naming `key` if it is not one."""
+        try:
+            return _adapter(self.type).validate_python(value)
+        except ValidationError as err:
+            raise invalid_value(err, key) from None
+
+
+@functools.lru_cache(maxsize=None)
+def _adapter(tp: Any) -> TypeAdapter:
+    return TypeAdapter(tp)
 
 
 @dataclass(frozen=True)
@@ -80,9 +99,9 @@ def register_topology(name: str, *, options: Mapping[str, TopologyOption] | None
             raise ValueError(f"topology {name!r} is already registered")
         for key, option in (options or {}).items():
             known = all_topology_options().get(key)
-            if known is not None and (known.type is not option.type or known.rule != option.rule):
-                raise ValueError(f"topology option {key!r} is already registered with another type or rule")
-            check_value(key, option.default, option.rule)  # a default out of its own range is a bug here
+            if known is not None and known.type != option.type:
+                raise ValueError(f"topology option {key!r} is already registered with another type")
+            option.validate(key, option.default)  # a default out of its own range is a bug here
         TOPOLOGIES[name] = TopologyEntry(name, build, dict(options or {}), check, restore, summary, sparse, matrix,
                                          incoming_softmax, weights_per_time)
         return build
@@ -109,36 +128,24 @@ def all_topology_options() -> dict[str, TopologyOption]:
     return options
 
 
-def resolve_options(name: str, given: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def resolve_options(name: str, given: Mapping[str, Any], prefix: str = "", keep_others: bool = False) -> dict[str, Any]:
     """The options topology `name` is built with: its defaults updated by `given`, checked (the one
     place a topology's options are): a UserError naming `prefix + key` (e.g. "model.tau").
 
     Options that belong to other topologies are ignored once checked (a config or an older
-    checkpoint spec always carries `tau`, for example), options no topology knows are refused, and
-    the topology's own check runs on the result."""
+    checkpoint spec always carries `tau`, for example), or kept with `keep_others`; options no
+    topology knows are refused, and the topology's own check runs on the result."""
     entry = topology_entry(name)
     registered = all_topology_options()
     unknown = sorted(set(given) - set(registered))
     if unknown:
         raise UserError(f"unknown topology option(s) {', '.join(unknown)}; registered options: "
                         f"{', '.join(sorted(registered)) or '(none)'}")
-    for key, value in given.items():
-        _check_option(prefix + key, value, registered[key])
+    given = {key: registered[key].validate(prefix + key, value) for key, value in given.items()}
     options = {key: given.get(key, option.default) for key, option in entry.options.items()}
     if entry.check is not None:
         entry.check(options)
-    return options
-
-
-def _check_option(key: str, value: Any, option: TopologyOption) -> None:
-    if value is None:
-        if not option.optional:
-            raise UserError(f"{key} must be {option.type.__name__}, got None")
-        return
-    numeric = option.type in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not (isinstance(value, option.type) or (option.type is float and numeric)):
-        raise UserError(f"{key} must be {option.type.__name__}, got {value!r}")
-    check_value(key, value, option.rule)
+    return {**given, **options} if keep_others else options
 
 
 def build_topology(name: str, num_blocks: int, hidden_size: int | None = None, **options: Any) -> "ResidualTopology":

@@ -1,0 +1,198 @@
+"""The training configuration's schema: one pydantic dataclass per section (run_dir, model, data,
+train, diffusion, repa, eval, log), each field with its type, default and declared range. pydantic
+refuses unknown keys, wrong types and values out of range (training/config.py turns its complaint
+into one line); what a value means to the object that uses it is that object's check
+(training/config_checks.py).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic.dataclasses import dataclass
+
+from ..data.latent_norm import LATENT_NORMS
+from ..diffusion import OBJECTIVES, TIME_SAMPLINGS
+from ..models.dit import ARCHITECTURE_DEFAULTS as ARCH
+from .guards import POLICIES
+
+# Strict types: 3 is no bool, 2.5 no int, true no number, false no string.
+Bool, Int, Float, Str = StrictBool, StrictInt, StrictFloat, StrictStr
+
+
+def _as_list(value: Any) -> Any:
+    return value if isinstance(value, list) else [value]  # eval.cfg_scales=1.5 is [1.5]
+
+
+FloatList = Annotated[list[Float], BeforeValidator(_as_list), Field(min_length=1)]
+StrList = Annotated[list[Str], BeforeValidator(_as_list), Field(min_length=1)]
+# YAML 1.1 reads an unquoted `no` as false: as a precision it is the string "no".
+Precision = Annotated[Literal["no", "bf16", "fp16"], BeforeValidator(lambda v: "no" if v is False else v)]
+section = dataclass(config=ConfigDict(extra="forbid", allow_inf_nan=False))
+
+
+@section
+class ModelConfig:
+    name: Str = "DiT-S/2"
+    topology: Str = "ancre"
+    learn_sigma: Bool = True
+    class_dropout: Float = Field(0.1, ge=0, lt=1)
+    # Overrides of the named size (small custom models); null = the named size's.
+    depth: Int | None = Field(None, ge=1)
+    hidden_size: Int | None = Field(None, ge=1)
+    num_heads: Int | None = Field(None, ge=1)
+    # The block's layers: the 2022 DiT by default; rmsnorm + swiglu + rope2d + qk_norm is LightningDiT's.
+    norm: Str = ARCH["norm"]
+    mlp: Str = ARCH["mlp"]
+    pos_embed: Str = ARCH["pos_embed"]
+    qk_norm: Bool = ARCH["qk_norm"]
+    # Weight of the Tsallis-entropy (q = 2) penalty on ANCRe's incoming weights, added to the loss
+    # to push toward sparse topologies (models/topologies/analysis.tsallis_entropy); 0 = off.
+    topology_entropy_weight: Float = Field(0.0, ge=0)
+    # The aggregation (see the DiT constructor): the kept history's dtype under bf16 autocast, the
+    # eager sums as Triton kernels (auto | triton | torch), and sparse ANCRe's edges per block from
+    # train.topology_sparsify_step on (0 = dense throughout).
+    history_dtype: Str = ARCH["history_dtype"]
+    aggregation_kernel: Str = ARCH["aggregation_kernel"]
+    topology_topk: Int = Field(ARCH["topology_topk"], ge=0)
+    # Set as `model.<option>=value` (model.tau, ...): the ones given, plus the chosen topology's
+    # defaults once loaded.
+    topology_options: dict[str, Any] = Field(default_factory=dict)
+
+
+@section
+class DataConfig:
+    kind: Literal["digits", "latents", "images"] = "latents"
+    path: Str | None = None           # latent dir (latents) or ImageFolder root (images)
+    image_size: Int = Field(256, ge=1)  # pixels of the decoded image
+    num_workers: Int = Field(4, ge=0)   # 0 = load in the main process
+    vae: Str | None = None            # local VAE folder for sample grids (latents; default: manifest's)
+    in_memory: Bool = False           # latents: load every shard into RAM once (batches are then an index_select)
+    # latents: scale = as stored (VAE scaling/shift); channel = also (x - mean) / std per channel (manifest stats)
+    latent_norm: Literal[tuple(LATENT_NORMS)] = "scale"
+
+
+@section
+class TrainConfig:
+    global_batch_size: Int = Field(256, ge=1)
+    max_steps: Int = Field(400_000, ge=1)
+    lr: Float = Field(1.0e-4, gt=0)
+    weight_decay: Float = Field(0.0, ge=0)
+    adam_beta1: Float = Field(0.9, ge=0, lt=1)
+    adam_beta2: Float = Field(0.999, ge=0, lt=1)
+    warmup_steps: Int = Field(0, ge=0)
+    # The routing parameters' own optimizer settings (each topology declares which of its parameters
+    # route across depth): their lr is lr x topology_lr_mult (0 = held at their initial values;
+    # under Adam, tau acts as one more such multiplier on the logits), they are held for the first
+    # topology_warmup_steps steps, and decay by topology_weight_decay (0: the logits never decay).
+    topology_lr_mult: Float = Field(1.0, ge=0)
+    topology_warmup_steps: Int = Field(0, ge=0)
+    topology_weight_decay: Float = Field(0.0, ge=0)
+    # With model.topology_topk: the step after which the topology is sparsified (dense up to it).
+    topology_sparsify_step: Int = Field(0, ge=0)
+    grad_clip: Float = Field(0.0, ge=0)  # max global grad norm; 0 = off
+    ema_decay: Float = Field(0.9999, ge=0, le=1)
+    ema_warmup: Bool = False          # ramp the decay up from 0 (timm's warmup), for short runs
+    mixed_precision: Precision = "bf16"
+    grad_accum: Int = Field(1, ge=1)
+    ckpt_every: Int = Field(50_000, ge=1)
+    keep_last: Int = Field(0, ge=0)   # keep the newest N checkpoints; 0 = keep all
+    log_every: Int = Field(100, ge=1)
+    # Depth diagnostics (forward inflation, backward decay, redundancy, routing) of a fixed batch
+    # every log_every steps: logs/diagnostics.jsonl, TensorBoard, diagnostics.png.
+    diagnostics: Bool = True
+    sample_every: Int = Field(10_000, ge=0)  # EMA sample grid every N steps; 0 = never
+    num_sample_images: Int = Field(16, ge=0)
+    cfg_scale_for_grids: Float = 4.0
+    sample_steps: Int = Field(50, ge=1)  # steps of the grid sampler (the objective's default one)
+    eval_every: Int = Field(0, ge=0)  # evaluation (see EvalConfig) every N steps and at the end; 0 = never
+    seed: Int = Field(0, ge=0)
+    # Non-finite loss / grad norm: skip the update, or stop the run; with skip, stop after more
+    # than nonfinite_max_skips in a row.
+    nonfinite: Literal[POLICIES] = "skip"
+    nonfinite_max_skips: Int = Field(10, ge=0)
+    compile: Bool = False
+    grad_checkpointing: Bool = False  # recompute each block's activations in backward (less memory, ~1 more forward)
+    tf32: Bool = True
+    # Ranks agree on a stop signal every N steps (a host-side all-reduce, no GPU wait): the stop
+    # latency is at most N steps plus the checkpoint's write (docs/cluster.md).
+    stop_check_every: Int = Field(10, ge=1)
+    # Seconds a rank waits in a collective before the job fails (NCCL's own default is 600): the main
+    # rank may work alone for minutes (filling a node's in-memory latents, the evaluation's reference
+    # features, a large checkpoint on a slow filesystem) while the others wait for it.
+    collective_timeout_s: Float = Field(1800.0, gt=0)
+    # Peak dense bf16 TFLOP/s of one device, for the logged MFU; null = from the GPU's name
+    # (ancre_dit.hardware), none for a CPU.
+    peak_tflops: Float | None = Field(None, gt=0)
+
+
+@section
+class EvalConfig:
+    """What an evaluation measures (run every train.eval_every steps, and by `evaluate.py --run`).
+
+    Samples come from the EMA weights with a fixed seed, sampler and step count, once per cfg scale.
+    `metrics`: "digits" (held-out classifier accuracy + Fréchet distance on that classifier's
+    features; NOT FID) and/or Inception metrics (fid, sfid, is, precision, recall) and fd_dinov2
+    (DINOv2 features, `dinov2_weights`) against `ref`;
+    null = digits on digits data, fid when `ref` is set, else none (held-out loss only)."""
+    num_samples: Int = Field(1000, ge=1)
+    batch_size: Int = Field(250, ge=1)  # images per sampling part (part j goes to process j % world)
+    # null: the objective's default sampler (DDPM: ddpm; flow: heun), and that sampler's default step count
+    sampler: Str | None = None
+    steps: Int | None = Field(None, ge=1)
+    cfg_scales: FloatList = Field(default_factory=lambda: [1.0])
+    seed: Int = Field(0, ge=0)
+    metrics: StrList | None = None
+    ref: Str | None = None            # ADM reference npz, or one from evaluate.py --save-ref-stats
+    inception_weights: Str | None = None
+    dinov2_weights: Str | None = None  # fd_dinov2: local timm weights file of dinov2_model
+    dinov2_model: Str = "vit_large_patch14_dinov2"
+    heldout_loss: Bool = True         # loss on fixed held-out examples with fixed noise and times
+    heldout_draws: Int = Field(4, ge=1)    # (noise, time) pairs per held-out example
+    heldout_max: Int = Field(1000, ge=1)   # at most this many held-out examples (the first ones)
+    val_path: Str | None = None       # latents: a latent directory of held-out examples
+    heldout_from_train: Int = Field(0, ge=0)  # latents: hold out the last N training samples (training skips them)
+
+
+@section
+class DiffusionConfig:
+    objective: Literal[OBJECTIVES] = "ddpm"  # ddpm (DiT) or flow (SiT's linear interpolant)
+    time_sampling: Literal[TIME_SAMPLINGS] = "uniform"  # flow: uniform (SiT) or logit-normal (SD3)
+    logit_mean: Float = 0.0           # logit-normal location
+    logit_std: Float = Field(1.0, gt=0)  # logit-normal scale
+
+
+@section
+class RepaConfig:
+    """Representation alignment (REPA, training/repa.py): a frozen pretrained encoder's patch tokens of
+    the clean image are matched, through a trained projector, by the DiT's state after block `depth`.
+    Off at weight 0 (REPA's recipe uses 0.5); the sampled model never holds the projector."""
+    weight: Float = Field(0.0, ge=0)
+    depth: Int = Field(8, ge=1)       # the block whose output is aligned, 1..model depth
+    encoder: Str = "vit_base_patch14_dinov2.lvd142m"  # a timm model name
+    encoder_weights: Str | None = None  # a local file of the encoder's weights (nothing is downloaded)
+    encoder_kwargs: dict[str, Any] = Field(default_factory=dict)  # extra timm.create_model arguments
+    projector_dim: Int = Field(2048, ge=1)
+    encoder_resolution: Int | None = Field(None, ge=1)  # null = the DiT token grid x the encoder's patch size
+
+
+@section
+class LogConfig:
+    tensorboard: Bool = True
+    # The PNG figures: topology heatmaps at checkpoints, loss.png, quality.png, diagnostics.png
+    # (their data, topology.json and the jsonl logs, is written either way).
+    figures: Bool = True
+    wandb: Bool = False
+    project: Str = "ancre-dit"
+
+
+@section
+class Config:
+    run_dir: Str = "results/run"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    diffusion: DiffusionConfig = Field(default_factory=DiffusionConfig)
+    repa: RepaConfig = Field(default_factory=RepaConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
