@@ -21,12 +21,13 @@ from ..errors import MissingFileError, UserError, or_list
 from ..evaluation.evaluator import resolve_metrics
 from ..evaluation.inception import WEIGHTS_NAME, WEIGHTS_URL
 from ..evaluation.metric_registry import METRICS, TRAINING_METRICS, stored_stat_keys
-from ..models import create_model
-from ..models.topologies import all_topology_options, resolve_options, topology_entry
+from ..models import DIT_MODELS, create_model
+from ..models.dit import DIT_SIZES
+from ..models.topologies import all_topology_options, build_topology, resolve_options, topology_entry
 from ..models.topologies.aggregation import check_aggregation_kernel
 from ..sampling.guidance import check_guidance_scale
 from .config_sections import Config, DataConfig, EvalConfig, ModelConfig
-from .model_setup import model_kwargs
+from .model_setup import model_kwargs, topology_options_of
 
 
 class _Paths:
@@ -75,10 +76,11 @@ def _resolve_topology_options(m: ModelConfig, paths: _Paths) -> bool:
     resolved = resolve_options(m.topology, m.topology_options, prefix="model.", keep_others=True)
     found = True
     for key, option in topology_entry(m.topology).options.items():
-        if option.file and resolved[key] is not None and not paths.found(f"model.{key}", resolved[key]):
-            if paths.check:
+        if option.file and resolved[key] is not None and not Path(resolved[key]).is_file():
+            if paths.found(f"model.{key}", resolved[key]):  # unchecked here: listed, and the model not built
+                found = False
+            else:
                 raise MissingFileError(f"model.{key} {resolved[key]} not found; pass an existing file ({option.help})")
-            found = False
     m.topology_options = {key: resolved[key] for key in all_topology_options() if key in resolved}
     return found
 
@@ -91,8 +93,13 @@ def _build_model(config: Config) -> None:
     if m.topology_entropy_weight and not topology_entry(m.topology).incoming_softmax:
         raise UserError(f"model.topology_entropy_weight needs the ancre topology (a learned softmax over each "
                         f"block's incoming edges), not {m.topology}; set it to 0 or use model.topology=ancre")
+    kwargs = model_kwargs(m, input_size=8, in_channels=4, num_classes=10)
+    if m.name in DIT_MODELS:  # the topology on the CPU (small; some read their values at build), the rest on meta
+        depth, width, _ = DIT_SIZES[DIT_MODELS[m.name][0]]
+        kwargs["topology"] = build_topology(m.topology, kwargs.get("depth", depth), kwargs.get("hidden_size", width),
+                                            **topology_options_of(m))
     with torch.device("meta"):
-        model = create_model(m.name, **model_kwargs(m, input_size=8, in_channels=4, num_classes=10))
+        model = create_model(m.name, **kwargs)
     check_aggregation_kernel(m.aggregation_kernel, cuda=torch.cuda.is_available())  # where the run will be
     blocks = len(model.blocks)
     if config.repa.weight and config.repa.depth > blocks:
