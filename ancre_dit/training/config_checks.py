@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..diffusion import build_objective, samplers_for
+from ..diffusion import Objective, build_objective, samplers_for
 from ..diffusion.sampler_registry import SAMPLERS, check_steps
 from ..errors import MissingFileError, UserError, or_list
 from ..evaluation.evaluator import resolve_metrics
@@ -23,7 +23,7 @@ from ..evaluation.inception import WEIGHTS_NAME, WEIGHTS_URL
 from ..evaluation.metric_registry import METRICS, TRAINING_METRICS, stored_stat_keys
 from ..models import DIT_MODELS, create_model
 from ..models.dit import DIT_SIZES
-from ..models.topologies import all_topology_options, build_topology, resolve_options, topology_entry
+from ..models.topologies import all_topology_options, resolve_options, topology_entry
 from ..models.topologies.aggregation import check_aggregation_kernel
 from ..sampling.guidance import check_guidance_scale
 from .config_sections import Config, DataConfig, EvalConfig, ModelConfig
@@ -74,15 +74,12 @@ def _resolve_topology_options(m: ModelConfig, paths: _Paths) -> bool:
     the registry's order, so that saving a loaded config writes the same bytes. Options of other
     topologies are kept as given. False when a file it names is missing here (unchecked)."""
     resolved = resolve_options(m.topology, m.topology_options, prefix="model.", keep_others=True)
-    found = True
+    unlisted = len(paths.missing)
     for key, option in topology_entry(m.topology).options.items():
-        if option.file and resolved[key] is not None and not Path(resolved[key]).is_file():
-            if paths.found(f"model.{key}", resolved[key]):  # unchecked here: listed, and the model not built
-                found = False
-            else:
-                raise MissingFileError(f"model.{key} {resolved[key]} not found; pass an existing file ({option.help})")
+        if option.file and resolved[key] is not None and not paths.found(f"model.{key}", resolved[key]):
+            raise MissingFileError(f"model.{key} {resolved[key]} not found; pass an existing file ({option.help})")
     m.topology_options = {key: resolved[key] for key in all_topology_options() if key in resolved}
-    return found
+    return len(paths.missing) == unlisted
 
 
 def _build_model(config: Config) -> None:
@@ -96,8 +93,9 @@ def _build_model(config: Config) -> None:
     kwargs = model_kwargs(m, input_size=8, in_channels=4, num_classes=10)
     if m.name in DIT_MODELS:  # the topology on the CPU (small; some read their values at build), the rest on meta
         depth, width, _ = DIT_SIZES[DIT_MODELS[m.name][0]]
-        kwargs["topology"] = build_topology(m.topology, kwargs.get("depth", depth), kwargs.get("hidden_size", width),
-                                            **topology_options_of(m))
+        # its options were checked just above (resolve_options): the entry's builder trusts them
+        kwargs["topology"] = topology_entry(m.topology).build(kwargs.get("depth", depth),
+                                                              kwargs.get("hidden_size", width), **topology_options_of(m))
     with torch.device("meta"):
         model = create_model(m.name, **kwargs)
     check_aggregation_kernel(m.aggregation_kernel, cuda=torch.cuda.is_available())  # where the run will be
@@ -173,7 +171,7 @@ def _check_eval_data(config: Config, paths: _Paths) -> None:
                         f"written by scripts/extract_latents.py")
 
 
-def _check_eval_sampling(e: EvalConfig, objective) -> None:
+def _check_eval_sampling(e: EvalConfig, objective: Objective) -> None:
     """eval.sampler must fit the objective and eval.steps its schedule (DDPM: at most its timesteps)."""
     sampler = e.sampler or objective.default_sampler
     fits = samplers_for(objective.name)
@@ -194,7 +192,6 @@ def _check_eval_metrics(config: Config, paths: _Paths) -> None:
     for name in metrics:
         if name not in TRAINING_METRICS:
             raise UserError(f"unknown metric {name!r} in eval.metrics; choose {or_list(TRAINING_METRICS)}")
-    for name in metrics:
         only = METRICS[name].only_for
         if only is not None and only[0] != kind:
             raise UserError(f"eval.metrics={name} scores {only[1]}, but data.kind={kind}; use fid (with eval.ref)")

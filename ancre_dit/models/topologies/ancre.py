@@ -11,7 +11,6 @@ from typing import Any, Literal
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from pydantic import StrictStr
 
 from ...errors import UserError
