@@ -96,7 +96,7 @@ def score(checkpoint: Path, sampler: str, steps: int | None, labels: np.ndarray,
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ancre_dit.evaluation.comparison import write_report
+    from ancre_dit.studies.comparison import write_report
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

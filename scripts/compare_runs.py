@@ -5,7 +5,7 @@
 
 Writes REPORT_DIR/report.md (final values; every group against the first one, paired by seed:
 steps to the target, the speedup with its 95% interval and a verdict, as a study report computes
-them, see ancre_dit.evaluation.comparison), summary.json and curves_step.png / curves_images.png /
+them, see ancre_dit.studies.comparison), summary.json and curves_step.png / curves_images.png /
 curves_seconds.png (training loss, held-out loss and every evaluated metric on shared axes, the mean
 of a group with its t interval as a band). Runs that differ only in train.seed form a group;
 --group patterns (matched against the run directory name) choose the groups instead.
@@ -42,7 +42,7 @@ def main() -> int:
                         "repeatable")
     args = p.parse_args()
     output_folder(args.out, "comparison report", "report.md")
-    from ancre_dit.evaluation.comparison import write_report
+    from ancre_dit.studies.comparison import write_report
 
     write_report(args.runs, args.out, args.group, _targets(args.target))
     print(f"report written to {Path(args.out) / 'report.md'} (+ summary.json, curves_*.png)")

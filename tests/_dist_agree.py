@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ancre_dit.cli import job_processes, run_cli
 from ancre_dit.errors import UserError
-from ancre_dit.training.rank_decisions import agree_on_evaluated, agree_on_resume
+from ancre_dit.training.rank_decisions import agree_on_resume
+from ancre_dit.training.run_evaluation import agree_on_evaluated
 
 
 def main() -> int:

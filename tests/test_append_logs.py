@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ancre_dit.evaluation.evaluator import append_eval, evals_path, read_evals
+from ancre_dit.training.run_evaluation import append_eval, evals_path, read_evals
 from ancre_dit.files import append_jsonl, read_jsonl
 
 from helpers import subprocess_env

@@ -18,9 +18,9 @@ import yaml
 from helpers import ROOT, accelerate_state, assert_same_weights, run_forked_ranks, script_main, subprocess_env, tiny_config
 
 from ancre_dit.errors import UserError
-from ancre_dit.evaluation.comparison import SeedSpeedup, interval_curve, steps_to_target, summarize, write_report
-from ancre_dit.evaluation.run_curves import group_runs, load_run
-from ancre_dit.evaluation.evaluator import read_evals
+from ancre_dit.studies.comparison import SeedSpeedup, interval_curve, steps_to_target, summarize, write_report
+from ancre_dit.studies.run_curves import group_runs, load_run
+from ancre_dit.training.run_evaluation import read_evals
 from ancre_dit.training import train
 from ancre_dit.training.config import load_config
 from ancre_dit.training.run_evaluation import evaluate_run

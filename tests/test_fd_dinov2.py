@@ -86,7 +86,7 @@ def test_fd_dinov2_during_training_equals_the_offline_pipeline(vit, tmp_path):
 
     from ancre_dit.data.adm_npz import to_uint8
     from ancre_dit.data.digits import DigitsDataset
-    from ancre_dit.evaluation.evaluator import read_evals
+    from ancre_dit.training.run_evaluation import read_evals
     from ancre_dit.training import train
 
     weights, _ = vit

@@ -13,8 +13,8 @@ from helpers import ROOT, free_port, subprocess_env
 
 from ancre_dit.cli import SingleProcess
 from ancre_dit.errors import UserError
-from ancre_dit.evaluation.evaluator import append_eval
-from ancre_dit.training.rank_decisions import agree_on_evaluated, agree_on_resume, main_decides
+from ancre_dit.training.rank_decisions import agree_on_resume, main_decides
+from ancre_dit.training.run_evaluation import agree_on_evaluated, append_eval
 
 
 def _damaged_checkpoint(run_dir: Path) -> None:

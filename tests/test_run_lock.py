@@ -107,7 +107,7 @@ def test_only_the_main_rank_prints_a_user_error(monkeypatch, capsys):
 
 
 def test_metrics_never_print_as_minus_zero():
-    from ancre_dit.evaluation.evaluator import format_eval
+    from ancre_dit.training.run_evaluation import format_eval
     from ancre_dit.evaluation.pipeline import display
 
     assert display(-1e-9) == "0.0000" and display(-0.0) == "0.0000" and display(-0.5) == "-0.5000"

@@ -8,7 +8,8 @@ import signal
 
 import pytest
 
-from ancre_dit.evaluation.evaluator import Evaluator, read_evals
+from ancre_dit.evaluation.evaluator import Evaluator
+from ancre_dit.training.run_evaluation import read_evals
 from ancre_dit.training import train
 from ancre_dit.training.checkpointing import list_checkpoints
 

@@ -23,9 +23,9 @@ from scipy.stats import t as student_t
 from helpers import ROOT, load_script
 
 from ancre_dit.cli import run_cli
-from ancre_dit.evaluation.comparison import (PairedSpeedup, SeedSpeedup, interval_curve, paired_difference,
+from ancre_dit.studies.comparison import (PairedSpeedup, SeedSpeedup, interval_curve, paired_difference,
                                              paired_speedup, verdict)
-from ancre_dit.evaluation.run_curves import Group, load_run
+from ancre_dit.studies.run_curves import Group, load_run
 from ancre_dit.files import read_jsonl
 from ancre_dit.studies import load_study
 from ancre_dit.studies.ownership import claim_folder

@@ -23,11 +23,9 @@ import torch
 
 from ..diffusion import Objective, resolve_sampler
 from ..errors import UserError
-from ..files import append_jsonl, read_jsonl
 from .heldout import HeldOutSet, heldout_terms
 from .metric_registry import FEATURES, METRICS, MetricOptions, metric_names
 
-EVALS_FILE = "evals.jsonl"
 EVAL_METRICS = metric_names(training=True)  # what eval.metrics accepts (the config reads TRAINING_METRICS)
 
 
@@ -250,27 +248,3 @@ class Evaluator:
                                                                                           self.inception))
         return self._ref_side
 
-
-# -- the evals file --------------------------------------------------------------------------------
-def evals_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "logs" / EVALS_FILE
-
-
-def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Entries of RUN/logs/evals.jsonl in file order (a torn line, from a kill, is skipped and reported)."""
-    return read_jsonl(evals_path(run_dir))
-
-
-def append_eval(run_dir: str | Path, entry: dict[str, Any]) -> None:
-    append_jsonl(evals_path(run_dir), entry)
-
-
-def evaluated_steps(run_dir: str | Path, identity: dict[str, Any]) -> set[int]:
-    """Steps that already have an entry made with these settings (what a resumed evaluation skips)."""
-    return {int(e["step"]) for e in read_evals(run_dir) if e.get("settings") == identity}
-
-
-def format_eval(entry: dict[str, Any]) -> str:
-    """One log line: 'step 500: heldout_loss 0.1234, digits_acc/cfg2 0.950, ... (3.2 s)'."""
-    values = ", ".join(f"{k} {0.0 if v == 0 else v:.4g}" for k, v in entry["metrics"].items())  # no "-0"
-    return f"step {entry['step']}: evaluation {values} ({entry['seconds']:.1f} s)"

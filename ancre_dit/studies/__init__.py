@@ -7,7 +7,9 @@ says how sure the answer is.
     cluster   submitit executor (SLURM, or submitit's local executor): requeue on time limit / preemption
     status    each run's state from its checkpoints, logs and launch records
     costs     training FLOPs per step of each arm (for curves at equal compute)
-    report    report.md + curves with seed intervals, paired speedups and verdicts (evaluation.comparison)
+    run_curves  the curves runs logged (metrics.jsonl, evals.jsonl), loaded and grouped
+    comparison  steps to a target, paired speedups with intervals, verdicts (compare_runs.py, report)
+    report    report.md + curves with seed intervals, paired speedups and verdicts
     actions   the commands of scripts/study.py, put together
 """
 from .spec import Job, Study, load_study, validate

@@ -1,7 +1,7 @@
 """A study's report: `<out>/report/report.md`, summary.json and curves_<axis>.png.
 
 Every run is listed with its state; the statistics use the finished runs (a run stopped half way
-would pass for a slow one), grouped by arm and compared by `ancre_dit.evaluation.comparison`: mean
+would pass for a slow one), grouped by arm and compared by `ancre_dit.studies.comparison`: mean
 curves with Student-t intervals over seeds, and, against the baseline arm and paired by seed, the
 final-value difference, the steps to the baseline's final value, the speedup and its verdict.
 """
@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import UserError
-from ..evaluation.comparison import (LEVEL, MetricRow, PairedSpeedup, metric_rows, row_summary, step_intervals,
+from .comparison import (LEVEL, MetricRow, PairedSpeedup, metric_rows, row_summary, step_intervals,
                                      write_curves)
 from ..evaluation.metric_registry import is_heldout_part
 from ..evaluation.metric_registry import lower_is_better as is_lower_better
-from ..evaluation.run_curves import Group, Run, load_run
+from .run_curves import Group, Run, load_run
 from ..evaluation.stats import MeanInterval
 from ..files import write_atomic
 from .costs import arm_flops_per_step

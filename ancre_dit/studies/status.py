@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..evaluation.evaluator import read_evals
+from ..training.run_evaluation import read_evals
 from ..files import append_jsonl, read_jsonl
 from ..training.checkpointing import list_checkpoints
 from .spec import Job

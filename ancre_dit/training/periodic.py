@@ -131,7 +131,7 @@ class EvaluationTask(PeriodicTask):
 
     def __init__(self, ctx: RunContext):
         from ..evaluation.evaluator import resolve_metrics
-        from .rank_decisions import agree_on_evaluated
+        from .run_evaluation import agree_on_evaluated
         from .run_evaluation import build_run_evaluator
 
         super().__init__(ctx.config.train.eval_every)

@@ -46,10 +46,3 @@ def agree_on_resume(state: Any, resume: str | None, run_dir: str | Path,
                     warn: Callable[[str], None] = print) -> Path | None:
     """checkpointing.resolve_resume on the main process (its warnings printed there), shared by all."""
     return main_decides(state, lambda: ckpt.resolve_resume(resume, run_dir, warn=warn))
-
-
-def agree_on_evaluated(state: Any, run_dir: str | Path, identity: dict[str, Any]) -> set[int]:
-    """The steps evals.jsonl already holds for these settings, read by the main process, shared by all."""
-    from ..evaluation.evaluator import evaluated_steps
-
-    return main_decides(state, lambda: evaluated_steps(run_dir, identity))

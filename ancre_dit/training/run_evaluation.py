@@ -15,12 +15,15 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import UserError
+from ..files import append_jsonl, read_jsonl
 from ..hardware import configure_precision
 from . import checkpointing as ckpt
 from .config import Config, load_config
+from .rank_decisions import main_decides
 
 CONFIG_FILE = "config.yaml"
 QUALITY_PLOT = "quality.png"
+EVALS_FILE = "evals.jsonl"
 
 
 def build_run_evaluator(config: Config, data, objective, decoder, state, log: Callable[[str], Any]):
@@ -29,7 +32,6 @@ def build_run_evaluator(config: Config, data, objective, decoder, state, log: Ca
     when no sample metric is asked for)."""
     from ..evaluation.evaluator import Evaluator
     from ..evaluation.heldout import build_heldout_set
-    from .rank_decisions import main_decides
 
     e = config.eval
     heldout = None
@@ -49,8 +51,6 @@ def record_evaluation(run_dir: Path, result: dict[str, Any], identity: dict[str,
                       tracker=None) -> dict[str, Any]:
     """Appends one evaluation to RUN/logs/evals.jsonl, logs it, and sends its metrics to the trackers
     (an Accelerator) when given; returns the entry."""
-    from ..evaluation.evaluator import append_eval, format_eval
-
     entry = {"step": step, "images_seen": images_seen, "train_seconds": train_seconds, "source": source, **result,
              "settings": identity}
     append_eval(run_dir, entry)
@@ -63,7 +63,6 @@ def record_evaluation(run_dir: Path, result: dict[str, Any], identity: dict[str,
 def plot_run_quality(run_dir: Path, identity: dict[str, Any]) -> Path | None:
     """RUN/quality.png: held-out loss and every sample metric against step, one panel each, for the
     entries with these settings (the loss's parts, mse / vb, stay in evals.jsonl)."""
-    from ..evaluation.evaluator import read_evals
     from ..evaluation.metric_registry import is_heldout_part
     from ..figures import plot_panels
 
@@ -125,7 +124,6 @@ def _evaluate(run_dir: Path, config: Config, selected: list[tuple[int, Path]], s
     from ..checkpoint import load_model_spec, load_trained_model
     from ..diffusion import build_objective
     from ..sampling.decode import build_decoder
-    from .rank_decisions import agree_on_evaluated
     from .data import build_data
 
     log = log if state.is_main_process else (lambda *a, **k: None)
@@ -154,3 +152,33 @@ def _evaluate(run_dir: Path, config: Config, selected: list[tuple[int, Path]], s
         plot_run_quality(run_dir, evaluator.identity)
     state.wait_for_everyone()
     return new
+
+
+# -- the evals file --------------------------------------------------------------------------------
+def evals_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "logs" / EVALS_FILE
+
+
+def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Entries of RUN/logs/evals.jsonl in file order (a torn line, from a kill, is skipped and reported)."""
+    return read_jsonl(evals_path(run_dir))
+
+
+def append_eval(run_dir: str | Path, entry: dict[str, Any]) -> None:
+    append_jsonl(evals_path(run_dir), entry)
+
+
+def agree_on_evaluated(state: Any, run_dir: str | Path, identity: dict[str, Any]) -> set[int]:
+    """The steps evals.jsonl already holds for these settings, read by the main process, shared by all."""
+    return main_decides(state, lambda: evaluated_steps(run_dir, identity))
+
+
+def evaluated_steps(run_dir: str | Path, identity: dict[str, Any]) -> set[int]:
+    """Steps that already have an entry made with these settings (what a resumed evaluation skips)."""
+    return {int(e["step"]) for e in read_evals(run_dir) if e.get("settings") == identity}
+
+
+def format_eval(entry: dict[str, Any]) -> str:
+    """One log line: 'step 500: heldout_loss 0.1234, digits_acc/cfg2 0.950, ... (3.2 s)'."""
+    values = ", ".join(f"{k} {0.0 if v == 0 else v:.4g}" for k, v in entry["metrics"].items())  # no "-0"
+    return f"step {entry['step']}: evaluation {values} ({entry['seconds']:.1f} s)"

@@ -29,9 +29,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import UserError
-from .metric_registry import is_heldout_part, lower_is_better as is_lower_better
+from ..evaluation.metric_registry import is_heldout_part, lower_is_better as is_lower_better
+from ..evaluation.stats import MeanInterval, mean_t_interval
 from .run_curves import AXES, FLOPS_AXIS, Group, Run, group_runs, load_run
-from .stats import MeanInterval, mean_t_interval
 
 LEVEL = 0.95
 

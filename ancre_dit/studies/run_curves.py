@@ -3,7 +3,7 @@
 Reads only what any run writes (config.yaml, logs/metrics.jsonl, logs/evals.jsonl), whatever its
 topology or objective. Metrics: `train_loss` (metrics.jsonl's loss) and every key of the evals'
 "metrics" (held-out loss, digits_* or fid/... per cfg scale). A group is the runs of one setting
-(its seeds); `ancre_dit.evaluation.comparison` compares groups.
+(its seeds); `ancre_dit.studies.comparison` compares groups.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import yaml
 
 from ..errors import UserError
 from ..files import read_jsonl
-from .evaluator import read_evals
+from ..training.run_evaluation import read_evals
 
 AXES = {"step": "step", "images": "images seen", "seconds": "training seconds (evaluation excluded)"}
 # Training compute: step x FLOPs of one training step (network forward + backward, counted once per
