@@ -1,29 +1,19 @@
-"""Peer residual schemes in the DiT backbone: DenseFormer, Hyper-Connections and mHC.
+"""Peer residual schemes, written by hand from their papers' formulas (no library has them for a DiT):
+DenseFormer (Pagliardini et al., NeurIPS 2024, arXiv 2402.02622), Hyper-Connections, static and
+dynamic (Zhu et al., ICLR 2025, arXiv 2409.19606) and mHC (Xie et al., arXiv 2512.24880).
 
-Each is a `ResidualTopology` (it owns the loop over blocks, see base.py), written by hand
-from its paper's formulas (no library implements them for a DiT):
-
-- DenseFormer: Pagliardini, Mohtashami, Fleuret, Jaggi, "DenseFormer: Enhancing Information Flow
-  in Transformers via Depth Weighted Averaging", NeurIPS 2024 (arXiv 2402.02622).
-- Hyper-Connections (HC): Zhu, Huang, Huang, Zeng, Mao, Wu, Min, Zhou, "Hyper-Connections",
-  ICLR 2025 (arXiv 2409.19606); static (SHC) and dynamic (DHC) variants.
-- mHC: Xie et al. (DeepSeek-AI), "mHC: Manifold-Constrained Hyper-Connections", arXiv 2512.24880.
-
-HC and mHC wire the DiT block's two branches themselves (`DiTBlock.modulation`,
-`attention_branch`, `mlp_branch`); each branch keeps its adaLN shift/scale/gate, only the residual
-add around it is replaced. Their residual is n streams wide, so they have no (K, K) block-to-block
-matrix: `probabilities()` raises `TopologyNotDefined`, which callers that draw heatmaps catch.
+HC and mHC wire the DiT block's two branches themselves (`DiTBlock.modulation`, `attention_branch`,
+`mlp_branch`): each branch keeps its adaLN shift/scale/gate, only the residual add around it is
+replaced. Their residual is n streams wide, so `probabilities()` raises `TopologyNotDefined`.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from einops import reduce, repeat
 
 from ...errors import UserError
@@ -32,8 +22,8 @@ from .registry import PositiveInt, TopologyOption, register_topology
 
 
 def autocast_off(device: torch.device):
-    """A region that runs in the tensors' own dtype under the caller's autocast. The meta device has
-    no autocast to leave (counting FLOPs there, shapes only), so there it is a plain region."""
+    """A region in the tensors' own dtype under the caller's autocast (the meta device, where FLOPs
+    are counted, has no autocast to leave)."""
     if torch.amp.is_autocast_available(device.type):
         return torch.autocast(device_type=device.type, enabled=False)
     return nullcontext()
@@ -54,16 +44,10 @@ class DenseFormerTopology(ResidualTopology):
 
         X_0 = h_0,   X_j = B_j(Y_{j-1}, c),   Y_j = sum_{i<=j} alpha_{j,i} X_i,   output Y_K
 
-    with unconstrained scalars alpha (K(K+3)/2 in all), initialised to the identity
-    (alpha_{j,j} = 1, the rest 0), so the initial network is exactly the cascaded DiT. X_j is the
-    block's raw output, its own two residual adds included. `alphas.{j-1}` holds block j's DWA
-    weights over X_0..X_j (j + 1 scalars, the newest last).
-
-    `probabilities()` in the package convention (skip weights added on top of each block's output,
-    cascaded = zero matrix): P[j, i] = alpha_{j+1, i} for i <= j, the weight with which source
-    X_i (0 = embedding, i = raw output of block i) enters the average after block j+1. The DWA's
-    weight on the block's own output, alpha_{j+1, j+1} (1 at init), has no place in that matrix:
-    `output_scales()` returns those K numbers. The last row is the DWA that feeds the final layer.
+    with free scalars alpha initialised to the identity (alpha_{j,j} = 1), so the initial network is
+    the cascaded DiT. X_j is the block's raw output (its own residual adds included); `alphas.{j-1}`
+    holds block j's weights over X_0..X_j, the newest last. `probabilities()` P[j, i] = alpha_{j+1, i}
+    (i <= j) are the skip weights; the weight on the block's own output is `output_scales()`.
     """
 
     def __init__(self, num_blocks: int):
@@ -95,45 +79,33 @@ class DenseFormerTopology(ResidualTopology):
         return torch.stack([a[-1] for a in self.alphas])
 
 
-def _wired_block(sublayer: Callable[[int, torch.Tensor, Callable, tuple], torch.Tensor], k: int, block: nn.Module,
-                 H: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """Block k with its wiring: `sublayer(l, H, branch, modulation)` for the attention (l = 2k)
-    and the MLP (l = 2k+1) branch; returns the streams after it."""
-    mod = block.modulation(c)
-    H = sublayer(2 * k, H, block.attention_branch, mod[:3])
-    return sublayer(2 * k + 1, H, block.mlp_branch, mod[3:])
-
-
 class _StreamTopology(ResidualTopology):
-    """Shared trunk of HC and mHC: n residual streams, started as n copies of h_0, wired around
-    every sublayer by `_sublayer`, summed at the end."""
+    """Shared trunk of HC and mHC: n residual streams in fp32, started as n copies of h_0, wired around
+    every sublayer by `_sublayer(l, H, branch, modulation)`, summed at the end."""
 
     streams: int
-    fp32_streams = False  # HC and mHC keep their streams in fp32 under autocast
+
+    def _wired_block(self, k: int, block: nn.Module, H: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """Block k with its wiring: the attention (sublayer 2k), then the MLP branch (2k+1)."""
+        mod = block.modulation(c)
+        H = self._sublayer(2 * k, H, block.attention_branch, mod[:3])
+        return self._sublayer(2 * k + 1, H, block.mlp_branch, mod[3:])
 
     def forward(self, h0, blocks, c):
         self.check_blocks(blocks)
-        h0 = h0.float() if self.fp32_streams else h0
+        h0 = h0.float()
         H = repeat(h0, "... d -> ... n d", n=self.streams)  # n copies of h_0 (a view, no memory)
         self.emit_state(0, h0)
         for k, block in enumerate(blocks):  # a checkpointed unit = the block and its stream wiring
-            H = self.run_block(partial(_wired_block, self._sublayer, k, block), H, c)
+            H = self.run_block(partial(self._wired_block, k, block), H, c)
             if self.state_hook is not None:  # a block's output is the sum of the streams
                 self.emit_state(k + 1, reduce(H, "... n d -> ... d", "sum"))
         return reduce(H, "... n d -> ... d", "sum")
 
-    def probabilities(self) -> torch.Tensor:
-        raise TopologyNotDefined(f"{self.no_matrix_reason()}, so it has no (K, K) block-to-block matrix")
-
-    def no_matrix_reason(self) -> str:
-        raise NotImplementedError
-
 
 class HyperConnectionTopology(_StreamTopology):
-    """Hyper-Connections around the attention and the MLP branch of every block.
-
-    The residual is n streams, H (N, T, n, d), started as n copies of h_0. Sublayer l (2K in all)
-    with branch T_l (adaLN shift/scale/gate inside) computes
+    """Hyper-Connections around the attention and the MLP branch of every block. The residual is
+    n streams, H (N, T, n, d); sublayer l (2K in all) with branch T_l computes
 
         x = A_m^T H                  width connection: the branch input, a mix of the streams
         H <- A_r^T H + B^T T_l(x)    stream mixing, and the depth connection writing the output
@@ -144,13 +116,10 @@ class HyperConnectionTopology(_StreamTopology):
         B = s_beta tanh(H' W_beta)^T + B,  A_m = s_alpha tanh(H' W_m) + A_m,  A_r = s_alpha tanh(H' W_r) + A_r
 
     (`dynamic_weights[l]` = [W_beta | W_m | W_r], (d, n + 2); `dynamic_scales[l]` = [s_alpha, s_beta]).
-    The final hidden state is the sum of the streams.
 
-    Init (the paper's Pre-Norm-equivalent init): A_m = e_{l mod n}, A_r = I, B = 1; dynamic
-    W = 0 and s = 0.01. Every stream then stays equal to the cascaded DiT's hidden state, so every
-    branch sees exactly the cascaded input and the trunk returns n * h_K (cascaded). The DiT final
-    layer's LayerNorm removes that factor; what remains is its eps acting as eps / n^2, a relative
-    output change of order eps / var(h_K), about 1e-7 here.
+    Init (the paper's Pre-Norm-equivalent one): A_m = e_{l mod n}, A_r = I, B = 1, dynamic W = 0 and
+    s = 0.01. Every stream then equals the cascaded hidden state and the trunk returns n * h_K; the
+    final LayerNorm removes that factor, up to its eps acting as eps / n^2 (a relative change ~1e-7).
     """
 
     def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, dynamic: bool = False):
@@ -191,18 +160,16 @@ class HyperConnectionTopology(_StreamTopology):
         with autocast_off(H.device):
             return mixed + b.unsqueeze(-1) * out.to(mixed.dtype).unsqueeze(-2)
 
-    fp32_streams = True
-
-    def no_matrix_reason(self) -> str:
-        return (f"{'hc-dynamic' if self.dynamic else 'hc'} mixes {self.streams} residual streams around each sublayer"
-                + ("" if self.dynamic else " (topology.sublayer_weights() gives its effective sublayer weights)"))
+    def probabilities(self) -> torch.Tensor:
+        raise TopologyNotDefined(
+            f"{'hc-dynamic' if self.dynamic else 'hc'} mixes {self.streams} residual streams around each sublayer"
+            + ("" if self.dynamic else " (topology.sublayer_weights() gives its effective sublayer weights)")
+            + ", so it has no (K, K) block-to-block matrix")
 
     def sublayer_weights(self) -> torch.Tensor:
-        """Static HC only: (2K, 2K+1), row l = weights of sublayer l's input over the sources
-        [h_0, out_1, ..., out_2K] (out_m = gated output of sublayer m, attention/MLP alternating).
-
-        Exact, since static HC is linear in its sources; the cascaded DiT is the lower-triangular
-        ones matrix (row l: 1 on h_0 and on out_1..out_l), which is also this at init."""
+        """Static HC only: (2K, 2K+1), row l = the exact weights of sublayer l's input over the sources
+        [h_0, out_1, ..., out_2K] (out_m = gated output of sublayer m). The cascaded DiT (and this at
+        init) is the lower-triangular ones matrix."""
         if self.dynamic:
             raise TopologyNotDefined("hc-dynamic's weights depend on the input; no fixed sublayer matrix")
         L, n = self.alpha_m.shape
@@ -218,10 +185,9 @@ class HyperConnectionTopology(_StreamTopology):
 
 
 def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
-    """Doubly stochastic projection of exp(logits) over the last two dims: alternate row and
-    column normalisation `iters` times (columns last, so they sum to 1 exactly). With a finite
-    number of iterations the rows are only close to 1: within 1e-5 after 20 iterations for 4x4
-    logits of std 0.5, but off by up to ~1e-3 at std 1 (the gap mHC-lite, arXiv 2601.05732, notes)."""
+    """Doubly stochastic projection of exp(logits) over the last two dims: row then column
+    normalisation `iters` times (columns last, so they sum to 1 exactly; the rows only come close,
+    the gap mHC-lite, arXiv 2601.05732, notes)."""
     m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))  # SK ignores a global scale
     for _ in range(iters):
         m = m / m.sum(dim=-1, keepdim=True)
@@ -241,18 +207,12 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
         x     <- H_res x + H_post^T F(H_pre x)
 
     (`phi[l]` = [phi_pre | phi_post | phi_res], (n d, 2n + n^2); `alpha[l]` = [a_pre, a_post, a_res]).
-    Coefficients and stream mixing run in fp32 with autocast off, whatever the autocast dtype;
-    the branch itself runs under the caller's autocast. Streams start as n copies of h_0 and are
-    summed at the end, as in HC.
+    Coefficients and stream mixing run in fp32 with autocast off; the branch under the caller's autocast.
 
-    Init (ours; the paper does not fix one): phi = 0, alpha = 0.01, b_post = 0 (H_post = 1),
-    H_pre = 1 - p on stream l mod n and p / (n - 1) on the others (sums to 1), H_res =
-    (1 - r) I + r / (n - 1) (1 1^T - I), already doubly stochastic; p = MHC_PRE_LEAK = 0.05,
-    r = MHC_RES_LEAK = 0.25 (a well-conditioned start for 20 Sinkhorn iterations). The
-    streams then stay equal to the cascaded hidden state (rows of H_res sum to 1, H_pre sums to 1),
-    so the init model equals the cascaded DiT up to fp32 rounding and the final-LayerNorm eps
-    effect of the stream sum (see HyperConnectionTopology). The HC-like asymmetry (stream l mod n
-    favoured) is what lets the streams become different during training.
+    Init (ours; the paper fixes none): phi = 0, alpha = 0.01, H_post = 1, H_pre = 1 - p on stream
+    l mod n and p / (n - 1) on the others, H_res = (1 - r) I + r / (n - 1) (1 1^T - I), already doubly
+    stochastic (p, r = MHC_PRE_LEAK, MHC_RES_LEAK). The streams then equal the cascaded hidden state
+    (as in HC); favouring stream l mod n is what lets them become different during training.
     """
 
     def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, sinkhorn_iters: int = 20,
@@ -290,11 +250,9 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
         with autocast_off(H.device):
             return torch.einsum("...rs,...sd->...rd", res, H) + post.unsqueeze(-1) * out.float().unsqueeze(-2)
 
-    fp32_streams = True
-
-    def no_matrix_reason(self) -> str:
-        return (f"mhc mixes {self.streams} residual streams with input-dependent doubly stochastic matrices "
-                f"around each sublayer")
+    def probabilities(self) -> torch.Tensor:
+        raise TopologyNotDefined(f"mhc mixes {self.streams} residual streams with input-dependent doubly stochastic "
+                                 f"matrices around each sublayer, so it has no (K, K) block-to-block matrix")
 
     def extra_repr(self) -> str:
         return f"num_blocks={self.num_blocks}, streams={self.streams}, sinkhorn_iters={self.sinkhorn_iters}"
@@ -302,8 +260,6 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
 
 # -- registry entries ---------------------------------------------------------------------------
 STREAMS = {"hc_streams": TopologyOption(PositiveInt, 4, "residual streams n of hc / hc-dynamic / mhc")}
-# n residual streams: no (K, K) block-to-block matrix.
-STREAM_ROUTING = {"matrix": False}
 
 
 def _width(name: str, hidden_size: int | None) -> int:
@@ -317,12 +273,12 @@ def build_denseformer(num_blocks: int, hidden_size: int | None) -> ResidualTopol
     return DenseFormerTopology(num_blocks)
 
 
-@register_topology("hc", options=STREAMS, **STREAM_ROUTING, summary="Hyper-Connections, static")
+@register_topology("hc", options=STREAMS, matrix=False, summary="Hyper-Connections, static")
 def build_hc(num_blocks: int, hidden_size: int | None, hc_streams: int) -> ResidualTopology:
     return HyperConnectionTopology(num_blocks, _width("hc", hidden_size), hc_streams)
 
 
-@register_topology("hc-dynamic", options=STREAMS, **STREAM_ROUTING, summary="Hyper-Connections, input-dependent")
+@register_topology("hc-dynamic", options=STREAMS, matrix=False, summary="Hyper-Connections, input-dependent")
 def build_hc_dynamic(num_blocks: int, hidden_size: int | None, hc_streams: int) -> ResidualTopology:
     return HyperConnectionTopology(num_blocks, _width("hc-dynamic", hidden_size), hc_streams, dynamic=True)
 
@@ -336,6 +292,6 @@ def check_mhc(options: dict) -> None:
 @register_topology("mhc", summary="mHC: HC with a doubly stochastic (Sinkhorn-Knopp) stream mixing",
                    options={**STREAMS, "sinkhorn_iters": TopologyOption(PositiveInt, 20,
                                                                         "Sinkhorn-Knopp iterations of mhc")},
-                   check=check_mhc, **STREAM_ROUTING)
+                   check=check_mhc, matrix=False)
 def build_mhc(num_blocks: int, hidden_size: int | None, hc_streams: int, sinkhorn_iters: int) -> ResidualTopology:
     return ManifoldHyperConnectionTopology(num_blocks, _width("mhc", hidden_size), hc_streams, sinkhorn_iters)
