@@ -1,33 +1,27 @@
 """Routing across depth with attention: DAR (timestep-adaptive, for DiTs) and AttnRes (Kimi's
-attention residuals), in one trunk.
+attention residuals), in one trunk, written by hand (no library offers attention over depth).
 
-Both route at the sublayer level: the attention and the MLP branch of every block are layers
-l = 1..L (L = 2K), v_0 is the embedding and v_l the gated output of sublayer l (before any residual
-add). Nothing is added to a running stream: sublayer l reads h_l = sum_i alpha_{i->l} v_i over its
-sources S_l, with, per token,
+Both route at the sublayer level: v_0 is the embedding and v_l the gated output of sublayer l = 1..2K
+(attention and MLP alternating, before any residual add). Sublayer l reads h_l = sum_i alpha_{i->l} v_i
+over its sources S_l, with, per token,
 
     alpha_{i->l} = softmax_i( q_l . RMSNorm_l(v_i) / s )       (s = sqrt(d) for DAR, 1 for AttnRes)
 
-(keys are RMS-normalised with a learned weight per aggregator, values are the raw v_i), and a final
-aggregator feeds the final layer. The queries start at zero, so every weight is uniform at init;
-with adaLN-Zero every v_l (l >= 1) is 0 then, h_l = v_0 / |S_l| and LayerNorm ignores the scale:
-the model equals the plain DiT at init.
+and a final aggregator feeds the final layer. The queries start at zero: every weight is uniform, with
+adaLN-Zero every v_l (l >= 1) is 0, h_l = v_0 / |S_l| and LayerNorm ignores the scale, so the model
+equals the plain DiT at init.
 
-DAR's queries: `static` (q_l = w_l), `static-t` (q_l = w_l + e(t), e(t) the model's timestep
-embedding through a separate zero-initialised head shared by all aggregators: we read the paper's
-zero-initialised e(t) as a head of its own, so that adaLN keeps its timestep conditioning at init),
-`dynamic` (q_l = W_l v_{l-1}, per token, W_l zero at init). Chunked DAR (chunk S; L/S chunks): a
-chunk's summary is its last output (the embedding is summary 0), and sublayer l sees the summaries of
-earlier chunks plus its own chunk's outputs so far; S = 1 is the dense form.
-Block AttnRes (block S): a block's summary is the SUM of its outputs, and sublayer l sees the earlier
-block sums plus its own block's running partial sum; block 0 (full) and S = 1 are the dense form.
+Queries: `static` (q_l = w_l), `static-t` (q_l = w_l + e(t), the timestep embedding through a
+zero-initialised head of its own, so that adaLN keeps its timestep conditioning at init), `dynamic`
+(q_l = W_l v_{l-1}, per token). Chunked DAR (chunk S): a chunk's summary is its last output, and
+sublayer l sees the earlier summaries plus its own chunk's outputs so far. Block AttnRes (block S): a
+block's summary is the SUM of its outputs, and sublayer l sees the earlier block sums plus its own
+block's partial sum. S = 1 (and block 0) is the dense form.
 
-Written by hand: no library offers attention over depth. The key normalisation is folded into the
-dot product (q . (g * v / rms(v)) = ((q * g) . v) / rms(v)), so no normalised copy of a source is
-kept for the backward pass. With static queries (static, static-t) each source's logits for every
-aggregator are one small matrix product taken when the source is made, (N, T, d) x (d, L+1), so an
-aggregator reads its sources once (the weighted sum) instead of twice; dynamic queries depend on the
-token that reads, so there each source's RMS is computed once and its logits per reader.
+The key normalisation is folded into the dot product (q . (g * v / rms(v)) = ((q * g) . v) / rms(v)),
+so no normalised copy of a source is kept for the backward. With static queries each source's logits
+for every aggregator are one small matrix product taken when the source is made, so an aggregator
+reads its sources once; dynamic queries depend on the reading token: there each source's RMS is kept.
 """
 from __future__ import annotations
 
@@ -74,18 +68,9 @@ class DepthAttentionTopology(ResidualTopology):
         self._recorded: list[tuple[list[int], torch.Tensor]] = []
 
     # -- the routing of one aggregator -----------------------------------------------------------
-    def _key_maps(self, time_query: torch.Tensor | None) -> torch.Tensor | None:
-        """Static queries: every aggregator's query folded with its key norm and the scale, (A, d) or,
-        with static-t, (N, A, d); None for dynamic queries (they depend on the token)."""
-        if self.query == "dynamic":
-            return None
-        q = self.queries if time_query is None else self.queries + time_query[:, None, :]
-        return q * self.key_norms * self.scale
-
     def _reads(self, v: torch.Tensor, key_maps: torch.Tensor | None) -> torch.Tensor:
-        """What the aggregators need of a new source besides its value. Static queries: its logits
-        for every aggregator at once, (N, T, A), one small matrix product per source instead of one
-        reduction per (aggregator, source) pair. Dynamic queries: its RMS, (N, T)."""
+        """What the aggregators need of a new source besides its value: its logits for every aggregator,
+        (N, T, A) (static queries), or its RMS, (N, T) (dynamic queries)."""
         rms = v.float().pow(2).mean(-1).add(RMS_EPS).sqrt().to(v.dtype)
         if key_maps is None:
             return rms
@@ -112,8 +97,12 @@ class DepthAttentionTopology(ResidualTopology):
     def forward(self, h0: torch.Tensor, blocks: Sequence[nn.Module], c: torch.Tensor,
                 time_embedding: torch.Tensor | None = None) -> torch.Tensor:
         self.check_blocks(blocks)
-        time_query = self.time_head(time_embedding) if self.query == "static-t" else None
-        key_maps = self._key_maps(time_query)
+        # Static queries: every aggregator's query folded with its key norm and the scale, (A, d) or, with
+        # static-t, (N, A, d); dynamic queries depend on the token.
+        key_maps = None
+        if self.query != "dynamic":
+            q = self.queries if self.query == "static" else self.queries + self.time_head(time_embedding)[:, None, :]
+            key_maps = q * self.key_norms * self.scale
         self._recorded = []
         summaries, summary_reads, summary_ids = [h0], [self._reads(h0, key_maps)], [0]  # finished chunks / blocks
         current, current_reads, current_ids = [], [], []  # this chunk's outputs / this block's partial sum
@@ -174,8 +163,8 @@ class DepthAttentionTopology(ResidualTopology):
         return W
 
     def extra_repr(self) -> str:
-        what = f"chunk={self.group}" if self.grouping == "chunk" else f"block={self.group}"
-        return f"{'dar' if self.grouping == 'chunk' else 'attnres'} query={self.query}, {what}, sublayers={2 * self.num_blocks}"
+        name, what = ("dar", "chunk") if self.grouping == "chunk" else ("attnres", "block")
+        return f"{name} query={self.query}, {what}={self.group}, sublayers={2 * self.num_blocks}"
 
 
 QUERY = {"query": TopologyOption(Literal[QUERIES], "static", "the aggregators' queries: static (a learned "
@@ -185,15 +174,16 @@ QUERY = {"query": TopologyOption(Literal[QUERIES], "static", "the aggregators' q
 DEPTH_ROUTING = {"matrix": False, "weights_per_time": True}
 
 
-@register_topology("dar", options={**QUERY, "chunk": TopologyOption(PositiveInt, 4,
-                                                                    "sublayers per chunk (1 = dense)")}, **DEPTH_ROUTING,
-                   summary="DAR: softmax attention over earlier sublayer outputs (timestep-aware with static-t), chunked")
+@register_topology("dar", **DEPTH_ROUTING,
+                   options={**QUERY, "chunk": TopologyOption(PositiveInt, 4, "sublayers per chunk (1 = dense)")},
+                   summary="DAR: softmax attention over earlier sublayer outputs (timestep-aware with static-t), "
+                           "chunked")
 def build_dar(num_blocks: int, hidden_size: int | None, query: str, chunk: int) -> ResidualTopology:
     return DepthAttentionTopology(num_blocks, _width("dar", hidden_size), query=query, group=chunk, grouping="chunk")
 
 
-@register_topology("attnres", options={**QUERY, "block": TopologyOption(NonNegativeInt, 0,
-                                                                        "sublayers per block (0 = full)")}, **DEPTH_ROUTING,
+@register_topology("attnres", **DEPTH_ROUTING,
+                   options={**QUERY, "block": TopologyOption(NonNegativeInt, 0, "sublayers per block (0 = full)")},
                    summary="AttnRes: attention residuals over earlier sublayer outputs, block sums with block S")
 def build_attnres(num_blocks: int, hidden_size: int | None, query: str, block: int) -> ResidualTopology:
     return DepthAttentionTopology(num_blocks, _width("attnres", hidden_size), query=query, group=block,
