@@ -14,10 +14,8 @@ from .gaussian import DDPM_SCHEDULE, GaussianDiffusion, create_diffusion, diffus
 
 
 def schedule_of(spec: Mapping[str, Any]) -> dict[str, Any]:
-    """The schedule a spec names (DiT's where it names none)."""
-    return dict(num_timesteps=int(spec.get("num_timesteps", DDPM_SCHEDULE["num_timesteps"])),
-                beta_start=float(spec.get("beta_start", DDPM_SCHEDULE["beta_start"])),
-                beta_end=float(spec.get("beta_end", DDPM_SCHEDULE["beta_end"])))
+    """The schedule a spec names (DiT's where it names none), each value of the type of DiT's."""
+    return {key: type(default)(spec.get(key, default)) for key, default in DDPM_SCHEDULE.items()}
 
 
 def respaced_diffusion(spec: Mapping[str, Any], steps: int) -> GaussianDiffusion:
@@ -39,12 +37,19 @@ def ddpm_loop(denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: Noise
     return x
 
 
+def ddpm_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
+                 noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
+    """The sampler table's "ddpm": ADM's ancestral sampler on the schedule respaced to `steps`."""
+    return ddpm_loop(denoiser, x, y, noise, respaced_diffusion(objective.spec(), steps))
+
+
 @torch.no_grad()
-def scheduler_loop(denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, kind: str, steps: int,
-                   schedule: Mapping[str, Any]) -> torch.Tensor:
-    """DDIM (eta 0) or DPM-Solver++(2M) through diffusers; only epsilon (first C channels) is passed,
-    since DPM-Solver's learned-variance mode assumes 3-channel images."""
-    scheduler = diffusers_scheduler(kind, **schedule_of(schedule))
+def scheduler_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
+                      noise: NoiseSource, *, steps: int, sde: SDEOptions, kind: str) -> torch.Tensor:
+    """The sampler table's "ddim" (eta 0, no noise drawn) and "dpm-solver" (DPM-Solver++(2M)) through
+    diffusers; only epsilon (first C channels) is passed, since DPM-Solver's learned-variance mode
+    assumes 3-channel images."""
+    scheduler = diffusers_scheduler(kind, **objective.schedule)
     scheduler.set_timesteps(int(steps), device=x.device)
     channels = x.shape[1]
     x = x * scheduler.init_noise_sigma
@@ -53,24 +58,6 @@ def scheduler_loop(denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, kind: s
         out = denoiser(model_input, t.to(x.device, torch.long).expand(len(x)), y)
         x = scheduler.step(out[:, :channels], t, x).prev_sample
     return x
-
-
-def ddpm_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
-                 noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
-    """The sampler table's "ddpm": ADM's ancestral sampler on the schedule respaced to `steps`."""
-    return ddpm_loop(denoiser, x, y, noise, respaced_diffusion(objective.spec(), steps))
-
-
-def ddim_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
-                 noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
-    """The sampler table's "ddim": diffusers' DDIM, eta 0 (no noise drawn)."""
-    return scheduler_loop(denoiser, x, y, "ddim", steps, objective.schedule)
-
-
-def dpm_solver_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
-                       noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
-    """The sampler table's "dpm-solver": diffusers' DPM-Solver++(2M)."""
-    return scheduler_loop(denoiser, x, y, "dpm-solver", steps, objective.schedule)
 
 
 class DDPMObjective(Objective):

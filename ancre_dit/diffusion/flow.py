@@ -15,38 +15,15 @@ For the guidance interval, normalised time (0 = data, 1 = noise) is u = 1 - t.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import torch
 
 from ..errors import UserError
-from .base import Denoiser, Draws, NoiseSource, Objective, SDEOptions
-from .flow_samplers import Velocity, ode_sample, sde_sample
+from .base import Draws, Objective
 from .vlb import mean_flat
 
 TIME_SAMPLINGS = ("uniform", "logit-normal")
-
-
-def _velocity(denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor) -> Velocity:
-    """The network's velocity for labels y: its first C output channels, C those of the state x."""
-    channels = x.shape[1]
-
-    def velocity(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return denoiser(x_t, t, y)[:, :channels]
-
-    return velocity
-
-
-def ode_sampler(objective: "FlowObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
-                noise: NoiseSource, *, steps: int, sde: SDEOptions, method: str) -> torch.Tensor:
-    """The sampler table's ODE entries: torchdiffeq's `method` from noise (t = 0) to data (t = 1)."""
-    return ode_sample(_velocity(denoiser, x, y), x, method=method, steps=int(steps))
-
-
-def sde_sampler(objective: "FlowObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
-                noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
-    """The sampler table's "sde": SiT's Euler-Maruyama with the given options."""
-    return sde_sample(_velocity(denoiser, x, y), x, noise, steps=int(steps), options=sde)
 
 
 class FlowObjective(Objective):
@@ -63,14 +40,6 @@ class FlowObjective(Objective):
             raise UserError(f"diffusion.logit_std must be positive, got {logit_std}")
         self.time_sampling = time_sampling
         self.logit_mean, self.logit_std = float(logit_mean), float(logit_std)
-
-    @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> "FlowObjective":
-        if spec.get("learn_sigma"):
-            raise UserError("the flow objective predicts a velocity and has no learned variance; "
-                            "set model.learn_sigma=false")
-        return cls(str(spec.get("time_sampling", "uniform")), float(spec.get("logit_mean", 0.0)),
-                   float(spec.get("logit_std", 1.0)))
 
     def spec(self) -> dict[str, Any]:
         return {"objective": self.name, "path": "linear", "prediction": "velocity", "time_sampling": self.time_sampling,

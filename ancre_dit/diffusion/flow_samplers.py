@@ -15,32 +15,28 @@ default), "euler" (velocity only), "tweedie" (E[data | x_t] = x / t + (1 - t)^2 
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from .base import NoiseSource, SDEOptions
-
 from ..errors import UserError
-
-Velocity = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-DOPRI5_TOLERANCES = {"atol": 1e-6, "rtol": 1e-3}
+from .base import Denoiser, NoiseSource, Objective, SDEOptions
 
 
 @torch.no_grad()
-def ode_sample(velocity: Velocity, x: torch.Tensor, *, method: str, steps: int) -> torch.Tensor:
-    """Integrates dx/dt = velocity(x, t) from t = 0 to 1 with torchdiffeq's `method`: a fixed-grid
-    one ("euler", "heun2", ...) on `steps` equal intervals, or "dopri5" (adaptive, `steps` unused)."""
+def ode_sampler(objective: Objective, denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: NoiseSource,
+                *, steps: int, sde: SDEOptions, method: str) -> torch.Tensor:
+    """The sampler table's ODE entries: torchdiffeq's `method` from noise (t = 0) to data (t = 1), a
+    fixed-grid one ("euler", "heun2") on `steps` equal intervals or "dopri5" (adaptive, `steps` unused)."""
     from torchdiffeq import odeint
 
+    channels = x.shape[1]
     span = torch.tensor([0.0, 1.0], device=x.device)
 
     def field(t: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        return velocity(state, t.to(state.dtype).expand(len(state)))
+        return denoiser(state, t.to(state.dtype).expand(len(state)), y)[:, :channels]
 
     if method == "dopri5":
-        return odeint(field, x, span, method="dopri5", **DOPRI5_TOLERANCES)[-1]
-    grid = torch.linspace(0.0, 1.0, steps + 1, device=x.device)
+        return odeint(field, x, span, method="dopri5", atol=1e-6, rtol=1e-3)[-1]  # SiT's tolerances
+    grid = torch.linspace(0.0, 1.0, int(steps) + 1, device=x.device)
     return odeint(field, x, span, method=method, options={"grid_constructor": lambda f, y0, t: grid})[-1]
 
 
@@ -57,25 +53,30 @@ def _score_times_w(v: torch.Tensor, x: torch.Tensor, t: float, norm: float) -> t
 
 
 @torch.no_grad()
-def sde_sample(velocity: Velocity, x: torch.Tensor, noise: NoiseSource, *, steps: int,
-               options: SDEOptions = SDEOptions()) -> torch.Tensor:
-    """SiT's Euler-Maruyama sampler: steps - 1 noisy steps over [0, 1 - last_step_size], then the last step."""
-    size = 0.0 if options.last_step == "none" else options.last_step_size
-    times = torch.linspace(0.0, 1.0 - size, steps)  # float32 time points, as SiT
+def sde_sampler(objective: Objective, denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: NoiseSource,
+                *, steps: int, sde: SDEOptions) -> torch.Tensor:
+    """The sampler table's "sde": SiT's Euler-Maruyama, steps - 1 noisy steps over
+    [0, 1 - last_step_size], then the last step."""
+    channels = x.shape[1]
+
+    def velocity(state: torch.Tensor, t: float) -> torch.Tensor:
+        return denoiser(state, torch.full((len(state),), t, device=state.device), y)[:, :channels]
+
+    size = 0.0 if sde.last_step == "none" else sde.last_step_size
+    times = torch.linspace(0.0, 1.0 - size, int(steps))  # float32 time points, as SiT
     dt = float(times[1] - times[0])
-    batch = len(x)
     for t in times[:-1].tolist():
-        v = velocity(x, torch.full((batch,), t, device=x.device))
-        drift = v + _score_times_w(v, x, t, options.diffusion_norm)
-        w = options.diffusion_norm * (1.0 - t)
+        v = velocity(x, t)
+        drift = v + _score_times_w(v, x, t, sde.diffusion_norm)
+        w = sde.diffusion_norm * (1.0 - t)
         x = x + drift * dt + (2.0 * w * dt) ** 0.5 * noise.next()
-    if options.last_step == "none":
+    if sde.last_step == "none":
         return x
     t1 = float(times[-1])
-    v = velocity(x, torch.full((batch,), t1, device=x.device))
-    if options.last_step == "mean":
-        return x + (v + _score_times_w(v, x, t1, options.diffusion_norm)) * size
-    if options.last_step == "euler":
+    v = velocity(x, t1)
+    if sde.last_step == "mean":
+        return x + (v + _score_times_w(v, x, t1, sde.diffusion_norm)) * size
+    if sde.last_step == "euler":
         return x + v * size
     score = (t1 * v - x) / (1.0 - t1)
     return x / t1 + (1.0 - t1) ** 2 / t1 * score  # tweedie

@@ -31,18 +31,9 @@ def linear_betas(num_timesteps: int = DDPM_SCHEDULE["num_timesteps"], beta_start
 
 
 def space_timesteps(num_timesteps: int, section_counts: str | int | Iterable[int]) -> list[int]:
-    """ADM's respacing: split [0, T) into equal sections and take evenly strided steps in each.
-
-    "250" -> 250 steps over the whole range; "10,15,20" -> three sections; "ddim50" -> a
-    constant integer stride giving exactly 50 steps (ADM's DDIM convention).
-    """
+    """ADM's respacing: split [0, T) into equal sections and take evenly strided steps in each:
+    "250" -> 250 steps over the whole range, "10,15,20" -> three sections (DDIM runs in diffusers)."""
     if isinstance(section_counts, str):
-        if section_counts.startswith("ddim"):
-            desired = int(section_counts[len("ddim"):])
-            for stride in range(1, num_timesteps):
-                if len(range(0, num_timesteps, stride)) == desired:
-                    return list(range(0, num_timesteps, stride))
-            raise UserError(f"cannot take exactly {desired} steps with an integer stride from {num_timesteps}")
         section_counts = [int(x) for x in section_counts.split(",")]
     elif isinstance(section_counts, int):
         section_counts = [section_counts]
@@ -67,8 +58,6 @@ class MeanVariance:
     mean: torch.Tensor
     variance: torch.Tensor
     log_variance: torch.Tensor
-    pred_xstart: torch.Tensor
-    eps: torch.Tensor
 
 
 class GaussianDiffusion:
@@ -107,20 +96,20 @@ class GaussianDiffusion:
         self._tables: dict[tuple, torch.Tensor] = {}
 
     # -- helpers --------------------------------------------------------------------------
+    def _table(self, name: str, device: torch.device) -> torch.Tensor:
+        """The numpy table `name` as a tensor on `device`, copied there once."""
+        key = (name, device)
+        if key not in self._tables:
+            self._tables[key] = torch.from_numpy(np.asarray(getattr(self, name))).to(device)
+        return self._tables[key]
+
     def _extract(self, name: str, t: torch.Tensor, ndim: int) -> torch.Tensor:
         """Gathers table[t] (computed in float64, used in float32) shaped to broadcast over x."""
-        key = (name, t.device)
-        if key not in self._tables:
-            self._tables[key] = torch.from_numpy(np.asarray(getattr(self, name))).to(t.device)
-        out = self._tables[key][t].float()
-        return out.reshape(-1, *([1] * (ndim - 1)))
+        return self._table(name, t.device)[t].float().reshape(-1, *([1] * (ndim - 1)))
 
     def model_timesteps(self, t: torch.Tensor) -> torch.Tensor:
         """Respaced indices -> the original timesteps the network was trained on."""
-        key = ("timestep_map", t.device)
-        if key not in self._tables:
-            self._tables[key] = torch.from_numpy(self.timestep_map).to(t.device)
-        return self._tables[key][t]
+        return self._table("timestep_map", t.device)[t]
 
     def respaced(self, section_counts: str | int | Iterable[int]) -> "GaussianDiffusion":
         """A diffusion over a subset of steps with betas chosen to keep alphas_cumprod (ADM's)."""
@@ -147,8 +136,7 @@ class GaussianDiffusion:
                 self._extract("posterior_log_variance_clipped", t, x_t.ndim))
 
     # -- the model's reverse step --------------------------------------------------------
-    def p_mean_variance(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
-                        clip_denoised: bool = False) -> MeanVariance:
+    def p_mean_variance(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> MeanVariance:
         """p(x_{t-1} | x_t) from the network output (eps, and with learned sigma the variance
         interpolation v in [-1, 1] between beta_t and the clipped posterior variance)."""
         channels = x_t.shape[1]
@@ -165,15 +153,14 @@ class GaussianDiffusion:
             log_variance = self._extract("fixed_log_variance", t, x_t.ndim).expand_as(x_t)
         pred_xstart = (self._extract("sqrt_recip_alphas_cumprod", t, x_t.ndim) * x_t
                        - self._extract("sqrt_recipm1_alphas_cumprod", t, x_t.ndim) * eps)
-        if clip_denoised:
-            pred_xstart = pred_xstart.clamp(-1, 1)
+        # No clipping of pred_xstart: DiT's latents are not bounded to [-1, 1].
         mean, _, _ = self.q_posterior(pred_xstart, x_t, t)
-        return MeanVariance(mean, torch.exp(log_variance), log_variance, pred_xstart, eps)
+        return MeanVariance(mean, torch.exp(log_variance), log_variance)
 
-    def p_sample(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor, noise: torch.Tensor,
-                 clip_denoised: bool = False) -> torch.Tensor:
+    def p_sample(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
+                 noise: torch.Tensor) -> torch.Tensor:
         """One ancestral DDPM step x_t -> x_{t-1}; no noise is added at t = 0."""
-        out = self.p_mean_variance(model_output, x_t, t, clip_denoised)
+        out = self.p_mean_variance(model_output, x_t, t)
         nonzero = (t != 0).float().reshape(-1, *([1] * (x_t.ndim - 1)))
         return out.mean + nonzero * torch.exp(0.5 * out.log_variance) * noise
 
@@ -190,13 +177,11 @@ class GaussianDiffusion:
         return torch.where(t == 0, nll, kl)
 
     def training_losses(self, model: Callable[..., torch.Tensor], x_start: torch.Tensor, t: torch.Tensor,
-                        model_kwargs: dict | None = None, noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                        model_kwargs: dict, noise: torch.Tensor) -> dict[str, torch.Tensor]:
         """DiT's loss per sample: MSE on epsilon, plus with learned sigma the VLB term computed
         with the predicted mean detached, so the VLB trains only the variance (improved DDPM)."""
-        if noise is None:
-            noise = torch.randn_like(x_start)
         x_t = self.q_sample(x_start, t, noise)
-        model_output = model(x_t, self.model_timesteps(t), **(model_kwargs or {}))
+        model_output = model(x_t, self.model_timesteps(t), **model_kwargs)
         channels = x_start.shape[1]
         eps = model_output[:, :channels].float()
         terms = {"mse": mean_flat((noise - eps) ** 2)}
@@ -221,12 +206,12 @@ def create_diffusion(respacing: str | int | None = None, learn_sigma: bool = Tru
 
 
 def diffusers_scheduler(kind: str, **schedule: Any):
-    """diffusers' DDIM / DPM-Solver++ / DDPM scheduler on DiT's schedule, predicting epsilon.
+    """diffusers' DDIM or DPM-Solver++ scheduler on DiT's schedule, predicting epsilon.
 
     clip_sample / thresholding are off: DiT's latents are not bounded to [-1, 1] (a known trap:
-    diffusers' DDPM/DDIM default to clip_sample=True).
+    diffusers' DDIM defaults to clip_sample=True).
     """
-    from diffusers import DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler
+    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
 
     schedule = {**DDPM_SCHEDULE, **schedule}
     common = dict(num_train_timesteps=schedule["num_timesteps"], beta_start=schedule["beta_start"],
@@ -236,6 +221,4 @@ def diffusers_scheduler(kind: str, **schedule: Any):
     if kind == "dpm-solver":
         return DPMSolverMultistepScheduler(**common, algorithm_type="dpmsolver++", solver_order=2,
                                            thresholding=False, lower_order_final=True)
-    if kind == "ddpm":
-        return DDPMScheduler(**common, clip_sample=False, variance_type="fixed_large")
-    raise UserError(f"unknown scheduler {kind!r}; choose ddpm, ddim or dpm-solver")
+    raise ValueError(f"unknown scheduler {kind!r}; choose ddim or dpm-solver")

@@ -24,5 +24,9 @@ def build_objective(spec: Mapping[str, Any] | Objective) -> Objective:
                             "(DDPM draws integer timesteps uniformly)")
         return DDPMObjective(learn_sigma=bool(spec.get("learn_sigma", True)), **schedule_of(spec))
     if name == "flow":
-        return FlowObjective.from_spec(spec)
+        if spec.get("learn_sigma"):
+            raise UserError("the flow objective predicts a velocity and has no learned variance; "
+                            "set model.learn_sigma=false")
+        return FlowObjective(str(spec.get("time_sampling", "uniform")), float(spec.get("logit_mean", 0.0)),
+                             float(spec.get("logit_std", 1.0)))
     raise UserError(f"unknown diffusion objective {name!r}; choose {' or '.join(OBJECTIVES)}")

@@ -15,9 +15,8 @@ import torch
 
 from ..errors import UserError
 from .base import Denoiser, NoiseSource, Objective, SDEOptions
-from .ddpm import ddim_sampler, ddpm_sampler, dpm_solver_sampler
-from .flow import ode_sampler, sde_sampler
-from .flow_samplers import check_sde_steps
+from .ddpm import ddpm_sampler, scheduler_sampler
+from .flow_samplers import check_sde_steps, ode_sampler, sde_sampler
 
 
 class SampleFn(Protocol):
@@ -41,8 +40,9 @@ class SamplerEntry:
 
 SAMPLERS: dict[str, SamplerEntry] = {
     "ddpm": SamplerEntry(ddpm_sampler, ("ddpm",), 250, "ADM's ancestral sampler, respaced ADM-style"),
-    "ddim": SamplerEntry(ddim_sampler, ("ddpm",), 250, "diffusers' DDIM, eta 0"),
-    "dpm-solver": SamplerEntry(dpm_solver_sampler, ("ddpm",), 250, "diffusers' DPM-Solver++(2M)"),
+    "ddim": SamplerEntry(partial(scheduler_sampler, kind="ddim"), ("ddpm",), 250, "diffusers' DDIM, eta 0"),
+    "dpm-solver": SamplerEntry(partial(scheduler_sampler, kind="dpm-solver"), ("ddpm",), 250,
+                               "diffusers' DPM-Solver++(2M)"),
     "euler": SamplerEntry(partial(ode_sampler, method="euler"), ("flow",), 50, "Euler ODE steps"),
     "heun": SamplerEntry(partial(ode_sampler, method="heun2"), ("flow",), 25,
                          "Heun ODE steps, 2 network calls each"),
