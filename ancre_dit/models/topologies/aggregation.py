@@ -232,9 +232,3 @@ def _gram(grads: torch.Tensor, store: torch.Tensor, dtype: torch.dtype, chunk: i
     for s in range(0, grads.shape[1], chunk):
         out += grads[:, s:s + chunk] @ store[:, s:s + chunk].t().to(grads.dtype)
     return out.to(dtype)
-
-
-def stacked_sum(out: torch.Tensor, weights: torch.Tensor, trunk: StackedTrunk, j: int,
-                h0: torch.Tensor | None = None) -> torch.Tensor:
-    """Node j's output (see `_StackedNode`); node 0 also takes h_0 as an input (for its gradient)."""
-    return _StackedNode.apply(out, weights, h0, trunk, j)

@@ -218,7 +218,7 @@ def check_frozen(options: dict[str, Any]) -> None:
 
 def restore_frozen(state, ancre_mode: str = "add", **_) -> ResidualTopology:
     """The frozen matrix travels in the state dict (its JSON may be gone); the mode in the options."""
-    return FixedTopology.from_state_dict(state, ancre_mode)
+    return FixedTopology(state["weights"], ancre_mode)
 
 
 @register_topology("frozen", check=check_frozen, restore=restore_frozen,

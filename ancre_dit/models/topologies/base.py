@@ -1,48 +1,37 @@
 """The residual-topology interface: who owns the loop over the transformer blocks.
 
-Every topology implements `trunk(h0, blocks, c) -> hK` (its `forward`) and `probabilities()`,
-the (K, K) matrix whose row j holds the weights of block j+1's incoming edges over sources
-i = 0..j (source 0 is the embedding h_0, source i the output of block i), zeros above the
-diagonal. These are the weights of the skip sum added to each block's output *on top of* the
-block's own two residual adds (the official form, `mode="add"`), so a plain DiT ("cascaded") is the
-zero matrix, and a one-hot "previous node" matrix gives h_j = B_j(h_{j-1}) + h_{j-1}. In the
-`mode="replace"` form the convex mix takes the place of the block's own residual,
-h_j = (B_j(h_{j-1}) - h_{j-1}) + sum_i P[j-1, i] h_i, so that one-hot "previous" is the plain DiT.
+A topology's `forward(h0, blocks, c)` runs the trunk; `probabilities()` is the (K, K) matrix whose
+row j holds block j+1's incoming weights over sources i = 0..j (0 = the embedding h_0, i = block i's
+output), zeros above the diagonal: the skip sum added *on top of* each block's own two residual adds
+(the official form, `mode="add"`; a plain DiT is the zero matrix). With `mode="replace"` the mix takes
+the place of the block's own residual, h_j = (B_j(h_{j-1}) - h_{j-1}) + sum_i P[j-1, i] h_i.
 
-A topology also declares its routing parameters (`routing_parameters()`: what the trainer's
-topology learning-rate multiplier, warmup and weight decay apply to) and reports the state it feeds
-each next block to an optional `state_hook` (training diagnostics, representation alignment).
-
-This module holds the interface and the topologies with no learned weights (cascaded, a fixed
-matrix); ANCRe and its ablations live in `ancre.py`, the peer schemes in `peers.py`, and the
-eager stacked aggregation in `aggregation.py`.
+A topology also names its `routing_parameters()` (what the trainer's topology learning rate, warmup
+and weight decay apply to) and reports the state it feeds each next block to an optional `state_hook`.
+This module holds the interface and the topologies with no learned weights (cascaded, a fixed matrix).
 """
 from __future__ import annotations
 
 import contextlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from ...errors import MissingFileError, UserError
-from .aggregation import StackedPlan, StackedTrunk, aggregation_kernels, check_aggregation_kernel, stacked_sum
+from .aggregation import StackedPlan, StackedTrunk, _StackedNode, aggregation_kernels, check_aggregation_kernel
 
 
 class TopologyNotDefined(ValueError):
-    """The scheme has no (K, K) block-to-block weight matrix (e.g. n-stream HC / mHC).
-
-    Raised by `probabilities()`; code that draws or logs topologies catches it and skips them.
-    """
+    """Raised by `probabilities()` of a scheme with no (K, K) block-to-block matrix (e.g. HC / mHC)."""
 
 
 class ResidualTopology(nn.Module):
-    """Base class: owns the loop over blocks. Subclasses override `forward` and `probabilities`,
-    and call every block (or the unit they wire around it) through `run_block`, so activation
-    checkpointing (`DiT.set_grad_checkpointing`) works with every topology."""
+    """Base class: subclasses override `forward` and `probabilities`, and call every block (or the
+    unit they wire around it) through `run_block`, so activation checkpointing works with all."""
 
     def __init__(self, num_blocks: int):
         super().__init__()
@@ -55,8 +44,7 @@ class ResidualTopology(nn.Module):
         self.takes_time_embedding = False
 
     def routing_parameters(self) -> list[nn.Parameter]:
-        """The parameters that route information across depth (default: all of the topology's own);
-        a topology that also holds other weights overrides this."""
+        """The parameters that route information across depth (default: all of the topology's own)."""
         return list(self.parameters())
 
     def emit_state(self, k: int, z: torch.Tensor) -> None:
@@ -64,8 +52,7 @@ class ResidualTopology(nn.Module):
             self.state_hook(k, z)
 
     def run_block(self, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-        """`fn(*args)`; with gradient checkpointing on (and autograd recording), its activations
-        are recomputed in the backward pass instead of kept: only its inputs stay in memory."""
+        """`fn(*args)`, its activations recomputed in the backward if gradient checkpointing is on."""
         if self.grad_checkpointing and torch.is_grad_enabled():
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
@@ -77,8 +64,7 @@ class ResidualTopology(nn.Module):
     @contextlib.contextmanager
     def exact_state_gradients(self) -> Iterator[None]:
         """While on, a gradient taken with respect to a state given to `state_hook` is its whole
-        gradient (the diagnostics' backward decay). Every topology's is, but the stacked
-        aggregation's (it routes the skip gradients inside its nodes)."""
+        gradient (the diagnostics' backward decay); only the stacked aggregation needs to act."""
         yield
 
     def forward(self, h0: torch.Tensor, blocks: Sequence[nn.Module], c: torch.Tensor) -> torch.Tensor:
@@ -106,11 +92,9 @@ class CascadedTopology(ResidualTopology):
 class WeightedHistoryTopology(ResidualTopology):
     """h_j = B_j(h_{j-1}) + sum_{i<j} P[j-1, i] h_i, with P given by `probabilities()`.
 
-    `edges[j]` lists the sources that can carry a non-zero weight into block j+1, so fixed sparse
-    layouts skip their zero edges entirely. In eager mode the history lives in one store and each
-    block's sum is one `_StackedNode` (one product over its sources; the backward also keeps the
-    gradients stacked, see aggregation.py); under torch.compile it is the plain `addcmul` chain,
-    which the compiler fuses itself.
+    `edges[j]` lists the sources that can carry a non-zero weight into block j+1 (the others are
+    skipped). In eager mode each block's sum is one `_StackedNode` over a stacked history
+    (aggregation.py); under torch.compile it is the plain `addcmul` chain, which the compiler fuses.
     """
 
     MODES = ("add", "replace")
@@ -130,8 +114,7 @@ class WeightedHistoryTopology(ResidualTopology):
         self.set_edges(edges if edges is not None else [list(range(j + 1)) for j in range(num_blocks)])
 
     def set_edges(self, edges: list[list[int]]) -> None:
-        """The sources each block reads (`edges[j]` for block j+1); the others are skipped in the
-        forward and the backward."""
+        """The sources each block reads (`edges[j]` for block j+1)."""
         if self.mode == "replace":  # every block subtracts its own input: the previous source is always an edge
             edges = [sorted(set(e) | {j}) for j, e in enumerate(edges)]
         self.edges = [list(e) for e in edges]
@@ -153,9 +136,8 @@ class WeightedHistoryTopology(ResidualTopology):
     @contextlib.contextmanager
     def exact_state_gradients(self) -> Iterator[None]:
         """The plain chain meanwhile: the stacked backward adds the later blocks' reads of each history
-        tensor to the gradient of the node that made it, so autograd never sees that part arrive at the state."""
-        chain = self.use_chain
-        self.use_chain = True
+        tensor to the gradient of the node that made it, so autograd never sees that part reach the state."""
+        chain, self.use_chain = self.use_chain, True
         try:
             yield
         finally:
@@ -173,28 +155,21 @@ class WeightedHistoryTopology(ResidualTopology):
         self.check_blocks(blocks)
         weights = self.mixing_weights()
         cast = self._history_cast(h0)
-        if not (self.use_chain or torch.compiler.is_compiling()):
-            return self._stacked_forward(h0, blocks, c, weights, cast)
-        history = [h0 if cast is None else h0.to(cast)]
         h = h0
         self.emit_state(0, h)
-        for j, block in enumerate(blocks):
-            out = self.run_block(block, h, c)
-            for i in self.edges[j]:
-                out = torch.addcmul(out, history[i], weights[j, i])
-            h = out
-            history.append(h if cast is None else h.to(cast))
-            self.emit_state(j + 1, h)
-        return h
-
-    def _stacked_forward(self, h0, blocks, c, weights, cast):
-        """The eager trunk with the stacked aggregation (aggregation.py, `_StackedNode`)."""
+        if self.use_chain or torch.compiler.is_compiling():
+            history = [h0 if cast is None else h0.to(cast)]
+            for j, block in enumerate(blocks):
+                h = self.run_block(block, h, c)
+                for i in self.edges[j]:
+                    h = torch.addcmul(h, history[i], weights[j, i])
+                history.append(h if cast is None else h.to(cast))
+                self.emit_state(j + 1, h)
+            return h
         kernels = aggregation_kernels(self.aggregation_kernel, h0.device)
         trunk = StackedTrunk(self._stacked_plan, self.edge_mask, h0, cast or h0.dtype, kernels)
-        h = h0
-        self.emit_state(0, h)
-        for j, block in enumerate(blocks):
-            h = stacked_sum(self.run_block(block, h, c), weights, trunk, j, h0 if j == 0 else None)
+        for j, block in enumerate(blocks):  # node 0 also takes h_0 as an input, for its gradient
+            h = _StackedNode.apply(self.run_block(block, h, c), weights, h0 if j == 0 else None, trunk, j)
             self.emit_state(j + 1, h)
         return h
 
@@ -206,15 +181,11 @@ class FixedTopology(WeightedHistoryTopology):
         weights = torch.as_tensor(weights, dtype=torch.float32)
         K = weights.shape[0]
         if weights.shape != (K, K) or torch.triu(weights, diagonal=1).abs().sum() > 0:
-            raise UserError(f"a fixed topology needs a lower-triangular (K, K) matrix, got shape {tuple(weights.shape)}")
+            raise UserError(f"a fixed topology needs a lower-triangular (K, K) matrix, "
+                        f"got shape {tuple(weights.shape)}")
         edges = [[i for i in range(j + 1) if weights[j, i] != 0] for j in range(K)]
         super().__init__(K, edges, mode)
         self.register_buffer("weights", weights.clone())
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, torch.Tensor], mode: str = "add") -> "FixedTopology":
-        """Rebuilds the topology from its own state dict (the matrix travels in `weights`)."""
-        return cls(state["weights"], mode)
 
     def probabilities(self) -> torch.Tensor:
         return self.weights
@@ -226,9 +197,8 @@ HISTORY_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def configure_aggregation(topology: ResidualTopology, history_dtype: str = "float32", topk: int = 0,
                           kernel: str = "torch") -> None:
-    """Applies model.history_dtype and model.aggregation_kernel (to the topologies that keep a
-    weighted history; the others have none to store or sum) and model.topology_topk (only
-    topologies that can sparsify take it)."""
+    """Applies model.history_dtype and model.aggregation_kernel (to the topologies that keep a weighted
+    history) and model.topology_topk (to the topologies that can sparsify)."""
     if history_dtype not in HISTORY_DTYPES:
         raise UserError(f"unknown history_dtype {history_dtype!r}; choose one of {', '.join(HISTORY_DTYPES)}")
     check_aggregation_kernel(kernel)
