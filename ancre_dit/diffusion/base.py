@@ -1,15 +1,11 @@
 """The training objective as one interface: what the trainer, the sampling job, the sample grids
-and the benchmarks ask of DDPM or flow matching, and nothing they need to know about either.
+and the benchmarks ask of DDPM or flow matching.
 
-An objective
-- draws a micro-batch's training randomness (time and noise) from the generator it is handed, so
-  that a run resumed from a checkpoint (which saves that generator) continues bitwise;
-- returns the per-sample loss terms of (model, x, y, draws), "loss" being the one to minimise;
-- names its default sampler and the step counts its schedule allows; which samplers fit it, and
-  how each turns the network's output into its update, is the sampler table's (sampler_registry.py);
-  sampling code only wraps the network (guidance, precision) around it;
-- maps its own model time to normalised time u in [0, 1] (0 = data, 1 = pure noise), the unit of
-  the guidance interval for every objective.
+An objective draws a micro-batch's training time and noise from the generator it is handed (so a
+run resumed with that generator continues bitwise), returns the per-sample loss terms ("loss" is
+minimised), names its default sampler and the step counts its schedule allows (the samplers
+themselves are the sampler table's, sampler_registry.py), and maps its model time to normalised
+time u in [0, 1] (0 = data, 1 = pure noise), the unit of the guidance interval.
 """
 from __future__ import annotations
 
@@ -55,7 +51,7 @@ LAST_STEPS = ("mean", "tweedie", "euler", "none")
 
 
 class Objective(ABC):
-    """See the module docstring. Subclasses set name and default_sampler."""
+    """See the module docstring; subclasses set name and default_sampler."""
 
     name: ClassVar[str]
     default_sampler: ClassVar[str]
@@ -87,7 +83,6 @@ class Objective(ABC):
         """`count` model times spread evenly over the process (fixed held-out scores)."""
 
     def check_steps(self, steps: int, name: str = "steps") -> None:
-        """A UserError if this objective's schedule has no room for `steps` sampling steps; `name`:
-        what the caller calls the value (a flag, a config key)."""
+        """A UserError naming `name` (a flag, a config key) if the schedule has no room for `steps` steps."""
         if int(steps) < 1:
             raise UserError(f"{name} {steps} must be at least 1")

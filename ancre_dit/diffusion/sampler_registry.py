@@ -1,10 +1,7 @@
 """Sampler name -> how it runs, the objectives it fits, its default step count: the one place a
-sampler name is interpreted.
-
-sample.py's --sampler choices and help, the config's eval.sampler check, the in-training
-evaluation and the sampling API all read `SAMPLERS`. A new sampler is its function (next to its
-objective, with the signature of `SampleFn`) and one entry here.
-"""
+sampler name is interpreted (sample.py's --sampler, the config's eval.sampler, the evaluation and the
+sampling API read `SAMPLERS`). A new sampler is its function (with the signature of `SampleFn`) and
+one entry here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +14,7 @@ from ..errors import UserError
 from .base import Denoiser, NoiseSource, Objective, SDEOptions
 from .ddpm import ddpm_sampler, scheduler_sampler
 from .flow_samplers import check_sde_steps, ode_sampler, sde_sampler
+from .objectives import OBJECTIVES, build_objective
 
 
 class SampleFn(Protocol):
@@ -61,8 +59,7 @@ def samplers_for(objective: str) -> tuple[str, ...]:
 
 
 def sampler_entry(name: str, setting: str = "sampler") -> SamplerEntry:
-    """The table's entry; an unknown name is one UserError listing the table (`setting`: what the
-    caller calls the value)."""
+    """The table's entry; an unknown name is one UserError naming `setting` and listing the table."""
     if name not in SAMPLERS:
         raise UserError(f"{setting} {name} is unknown; choose {', '.join(SAMPLERS)}")
     return SAMPLERS[name]
@@ -70,7 +67,7 @@ def sampler_entry(name: str, setting: str = "sampler") -> SamplerEntry:
 
 def check_steps(objective: Objective, sampler: str, steps: int, name: str = "steps") -> None:
     """The sampler's own rule on the step count, then the objective's schedule (none for adaptive
-    ones); errors call the count `name` (a flag, a config key)."""
+    samplers); errors call the count `name`."""
     entry = sampler_entry(sampler)
     if entry.adaptive:
         return
@@ -81,9 +78,8 @@ def check_steps(objective: Objective, sampler: str, steps: int, name: str = "ste
 
 def resolve_sampler(objective: Objective, sampler: str | None, steps: int | None,
                     names: tuple[str, str] = ("sampler", "steps")) -> tuple[str, int]:
-    """(sampler, steps) with the objective's and the sampler's defaults filled in; one UserError if
-    the sampler does not fit the objective (naming those that do) or the step count is out of range.
-    `names`: what the caller calls the two values (sample.py: its flags)."""
+    """(sampler, steps) with the objective's and the sampler's defaults filled in; one UserError,
+    calling the two `names`, if the sampler does not fit the objective or the step count is out of range."""
     sampler = sampler or objective.default_sampler
     fits = samplers_for(objective.name)
     if sampler not in fits:
@@ -97,8 +93,6 @@ def resolve_sampler(objective: Objective, sampler: str | None, steps: int | None
 
 def sampler_help() -> str:
     """--sampler's help: per objective, its samplers (its default first) with their one-line help."""
-    from .objectives import OBJECTIVES, build_objective
-
     parts = []
     for name in OBJECTIVES:
         default = build_objective({"objective": name}).default_sampler

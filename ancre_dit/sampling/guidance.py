@@ -19,29 +19,27 @@ from ..errors import UserError
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# The rules below take the name the caller knows the value by (a flag, a config key; `Guidance`
-# itself says what the value is), so that each error names what the user gave.
+# The rules below take the name the caller knows the value by (a flag, a config key), so that each
+# error names what the user gave.
 def check_guidance_scale(name: str, scale: float) -> None:
-    """The one rule for a classifier-free guidance scale wherever it is given (sample.py's --cfg-scale,
-    train.cfg_scale_for_grids, eval.cfg_scales): finite and >= 0. 1 is the plain conditional model,
-    0 the unconditional one; a UserError naming `name` otherwise."""
+    """The one rule for a guidance scale wherever it is given (--cfg-scale, train.cfg_scale_for_grids,
+    eval.cfg_scales): finite and >= 0 (1 = the conditional model, 0 = the unconditional one)."""
     if not math.isfinite(scale):
         raise UserError(f"{name} {scale} is not a finite number; use 1 for no guidance or a value > 1 (e.g. 1.5)")
     if scale < 0:
         raise UserError(f"{name} {scale} is negative; use 1 for no guidance or a value > 1 (e.g. 1.5)")
 
 
-def check_guided_channels(name: str, channels: int | None) -> None:
-    """None (all channels) or at least 1."""
+def check_guidance(names: tuple[str, str, str], scale: float, channels: int | None,
+                   interval: tuple[float, float] | None) -> None:
+    """The scale's rule; channels None (all) or at least 1; interval None (every step) or LO <= HI
+    within [0, 1], in normalised time. `names`: what the caller calls the three values."""
+    check_guidance_scale(names[0], scale)
     if channels is not None and channels < 1:
-        raise UserError(f"{name} {channels} must be at least 1 (or unset for all channels)")
-
-
-def check_guidance_interval(name: str, interval: tuple[float, float] | None) -> None:
-    """None (every step) or LO <= HI within [0, 1], in normalised time."""
+        raise UserError(f"{names[1]} {channels} must be at least 1 (or unset for all channels)")
     if interval is None:
         return
-    lo, hi = interval
+    name, (lo, hi) = names[2], interval
     if not 0 <= lo <= 1 or not 0 <= hi <= 1:
         raise UserError(f"{name} {lo:g},{hi:g} must lie in [0, 1]: it is in normalised time (0 = data, 1 = noise) "
                         f"for every objective")
@@ -60,9 +58,8 @@ class Guidance:
     interval: tuple[float, float] | None = None
 
     def __post_init__(self):
-        check_guidance_scale("guidance scale", self.scale)
-        check_guided_channels("guided channels", self.channels)
-        check_guidance_interval("guidance interval", self.interval)
+        check_guidance(("guidance scale", "guided channels", "guidance interval"), self.scale, self.channels,
+                       self.interval)
 
     def active_at(self, normalized_time: float) -> bool:
         if self.scale == 1:
@@ -109,8 +106,8 @@ class GuidedDenoiser:
         if compile:
             self._forward = torch.compile(self.model, dynamic=False)
             self._forward_with_cfg = torch.compile(self.model.forward_with_cfg, dynamic=False)
-        else:
-            self._forward = lambda *a, **k: self.model(*a, **k)
+        else:  # looked up when called: a model that is never guided needs no forward_with_cfg
+            self._forward = self.model
             self._forward_with_cfg = lambda *a, **k: self.model.forward_with_cfg(*a, **k)
         self.guidance = guidance
         if guidance.interval is not None and normalized_time is None:
@@ -127,20 +124,16 @@ class GuidedDenoiser:
             raise UserError(f"guided channels {guidance.channels} exceed the model's {self.model.in_channels} channels")
         self.calls = 0  # network forwards, counted per sample (for tests and benchmarks)
 
-    def _autocast(self, device: torch.device):
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=device.type, dtype=self.dtype)
-
     @torch.no_grad()
     def __call__(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         g = self.guidance
-        with self._autocast(x.device):
+        # fp32 enters no autocast at all: autocast(enabled=False) would also switch off a caller's.
+        with contextlib.nullcontext() if self.dtype is None else torch.autocast(x.device.type, dtype=self.dtype):
             if not g.active_at(self.normalized_time(float(t[0])) if g.interval is not None else 0.0):
                 self.calls += len(x)
                 return self._forward(x, t, y).float()
             null = torch.full_like(y, self.num_classes)
             self.calls += 2 * len(x)
-            out = self._forward_with_cfg(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]),
-                                              g.scale, guided_channels=g.channels)
+            out = self._forward_with_cfg(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]), g.scale,
+                                         guided_channels=g.channels)
         return out[: len(x)].float()

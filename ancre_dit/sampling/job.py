@@ -30,7 +30,7 @@ from ..files import write_atomic
 from ..hardware import configure_precision
 from .api import SamplingPlan, plan_sampling
 from .decode import Decoder, build_decoder
-from .guidance import Guidance, check_guidance_interval, check_guidance_scale, check_guided_channels
+from .guidance import Guidance, check_guidance
 from .labels import assign_labels, check_classes
 from .protocols import check_protocol_fits, write_sampling_record
 
@@ -72,10 +72,6 @@ def part_ranges(num_samples: int, batch_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + batch_size, num_samples)) for s in range(0, num_samples, batch_size)]
 
 
-def parts_dir_of(out: Path) -> Path:
-    return out.with_name(out.stem + ".parts")
-
-
 def part_path(folder: Path, start: int, end: int) -> Path:
     return folder / f"part-{start:07d}-{end:07d}.npz"
 
@@ -113,10 +109,8 @@ def check_settings(s: JobSettings) -> Guidance:
         raise UserError(f"--grid-max {s.grid_max} must be at least 1 (the number of samples the grid shows)")
     if sde_options(s) != SDEOptions() and s.sampler != "sde":
         raise UserError("--sde-last-step, --sde-last-step-size and --sde-diffusion-norm apply only to --sampler sde")
-    # Guidance's own rules, under the flags' names.
-    check_guidance_scale("--cfg-scale", float(s.cfg_scale))
-    check_guided_channels("--cfg-channels", s.cfg_channels)
-    check_guidance_interval("--guidance-interval", s.guidance_interval)
+    check_guidance(("--cfg-scale", "--cfg-channels", "--guidance-interval"), float(s.cfg_scale), s.cfg_channels,
+                   s.guidance_interval)
     return Guidance(float(s.cfg_scale), s.cfg_channels, s.guidance_interval)
 
 
@@ -178,15 +172,6 @@ def merge_parts(folder: Path, ranges: list[tuple[int, int]], labels: np.ndarray,
     return images
 
 
-def run_job(s: JobSettings) -> Path:
-    """Samples s.num_samples images into s.out (+ PNG folder, grid); returns s.out."""
-    guidance = check_settings(s)
-    with job_processes(s.cpu, s.collective_timeout_s) as state:
-        configure_precision(state.device, s.tf32)
-        model, spec = load_trained_model(s.ckpt, s.weights, state.device)
-        return _run_model(model, spec, s, guidance, state)
-
-
 def sample_parts(plan: SamplingPlan, labels: np.ndarray, ranges: list[tuple[int, int]], *,
                  decoder: Decoder, seed: int, pad_to: int | None = None) -> Iterator[tuple[int, int, np.ndarray]]:
     """(start, end, uint8 images) of each part in `ranges`, from a checked plan around a model in
@@ -194,6 +179,15 @@ def sample_parts(plan: SamplingPlan, labels: np.ndarray, ranges: list[tuple[int,
     for start, end in ranges:
         yield start, end, sample_part(plan, labels[start:end], indices=np.arange(start, end), seed=seed,
                                       decoder=decoder, pad_to=pad_to)
+
+
+def run_job(s: JobSettings) -> Path:
+    """Samples s.num_samples images into s.out (+ PNG folder, grid); returns s.out."""
+    guidance = check_settings(s)
+    with job_processes(s.cpu, s.collective_timeout_s) as state:
+        configure_precision(state.device, s.tf32)
+        model, spec = load_trained_model(s.ckpt, s.weights, state.device)
+        return _run_model(model, spec, s, guidance, state)
 
 
 def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Guidance, state) -> Path:
@@ -210,7 +204,7 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
     labels = assign_labels(np.arange(s.num_samples), num_classes, seed=s.seed, mode=s.label_mode, classes=s.classes)
 
     out = Path(s.out)
-    folder = parts_dir_of(out)
+    folder = out.with_name(out.stem + ".parts")
     _check_or_write_identity(folder, job_identity(s, spec), is_main)
     state.wait_for_everyone()
 
@@ -222,8 +216,8 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
     finished = sum(part_path(folder, *r).is_file() for r in ranges)
     if finished:
         log(f"resuming: {finished} of {len(ranges)} parts already done")
-    done = sum(e - b for b, e in mine) - sum(e - b for b, e in todo)
-    bar = tqdm(total=sum(e - b for b, e in mine), initial=done, unit="img", desc=f"rank {rank}/{world}",
+    total = sum(e - b for b, e in mine)
+    bar = tqdm(total=total, initial=total - sum(e - b for b, e in todo), unit="img", desc=f"rank {rank}/{world}",
                disable=not is_main, dynamic_ncols=True)
     # An adaptive sampler's steps follow the whole batch, so padding would change its samples.
     pad_to = s.batch_size if s.compile and not SAMPLERS[s.sampler].adaptive else None
