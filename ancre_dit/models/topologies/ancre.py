@@ -1,8 +1,5 @@
-"""ANCRe (Zhang et al., arXiv 2602.09009) and the ablations of its paper, as residual topologies.
-
-Written by hand: no library implements them. All variants share `WeightedHistoryTopology`'s
-running-sum trunk (base.py), so activation memory matches the cascaded model. This module also
-registers the plain DiT ("cascaded") and the paper's frozen-topology ablation ("frozen").
+"""ANCRe (Zhang et al., arXiv 2602.09009) and the ablations of its paper, written by hand on
+`WeightedHistoryTopology`'s trunk (base.py); also registers the plain DiT ("cascaded") and "frozen".
 """
 from __future__ import annotations
 
@@ -24,9 +21,9 @@ TAU = {"tau": TopologyOption(PositiveFloat, 0.01, "softmax temperature of the lo
 MODE = {"ancre_mode": TopologyOption(Literal[WeightedHistoryTopology.MODES], "add", "add: the skip sum on top of "
                                      "each block's own residual (the official form); replace: the convex mix in "
                                      "place of it")}
-INITS = ("uniform", "first", "previous")
-START = {"topology_init": TopologyOption(Literal[INITS], "uniform", "starting topology: uniform (zero logits, the "
-                                         "official start), first (favours h_0, the anchor) or previous (favours h_{j-1})"),
+START = {"topology_init": TopologyOption(Literal["uniform", "first", "previous"], "uniform",
+                                         "starting topology: uniform (zero logits, the official start), first "
+                                         "(favours h_0, the anchor) or previous (favours h_{j-1})"),
          "topology_init_gap": TopologyOption(NonNegativeFloat, 4.0, "logit gap of the favoured source, in units of "
                                              "tau (its weight is e^gap times each other source's)")}
 
@@ -35,28 +32,24 @@ class _PerBlockLogits(WeightedHistoryTopology):
     """Stores block j+1's j+1 incoming coefficients as `logits.j`: K(K+1)/2 scalars in all,
     the layout of the official ANCRe code (`ancre.shortcut_params.j`)."""
 
-    def __init__(self, num_blocks: int, init: float = 0.0, frozen_block: int | None = None, mode: str = "add"):
+    def __init__(self, num_blocks: int, frozen_block: int | None = None, mode: str = "add"):
         super().__init__(num_blocks, mode=mode)
-        self.logits = nn.ParameterList(
-            [nn.Parameter(torch.full((j + 1,), float(init))) for j in range(num_blocks)]
-        )
+        self.logits = nn.ParameterList([nn.Parameter(torch.zeros(j + 1)) for j in range(num_blocks)])
         if frozen_block is not None:
             self.logits[frozen_block].requires_grad_(False)
 
     def logit_matrix(self, fill: float) -> torch.Tensor:
         """(K, K) matrix of the stored coefficients, `fill` above the diagonal."""
         K = self.num_blocks
-        rows = [F.pad(self.logits[j], (0, K - 1 - j), value=fill) for j in range(K)]
-        return torch.stack(rows)
+        return torch.stack([F.pad(self.logits[j], (0, K - 1 - j), value=fill) for j in range(K)])
 
 
 class ANCReTopology(_PerBlockLogits):
     """ANCRe: p_{.j} = softmax_i(c_ij / tau) over the incoming edges of each block (rows sum to 1).
 
-    Logits start at zero (uniform 1/j) or, with `init` first / previous, with source 0 / source j-1
-    favoured by `init_gap` (in units of tau: e^gap times the weight of each other source). Block 1's
-    single logit is frozen since its softmax is 1 whatever it holds. tau is stored as a buffer so a
-    checkpoint carries the value it was trained with.
+    Logits start at zero (uniform 1/j) or with source 0 (`init` first) / j-1 (previous) favoured by
+    `init_gap` in units of tau. Block 1's single logit is frozen (its softmax is 1 whatever it holds);
+    tau is a buffer, so a checkpoint carries the value it was trained with.
     """
 
     softmax_dim = 1  # over sources i: the incoming edges of each block
@@ -64,7 +57,7 @@ class ANCReTopology(_PerBlockLogits):
 
     def __init__(self, num_blocks: int, tau: float = TAU["tau"].default, mode: str = "add", init: str = "uniform",
                  init_gap: float = START["topology_init_gap"].default):
-        super().__init__(num_blocks, init=0.0, frozen_block=self.frozen_block, mode=mode)
+        super().__init__(num_blocks, frozen_block=self.frozen_block, mode=mode)
         self.register_buffer("tau", torch.tensor(float(tau)))
         if init != "uniform":
             with torch.no_grad():
@@ -81,9 +74,8 @@ class ANCReTopology(_PerBlockLogits):
     topk = 0
 
     def enable_topk(self, topk: int) -> None:
-        """Makes the topology sparsifiable: `sparsify()` will keep each block's `topk` strongest
-        incoming edges. The kept edges are the buffer `kept` (K, K) (all edges until then), so a
-        checkpoint carries them and loading one restores the sparse wiring."""
+        """Makes the topology sparsifiable: `sparsify()` will keep each block's `topk` strongest incoming
+        edges, in the buffer `kept` (K, K), so that a checkpoint carries and restores the sparse wiring."""
         if self.softmax_dim != 1:
             raise UserError("topology_topk needs the ingoing softmax (topology ancre)")
         if not 1 <= topk < self.num_blocks:
@@ -126,11 +118,8 @@ class ANCReTopology(_PerBlockLogits):
 
 
 class OutgoingANCReTopology(ANCReTopology):
-    """Ablation: softmax over the *outgoing* edges of each source i (columns sum to 1).
-
-    All K(K+1)/2 logits are trainable; the edge h_{K-1} -> block K is its source's only outgoing
-    edge, so its weight is 1 and its logit never receives a gradient.
-    """
+    """Ablation: softmax over the *outgoing* edges of each source i (columns sum to 1). All logits
+    train (h_{K-1} -> block K, its source's only outgoing edge, is 1 and gets no gradient)."""
 
     softmax_dim = 0  # over targets j: the outgoing edges of each source
     frozen_block = None
@@ -163,16 +152,13 @@ class LearnableScalarsTopology(WeightedHistoryTopology):
 
 def fixed_dense_weights(num_blocks: int) -> torch.Tensor:
     """Uniform 1/j over all incoming edges: ANCRe's initial topology, frozen."""
-    rows = torch.arange(1, num_blocks + 1, dtype=torch.float32)
-    return torch.tril(torch.ones(num_blocks, num_blocks)) / rows[:, None]
+    return torch.tril(torch.ones(num_blocks, num_blocks)) / torch.arange(1, num_blocks + 1.0)[:, None]
 
 
 def first_previous_weights(num_blocks: int) -> torch.Tensor:
     """Only h_0 -> j and h_{j-1} -> j, each weighted 1/2 (block 1 takes h_0 with weight 1)."""
-    weights = torch.zeros(num_blocks, num_blocks)
-    weights[0, 0] = 1.0
-    for j in range(1, num_blocks):
-        weights[j, 0] = weights[j, j] = 0.5
+    weights = torch.eye(num_blocks) / 2
+    weights[:, 0] += 0.5
     return weights
 
 
@@ -193,21 +179,15 @@ def build_ancre_outgoing(num_blocks: int, hidden_size: int | None, tau: float) -
     return OutgoingANCReTopology(num_blocks, tau)
 
 
-# Topologies with no options: name -> (constructor from the number of blocks, summary).
-_PLAIN = {
-    "ancre-unnormalized": (UnnormalizedTopology, "ablation: free coefficients, initialised to 1/j"),
-    "learnable-scalars": (LearnableScalarsTopology, "ablation: h_j = B_j(h_{j-1}) + a_j h_{j-1}, a_j = 1 at init"),
-}
-for _name, (_make, _summary) in _PLAIN.items():
-    register_topology(_name, summary=_summary)(lambda num_blocks, hidden_size, make=_make: make(num_blocks))
+register_topology("ancre-unnormalized", summary="ablation: free coefficients, initialised to 1/j")(
+    lambda num_blocks, hidden_size: UnnormalizedTopology(num_blocks))
+register_topology("learnable-scalars", summary="ablation: h_j = B_j(h_{j-1}) + a_j h_{j-1}, a_j = 1 at init")(
+    lambda num_blocks, hidden_size: LearnableScalarsTopology(num_blocks))
 # Frozen convex topologies: their mix is added (official) or replaces each block's residual.
-_FIXED = {
-    "fixed-dense": (fixed_dense_weights, "ablation: frozen uniform 1/j (ANCRe's start, never trained)"),
-    "first-previous": (first_previous_weights, "ablation: fixed 1/2 on h_0 -> j and h_{j-1} -> j"),
-}
-for _name, (_weights, _summary) in _FIXED.items():
-    register_topology(_name, options=MODE, summary=_summary)(
-        lambda num_blocks, hidden_size, ancre_mode, weights=_weights: FixedTopology(weights(num_blocks), ancre_mode))
+register_topology("fixed-dense", options=MODE, summary="ablation: frozen uniform 1/j (ANCRe's start, never trained)")(
+    lambda num_blocks, hidden_size, ancre_mode: FixedTopology(fixed_dense_weights(num_blocks), ancre_mode))
+register_topology("first-previous", options=MODE, summary="ablation: fixed 1/2 on h_0 -> j and h_{j-1} -> j")(
+    lambda num_blocks, hidden_size, ancre_mode: FixedTopology(first_previous_weights(num_blocks), ancre_mode))
 
 
 def check_frozen(options: dict[str, Any]) -> None:
