@@ -4,8 +4,7 @@ from .api import SamplingPlan, plan_sampling, sample_images, sample_latents
 from .decode import build_decoder, decode_pixels
 from .guidance import Guidance, GuidedDenoiser
 from .job import JobSettings, run_job
-from .labels import assign_labels, check_classes
-from .noise import SampleNoise, sample_seed
+from .noise import SampleNoise, assign_labels, check_classes, sample_seed
 
 __all__ = [
     "SamplingPlan", "plan_sampling", "sample_images", "sample_latents", "build_decoder", "decode_pixels",

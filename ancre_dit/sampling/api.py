@@ -1,10 +1,7 @@
-"""Python entry points: sample a batch from a DiT in memory (used by sample.py, the trainer's
-grids and the benchmarks).
-
-`plan_sampling` does every check of the sampling flags once (sampler fits the objective, step
-count, guidance against the model, precision); the plan then samples any number of batches.
-`sample_latents` / `sample_images` are the one-call forms for Python users.
-"""
+"""Python entry points: sample a batch from a DiT in memory (sample.py, the trainer's grids, the
+benchmarks). `plan_sampling` checks the sampling settings once (sampler against the objective, steps,
+guidance against the model, precision), then samples any number of batches; `sample_latents` /
+`sample_images` are the one-call forms."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,8 +14,7 @@ from ..diffusion import SAMPLERS, Objective, SDEOptions, build_objective, resolv
 from ..errors import UserError
 from .decode import Decoder, decode_pixels
 from .guidance import Guidance, GuidedDenoiser, unwrap_model
-from .labels import check_classes
-from .noise import SampleNoise
+from .noise import SampleNoise, check_classes
 
 ObjectiveLike = Objective | Mapping[str, Any]  # an objective, or a spec such as a checkpoint's spec["diffusion"]
 
@@ -67,8 +63,8 @@ def sample_latents(model: torch.nn.Module, objective: ObjectiveLike, labels: Seq
                    steps: int | None = None, guidance: Guidance = Guidance(), precision: str = "fp32",
                    sde: SDEOptions = SDEOptions(), compile: bool = False) -> torch.Tensor:
     """x_0 (N, C, H, W) float32 for the given labels; sample j uses the random streams of (seed, indices[j])
-    (indices default to 0..N-1), so it does not depend on the batch it is in (dopri5 excepted: its
-    adaptive steps follow the whole batch). `objective`: an Objective or a spec (a checkpoint's spec["diffusion"])."""
+    (indices default to 0..N-1), so it does not depend on its batch (dopri5 excepted: its steps adapt
+    to the whole batch)."""
     plan = plan_sampling(model, objective, sampler=sampler, steps=steps, guidance=guidance, precision=precision,
                          sde=sde, compile=compile)
     labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
@@ -83,7 +79,6 @@ def sample_latents(model: torch.nn.Module, objective: ObjectiveLike, labels: Seq
 
 def sample_images(model: torch.nn.Module, objective: ObjectiveLike, labels: Sequence[int] | np.ndarray | torch.Tensor,
                   *, decoder: Decoder | None = None, **kwargs: Any) -> np.ndarray:
-    """uint8 (N, H, W, C) images (C = 1 for grayscale pixel models, 3 after a VAE); keyword
-    arguments as for `sample_latents`. `decoder` defaults to the pixel-space rescale; latent models
-    pass `build_decoder(...)`."""
+    """uint8 (N, H, W, C) images, keyword arguments as for `sample_latents`; `decoder` defaults to the
+    pixel-space rescale, latent models pass `build_decoder(...)`."""
     return (decoder or decode_pixels)(sample_latents(model, objective, labels, **kwargs))

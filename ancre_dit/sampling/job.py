@@ -31,8 +31,8 @@ from ..hardware import configure_precision
 from .api import SamplingPlan, plan_sampling
 from .decode import Decoder, build_decoder
 from .guidance import Guidance, check_guidance
-from .labels import assign_labels, check_classes
-from .protocols import check_protocol_fits, write_sampling_record
+from .noise import assign_labels, check_classes
+from .protocols import check_protocol_fits, record_path
 
 JOB_FILE = "job.json"
 
@@ -174,8 +174,8 @@ def merge_parts(folder: Path, ranges: list[tuple[int, int]], labels: np.ndarray,
 
 def sample_parts(plan: SamplingPlan, labels: np.ndarray, ranges: list[tuple[int, int]], *,
                  decoder: Decoder, seed: int, pad_to: int | None = None) -> Iterator[tuple[int, int, np.ndarray]]:
-    """(start, end, uint8 images) of each part in `ranges`, from a checked plan around a model in
-    memory. Sample i uses the streams of (seed, i), so a part is the same whatever process draws it."""
+    """(start, end, uint8 images) of each part in `ranges`; sample i uses the streams of (seed, i), so a
+    part is the same whatever process draws it."""
     for start, end in ranges:
         yield start, end, sample_part(plan, labels[start:end], indices=np.arange(start, end), seed=seed,
                                       decoder=decoder, pad_to=pad_to)
@@ -234,8 +234,9 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
     t0 = time.time()
     images = merge_parts(folder, ranges, labels, out)
     log(f"wrote {out}: arr_0 uint8 {tuple(images.shape)}, arr_1 labels ({time.time() - t0:.1f}s to merge)")
-    record = write_sampling_record(out, {**job_identity(s, spec), "num_samples": s.num_samples,
-                                         "protocol": s.protocol})
+    record = record_path(out)
+    record.write_text(json.dumps({**job_identity(s, spec), "num_samples": s.num_samples, "protocol": s.protocol},
+                                 indent=1) + "\n")
     log(f"wrote the sampling settings to {record} (evaluate.py copies them into its results)")
     if s.png_dir:
         write_pngs(images, Path(s.png_dir))
@@ -249,10 +250,9 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
 
 
 def wait_for_parts(folder: Path, ranges: list[tuple[int, int]], log=print, poll_seconds: float = 2.0) -> None:
-    """Blocks until every part file exists (written atomically by whichever process drew it). A file
-    wait, not a barrier: the processes may finish far apart (a resumed job gives some of them
-    nothing left to do) and no collective timeout applies. A process that dies takes the job down
-    with it under torchrun / accelerate launch, so this wait never outlives a failed job."""
+    """Blocks until every part file exists. A file wait, not a barrier: the processes may finish far
+    apart (a resumed job leaves some nothing to do) and no collective timeout applies; a process that
+    dies takes the job down under torchrun / accelerate launch, so this never outlives a failed job."""
     missing = [r for r in ranges if not part_path(folder, *r).is_file()]
     if missing:
         log(f"waiting for {len(missing)} part(s) from the other processes")

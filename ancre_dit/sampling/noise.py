@@ -1,8 +1,9 @@
-"""Per-sample random streams, so that sample i depends only on (seed, i).
+"""Per-sample random streams and class labels, so that sample i depends only on (seed, i).
 
 Each sample owns a CPU torch.Generator seeded from (seed, i); its initial noise and every
 per-step noise are drawn from that generator in a fixed order. A sample therefore comes out the
-same whatever the batch size, the number of processes or the other samples in its batch.
+same whatever the batch size, the number of processes or the other samples in its batch. Its
+label is balanced (default), drawn from its own label stream, or taken from a user list cycled.
 """
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..errors import UserError
+
 # Stream ids, so that labels and noise drawn for the same (seed, i) are independent.
 NOISE_STREAM = 0
 LABEL_STREAM = 1
+LABEL_MODES = ("balanced", "random")
 
 
 def sample_seed(seed: int, index: int, stream: int = NOISE_STREAM) -> int:
@@ -35,13 +39,40 @@ class SampleNoise:
             g.manual_seed(sample_seed(seed, int(i)))
             self.generators.append(g)
 
-    def __len__(self) -> int:
-        return len(self.generators)
-
     def next(self) -> torch.Tensor:
-        """The next draw of every sample, stacked: (N, *shape) float32 on `device`.
-
-        Drawn on the CPU (cheap next to a network forward) so a sample is identical on any device.
-        """
+        """The next draw of every sample, stacked: (N, *shape) float32 on `device`; drawn on the CPU
+        (cheap next to a network forward) so that a sample is identical on any device."""
         noise = torch.stack([torch.randn(self.shape, generator=g) for g in self.generators])
         return noise.to(self.device)
+
+
+def check_classes(classes: Sequence[int], num_classes: int) -> list[int]:
+    """The user's class ids as ints, each checked against the model's class count."""
+    if not classes:
+        raise UserError("--classes is empty; give class ids such as --classes 1,2,3")
+    bad = [c for c in classes if not 0 <= int(c) < num_classes]
+    if bad:
+        raise UserError(f"class id(s) {', '.join(map(str, bad))} out of range: this model has {num_classes} "
+                        f"classes, ids 0..{num_classes - 1}")
+    return [int(c) for c in classes]
+
+
+def assign_labels(indices: Sequence[int] | np.ndarray, num_classes: int, *, seed: int = 0, mode: str = "balanced",
+                  classes: Sequence[int] | None = None) -> np.ndarray:
+    """int64 labels of the given sample indices.
+
+    classes given (ids checked by `check_classes` at the caller's edge): sample i gets
+    classes[i % len(classes)]. Otherwise "balanced": class i % num_classes
+    (so N = 50 x num_classes gives exactly 50 per class, and any prefix is balanced to within one);
+    "random": uniform, from sample i's own label stream.
+    """
+    indices = np.asarray(indices, dtype=np.int64)
+    if classes is not None:
+        table = np.asarray(classes, dtype=np.int64)
+        return table[indices % len(table)]
+    if mode == "balanced":
+        return indices % num_classes
+    if mode == "random":
+        return np.array([np.random.default_rng(sample_seed(seed, i, LABEL_STREAM)).integers(num_classes)
+                         for i in indices], dtype=np.int64)
+    raise UserError(f"unknown label mode {mode!r}; choose {' or '.join(LABEL_MODES)}")

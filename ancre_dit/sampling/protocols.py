@@ -49,12 +49,6 @@ def record_path(samples: str | Path) -> Path:
     return samples.with_name(samples.stem + ".sampling.json")
 
 
-def write_sampling_record(samples: str | Path, record: dict[str, Any]) -> Path:
-    path = record_path(samples)
-    path.write_text(json.dumps(record, indent=1) + "\n")
-    return path
-
-
 def read_sampling_record(samples: str | Path) -> dict[str, Any] | None:
     """The settings samples.npz was drawn with, or None (a file not written by sample.py)."""
     path = record_path(samples)
