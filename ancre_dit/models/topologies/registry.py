@@ -6,15 +6,10 @@ A topology module registers a builder with the options (config keys) it takes:
                        summary="ANCRe: ingoing softmax over all earlier outputs")
     def build_ancre(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology: ...
 
-The options are checked once, by `resolve_options` (their types, then the entry's own `check`),
-so builders and constructors trust what they are given. An entry also declares what tools need
-to know of the topology, so that no code outside this package tests names or classes: whether
-it has a (K, K) matrix, whether its weights depend on the timestep, whether its rows are softmax
-distributions, whether it can sparsify.
-
-The model (`create_model(..., topology="ancre", tau=0.1)`), the training config (`model.tau=0.1`),
-the trainer and the checkpoint loader all ask this registry; none of them tests names. (timm's
-`register_model` idea, reduced to a dict: no metaclasses.)
+The options are checked once, by `resolve_options`, so builders trust what they are given. An entry
+also declares what tools need to know of the topology (a (K, K) matrix? timestep-dependent weights?
+softmax rows? sparsifiable?), so that the model, the config, the trainer and the checkpoint loader
+ask this registry and no code outside this package tests names or classes.
 """
 from __future__ import annotations
 
@@ -41,8 +36,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class TopologyOption:
-    """A hyperparameter a topology takes: its type as pydantic reads it, ranges and choices included
-    (e.g. `PositiveFloat`, `Literal["add", "replace"]`, `str | None`), its default and help."""
+    """A hyperparameter a topology takes: its pydantic type, ranges and choices included (e.g.
+    `PositiveFloat`, `Literal["add", "replace"]`), its default and help."""
     type: Any
     default: Any
     help: str = ""
@@ -56,9 +51,7 @@ class TopologyOption:
             raise invalid_value(err, key) from None
 
 
-@functools.lru_cache(maxsize=None)
-def _adapter(tp: Any) -> TypeAdapter:
-    return TypeAdapter(tp)
+_adapter = functools.cache(TypeAdapter)  # one adapter per option type
 
 
 @dataclass(frozen=True)
@@ -71,29 +64,23 @@ class TopologyEntry:
     # options when the options alone are not enough, e.g. a frozen topology whose JSON is gone.
     restore: Callable[..., "ResidualTopology"] | None = None
     summary: str = ""
-    # What tools need to know (the module itself declares `takes_time_embedding`, which can depend
-    # on its options). True: it can drop to each block's model.topology_topk strongest incoming
-    # edges after train.topology_sparsify_step (its module has `enable_topk` and `sparsify`).
+    # What tools need to know (the module declares `takes_time_embedding`, which can depend on its options).
+    # sparse: it can drop to each block's model.topology_topk strongest incoming edges after
+    # train.topology_sparsify_step (its module has `enable_topk` and `sparsify`).
     sparse: bool = False
-    # False: `probabilities()` raises TopologyNotDefined (no topology.json, heatmap, compare or prune).
-    matrix: bool = True
-    # True: each row of its matrix is a softmax over the block's incoming edges (a distribution), so
-    # the topology entropy regulariser applies.
-    incoming_softmax: bool = False
-    # True: its weights depend on the token and the timestep; `routing_weights()` after a forward with
-    # `record_weights` on gives their mean (what `scripts/topology.py show --t` draws).
+    matrix: bool = True  # False: `probabilities()` raises TopologyNotDefined (no topology.json, heatmap, compare)
+    incoming_softmax: bool = False  # its rows are softmax distributions: the entropy regulariser applies
+    # weights_per_time: its weights depend on the token and the timestep; `routing_weights()` after a forward
+    # with `record_weights` on gives their mean (what `scripts/topology.py show --t` draws).
     weights_per_time: bool = False
 
 
 TOPOLOGIES: dict[str, TopologyEntry] = {}
 
 
-def register_topology(name: str, *, options: Mapping[str, TopologyOption] | None = None,
-                      check: Callable[[dict[str, Any]], None] | None = None,
-                      restore: Callable[..., "ResidualTopology"] | None = None, summary: str = "",
-                      sparse: bool = False, matrix: bool = True, incoming_softmax: bool = False,
-                      weights_per_time: bool = False) -> Callable:
-    """Decorator: registers `build(num_blocks, hidden_size, **options)` under `name`."""
+def register_topology(name: str, *, options: Mapping[str, TopologyOption] | None = None, **fields: Any) -> Callable:
+    """Decorator: registers `build(num_blocks, hidden_size, **options)` under `name`; `fields` are the
+    other `TopologyEntry` fields (check, restore, summary, sparse, matrix, ...)."""
     def decorator(build: Callable[..., "ResidualTopology"]) -> Callable[..., "ResidualTopology"]:
         if name in TOPOLOGIES:
             raise ValueError(f"topology {name!r} is already registered")
@@ -102,8 +89,7 @@ def register_topology(name: str, *, options: Mapping[str, TopologyOption] | None
             if known is not None and known.type != option.type:
                 raise ValueError(f"topology option {key!r} is already registered with another type")
             option.validate(key, option.default)  # a default out of its own range is a bug here
-        TOPOLOGIES[name] = TopologyEntry(name, build, dict(options or {}), check, restore, summary, sparse, matrix,
-                                         incoming_softmax, weights_per_time)
+        TOPOLOGIES[name] = TopologyEntry(name, build, dict(options or {}), **fields)
         return build
     return decorator
 
@@ -128,13 +114,12 @@ def all_topology_options() -> dict[str, TopologyOption]:
     return options
 
 
-def resolve_options(name: str, given: Mapping[str, Any], prefix: str = "", keep_others: bool = False) -> dict[str, Any]:
-    """The options topology `name` is built with: its defaults updated by `given`, checked (the one
-    place a topology's options are): a UserError naming `prefix + key` (e.g. "model.tau").
-
-    Options that belong to other topologies are ignored once checked (a config or an older
-    checkpoint spec always carries `tau`, for example), or kept with `keep_others`; options no
-    topology knows are refused, and the topology's own check runs on the result."""
+def resolve_options(name: str, given: Mapping[str, Any], prefix: str = "",
+                    keep_others: bool = False) -> dict[str, Any]:
+    """The options topology `name` is built with: its defaults updated by `given`, checked (a UserError
+    names `prefix + key`, e.g. "model.tau"), then the entry's own check. Options of other topologies
+    are dropped once checked (a config always carries `tau`), or kept with `keep_others`; options no
+    topology knows are refused."""
     entry = topology_entry(name)
     registered = all_topology_options()
     unknown = sorted(set(given) - set(registered))
@@ -155,8 +140,8 @@ def build_topology(name: str, num_blocks: int, hidden_size: int | None = None, *
 
 def restore_topology(name: str, state: Mapping[str, "torch.Tensor"],
                      options: Mapping[str, Any] | None = None) -> "ResidualTopology | None":
-    """The topology rebuilt from a model state dict (keys `topology.*`) and the options it was built
-    with, if `name` needs its weights to rebuild itself, else None (build it from its options as usual)."""
+    """The topology rebuilt from a model state dict (keys `topology.*`) and its options, if `name` needs
+    its weights to rebuild itself, else None (build it from its options as usual)."""
     entry = topology_entry(name)
     if entry.restore is None:
         return None
