@@ -138,7 +138,7 @@ def test_history_dtype_enters_the_model_spec_only_when_set(tmp_path):
         with accelerate_state():
             trainer = Trainer(tiny_config(tmp_path / str(expected), *overrides))
             try:
-                kwargs = trainer.model_spec()["model"]["kwargs"]
+                kwargs = trainer.checkpoints.spec["model"]["kwargs"]
                 assert kwargs.get("history_dtype") == expected and "topology_topk" not in kwargs
                 assert trainer.raw_model.topology.history_dtype == (torch.bfloat16 if expected else torch.float32)
             finally:

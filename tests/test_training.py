@@ -16,7 +16,7 @@ from helpers import (ROOT, accelerate_state, assert_same_weights, subprocess_env
                      write_latent_dir)
 from safetensors.torch import load_file
 
-import ancre_dit.training.trainer as trainer_module
+import ancre_dit.training.checkpointing as checkpointing_module
 from ancre_dit.checkpoint import load_trained_model
 from ancre_dit.training import Trainer, train
 from ancre_dit.training.checkpointing import list_checkpoints, resolve_resume
@@ -67,7 +67,7 @@ def test_resume_is_bitwise_exact_and_survives_a_crash_mid_save(tmp_path, monkeyp
     _assert_same_state(_ckpt(tmp_path / "straight", 2 * N), _ckpt(tmp_path / "split", 2 * N))
 
     # A crash inside the second save, after Accelerate's files are written.
-    real_write = trainer_module.write_model_files
+    real_write = checkpointing_module.write_model_files
     calls = []
 
     def crashing_write(folder, *args, **kwargs):
@@ -76,10 +76,10 @@ def test_resume_is_bitwise_exact_and_survives_a_crash_mid_save(tmp_path, monkeyp
         if len(calls) == 2:
             raise RuntimeError("simulated crash mid-save")
 
-    monkeypatch.setattr(trainer_module, "write_model_files", crashing_write)
+    monkeypatch.setattr(checkpointing_module, "write_model_files", crashing_write)
     with accelerate_state(), pytest.raises(RuntimeError, match="simulated crash"):
         train(tiny_config(tmp_path / "crash", f"train.max_steps={2 * N}", *common))
-    monkeypatch.setattr(trainer_module, "write_model_files", real_write)
+    monkeypatch.setattr(checkpointing_module, "write_model_files", real_write)
     ck = tmp_path / "crash" / "checkpoints"
     assert (ck / f".tmp-{2 * N:07d}").is_dir() and not _ckpt(tmp_path / "crash", 2 * N).exists()
     assert [s for s, _ in list_checkpoints(tmp_path / "crash")] == [N]

@@ -13,6 +13,7 @@ Layout of one checkpoint (folder name = the optimizer step, zero-padded to 7 dig
 Everything is written to checkpoints/.tmp-<step>/ and renamed when complete, so a crash mid-save
 leaves earlier checkpoints untouched and `--resume auto` never sees a half-written folder.
 Accelerate's automatic checkpoint naming counts saves, not steps, so we always pass the folder.
+`CheckpointManager` is the trainer's one owner of all this: `save()` and `load(folder)`.
 """
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ import torch
 from safetensors import SafetensorError
 
 from ..errors import UserError
-from ..checkpoint import SPEC_FILE, WEIGHT_FILES
-from ..checkpoint import read_json_checked
-from ..files import file_problem
+from ..checkpoint import (SPEC_FILE, WEIGHT_FILES, load_safetensors_checked, make_model_spec, read_json_checked,
+                          save_safetensors, write_model_files)
+from ..files import file_problem, write_atomic
+from ..models import TopologyNotDefined, save_topology_json
 
 STATE_FILE = "trainer_state.json"
 ACCELERATE_DIR = "accelerate"
@@ -172,6 +174,13 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
     return read_json_checked(folder / STATE_FILE)
 
 
+def data_spec(data) -> dict[str, Any]:
+    """The checkpoint spec's "data" entry of a training.data.DataInfo: what sampling needs to decode."""
+    return {"kind": data.kind, "image_size": data.image_size, "image_channels": data.image_channels,
+            "num_classes": data.num_classes, "vae": data.vae, "scaling_factor": data.scaling_factor,
+            **(data.latent_norm.spec() if data.latent_norm is not None else {})}
+
+
 def rng_file(folder: Path, rank: int) -> Path:
     return folder / "rng" / f"rank{rank}.pt"
 
@@ -288,11 +297,100 @@ def remove_checkpoint(folder: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def load_generator_state(folder: Path, rank: int, generator: torch.Generator) -> bool:
-    """Restores this rank's generator; False when the checkpoint has no file for this rank
-    (it was written with fewer processes)."""
-    path = rng_file(folder, rank)
-    if not path.is_file():
-        return False
-    generator.set_state(torch.load(path, map_location="cpu", weights_only=True)["generator"])
-    return True
+
+def write_topology_files(folder: Path, run_dir: Path, ema_model: torch.nn.Module, raw_model: torch.nn.Module,
+                         step: int, topology: str, heatmap: bool = True) -> None:
+    """The topology snapshot (EMA matrix as JSON, and with `heatmap` its PNG) into a checkpoint
+    folder and the run dir; nothing for n-stream schemes (HC, mHC) that have no block-to-block matrix."""
+    P, P_raw = topology_matrix(ema_model), topology_matrix(raw_model)
+    if P is None:
+        return
+    extra = {"step": step, "topology": topology, "weights": "ema", "training_probabilities": P_raw.tolist()}
+    for target in (folder, run_dir):
+        save_topology_json(target / "topology.json", P, **extra)
+    if not heatmap:
+        return
+    from ..figures import plot_topology_heatmap
+    png = plot_topology_heatmap(P, folder / "topology.png", title=f"{topology} topology (EMA), step {step}")
+    write_atomic(run_dir / "topology.png", png.read_bytes())  # drawn once, copied: drawing is the slow part
+
+
+def topology_matrix(model: torch.nn.Module) -> torch.Tensor | None:
+    """The model's (K, K) topology on the CPU, or None for schemes that have none (HC, mHC)."""
+    try:
+        return model.topology.probabilities().detach().float().cpu()
+    except TopologyNotDefined:
+        return None
+
+
+class CheckpointManager:
+    """The run's checkpoints: `save()` writes the current step of `progress` (collective: every rank
+    calls it), `load(folder)` restores from one the weights, Accelerate's state (optimizer, scaler,
+    RNG), this rank's generator and `progress`. One format whatever wraps the model (DDP's `module.`,
+    torch.compile's `_orig_mod.`): Accelerate's state keeps the optimizer, scaler and RNG only, and the
+    weights are the unwrapped modules' own files, the ones sample.py reads. So a run resumes at another
+    world size, with compile or gradient checkpointing switched, from the folder sample.py reads."""
+
+    def __init__(self, accelerator, config, run_dir: Path, model_kwargs: dict[str, Any], objective, data,
+                 raw_model: torch.nn.Module, ema, repa, generator: torch.Generator, progress, log):
+        self.accelerator, self.config, self.run_dir = accelerator, config, run_dir
+        self.raw_model, self.ema, self.repa, self.generator, self.progress, self.log = (
+            raw_model, ema, repa, generator, progress, log)
+        self.spec = make_model_spec(config.model.name, model_kwargs, objective.spec(), data_spec(data), 0)
+        accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: weights.clear())
+        accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
+
+    def save(self) -> Path:
+        c, p = self.config, self.progress
+        state = {"step": p.step, "data": {"epoch": p.epoch, "offset": p.offset},
+                 "num_processes": self.accelerator.num_processes, "global_batch_size": c.train.global_batch_size,
+                 "seed": c.train.seed, "model": c.model.name, "train_seconds": round(p.train_seconds, 3)}
+        if self.repa is not None:
+            state["repa"] = self.repa.settings(c.repa)
+        path = save_checkpoint(self.accelerator, self.run_dir, p.step, self.generator, self._write_files, state,
+                               keep_last=c.train.keep_last)
+        self.log.info("step %d: checkpoint saved to %s", p.step, path)
+        p.last_saved = p.step
+        return path
+
+    def _write_files(self, folder: Path) -> None:
+        step = self.progress.step
+        write_model_files(folder, {**self.spec, "step": step}, self.raw_model.state_dict(),
+                          self.ema.module.state_dict())
+        write_topology_files(folder, self.run_dir, self.ema.module, self.raw_model, step, self.config.model.topology,
+                             heatmap=self.config.log.figures)
+        if self.repa is not None:  # resume reads it (sampling never does)
+            save_safetensors(self.repa.projector.state_dict(), folder / self.repa.PROJECTOR_FILE)
+
+    def load(self, folder: Path, seed_of_rank: Callable[[int], int]) -> None:
+        """`seed_of_rank(step)`: this rank's generator seed when the checkpoint has no file for it
+        (written with fewer processes; the resume is then not bitwise exact, and says so)."""
+        from .repa import check_resume as check_same_repa
+
+        acc, p = self.accelerator, self.progress
+        check_same_model(folder, self.spec)  # one line on a mismatch, before Accelerate reads anything
+        state = read_trainer_state(folder)
+        check_same_repa(folder, state, self.repa, self.config.repa)
+        # Read on the host, then copied into the modules on their device (a rank's device name
+        # such as cpu:0 is no valid safetensors device).
+        self.raw_model.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["model"], device="cpu"))
+        self.ema.module.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["ema"], device="cpu"))
+        if self.repa is not None:
+            self.repa.projector.load_state_dict(
+                load_safetensors_checked(folder / self.repa.PROJECTOR_FILE, device="cpu"))
+        acc.load_state(str(folder / ACCELERATE_DIR))  # optimizer, scaler, RNG (the hooks drop the models)
+        p.step = int(state["step"])
+        p.epoch, p.offset = int(state["data"]["epoch"]), int(state["data"]["offset"])
+        p.train_seconds = float(state.get("train_seconds", 0.0))
+        path = rng_file(folder, acc.process_index)
+        if path.is_file():
+            self.generator.set_state(torch.load(path, map_location="cpu", weights_only=True)["generator"])
+        else:
+            self.generator.manual_seed(seed_of_rank(p.step))
+            self.log.warning("%s was written by %d process(es); rank %d starts a fresh random stream, so this "
+                             "resume is not bitwise exact", folder, state["num_processes"], acc.process_index)
+        self.log.info("resumed from %s at step %d", folder, p.step)
+
+    def last_good(self) -> str:
+        found = list_checkpoints(self.run_dir)
+        return str(found[-1][1]) if found else "none (no checkpoint saved yet)"

@@ -19,8 +19,6 @@ import numpy as np
 import torch
 
 from ..errors import UserError
-from ..files import write_atomic
-from ..models import TopologyNotDefined, save_topology_json
 from . import checkpointing as ckpt
 from .config import Config
 from .data import DataInfo
@@ -30,6 +28,8 @@ from .data import DataInfo
 class TrainProgress:
     """Where the run stands; the trainer advances it, the tasks read it."""
     step: int = 0
+    epoch: int = 0              # the data position: the epoch and the global sample offset in it
+    offset: int = 0
     train_seconds: float = 0.0  # time inside optimizer steps, summed over resumes (periodic work excluded)
     last_saved: int = -1        # step of the newest checkpoint written or resumed from in this launch
 
@@ -292,27 +292,3 @@ def build_tasks(ctx: RunContext) -> list[PeriodicTask]:
     tasks.append(CheckpointTask(c.ckpt_every))
     return tasks
 
-
-def write_topology_files(folder: Path, run_dir: Path, ema_model: torch.nn.Module, raw_model: torch.nn.Module,
-                         step: int, topology: str, heatmap: bool = True) -> None:
-    """The topology snapshot (EMA matrix as JSON, and with `heatmap` its PNG) into a checkpoint
-    folder and the run dir; nothing for n-stream schemes (HC, mHC) that have no block-to-block matrix."""
-    P, P_raw = topology_matrix(ema_model), topology_matrix(raw_model)
-    if P is None:
-        return
-    extra = {"step": step, "topology": topology, "weights": "ema", "training_probabilities": P_raw.tolist()}
-    for target in (folder, run_dir):
-        save_topology_json(target / "topology.json", P, **extra)
-    if not heatmap:
-        return
-    from ..figures import plot_topology_heatmap
-    png = plot_topology_heatmap(P, folder / "topology.png", title=f"{topology} topology (EMA), step {step}")
-    write_atomic(run_dir / "topology.png", png.read_bytes())  # drawn once, copied: drawing is the slow part
-
-
-def topology_matrix(model: torch.nn.Module) -> torch.Tensor | None:
-    """The model's (K, K) topology on the CPU, or None for schemes that have none (HC, mHC)."""
-    try:
-        return model.topology.probabilities().detach().float().cpu()
-    except TopologyNotDefined:
-        return None

@@ -5,7 +5,8 @@ EMA, objective, optimizer, resume), `run()` is the loop, `train_step()` is one o
 rest plugs in at named places and can be read later: the data pipeline (data.py), the non-finite
 guard (guards.py: a device flag per step, read at log steps), REPA's extra loss (repa.py), the
 periodic tasks (periodic.py: sample grids, diagnostics, evaluation, sparsifying the topology,
-checkpoints), the stop signals (stopping.py) and what the run reports (run_log.py).
+checkpoints), the checkpoints and resume (checkpointing.py), the stop signals (stopping.py) and what the
+run reports (run_log.py).
 
 One optimizer step consumes one global batch = per-device batch x processes x accumulation. Every
 random draw is reproducible from saved state: the data order is a function of (seed, epoch), the
@@ -33,8 +34,6 @@ from ..diffusion import build_objective
 from ..models import create_model
 from ..models.flops import flops_per_training_image
 from ..models.topologies.analysis import topology_entropy
-from ..checkpoint import WEIGHT_FILES, make_model_spec, save_safetensors, write_model_files
-from ..checkpoint import load_safetensors_checked
 from . import checkpointing as ckpt
 from .config import Config, flat_config, save_config
 from .config_checks import check_batch_layout, diffusion_spec
@@ -43,10 +42,10 @@ from .ema import EMA, ema_update_
 from .model_setup import model_kwargs, param_groups
 from .guards import NonFiniteGuard
 from .stopping import StopAgreement, StopSignals
-from .periodic import PeriodicTask, RunContext, TrainProgress, build_tasks, topology_matrix, write_topology_files
+from .periodic import PeriodicTask, RunContext, TrainProgress, build_tasks
 from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, check_enough_samples, describe,
                    load_latents_in_memory, make_loader, nonfinite_rows, prepare_batch)
-from .repa import RepaAlignment, build_repa, check_resume as check_same_repa
+from .repa import build_repa
 from .run_lock import abandon_new_run_dir, claim_run_dir, release_run_dir
 from .run_log import LOG_FILE, METRICS_FILE, MetricsLog, log_time_shares, make_logger, plot_loss
 
@@ -130,29 +129,25 @@ class Trainer:
         self.model, *prepared, self.optimizer = acc.prepare(model, *extra, optimizer)
         self.projector = prepared[0] if prepared else None
         self.trained_modules = (self.model, *prepared)
-        # One checkpoint format whatever wraps the model (DDP's `module.`, torch.compile's
-        # `_orig_mod.`): Accelerate's state keeps the optimizer, scaler and RNG only, and the weights
-        # are the unwrapped modules' own files (model.safetensors, the REPA projector's), written by
-        # _write_files and read back by _load. So a run resumes at another world size, with compile
-        # or gradient checkpointing switched, from the same folder sample.py reads.
-        acc.register_save_state_pre_hook(lambda models, weights, output_dir: weights.clear())
-        acc.register_load_state_pre_hook(lambda models, input_dir: models.clear())
 
-        # Resume: one rank picks the checkpoint, every rank loads it.
+        # Checkpoints and resume: one rank picks the checkpoint, every rank loads it.
         self.progress = TrainProgress()
-        self.epoch, self.offset = 0, 0
+        self.checkpoints = ckpt.CheckpointManager(acc, c, self.run_dir, self.model_kwargs, self.objective, d,
+                                                  self.raw_model, self.ema, self.repa, self.generator, self.progress,
+                                                  self.log)
         self.resumed_from = agree_on_resume(acc, resume, self.run_dir, warn=self.log.warning)
         if self.resumed_from is not None:
-            self._load(self.resumed_from)
+            self.checkpoints.load(self.resumed_from, lambda step: _seed(c.train.seed, rank, 1, step))
         elif resume == "auto":
-            self.log.info("--resume auto: no complete checkpoint in %s, starting from scratch", ckpt.checkpoints_dir(self.run_dir))
+            self.log.info("--resume auto: no complete checkpoint in %s, starting from scratch",
+                          ckpt.checkpoints_dir(self.run_dir))
         if acc.is_main_process:
             save_config(c, self.run_dir / "config.yaml")
         acc.init_trackers(c.log.project, config=flat_config(c))
 
         # What runs beside the steps: the non-finite guard, the stop agreement, the metrics and the
         # periodic tasks (sample grids, diagnostics, evaluation, sparsifying, checkpoints).
-        self.guard = NonFiniteGuard(acc, c.train.nonfinite, c.train.nonfinite_max_skips, self._last_good_checkpoint,
+        self.guard = NonFiniteGuard(acc, c.train.nonfinite, c.train.nonfinite_max_skips, self.checkpoints.last_good,
                                     self.log.warning, scaler_handles_grads=c.train.mixed_precision == "fp16",
                                     bad_rows=lambda position: nonfinite_rows(d, c.train.global_batch_size,
                                                                              c.train.seed, position))
@@ -162,12 +157,13 @@ class Trainer:
                                                         d.in_channels, d.input_size)
         self.peak_tflops, self.peak_source = peak_tflops(acc.device, c.train.peak_tflops)
         learnable_topology = any(True for _ in self.raw_model.topology.parameters())
+        tracked = (lambda: ckpt.topology_matrix(self.raw_model)) if learnable_topology else None
         self.metrics = MetricsLog(acc, self.run_dir, c.train.global_batch_size, self.flops_per_image, self.peak_tflops,
-                                  self.log, (lambda: topology_matrix(self.raw_model)) if learnable_topology else None,
-                                  peak_source=self.peak_source)
+                                  self.log, tracked, peak_source=self.peak_source)
         self.context = RunContext(run_dir=self.run_dir, config=c, accelerator=acc, data=d,
                                   objective=self.objective, raw_model=self.raw_model, ema_model=self.ema.module,
-                                  data_spec=self.data_spec(), log=self.log, progress=self.progress, save=self.save,
+                                  data_spec=self.checkpoints.spec["data"], log=self.log, progress=self.progress,
+                                  save=self.checkpoints.save,
                                   stop_requested=self._stop_requested)
         self.tasks = build_tasks(self.context)
 
@@ -248,7 +244,7 @@ class Trainer:
         # lr by hand: Accelerate steps prepared schedulers once per process
         for group, group_lr in zip(self.optimizer.param_groups, self._group_lrs(lr)):
             group["lr"] = group_lr
-        position = (self.epoch, self.offset)
+        position = (self.progress.epoch, self.progress.offset)
         sums: dict[str, torch.Tensor] = {}
         grad_norm = skip = inputs_finite = None
         repa = self.repa
@@ -282,8 +278,9 @@ class Trainer:
         # Constant decay as in DiT; with ema_warmup, a 1 - (1 + n)^(-2/3) ramp capped at ema_decay
         # (short runs: a 0.999 EMA would still hold ~13% of the initial weights after 2000 steps).
         ema_update_(self.ema, self.raw_model, self.step, skip)
-        self.progress.step += 1
-        self.epoch, self.offset = advance_position(self.epoch, self.offset, c.global_batch_size, len(self.data.dataset))
+        p = self.progress
+        p.step += 1
+        p.epoch, p.offset = advance_position(p.epoch, p.offset, c.global_batch_size, len(self.data.dataset))
         sums["grad_norm"] = grad_norm.float()
         sums["skipped"] = skip  # logged: the fraction of skipped steps
         return sums
@@ -322,7 +319,8 @@ class Trainer:
     def _loader(self):
         acc, c = self.accelerator, self.config
         sampler = GlobalBatchSampler(len(self.data.dataset), c.train.global_batch_size, acc.num_processes,
-                                     acc.process_index, c.train.grad_accum, c.train.seed, self.epoch, self.offset)
+                                     acc.process_index, c.train.grad_accum, c.train.seed, self.progress.epoch,
+                                     self.progress.offset)
         return make_loader(self.data, sampler, c.data.num_workers, pin_memory=acc.device.type == "cuda")
 
     def draw_timesteps_and_noise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,63 +380,6 @@ class Trainer:
                       self.flops_per_image / 1e9, describe(self.data), acc.num_processes, self.micro_batch,
                       c.train.grad_accum, c.train.global_batch_size, c.train.mixed_precision, self.peak_tflops,
                       self.peak_source)
-
-    # -- checkpoints ----------------------------------------------------------------------------
-    def data_spec(self) -> dict[str, Any]:
-        d = self.data
-        return {"kind": d.kind, "image_size": d.image_size, "image_channels": d.image_channels,
-                "num_classes": d.num_classes, "vae": d.vae, "scaling_factor": d.scaling_factor,
-                **(d.latent_norm.spec() if d.latent_norm is not None else {})}
-
-    def model_spec(self) -> dict[str, Any]:
-        return make_model_spec(self.config.model.name, self.model_kwargs, self.objective.spec(), self.data_spec(),
-                               self.step)
-
-    def save(self) -> Path:
-        state = {"step": self.step, "data": {"epoch": self.epoch, "offset": self.offset},
-                 "num_processes": self.accelerator.num_processes, "global_batch_size": self.config.train.global_batch_size,
-                 "seed": self.config.train.seed, "model": self.config.model.name,
-                 "train_seconds": round(self.train_seconds, 3)}
-        if self.repa is not None:
-            state["repa"] = self.repa.settings(self.config.repa)
-        path = ckpt.save_checkpoint(self.accelerator, self.run_dir, self.step, self.generator, self._write_files,
-                                    state, keep_last=self.config.train.keep_last)
-        self.log.info("step %d: checkpoint saved to %s", self.step, path)
-        self.progress.last_saved = self.step
-        return path
-
-    def _write_files(self, folder: Path) -> None:
-        write_model_files(folder, self.model_spec(), self.raw_model.state_dict(), self.ema.module.state_dict())
-        write_topology_files(folder, self.run_dir, self.ema.module, self.raw_model, self.step, self.config.model.topology,
-                             heatmap=self.config.log.figures)
-        if self.repa is not None:  # resume reads it (sampling never does)
-            save_safetensors(self.repa.projector.state_dict(), folder / RepaAlignment.PROJECTOR_FILE)
-
-    def _last_good_checkpoint(self) -> str:
-        found = ckpt.list_checkpoints(self.run_dir)
-        return str(found[-1][1]) if found else "none (no checkpoint saved yet)"
-
-    def _load(self, folder: Path) -> None:
-        acc = self.accelerator
-        ckpt.check_same_model(folder, self.model_spec())  # one line on a mismatch, before Accelerate reads anything
-        state = ckpt.read_trainer_state(folder)
-        check_same_repa(folder, state, self.repa, self.config.repa)
-        # Read on the host, then copied into the modules on their device (a rank's device name
-        # such as cpu:0 is no valid safetensors device).
-        self.raw_model.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["model"], device="cpu"))
-        self.ema.module.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["ema"], device="cpu"))
-        if self.repa is not None:
-            self.repa.projector.load_state_dict(
-                load_safetensors_checked(folder / RepaAlignment.PROJECTOR_FILE, device="cpu"))
-        acc.load_state(str(folder / ckpt.ACCELERATE_DIR))  # optimizer, scaler, RNG (see the save hook)
-        self.progress.step = int(state["step"])
-        self.epoch, self.offset = int(state["data"]["epoch"]), int(state["data"]["offset"])
-        self.progress.train_seconds = float(state.get("train_seconds", 0.0))
-        if not ckpt.load_generator_state(folder, acc.process_index, self.generator):
-            self.generator.manual_seed(_seed(self.config.train.seed, acc.process_index, 1, self.step))
-            self.log.warning("%s was written by %d process(es); rank %d starts a fresh random stream, so this "
-                             "resume is not bitwise exact", folder, state["num_processes"], acc.process_index)
-        self.log.info("resumed from %s at step %d", folder, self.step)
 
 
 def train(config: Config, resume: str | None = None) -> dict[str, Any]:
