@@ -1,17 +1,12 @@
 """Flow matching with SiT's linear interpolant and velocity prediction (Ma et al., 2024).
 
-Conventions, as in SiT's `transport/` code (path.ICPlan, Transport, Sampler), so that weights
-trained with SiT's code sample correctly here:
-- time t in [0, 1] runs from noise to data: x_t = t * x1 + (1 - t) * x0 with x1 the data and x0
-  standard normal noise (alpha_t = t, sigma_t = 1 - t); t = 0 is pure noise, t = 1 is data;
-- the network predicts the velocity u_t = d x_t / dt = x1 - x0 (data minus noise), trained with
-  the plain MSE mean over every dimension (SiT's loss_weight None), learn_sigma off;
-- t goes into the timestep embedding as it is, a float in [0, 1], not scaled to 0..999;
-- sampling integrates dx/dt = v(x, t) forward from t = 0 (noise) to t = 1 (data); for velocity
-  prediction on the linear path SiT's train_eps and sample_eps are 0, so the ODE runs over all of [0, 1].
-Training time is uniform on [0, 1] (SiT) or logit-normal, t = sigmoid(m + s * n) with n ~ N(0, 1)
-(SD3 / LightningDiT; `time_sampling: logit-normal`, logit_mean m, logit_std s).
-For the guidance interval, normalised time (0 = data, 1 = noise) is u = 1 - t.
+SiT's conventions (`transport/`: path.ICPlan, Transport, Sampler), so that SiT's weights sample
+correctly here: x_t = t * x1 + (1 - t) * x0, x1 the data, x0 standard normal noise, so t = 0 is noise
+and t = 1 data; the network predicts the velocity x1 - x0, trained with the plain MSE (SiT's
+loss_weight None, learn_sigma off); t enters the timestep embedding as it is, a float in [0, 1];
+sampling integrates dx/dt = v(x, t) over all of [0, 1] (SiT's train_eps and sample_eps are 0 here).
+Training time is uniform (SiT) or logit-normal, t = sigmoid(m + s * n), n ~ N(0, 1) (SD3 /
+LightningDiT). Normalised time, the guidance interval's unit, is u = 1 - t.
 """
 from __future__ import annotations
 

@@ -1,17 +1,15 @@
 """Samplers of the linear-interpolant flow (time 0 = noise, 1 = data; see flow.py).
 
-ODE dx/dt = v(x, t) through torchdiffeq: "euler" and "heun" (torchdiffeq's heun2, two network
-calls per step) on `steps` equal intervals of [0, 1], "dopri5" adaptive with SiT's tolerances
-(atol 1e-6, rtol 1e-3). Note that dopri5's step sizes adapt to the whole batch, so a dopri5
-sample depends on the batch it is in (a fixed --batch-size still gives the same file whatever
-the number of processes).
+ODE dx/dt = v(x, t) through torchdiffeq: "euler" and "heun" (heun2, two network calls per step) on
+`steps` equal intervals, "dopri5" adaptive with SiT's tolerances; its step sizes adapt to the whole
+batch, so a dopri5 sample depends on its batch (a fixed --batch-size still gives the same file
+whatever the number of processes).
 
-SDE: SiT's Euler-Maruyama written by hand (torchdiffeq has no SDE solver), with SiT's defaults:
-time points linspace(0, 1 - last_step_size, steps), so steps - 1 noisy steps, then one last step
-without noise; diffusion coefficient w(t) = norm * sigma_t = norm * (1 - t) ("sigma" form), drift
-v + w * score with the score of the linear path, score = (t v - x) / (1 - t), and
-x <- x + drift dt + sqrt(2 w dt) z. Last step over the remaining time: "mean" (drift, SiT's
-default), "euler" (velocity only), "tweedie" (E[data | x_t] = x / t + (1 - t)^2 / t * score), or "none".
+SDE: SiT's Euler-Maruyama by hand (torchdiffeq has none), SiT's defaults: time points
+linspace(0, 1 - last_step_size, steps), so steps - 1 noisy steps x <- x + drift dt + sqrt(2 w dt) z
+with w(t) = norm * (1 - t), drift v + w * score and the linear path's score (t v - x) / (1 - t); then
+one last step without noise: "mean" (drift, SiT's default), "euler" (velocity only), "tweedie"
+(E[data | x_t] = x / t + (1 - t)^2 / t * score), or "none".
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """DiT's Gaussian diffusion: linear beta schedule, epsilon prediction, learned variance.
 
-The noise tables are computed in float64 like ADM / DiT (diffusers keeps them in float32,
-which shifts DDPM-250 samples slightly); `diffusers_scheduler` builds diffusers' DDIM and
-DPM-Solver schedulers from the same schedule for the fast samplers. The learned-variance
-parameterisation, the hybrid loss and timestep respacing are written by hand: diffusers has
-no training loss and its respaced DDPM does not interpolate the learned variance over the
-respaced betas as DiT's sampler does.
+The tables are float64 like ADM / DiT (diffusers' float32 ones shift DDPM-250 samples slightly);
+`diffusers_scheduler` builds diffusers' DDIM and DPM-Solver on the same schedule. The learned
+variance, the hybrid loss and the respacing are written by hand: diffusers has no training loss, and
+its respaced DDPM does not interpolate the learned variance over the respaced betas as DiT does.
 """
 from __future__ import annotations
 
@@ -61,11 +59,9 @@ class MeanVariance:
 
 
 class GaussianDiffusion:
-    """Forward process, posterior, model mean/variance and DiT's hybrid training loss.
-
-    `timestep_map[k]` is the original timestep that respaced step k stands for: the model is
-    always called with original timesteps, so one network serves every respacing.
-    """
+    """Forward process, posterior, model mean/variance and DiT's hybrid training loss. The model is
+    always called with original timesteps (`timestep_map[k]` for respaced step k), so one network
+    serves every respacing."""
 
     def __init__(self, betas: np.ndarray, learn_sigma: bool = True, timestep_map: list[int] | None = None):
         betas = np.asarray(betas, dtype=np.float64)

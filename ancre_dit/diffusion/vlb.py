@@ -1,8 +1,5 @@
-"""Gaussian KL and discretized decoder likelihood: the variational-bound term of DiT's hybrid loss.
-
-Written by hand because no maintained library exposes these terms (diffusers schedulers only
-sample). Definitions follow Ho et al. 2020 and Nichol & Dhariwal 2021 (improved DDPM).
-"""
+"""Gaussian KL and discretized decoder likelihood: the variational-bound term of DiT's hybrid loss, as
+in Ho et al. 2020 and Nichol & Dhariwal 2021 (by hand: no maintained library exposes these terms)."""
 from __future__ import annotations
 
 import math
@@ -12,9 +9,8 @@ import torch
 
 def normal_kl(mean1: torch.Tensor, logvar1: torch.Tensor, mean2: torch.Tensor, logvar2: torch.Tensor) -> torch.Tensor:
     """KL( N(mean1, exp(logvar1)) || N(mean2, exp(logvar2)) ), elementwise, in nats."""
-    return 0.5 * (
-        -1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2)
-    )
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2)
+                  + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
 
 
 def approx_standard_normal_cdf(x: torch.Tensor) -> torch.Tensor:
@@ -33,12 +29,8 @@ def discretized_gaussian_log_likelihood(x: torch.Tensor, means: torch.Tensor, lo
     cdf_min = approx_standard_normal_cdf(inv_std * (centered - 1.0 / 255.0))
     log_cdf_plus = torch.log(cdf_plus.clamp(min=1e-12))
     log_one_minus_cdf_min = torch.log((1.0 - cdf_min).clamp(min=1e-12))
-    cdf_delta = cdf_plus - cdf_min
-    return torch.where(
-        x < -0.999,
-        log_cdf_plus,
-        torch.where(x > 0.999, log_one_minus_cdf_min, torch.log(cdf_delta.clamp(min=1e-12))),
-    )
+    log_cdf_delta = torch.log((cdf_plus - cdf_min).clamp(min=1e-12))
+    return torch.where(x < -0.999, log_cdf_plus, torch.where(x > 0.999, log_one_minus_cdf_min, log_cdf_delta))
 
 
 def mean_flat(x: torch.Tensor) -> torch.Tensor:

@@ -148,14 +148,6 @@ def write_grid(images: np.ndarray, labels: np.ndarray, num_classes: int, path: P
     save_image_grid(images, path, nrow=num_classes if balanced else math.ceil(math.sqrt(len(images))))
 
 
-def write_pngs(images: np.ndarray, folder: Path, start: int = 0) -> None:
-    from PIL import Image
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for k, image in enumerate(tqdm(images, desc="png", unit="img", leave=False)):
-        Image.fromarray(image).save(folder / f"{start + k:06d}.png")
-
-
 def merge_parts(folder: Path, ranges: list[tuple[int, int]], labels: np.ndarray, out: Path) -> np.ndarray:
     """Parts in index order -> one ADM npz; filled into one preallocated array so the peak memory
     is the merged array itself (about 9.8 GB for 50K 256x256 RGB images)."""
@@ -239,7 +231,11 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
                                  indent=1) + "\n")
     log(f"wrote the sampling settings to {record} (evaluate.py copies them into its results)")
     if s.png_dir:
-        write_pngs(images, Path(s.png_dir))
+        from PIL import Image
+
+        Path(s.png_dir).mkdir(parents=True, exist_ok=True)
+        for k, image in enumerate(tqdm(images, desc="png", unit="img", leave=False)):
+            Image.fromarray(image).save(Path(s.png_dir) / f"{k:06d}.png")
         log(f"wrote {len(images)} PNGs to {s.png_dir}")
     if s.grid:
         write_grid(images[: s.grid_max], labels[: s.grid_max], num_classes, Path(s.grid))
