@@ -1,11 +1,10 @@
 """ANCRe's aggregation in eager mode, the stacked form: the history in one store, one product per
 block forward and per source backward, the weights' gradient one Gram product.
 
-Written by hand: autograd's backward of the plain `addcmul` chain allocates, per edge, the product
-grad * h_i, its sum and grad * w_i, then adds the source gradients up per history tensor; no library
-offers a weighted history sum. Used by `WeightedHistoryTopology`
-(base.py) outside torch.compile, which fuses the plain chain itself. On CUDA the stacked form's sums
-and Gram product can run as Triton kernels (aggregation_triton.py, model.aggregation_kernel).
+Written by hand (no library offers a weighted history sum): autograd's backward of the plain `addcmul`
+chain allocates, per edge, grad * h_i, its sum and grad * w_i, then adds the source gradients up per
+history tensor. Used by `WeightedHistoryTopology` (base.py) outside torch.compile, which fuses the
+plain chain itself; on CUDA the sums and the Gram product can run as Triton kernels (aggregation_triton.py).
 """
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import importlib
 import importlib.util
 import os
 from types import ModuleType
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -20,9 +20,8 @@ from ...errors import UserError
 
 # model.aggregation_kernel: auto = the Triton kernels on CUDA tensors when triton is installed, else
 # the torch ops; triton = the same, but triton must be installed (and a training needs a CUDA device);
-# torch (the default until the kernels have been measured on a GPU) = never the kernels. Elsewhere (CPU, meta: a FLOP count, a CPU sampling of a GPU run) and under
-# torch.compile the torch path runs, except that triton takes the kernels on CPU tensors under
-# Triton's interpreter (how the tests run them).
+# torch (the default) = never the kernels. Elsewhere (CPU, meta) and under torch.compile the torch path
+# runs, except that triton takes the kernels on CPU tensors under Triton's interpreter (as the tests do).
 AGGREGATION_KERNELS = ("auto", "triton", "torch")
 
 
@@ -64,10 +63,9 @@ class StackedPlan:
     output through).
 
     The history h_0..h_{K-1} lives in one (K, N) store, so a block's skip sum is one matrix-vector
-    product over its sources (each read once, instead of a read-modify-write of the sum per edge);
-    the backward keeps every node's output gradient in one (K, N) buffer, so each h_i's skip
-    gradient is one product over the gradients of the blocks that read it, and the weights'
-    gradient is one Gram product of those gradients with the history, at the end.
+    product over its sources (each read once); the backward keeps every node's output gradient in one
+    (K, N) buffer, so each h_i's skip gradient is one product over the gradients of its readers, and
+    the weights' gradient one Gram product of those gradients with the history, at the end.
     """
 
     def __init__(self, edges: list[list[int]]):
@@ -77,8 +75,7 @@ class StackedPlan:
         self._indices: dict[tuple, torch.Tensor] = {}
 
     def mask(self) -> torch.Tensor:
-        """(K, K) bool, True at each edge: built on the host, so its owner keeps it on the device
-        (the topology's `edge_mask` buffer)."""
+        """(K, K) bool, True at each edge, on the host (its owner keeps it on the device: `edge_mask`)."""
         K = len(self.edges)
         mask = torch.zeros(K, K, dtype=torch.bool)
         for j, e in enumerate(self.edges):
@@ -114,10 +111,9 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
 
 def _accumulate(into: torch.Tensor, base: torch.Tensor | None, rows: torch.Tensor, indices: list[int],
                 weights: torch.Tensor) -> None:
-    """into = base + sum_i weights[i] * rows[i] over i in `indices` (flat tensors; no base: zero;
-    `weights` indexed like `rows`), each row read once: one matrix-vector product per run of
-    consecutive rows (one addcmul per row across dtypes). Runs and rows are slices and plain
-    indices: a gather by a Python list would copy the list to the device on every call."""
+    """into = base + sum_i weights[i] * rows[i] over i in `indices` (flat tensors; no base: zero), each
+    row read once: one matrix-vector product per run of consecutive rows (one addcmul per row across
+    dtypes). Slices, not a gather by a Python list, which would copy the list to the device every call."""
     if indices and rows.dtype == into.dtype and (base is None or base.dtype == into.dtype):
         w = weights.to(into.dtype)
         for n, (a, b) in enumerate(_runs(indices)):

@@ -1,15 +1,11 @@
 """Triton kernels for the stacked aggregation (aggregation.py, `_StackedNode`) on CUDA: the optional
 extra `triton`, chosen by model.aggregation_kernel and imported only then.
 
-Why by hand: the torch ops read a bf16 history edge by edge (one read-modify-write of the fp32 sum
-per source), and a fused history copy needs a second pass; one kernel reads each source row once,
-adds in fp32 and writes the sum (and its bf16 history copy) once, whatever the dtypes. The weights'
-gradient is one pass over the gradients and the history, each program summing its tiles' Gram
-product into its own partial, the partials then summed in a fixed order (no atomics: the result is
-the same run to run).
-
-The same code runs on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which is how
-tests/test_triton_aggregation.py checks it against the plain chain.
+Why by hand: the torch ops read a bf16 history edge by edge (one read-modify-write of the fp32 sum per
+source) and a history copy needs a second pass; one kernel reads each source row once, adds in fp32 and
+writes the sum (and its bf16 history copy) once. The weights' gradient is one pass, each program summing
+its tiles' Gram product into its own partial, the partials then summed in a fixed order (no atomics:
+the same result run to run). Under Triton's interpreter (TRITON_INTERPRET=1) it runs on CPU tensors.
 """
 from __future__ import annotations
 
