@@ -1,13 +1,10 @@
-"""The paper's topology tools as plain functions: compare learned topologies across runs, prune
-one to a sparse frozen topology, and the Tsallis-entropy regulariser that pushes toward sparsity.
+"""The paper's topology tools as plain functions: compare learned topologies across runs, summarise
+one per block, prune one to a sparse frozen topology, and the Tsallis-entropy regulariser.
 
-A topology is the (K, K) matrix P of `model.topology.probabilities()`: row j holds block j+1's
-incoming weights over sources i = 0..j (0 = the embedding), zeros above the diagonal. Block 1 has
-a single incoming edge whose weight every normalised topology fixes at 1, so the comparisons use
-the *learned* edges only: rows 2..K, sources 0..j (K(K+1)/2 - 1 edges; 77 for 12 blocks).
-
-Also the paper's per-block summary (strongest source, anchors, entropy). Figures live in
-`ancre_dit.figures`; `scripts/topology.py` is the command-line face.
+A topology is the (K, K) matrix P of `model.topology.probabilities()` (row j: block j+1's incoming
+weights over sources 0..j). Block 1's single edge is fixed at 1 by every normalised topology, so the
+comparisons use the *learned* edges only: rows 2..K (K(K+1)/2 - 1 edges). `scripts/topology.py` is
+the command-line face.
 """
 from __future__ import annotations
 
@@ -37,10 +34,8 @@ def topology_file(path: str | Path) -> Path:
 
 
 def load_topology(path: str | Path) -> np.ndarray:
-    """P from a topology.json, or from a run directory (its newest RUN/topology.json); a topology
-    without routing (all zeros: a plain DiT) is refused, as the comparisons and pruning mean nothing there."""
-    path = topology_file(path)
-    return require_routing(load_topology_json(path).double().numpy(), path)
+    """P from a topology.json or a run directory's newest one."""
+    return _routing(topology_file(path))
 
 
 def checkpoint_topologies(run_dir: str | Path) -> list[tuple[int, np.ndarray]]:
@@ -50,22 +45,24 @@ def checkpoint_topologies(run_dir: str | Path) -> list[tuple[int, np.ndarray]]:
     if not found:
         raise MissingFileError(f"no checkpoints/<step>/topology.json under {run_dir}; pass a run directory whose "
                                f"topology has learned weights (e.g. ancre)")
-    return [(step, require_routing(load_topology_json(p).double().numpy(), p)) for step, p in found]
+    return [(step, _routing(p)) for step, p in found]
 
 
-def require_routing(P: np.ndarray, source: str | Path) -> np.ndarray:
+def _routing(path: Path) -> np.ndarray:
+    """P of a topology.json; all zeros (a plain DiT) is refused, as comparing and pruning mean nothing there."""
+    P = load_topology_json(path).double().numpy()
     if not np.any(P):
-        raise UserError(f"{source} is all zeros: a plain DiT (cascaded) has no routing to compare, prune or "
+        raise UserError(f"{path} is all zeros: a plain DiT (cascaded) has no routing to compare, prune or "
                         f"follow; pass a run of a topology with learned routing (e.g. ancre)")
     return P
 
 
 def square_topology(P, min_blocks: int = 2) -> np.ndarray:
-    """P (tensor or array) as a float64 (K, K) array; a UserError for any other shape. The learned-edge
-    statistics need K >= 2 (block 1's single edge is fixed); drawing needs K >= 1."""
+    """P (tensor or array) as a float64 (K, K) array, K >= min_blocks; a UserError for any other shape."""
     P = np.asarray(P.detach().float().cpu() if isinstance(P, torch.Tensor) else P, dtype=np.float64)
     if P.ndim != 2 or P.shape[0] != P.shape[1] or P.shape[0] < min_blocks:
-        raise UserError(f"a topology must be a square (K, K) matrix with K >= {min_blocks} block(s), got shape {P.shape}")
+        raise UserError(f"a topology must be a square (K, K) matrix with K >= {min_blocks} block(s), "
+                        f"got shape {P.shape}")
     return P
 
 
@@ -79,9 +76,8 @@ def learned_edges(P) -> np.ndarray:
 
 # -- comparing ---------------------------------------------------------------------------------
 def pearson(P, Q) -> float:
-    """Pearson correlation of the learned edges of two topologies of the same depth.
-
-    NaN when one of them is constant over its learned edges (no variation to correlate)."""
+    """Pearson correlation of the learned edges of two topologies of the same depth (NaN when one of
+    them is constant over them)."""
     a, b = learned_edges(P), learned_edges(Q)
     if a.shape != b.shape:
         raise UserError(f"cannot compare topologies of different depths ({square_topology(P).shape[0]} and "
@@ -109,9 +105,8 @@ def compare_topologies(topologies: Mapping[str, np.ndarray]) -> dict:
     """Pairwise Pearson and strongest-edge agreement of named topologies, plus their means."""
     if len(topologies) < 2:
         raise UserError("compare needs at least two topologies (run directories or topology.json files)")
-    pairs = []
-    for (name_a, P), (name_b, Q) in itertools.combinations(topologies.items(), 2):
-        pairs.append({"a": name_a, "b": name_b, "pearson": pearson(P, Q), "agreement": strongest_edge_agreement(P, Q)})
+    pairs = [{"a": name_a, "b": name_b, "pearson": pearson(P, Q), "agreement": strongest_edge_agreement(P, Q)}
+             for (name_a, P), (name_b, Q) in itertools.combinations(topologies.items(), 2)]
     return {"pairs": pairs,
             "mean_pearson": float(np.mean([p["pearson"] for p in pairs])),
             "mean_agreement": float(np.mean([p["agreement"] for p in pairs]))}
@@ -128,15 +123,11 @@ def format_comparison(result: dict) -> str:
 
 # -- summarising one topology ------------------------------------------------------------
 def topology_summary(P) -> dict:
-    """The paper's topology analysis of P (K, K).
-
-    Per block j (1..K): the strongest incoming source, the weight on the anchors (the embedding
-    and the first block, sources 0 and 1, the paper's "first two nodes"), the weight on the
-    immediate predecessor (source j-1), and the entropy of the incoming weights (nats; log(j) is
-    uniform). Aggregates: mean anchor weight over blocks 3..K (where anchors are not simply the
-    only or local sources), the fraction of those blocks whose strongest source is an anchor,
-    and the mean normalised entropy (entropy / log(j), 1 = uniform, 0 = one edge).
-    """
+    """The paper's topology analysis of P (K, K). Per block: the strongest incoming source, the weight
+    on the anchors (sources 0 and 1, the paper's "first two nodes"), on the predecessor, and the entropy
+    of the incoming weights (nats). Aggregates: the mean anchor weight over blocks 3..K (where anchors
+    are not simply the only sources), the fraction of those whose strongest source is an anchor, and
+    the mean normalised entropy (entropy / log(j): 1 = uniform, 0 = one edge)."""
     P = square_topology(P, min_blocks=1)
     K = P.shape[0]
     blocks = []
@@ -155,7 +146,7 @@ def topology_summary(P) -> dict:
             "normalized_entropy": entropy / float(np.log(j + 1)) if j > 0 else 0.0,
         })
     deep = blocks[2:]  # blocks 1 and 2 see only anchors
-    summary = {
+    return {
         "num_blocks": K,
         "blocks": blocks,
         "mean_anchor_weight_deep": float(np.mean([b["anchor_weight"] for b in deep])) if deep else None,
@@ -165,7 +156,6 @@ def topology_summary(P) -> dict:
         "mean_normalized_entropy": (float(np.mean([b["normalized_entropy"] for b in blocks[1:]]))
                                     if K > 1 else 0.0),
     }
-    return summary
 
 
 def format_topology_summary(summary: dict) -> str:
@@ -182,16 +172,11 @@ def format_topology_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-
 # -- pruning -----------------------------------------------------------------------------------
 def prune_topology(P, top_k: int | None = None, threshold: float | None = None) -> np.ndarray:
-    """Keeps each block's strongest incoming edges and rescales each row to its former sum.
-
-    top_k: the k largest weights of each row (ties: the lower source index). threshold: the
-    weights >= threshold, and the strongest edge of a row where none reaches it (so no block loses
-    all its skips). Exactly one of the two. Rows that were zero stay zero. For ANCRe every row
-    sums to 1, so the result is again a distribution over each block's kept sources.
-    """
+    """Keeps each block's strongest incoming edges and rescales each row to its former sum (zero rows
+    stay zero). Exactly one of top_k (the k largest weights of each row, ties to the lower source) or
+    threshold (the weights >= threshold, or the row's strongest edge where none reaches it)."""
     if (top_k is None) == (threshold is None):
         raise UserError(f"prune needs exactly one of top_k or threshold, got top_k={top_k}, threshold={threshold}")
     if top_k is not None and top_k < 1:
@@ -222,16 +207,12 @@ def write_topology(path: str | Path, P, **extra) -> Path:
 
 # -- entropy regulariser -------------------------------------------------------------------------
 def tsallis_entropy(P: torch.Tensor, q: float = 2.0) -> torch.Tensor:
-    """Mean Tsallis entropy of the incoming weights of blocks 2..K (differentiable).
-
-    For block j+1 with incoming distribution p = P[j, 0..j] (sums to 1):
+    """Mean Tsallis entropy of the incoming weights p = P[j, 0..j] of blocks 2..K (differentiable):
 
         S_q(p) = (1 - sum_i p_i^q) / (q - 1),    q > 0, q != 1;   S_1(p) = -sum_i p_i log p_i
 
-    and the regulariser is the mean of S_q over blocks 2..K (block 1's single edge has S_q = 0).
-    S_q is 0 for a one-hot row and largest, (1 - j^(1-q)) / (q - 1), for the uniform row over j
-    sources; q = 2 (the default) gives 1 - sum_i p_i^2, which unlike Shannon's entropy has a
-    finite gradient as weights reach 0. Adding w * S_q to the loss pushes rows toward few edges.
+    0 for a one-hot row, largest for the uniform one; q = 2 (1 - sum_i p_i^2), unlike Shannon's entropy,
+    keeps a finite gradient as weights reach 0. Adding w * S_q to the loss pushes rows toward few edges.
     """
     if not q > 0:
         raise UserError(f"the Tsallis entropy index q must be positive, got {q}")
@@ -246,7 +227,6 @@ def tsallis_entropy(P: torch.Tensor, q: float = 2.0) -> torch.Tensor:
 
 
 def topology_entropy(topology: ResidualTopology, q: float = 2.0) -> torch.Tensor:
-    """`tsallis_entropy` of an ANCRe topology's current incoming weights (gradients reach its logits);
-    the rows must be distributions, which the topology's registry entry declares (`incoming_softmax`,
-    checked with the config)."""
+    """`tsallis_entropy` of a topology's current incoming weights (gradients reach its logits); its rows
+    must be distributions (`incoming_softmax` in its registry entry, checked with the config)."""
     return tsallis_entropy(topology.probabilities(), q)
