@@ -2,8 +2,8 @@
 from .base import LAST_STEPS, Objective, SDEOptions
 from .ddpm import DDPMObjective
 from .flow import TIME_SAMPLINGS, FlowObjective
-from .objectives import OBJECTIVES, build_objective
-from .sampler_registry import ALL_SAMPLERS, SAMPLERS, SamplerEntry, resolve_sampler, samplers_for
+from .sampler_registry import (ALL_SAMPLERS, OBJECTIVES, SAMPLERS, SamplerEntry, build_objective, resolve_sampler,
+                               samplers_for)
 
 __all__ = ["ALL_SAMPLERS", "LAST_STEPS", "Objective", "SDEOptions", "DDPMObjective", "TIME_SAMPLINGS",
            "FlowObjective", "OBJECTIVES", "build_objective", "SAMPLERS", "SamplerEntry", "resolve_sampler",

@@ -8,7 +8,7 @@ its respaced DDPM does not interpolate the learned variance over the respaced be
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -28,14 +28,10 @@ def linear_betas(num_timesteps: int = DDPM_SCHEDULE["num_timesteps"], beta_start
     return np.linspace(scale * beta_start, scale * beta_end, num_timesteps, dtype=np.float64)
 
 
-def space_timesteps(num_timesteps: int, section_counts: str | int | Iterable[int]) -> list[int]:
+def space_timesteps(num_timesteps: int, section_counts: str | int) -> list[int]:
     """ADM's respacing: split [0, T) into equal sections and take evenly strided steps in each:
     "250" -> 250 steps over the whole range, "10,15,20" -> three sections (DDIM runs in diffusers)."""
-    if isinstance(section_counts, str):
-        section_counts = [int(x) for x in section_counts.split(",")]
-    elif isinstance(section_counts, int):
-        section_counts = [section_counts]
-    section_counts = list(section_counts)
+    section_counts = [int(x) for x in str(section_counts).split(",")]
     size_per, extra = divmod(num_timesteps, len(section_counts))
     start, taken = 0, []
     for i, count in enumerate(section_counts):
@@ -107,7 +103,7 @@ class GaussianDiffusion:
         """Respaced indices -> the original timesteps the network was trained on."""
         return self._table("timestep_map", t.device)[t]
 
-    def respaced(self, section_counts: str | int | Iterable[int]) -> "GaussianDiffusion":
+    def respaced(self, section_counts: str | int) -> "GaussianDiffusion":
         """A diffusion over a subset of steps with betas chosen to keep alphas_cumprod (ADM's)."""
         use = space_timesteps(self.num_timesteps, section_counts)
         new_betas, last, kept = [], 1.0, []
@@ -201,17 +197,15 @@ def create_diffusion(respacing: str | int | None = None, learn_sigma: bool = Tru
     return diffusion
 
 
-def diffusers_scheduler(kind: str, **schedule: Any):
+def diffusers_scheduler(kind: str, num_timesteps: int, beta_start: float, beta_end: float):
     """diffusers' DDIM or DPM-Solver++ scheduler on DiT's schedule, predicting epsilon.
 
     clip_sample / thresholding are off: DiT's latents are not bounded to [-1, 1] (a known trap:
-    diffusers' DDIM defaults to clip_sample=True).
-    """
+    diffusers' DDIM defaults to clip_sample=True)."""
     from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
 
-    schedule = {**DDPM_SCHEDULE, **schedule}
-    common = dict(num_train_timesteps=schedule["num_timesteps"], beta_start=schedule["beta_start"],
-                  beta_end=schedule["beta_end"], beta_schedule="linear", prediction_type="epsilon")
+    common = dict(num_train_timesteps=num_timesteps, beta_start=beta_start, beta_end=beta_end,
+                  beta_schedule="linear", prediction_type="epsilon")
     if kind == "ddim":
         return DDIMScheduler(**common, clip_sample=False, set_alpha_to_one=True, timestep_spacing="leading")
     if kind == "dpm-solver":

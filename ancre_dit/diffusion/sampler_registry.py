@@ -1,20 +1,44 @@
-"""Sampler name -> how it runs, the objectives it fits, its default step count: the one place a
-sampler name is interpreted (sample.py's --sampler, the config's eval.sampler, the evaluation and the
-sampling API read `SAMPLERS`). A new sampler is its function (with the signature of `SampleFn`) and
-one entry here."""
+"""The names an objective and a sampler are chosen by, and the one place each is interpreted.
+
+`build_objective` builds an objective from a spec (a checkpoint's model_spec.json "diffusion"
+section, or the config's diffusion section). `SAMPLERS`: sampler name -> how it runs, the objectives
+it fits, its default step count (sample.py's --sampler, the config's eval.sampler, the evaluation and
+the sampling API read it); a new sampler is its function (the signature of `SampleFn`) and one entry.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
 from ..errors import UserError
 from .base import Denoiser, NoiseSource, Objective, SDEOptions
-from .ddpm import ddpm_sampler, scheduler_sampler
+from .ddpm import DDPMObjective, ddpm_sampler, schedule_of, scheduler_sampler
+from .flow import FlowObjective
 from .flow_samplers import check_sde_steps, ode_sampler, sde_sampler
-from .objectives import OBJECTIVES, build_objective
+
+OBJECTIVES = ("ddpm", "flow")
+
+
+def build_objective(spec: Mapping[str, Any] | Objective) -> Objective:
+    """The objective a spec names under "objective", its other settings defaulting to the objective's."""
+    if isinstance(spec, Objective):
+        return spec
+    name = spec.get("objective")
+    if name == "ddpm":
+        if spec.get("time_sampling", "uniform") != "uniform":
+            raise UserError(f"diffusion.time_sampling={spec['time_sampling']} applies only to diffusion.objective=flow "
+                            "(DDPM draws integer timesteps uniformly)")
+        return DDPMObjective(learn_sigma=bool(spec.get("learn_sigma", True)), **schedule_of(spec))
+    if name == "flow":
+        if spec.get("learn_sigma"):
+            raise UserError("the flow objective predicts a velocity and has no learned variance; "
+                            "set model.learn_sigma=false")
+        return FlowObjective(str(spec.get("time_sampling", "uniform")), float(spec.get("logit_mean", 0.0)),
+                             float(spec.get("logit_std", 1.0)))
+    raise UserError(f"unknown diffusion objective {name!r}; choose {' or '.join(OBJECTIVES)}")
 
 
 class SampleFn(Protocol):

@@ -13,7 +13,7 @@ import torch
 from ..diffusion import SAMPLERS, Objective, SDEOptions, build_objective, resolve_sampler
 from ..errors import UserError
 from .decode import Decoder, decode_pixels
-from .guidance import Guidance, GuidedDenoiser, unwrap_model
+from .guidance import Guidance, GuidedDenoiser
 from .noise import SampleNoise, check_classes
 
 ObjectiveLike = Objective | Mapping[str, Any]  # an objective, or a spec such as a checkpoint's spec["diffusion"]
@@ -23,7 +23,6 @@ ObjectiveLike = Objective | Mapping[str, Any]  # an objective, or a spec such as
 class SamplingPlan:
     """A checked sampler setup around one network; `latents` samples a batch without further checks."""
 
-    net: torch.nn.Module
     objective: Objective
     sampler: str
     steps: int
@@ -32,7 +31,7 @@ class SamplingPlan:
 
     def latents(self, labels: torch.Tensor, indices: Sequence[int] | np.ndarray, seed: int) -> torch.Tensor:
         """x_0 (N, C, H, W) float32; sample j uses the random streams of (seed, indices[j])."""
-        net = self.net
+        net = self.denoiser.model
         device = next(net.parameters()).device
         noise = SampleNoise(seed, indices, (net.in_channels, net.input_size, net.input_size), device)
         was_training = net.training
@@ -53,9 +52,8 @@ def plan_sampling(model: torch.nn.Module, objective: ObjectiveLike, *, sampler: 
     network with static shapes (feed it batches of one size)."""
     objective = build_objective(objective)
     sampler, steps = resolve_sampler(objective, sampler, steps, names)
-    net = unwrap_model(model)
-    denoiser = GuidedDenoiser(net, guidance, precision, objective.normalized_time, compile=compile)
-    return SamplingPlan(net, objective, sampler, steps, denoiser, sde)
+    denoiser = GuidedDenoiser(model, guidance, precision, objective.normalized_time, compile=compile)
+    return SamplingPlan(objective, sampler, steps, denoiser, sde)
 
 
 def sample_latents(model: torch.nn.Module, objective: ObjectiveLike, labels: Sequence[int] | np.ndarray | torch.Tensor,
@@ -70,7 +68,7 @@ def sample_latents(model: torch.nn.Module, objective: ObjectiveLike, labels: Seq
     labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
     if labels.ndim != 1 or len(labels) == 0:
         raise UserError("labels must be a non-empty 1-D list of class ids")
-    check_classes(labels.unique().tolist(), int(plan.net.num_classes))
+    check_classes(labels.unique().tolist(), plan.denoiser.num_classes)
     indices = np.arange(len(labels)) if indices is None else np.asarray(indices)
     if len(indices) != len(labels):
         raise ValueError(f"{len(indices)} indices for {len(labels)} labels")

@@ -1,10 +1,8 @@
 """Classifier-free guidance around a DiT: the network call every sampler makes.
 
 Conditional and unconditional passes share one batched forward (the model's `forward_with_cfg`);
-at scale 1, or outside the guidance interval, only the conditional half runs (half the compute).
-The interval is in normalised time u in [0, 1] (0 = data, 1 = pure noise) for every objective; the
-objective maps its model time to u (DDPM: t / 999; flow: 1 - t).
-"""
+at scale 1, or outside the guidance interval, only the conditional half runs. The interval is in
+normalised time u in [0, 1] (0 = data, 1 = noise; DDPM: t / 999, flow: 1 - t)."""
 from __future__ import annotations
 
 import contextlib
@@ -71,9 +69,8 @@ def parse_interval(text: str | None) -> tuple[float, float] | None:
     """"LO,HI" -> (LO, HI) in normalised time (0 = data, 1 = noise); None/"" -> None."""
     if text is None or str(text).strip() == "":
         return None
-    parts = str(text).split(",")
     try:
-        lo, hi = (float(p) for p in parts)
+        lo, hi = (float(p) for p in str(text).split(","))
     except ValueError:
         raise UserError(f"guidance interval {text!r} must be LO,HI in normalised time [0, 1], e.g. 0,0.7") from None
     if not (math.isfinite(lo) and math.isfinite(hi)):
