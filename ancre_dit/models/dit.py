@@ -1,10 +1,8 @@
 """Diffusion Transformer (Peebles & Xie, 2023) with a pluggable residual topology.
 
-Parameter names match the original DiT release (x_embedder, t_embedder, y_embedder, pos_embed,
-blocks.N.{norm1,attn,norm2,mlp,adaLN_modulation}, final_layer) so its checkpoints load; the
-only new module is `topology`, which owns the loop over blocks (see topologies/). The block's layers
-are switches (layers.py): `norm`, `mlp`, `pos_embed` and `qk_norm` give the LightningDiT block, and
-their defaults are the 2022 DiT.
+Parameter names match the original DiT release, so its checkpoints load; the only new module is
+`topology`, which owns the loop over blocks (see topologies/). The block's layers are switches
+(layers.py): their defaults are the 2022 DiT, `norm`, `mlp`, `pos_embed` and `qk_norm` give LightningDiT's.
 """
 from __future__ import annotations
 
@@ -25,12 +23,8 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 class DiTBlock(nn.Module):
-    """Transformer block with adaLN-Zero conditioning.
-
-    `block(x, c)` applies both internal residual adds, as in DiT. The two branches are exposed
-    (`modulation`, `attention_branch`, `mlp_branch`) so sublayer-level topologies such as
-    Hyper-Connections can wire them themselves.
-    """
+    """Transformer block with adaLN-Zero conditioning. `block(x, c)` applies both residual adds, as in
+    DiT; the branches are exposed so sublayer-level topologies (HC, mHC, DAR) can wire them themselves."""
 
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float = 4.0, norm: str = DEFAULTS["norm"],
                  mlp: str = DEFAULTS["mlp"], qk_norm: bool = DEFAULTS["qk_norm"], rope: torch.Tensor | None = None):
@@ -103,13 +97,10 @@ class DiT(nn.Module):
         aggregation_kernel: str = "torch",
         **topology_options,
     ):
-        """`topology` is a registered name (see topologies/registry.py) or a built module;
-        `topology_options` are the options it takes, e.g. tau=0.01 for ANCRe, hc_streams=4 for HC.
-        `norm` (layernorm | rmsnorm), `mlp` (gelu | swiglu), `pos_embed` (sincos | rope2d: axial 2D
-        RoPE on q and k, the absolute embedding then zero) and `qk_norm` choose the block's layers.
-        `history_dtype` (float32 | bfloat16: the weighted history kept under bf16 autocast) and
-        `topology_topk` (ANCRe's edges per block once sparsified, 0 = dense) and `aggregation_kernel`
-        (auto | triton | torch: the eager sums as Triton kernels on CUDA) tune the aggregation."""
+        """`topology` is a registered name (topologies/registry.py) or a built module, `topology_options`
+        its options (e.g. tau=0.01). `norm`, `mlp`, `pos_embed` (sincos | rope2d: axial 2D RoPE on q and
+        k, the absolute embedding then zero) and `qk_norm` choose the block's layers; `history_dtype`,
+        `topology_topk` (0 = dense) and `aggregation_kernel` tune the aggregation (topologies/base.py)."""
         super().__init__()
         check_choice("pos_embed", pos_embed, POS_EMBEDS)  # norm and mlp are checked where their layers are built
         if input_size % patch_size:
@@ -183,10 +174,8 @@ class DiT(nn.Module):
         nn.init.constant_(self.final_layer.linear.bias, 0)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Activation checkpointing per block (the unit the topology wires: a block for the
-        history topologies, a block with its stream mixing for HC / mHC): the block's internals
-        are recomputed in the backward pass, so only the topology's inputs per block stay in
-        memory. Gradients are unchanged; a training step costs about one more forward."""
+        """Activation checkpointing per block (the unit the topology wires): its internals are recomputed
+        in the backward, so only the topology's inputs per block stay in memory; gradients are unchanged."""
         self.topology.grad_checkpointing = bool(enable)
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,7 +184,7 @@ class DiT(nn.Module):
         h = int(x.shape[1] ** 0.5)
         return rearrange(x, "n (h w) (p q c) -> n c (h p) (w q)", h=h, p=p, q=p)
 
-    def embed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def embed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Tokens h_0, the conditioning vector c = t-embedding + y-embedding, and the t-embedding alone."""
         # Contiguous: PatchEmbed returns a transposed view (N, T, D over an (N, D, T) buffer) and
         # every residual add would keep that layout, so each flattening of a history tensor (the
@@ -207,20 +196,14 @@ class DiT(nn.Module):
     def forward(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x (N, C, H, W) noisy input, t (N,) timesteps, y (N,) labels (num_classes = null)."""
         h0, c, t_emb = self.embed(x, t, y)
-        if self.topology.takes_time_embedding:  # timestep-aware routing (DAR static-t)
-            h = self.topology(h0, self.blocks, c, t_emb)
-        else:
-            h = self.topology(h0, self.blocks, c)
-        return self.unpatchify(self.final_layer(h, c))
+        time_embedding = (t_emb,) if self.topology.takes_time_embedding else ()  # timestep-aware routing (DAR)
+        return self.unpatchify(self.final_layer(self.topology(h0, self.blocks, c, *time_embedding), c))
 
     def forward_with_cfg(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, cfg_scale: float,
                          guided_channels: int | None = None) -> torch.Tensor:
-        """Classifier-free guidance in one batched forward.
-
-        The first half of the batch carries the class labels, the second half the same inputs
-        with the null label; the guided epsilon is written to both halves. `guided_channels=3`
-        reproduces the original DiT, which guides only the first 3 channels.
-        """
+        """Classifier-free guidance in one batched forward: the first half of the batch carries the labels,
+        the second the null label; the guided epsilon is written to both halves. `guided_channels=3`
+        reproduces the original DiT, which guides only the first 3 channels."""
         half = x[: len(x) // 2]
         out = self.forward(torch.cat([half, half], dim=0), t, y)
         eps, rest = out[:, : self.in_channels], out[:, self.in_channels:]
@@ -250,16 +233,10 @@ DIT_MODELS = {f"DiT-{size}/{patch}": (size, patch) for size in DIT_SIZES for pat
 
 
 def create_model(name: str, **kwargs) -> DiT:
-    """Builds a registered DiT, e.g. create_model("DiT-S/2", topology="ancre", tau=0.01).
-
-    Any DiT constructor argument can be given (input_size, in_channels, num_classes, learn_sigma,
-    class_dropout_prob, topology and the topology's options such as tau; depth/hidden_size/num_heads to
-    override the size).
-    """
+    """Builds a registered DiT, e.g. create_model("DiT-S/2", topology="ancre", tau=0.01); any DiT
+    constructor argument can be given (depth, hidden_size and num_heads override the size)."""
     if name not in DIT_MODELS:
         raise UserError(f"unknown model {name!r}; choose one of {', '.join(DIT_MODELS)}")
     size, patch = DIT_MODELS[name]
     depth, hidden_size, num_heads = DIT_SIZES[size]
-    config = dict(depth=depth, hidden_size=hidden_size, num_heads=num_heads, patch_size=patch)
-    config.update(kwargs)
-    return DiT(**config)
+    return DiT(**{"depth": depth, "hidden_size": hidden_size, "num_heads": num_heads, "patch_size": patch, **kwargs})
