@@ -55,7 +55,6 @@ class Objective(ABC):
 
     name: ClassVar[str]
     default_sampler: ClassVar[str]
-    learn_sigma: bool
 
     @abstractmethod
     def spec(self) -> dict[str, Any]:

@@ -26,7 +26,6 @@ class FlowObjective(Objective):
 
     name = "flow"
     default_sampler = "heun"
-    learn_sigma = False
 
     def __init__(self, time_sampling: str = "uniform", logit_mean: float = 0.0, logit_std: float = 1.0):
         if time_sampling not in TIME_SAMPLINGS:

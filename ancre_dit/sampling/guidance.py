@@ -89,11 +89,9 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class GuidedDenoiser:
-    """`denoiser(x, t, y)` -> the model output (C or 2C channels) with guidance applied, float32.
-
-    t holds the objective's model times, the same for the whole batch (every sampler here steps in
-    lockstep); `normalized_time` (the objective's) maps them to the unit of the guidance interval.
-    """
+    """`denoiser(x, t, y)` -> the model output (C or 2C channels) with guidance applied, float32. t holds
+    the objective's model times, the same for the whole batch (the samplers step in lockstep);
+    `normalized_time` (the objective's) maps them to the unit of the guidance interval."""
 
     def __init__(self, model: torch.nn.Module, guidance: Guidance, precision: str = "fp32",
                  normalized_time: Callable[[float], float] | None = None, compile: bool = False):

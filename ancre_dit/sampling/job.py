@@ -1,11 +1,10 @@
 """A sampling job of any size: split over processes, saved in parts, resumable, merged at the end.
 
-The N samples are cut into parts of `batch_size` consecutive indices; part j goes to process
-j % world_size. Each finished part is written atomically to OUT.parts/part-<start>-<end>.npz,
-so a rerun of the same command skips what is done. Since a part's batch is the same whatever the
-number of processes, and each sample has its own random streams, the merged file is identical
-for 1 or many processes. Rank 0 waits for the others' part files (no collective) and merges the
-parts in index order into one ADM npz; the other processes exit once their parts are written.
+Part j (`batch_size` consecutive indices) goes to process j % world_size and is written atomically
+to OUT.parts/part-<start>-<end>.npz, so a rerun skips what is done. Neither a part's batch nor a
+sample's random streams depend on the number of processes, so the merged file is the same for 1 or
+many. Rank 0 waits for the others' part files (no collective) and merges them in index order into
+one ADM npz; the other processes exit once their parts are written.
 """
 from __future__ import annotations
 
@@ -95,8 +94,8 @@ def sde_options(s: JobSettings) -> SDEOptions:
 
 
 def check_settings(s: JobSettings) -> Guidance:
-    """Flag checks that need no model (cheap, before anything is loaded); the sampler, steps and
-    classes are checked once the checkpoint's objective and class count are known (in _run)."""
+    """Flag checks that need no model, before anything is loaded (the sampler, steps and classes are
+    checked once the checkpoint is)."""
     if s.num_samples < 1:
         raise UserError(f"--num-samples {s.num_samples} must be at least 1")
     if s.batch_size < 1:

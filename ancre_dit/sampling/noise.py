@@ -33,11 +33,7 @@ class SampleNoise:
     def __init__(self, seed: int, indices: Sequence[int], shape: Sequence[int], device: torch.device | str = "cpu"):
         self.shape = tuple(int(s) for s in shape)
         self.device = torch.device(device)
-        self.generators = []
-        for i in indices:
-            g = torch.Generator(device="cpu")
-            g.manual_seed(sample_seed(seed, int(i)))
-            self.generators.append(g)
+        self.generators = [torch.Generator(device="cpu").manual_seed(sample_seed(seed, int(i))) for i in indices]
 
     def next(self) -> torch.Tensor:
         """The next draw of every sample, stacked: (N, *shape) float32 on `device`; drawn on the CPU
@@ -59,13 +55,9 @@ def check_classes(classes: Sequence[int], num_classes: int) -> list[int]:
 
 def assign_labels(indices: Sequence[int] | np.ndarray, num_classes: int, *, seed: int = 0, mode: str = "balanced",
                   classes: Sequence[int] | None = None) -> np.ndarray:
-    """int64 labels of the given sample indices.
-
-    classes given (ids checked by `check_classes` at the caller's edge): sample i gets
-    classes[i % len(classes)]. Otherwise "balanced": class i % num_classes
-    (so N = 50 x num_classes gives exactly 50 per class, and any prefix is balanced to within one);
-    "random": uniform, from sample i's own label stream.
-    """
+    """int64 labels of the given sample indices: classes[i % len(classes)] when classes are given
+    (checked by the caller); else "balanced", class i % num_classes (N = 50 x num_classes gives exactly
+    50 per class, any prefix is balanced to within one), or "random", uniform from i's label stream."""
     indices = np.asarray(indices, dtype=np.int64)
     if classes is not None:
         table = np.asarray(classes, dtype=np.int64)
