@@ -1,8 +1,5 @@
-"""Timestep, label and position embeddings of DiT (Peebles & Xie, 2023).
-
-Written here because timm has no adaLN-style timestep embedder or class embedder with a
-null class for classifier-free guidance; the 2-D sin-cos table follows MAE / DiT.
-"""
+"""Timestep, label and position embeddings of DiT (Peebles & Xie, 2023): timm has no adaLN-style
+timestep embedder or class embedder with a null class for guidance; the sin-cos table follows MAE / DiT."""
 from __future__ import annotations
 
 import math
@@ -43,11 +40,8 @@ class TimestepEmbedder(nn.Module):
 
 
 class LabelEmbedder(nn.Module):
-    """Class-label embedding with an extra 'null' row (index num_classes) for guidance.
-
-    During training a fraction `dropout_prob` of labels is replaced by the null class, which
-    teaches the same network the unconditional model that classifier-free guidance needs.
-    """
+    """Class-label embedding with an extra 'null' row (index num_classes): in training a fraction
+    `dropout_prob` of labels becomes the null class, teaching the unconditional model guidance needs."""
 
     def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float):
         super().__init__()
@@ -71,20 +65,14 @@ class LabelEmbedder(nn.Module):
 
 def get_2d_sincos_pos_embed(embed_dim: int, grid_size: int) -> np.ndarray:
     """Fixed 2-D sin-cos position table of shape (grid_size**2, embed_dim): half the channels
-    encode the row, half the column."""
-    grid_h = np.arange(grid_size, dtype=np.float32)
-    grid_w = np.arange(grid_size, dtype=np.float32)
-    grid = np.meshgrid(grid_w, grid_h)  # w varies fastest, as in DiT / MAE
-    grid = np.stack(grid, axis=0).reshape(2, 1, grid_size, grid_size)
-    emb_h = _get_1d_sincos_pos_embed(embed_dim // 2, grid[0])
-    emb_w = _get_1d_sincos_pos_embed(embed_dim // 2, grid[1])
-    return np.concatenate([emb_h, emb_w], axis=1)
-
-
-def _get_1d_sincos_pos_embed(embed_dim: int, pos: np.ndarray) -> np.ndarray:
-    if embed_dim % 2:
-        raise ValueError(f"sin-cos position embedding needs an even width, got {embed_dim}")
-    omega = np.arange(embed_dim // 2, dtype=np.float64) / (embed_dim / 2.0)
-    omega = 1.0 / 10000**omega
-    out = np.einsum("m,d->md", pos.reshape(-1).astype(np.float64), omega)
-    return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+    encode the column, half the row (each half its sines, then its cosines)."""
+    half = embed_dim // 2
+    if half % 2:
+        raise ValueError(f"sin-cos position embedding needs an even width, got {half}")
+    omega = 1.0 / 10000 ** (np.arange(half // 2, dtype=np.float64) / (half / 2.0))
+    positions = np.arange(grid_size, dtype=np.float32)
+    tables = []
+    for grid in np.meshgrid(positions, positions):  # the column (varying fastest), then the row, as in DiT / MAE
+        out = np.einsum("m,d->md", grid.reshape(-1).astype(np.float64), omega)
+        tables += [np.sin(out), np.cos(out)]
+    return np.concatenate(tables, axis=1)

@@ -1,7 +1,5 @@
-"""The layers a DiT block is built from, by name: the 2022 DiT block by default (timm's `PatchEmbed`,
-`Attention` and `Mlp`, as DiT builds it), the LightningDiT choices as switches (RMSNorm, a SwiGLU MLP,
-2D rotary position embeddings, QK-norm: timm's `SwiGLU`, `AttentionRope` and `RotaryEmbeddingCat`).
-What is ours is the choice and the parameter rule of the SwiGLU MLP.
+"""The layers a DiT block is built from, by name, all timm's: the 2022 DiT block by default, the
+LightningDiT choices as switches (RMSNorm, a SwiGLU MLP, 2D rotary position embeddings, QK-norm).
 """
 from __future__ import annotations
 
@@ -34,8 +32,8 @@ def make_norm(kind: str, dim: int) -> nn.Module:
 
 
 def swiglu_hidden(dim: int, mlp_ratio: float) -> int:
-    """SwiGLU's hidden width: 2/3 of the GELU MLP's, so its three matrices (3 d h) hold as many
-    weights as the GELU MLP's two (2 d * ratio d), as LightningDiT does."""
+    """SwiGLU's hidden width: 2/3 of the GELU MLP's, so its three matrices hold as many weights as the
+    GELU MLP's two, as in LightningDiT."""
     return int(2 * mlp_ratio * dim / 3)
 
 
@@ -59,5 +57,4 @@ def make_attention(dim: int, num_heads: int, *, rope: bool, qk_norm: bool) -> nn
 def axial_rope(head_dim: int, grid: int) -> torch.Tensor:
     """2D rotary embedding of a grid x grid token grid (half the bands per axis, integer positions):
     (grid * grid, 2 * head_dim), the sin and cos tables timm's AttentionRope applies to q and k."""
-    rope = RotaryEmbeddingCat(dim=head_dim, in_pixels=False, feat_shape=[grid, grid])
-    return rope.get_embed()
+    return RotaryEmbeddingCat(dim=head_dim, in_pixels=False, feat_shape=[grid, grid]).get_embed()
