@@ -26,8 +26,10 @@ from ..models.dit import DIT_SIZES
 from ..models.topologies import all_topology_options, resolve_options, topology_entry
 from ..models.topologies.aggregation import check_aggregation_kernel
 from ..sampling.guidance import check_guidance_scale
-from .config_sections import Config, DataConfig, EvalConfig, ModelConfig
+from .config_sections import Config, EvalConfig, ModelConfig
+from .data import check_data_path
 from .model_setup import model_kwargs, topology_options_of
+from .repa import check_repa_settings
 
 
 class _Paths:
@@ -56,9 +58,9 @@ def validate_config(config: Config, check_paths: bool = True) -> list[str]:
     if _resolve_topology_options(config.model, paths):
         _build_model(config)
     _check_sparsify_step(config)
-    _check_data_path(config.data, paths)
+    check_data_path(config.data, paths.found)
     objective = build_objective(diffusion_spec(config))
-    _check_repa(config, paths)
+    check_repa_settings(config.repa, paths.found)
     _check_eval_data(config, paths)
     _check_eval_sampling(config.eval, objective)
     check_guidance_scale("train.cfg_scale_for_grids", config.train.cfg_scale_for_grids)
@@ -118,45 +120,9 @@ def _check_sparsify_step(config: Config) -> None:
                         "choose a step within the run")
 
 
-def _check_data_path(d: DataConfig, paths: _Paths) -> None:
-    if d.kind not in ("latents", "images"):
-        return
-    if not d.path:
-        raise UserError(f"data.kind={d.kind} needs data.path (the {'latent directory' if d.kind == 'latents' else 'image folder'})")
-    if d.kind == "latents" and Path(d.path).is_file():
-        from ..data.latent_shards import read_manifest
-        read_manifest(d.path)  # its one line on a file given for the folder
-    if not paths.found("data.path", d.path, "dir"):
-        raise UserError(f"data path {d.path} does not exist; set data.path to the "
-                        f"{'directory written by scripts/extract_latents.py' if d.kind == 'latents' else 'ImageFolder root (one folder per class)'}")
-
-
 def diffusion_spec(config: Config) -> dict[str, Any]:
     """The diffusion section as the spec `ancre_dit.diffusion.build_objective` reads."""
     return {**dataclasses.asdict(config.diffusion), "learn_sigma": config.model.learn_sigma}
-
-
-def _check_repa(config: Config, paths: _Paths) -> None:
-    """REPA on: an encoder timm knows, its weights as a local file, a depth inside the model. (The
-    token grids and the weights' fit to the encoder are checked when the trainer builds it.)"""
-    r = config.repa
-    if not r.weight:
-        return
-    import timm
-
-    if not timm.is_model(r.encoder):
-        raise UserError(f"repa.encoder {r.encoder!r} is not a timm model name; use e.g. "
-                        f"vit_base_patch14_dinov2.lvd142m (DINOv2 ViT-B/14, REPA's choice)")
-    for key in ("img_size", "num_classes", "pretrained"):
-        if key in r.encoder_kwargs:
-            raise UserError(f"repa.encoder_kwargs must not set {key}: the trainer sets it"
-                            f"{' (use repa.encoder_resolution)' if key == 'img_size' else ''}")
-    if not r.encoder_weights or not paths.found("repa.encoder_weights", r.encoder_weights):
-        from ..models.timm_weights import weights_hint
-
-        problem = (f"repa.encoder_weights {r.encoder_weights} does not exist" if r.encoder_weights
-                   else f"repa.weight={r.weight:g} needs repa.encoder_weights")
-        raise MissingFileError(f"{problem}; {weights_hint(r.encoder)}")
 
 
 def _check_eval_data(config: Config, paths: _Paths) -> None:

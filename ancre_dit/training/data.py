@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from ..errors import UserError
 from ..data.image_folder import list_image_folder, load_rgb
 from ..data.latent_norm import ChannelNorm, latent_norm_from_manifest
 from ..models import DIT_MODELS
-from .config import Config
+from .config_sections import Config, DataConfig
 from .stopping import worker_signal_handlers
 
 
@@ -59,6 +59,23 @@ class _ImageFolderArrays(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         arr = load_rgb(self.images.root / self.images.files[i], self.image_size).astype(np.float32)
         return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0, self.images.labels[i]
+
+
+def check_data_path(d: DataConfig, found: Callable[..., bool]) -> None:
+    """At config load: the data folder a latents or images run names (`found(key, path, "dir")`: whether
+    it exists, or counts as found where paths are not checked)."""
+    if d.kind not in ("latents", "images"):
+        return
+    what = "latent directory" if d.kind == "latents" else "image folder"
+    if not d.path:
+        raise UserError(f"data.kind={d.kind} needs data.path (the {what})")
+    if d.kind == "latents" and Path(d.path).is_file():
+        from ..data.latent_shards import read_manifest
+        read_manifest(d.path)  # its one line on a file given for the folder
+    if not found("data.path", d.path, "dir"):
+        where = ("directory written by scripts/extract_latents.py" if d.kind == "latents"
+                 else "ImageFolder root (one folder per class)")
+        raise UserError(f"data path {d.path} does not exist; set data.path to the {where}")
 
 
 def build_data(config: Config, patch_size: int | None = None) -> DataInfo:

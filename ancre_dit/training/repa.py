@@ -17,14 +17,14 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..errors import UserError
-from ..models.timm_weights import load_timm_weights
+from ..errors import MissingFileError, UserError
+from ..models.timm_weights import load_timm_weights, weights_hint
 from .config_sections import RepaConfig
 
 
@@ -216,6 +216,27 @@ class RepaAlignment:
         return alignment_loss(projector(z), self.encoder(images))
 
 
+def check_repa_settings(r: RepaConfig, found: Callable[[str, str], bool]) -> None:
+    """At config load, REPA on: an encoder timm knows, its weights a local file (`found(key, path)`:
+    whether it exists, or counts as found where paths are not checked). The token grids and the
+    weights' fit to the encoder are checked when the trainer builds it."""
+    if not r.weight:
+        return
+    import timm
+
+    if not timm.is_model(r.encoder):
+        raise UserError(f"repa.encoder {r.encoder!r} is not a timm model name; use e.g. "
+                        f"vit_base_patch14_dinov2.lvd142m (DINOv2 ViT-B/14, REPA's choice)")
+    for key in ("img_size", "num_classes", "pretrained"):
+        if key in r.encoder_kwargs:
+            raise UserError(f"repa.encoder_kwargs must not set {key}: the trainer sets it"
+                            f"{' (use repa.encoder_resolution)' if key == 'img_size' else ''}")
+    if not r.encoder_weights or not found("repa.encoder_weights", r.encoder_weights):
+        problem = (f"repa.encoder_weights {r.encoder_weights} does not exist" if r.encoder_weights
+                   else f"repa.weight={r.weight:g} needs repa.encoder_weights")
+        raise MissingFileError(f"{problem}; {weights_hint(r.encoder)}")
+
+
 def build_repa(cfg: RepaConfig, model: nn.Module, input_size: int, device: torch.device, bf16: bool, seed: int,
                log=None) -> RepaAlignment | None:
     """REPA's encoder, projector and tap for this model's token grid and width; None with repa.weight 0."""
@@ -249,5 +270,5 @@ def check_resume(folder: Path, state: dict[str, Any], repa: RepaAlignment | None
                         f"the config the run was started with ({run_config}), or start a new run_dir")
 
 
-__all__ = ["RepaAlignment", "FrozenEncoder", "StateTap", "alignment_loss", "build_encoder", "build_repa", "check_resume",
+__all__ = ["RepaAlignment", "FrozenEncoder", "StateTap", "alignment_loss", "build_encoder", "build_repa", "check_repa_settings", "check_resume",
            "encoder_resolution", "make_projector"]
