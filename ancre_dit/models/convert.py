@@ -6,6 +6,7 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn as nn
+
 from ..errors import UserError
 
 _PREFIXES = ("module.", "_orig_mod.")
@@ -13,18 +14,14 @@ _LOGITS = "topology.logits"
 
 
 def convert_official_state_dict(checkpoint: Mapping[str, Any], prefer: str = "ema") -> dict[str, torch.Tensor]:
-    """Maps a DiT or official-ANCRe state dict (or a {"model":..., "ema":...} training wrapper)
-    to this package's parameter names.
+    """Maps a DiT or official-ANCRe state dict (or a {"model":..., "ema":...} training wrapper) to our
+    names: `module.` (DDP) and `_orig_mod.` (torch.compile) prefixes stripped, `ancre.shortcut_params.N`
+    -> `topology.logits.N`, `ancre.softmax_temp` -> `topology.tau` (every other DiT key is already ours).
 
-    - `module.` (DDP) and `_orig_mod.` (torch.compile) prefixes are stripped, in any order;
-    - `ancre.shortcut_params.N` -> `topology.logits.N`; `ancre.softmax_temp` -> `topology.tau`;
-      every other DiT key is already ours.
-    - The logits come in one of two layouts (`official_logit_layout`). Per target, as the official
-      ANCRe code stores them: `shortcut_params.j` holds block j+1's incoming logits over sources
-      0..j (lengths 1, 2, ..., K), which is our layout. Per source, as we define the official layout
-      of the outgoing-normalisation ablation: `shortcut_params.i` holds the logits of source i's
-      outgoing edges to blocks i+1..K (lengths K, K-1, ..., 1); it is remapped onto our per-target
-      rows, `logits.j[i] = shortcut_params.i[j - i]`. (With K = 1 both layouts are the same.)
+    The logits come per target, as the official ANCRe code stores them (`shortcut_params.j`: block j+1's
+    logits over sources 0..j, our layout), or per source, as we define the outgoing ablation's official
+    layout (`shortcut_params.i`: source i's edges to blocks i+1..K), remapped as
+    `logits.j[i] = shortcut_params.i[j - i]`.
     """
     converted = _renamed(checkpoint, prefer)
     if _layout(converted) == "per-source":
@@ -45,12 +42,8 @@ def _renamed(checkpoint: Mapping[str, Any], prefer: str) -> dict[str, torch.Tens
     for key, value in checkpoint.items():
         if not isinstance(value, torch.Tensor):
             continue
-        stripped = True
-        while stripped:
-            stripped = False
-            for prefix in _PREFIXES:
-                if key.startswith(prefix):
-                    key, stripped = key[len(prefix):], True
+        while key.startswith(_PREFIXES):  # in any order
+            key = key.split(".", 1)[1]
         key = key.replace("ancre.shortcut_params.", f"{_LOGITS}.")
         key = key.replace("ancre.softmax_temp", "topology.tau")
         converted[key] = value
@@ -62,14 +55,14 @@ def _logit_lengths(state_dict: Mapping[str, torch.Tensor]) -> list[int]:
     found = {int(k.rsplit(".", 1)[1]): state_dict[k].numel() for k in state_dict
              if k.startswith(f"{_LOGITS}.") and k.rsplit(".", 1)[1].isdigit()}
     if sorted(found) != list(range(len(found))):
-        raise UserError(f"the ANCRe logits are numbered {sorted(found)}, not 0..{len(found) - 1}; the file is incomplete")
+        raise UserError(f"the ANCRe logits are numbered {sorted(found)}, not 0..{len(found) - 1}; "
+                        f"the file is incomplete")
     return [found[n] for n in range(len(found))]
 
 
 def official_logit_layout(checkpoint: Mapping[str, Any], prefer: str = "ema") -> str | None:
-    """How an official checkpoint (what `convert_official_state_dict` takes) stores its ANCRe
-    logits: "per-target" (lengths 1..K), "per-source" (lengths K..1) or None (no logits); a
-    UserError if the lengths fit neither."""
+    """How an official checkpoint stores its ANCRe logits: "per-target" (lengths 1..K), "per-source"
+    (lengths K..1) or None (no logits); a UserError if the lengths fit neither."""
     return _layout(_renamed(checkpoint, prefer))
 
 
@@ -97,7 +90,8 @@ def architecture_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     table = shape("y_embedder.embedding_table.weight")
     hidden = proj[0] if proj else None
     patch = proj[2] if proj else None
-    topology_keys = sorted({k for k in state_dict if k.startswith("topology.")})
+    topology_keys = sorted(k for k in state_dict if k.startswith("topology."))
+    shapes = ", ".join(f"{k}{list(state_dict[k].shape)}" for k in topology_keys[:3])
     return {
         "model": _model_name(depth, hidden, patch),
         "depth": depth,
@@ -107,7 +101,8 @@ def architecture_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         "output channels": final[0] // (patch * patch) if final and patch else None,
         "class table": table[0] if table else None,
         "tokens": shape("pos_embed")[1] if shape("pos_embed") else None,
-        "topology": _topology_kind(state_dict, topology_keys),
+        "topology": (f"{len(topology_keys)} topology tensors ({shapes}{', ...' if len(topology_keys) > 3 else ''})"
+                     if topology_keys else "cascaded (no topology parameters)"),
     }
 
 
@@ -119,14 +114,8 @@ def _model_name(depth, hidden, patch) -> str:
     return f"DiT(depth={depth}, hidden={hidden}, patch={patch})"
 
 
-def _topology_kind(state_dict, keys) -> str:
-    if not keys:
-        return "cascaded (no topology parameters)"
-    shapes = ", ".join(f"{k}{list(state_dict[k].shape)}" for k in keys[:3])
-    return f"{len(keys)} topology tensors ({shapes}{', ...' if len(keys) > 3 else ''})"
-
-
-def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Tensor], source: str = "checkpoint") -> None:
+def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
+                            source: str = "checkpoint") -> None:
     """Loads strictly; if the architectures differ, raises one ValueError line naming how."""
     expected = model.state_dict()
     mismatch = [k for k in expected if k not in state_dict or tuple(state_dict[k].shape) != tuple(expected[k].shape)]
