@@ -164,8 +164,7 @@ class GaussianDiffusion:
         true_mean, _, true_log_variance = self.q_posterior(x_start, x_t, t)
         out = self.p_mean_variance(model_output, x_t, t)
         kl = mean_flat(normal_kl(true_mean, true_log_variance, out.mean, out.log_variance)) / np.log(2.0)
-        nll = -discretized_gaussian_log_likelihood(x_start, out.mean, 0.5 * out.log_variance)
-        nll = mean_flat(nll) / np.log(2.0)
+        nll = mean_flat(-discretized_gaussian_log_likelihood(x_start, out.mean, 0.5 * out.log_variance)) / np.log(2.0)
         return torch.where(t == 0, nll, kl)
 
     def training_losses(self, model: Callable[..., torch.Tensor], x_start: torch.Tensor, t: torch.Tensor,
@@ -180,9 +179,7 @@ class GaussianDiffusion:
         if self.learn_sigma:
             frozen = torch.cat([eps.detach(), model_output[:, channels:].float()], dim=1)
             terms["vb"] = self.vb_terms_bpd(frozen, x_start, x_t, t)
-            terms["loss"] = terms["mse"] + terms["vb"]
-        else:
-            terms["loss"] = terms["mse"]
+        terms["loss"] = terms["mse"] + terms["vb"] if self.learn_sigma else terms["mse"]
         return terms
 
 

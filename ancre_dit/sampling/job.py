@@ -195,7 +195,7 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
     labels = assign_labels(np.arange(s.num_samples), num_classes, seed=s.seed, mode=s.label_mode, classes=s.classes)
 
     out = Path(s.out)
-    folder = out.with_name(out.stem + ".parts")
+    folder = out.with_suffix(".parts")
     _check_or_write_identity(folder, job_identity(s, spec), is_main)
     state.wait_for_everyone()
 

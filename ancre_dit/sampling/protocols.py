@@ -38,15 +38,14 @@ def apply_protocol(settings, name: str | None):
         if given != wanted and given != defaults[key]:
             raise UserError(f"--protocol {name} samples with {key} {wanted}, but {FLAG_OF[key]} asks for {given}; "
                             f"drop that flag or drop --protocol")
-    if getattr(settings, "classes", None) is not None:
+    if settings.classes is not None:
         raise UserError(f"--protocol {name} draws class labels at random; drop --classes or drop --protocol")
     return replace(settings, **DIT_SETTINGS, protocol=name)
 
 
 def record_path(samples: str | Path) -> Path:
     """The sampling record of samples.npz: samples.sampling.json next to it."""
-    samples = Path(samples)
-    return samples.with_name(samples.stem + ".sampling.json")
+    return Path(samples).with_suffix(".sampling.json")
 
 
 def read_sampling_record(samples: str | Path) -> dict[str, Any] | None:
