@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
+from .dit import DIT_SIZES
 
 _PREFIXES = ("module.", "_orig_mod.")
 _LOGITS = "topology.logits"
@@ -92,8 +93,9 @@ def architecture_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     patch = proj[2] if proj else None
     topology_keys = sorted(k for k in state_dict if k.startswith("topology."))
     shapes = ", ".join(f"{k}{list(state_dict[k].shape)}" for k in topology_keys[:3])
+    sizes = [size for size, (d, h, _) in DIT_SIZES.items() if (d, h) == (depth, hidden)]
     return {
-        "model": _model_name(depth, hidden, patch),
+        "model": f"DiT-{sizes[0]}/{patch}" if sizes else f"DiT(depth={depth}, hidden={hidden}, patch={patch})",
         "depth": depth,
         "hidden size": hidden,
         "patch size": patch,
@@ -104,14 +106,6 @@ def architecture_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         "topology": (f"{len(topology_keys)} topology tensors ({shapes}{', ...' if len(topology_keys) > 3 else ''})"
                      if topology_keys else "cascaded (no topology parameters)"),
     }
-
-
-def _model_name(depth, hidden, patch) -> str:
-    from .dit import DIT_SIZES
-    for size, (d, h, _) in DIT_SIZES.items():
-        if (d, h) == (depth, hidden):
-            return f"DiT-{size}/{patch}"
-    return f"DiT(depth={depth}, hidden={hidden}, patch={patch})"
 
 
 def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
