@@ -1,6 +1,5 @@
-"""Training FLOPs of a model, counted rather than estimated, so that runs of different
-topologies or widths can be compared at equal compute (MFU in benchmarks/gpu_check.py, the
-FLOPs axis of a study's curves)."""
+"""Training FLOPs of a model, counted rather than estimated, so that runs of different topologies or
+widths can be compared at equal compute (MFU, the FLOPs axis of a study's curves)."""
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -13,14 +12,13 @@ __all__ = ["count_training_flops", "flops_per_training_image"]
 
 def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
                          autocast_dtype: torch.dtype | None = torch.bfloat16) -> int:
-    """FLOPs of one forward + backward on the batch (x, t, y), as `FlopCounterMode` counts them
-    (matrix products, attention included; elementwise work is not counted). `autocast_dtype` None
-    runs in fp32: the same count, and much faster on a CPU without bf16 units; on a model and batch
-    on the meta device it costs no compute at all. The gradients it makes are dropped again.
+    """FLOPs of one forward + backward on the batch (x, t, y), as `FlopCounterMode` counts them (matrix
+    products, attention included). `autocast_dtype` None runs in fp32: the same count, faster on a CPU;
+    on the meta device it costs no compute. The gradients it makes are dropped again.
 
     Counted with SDPA's math backend: its matrix products are counted on every device, while the
     counter's formulas for fused attention kernels depend on the backend and the torch version (the
-    CPU flash kernel is not counted at all, which drops DiT-S/2 from 36.3 to 32.7 GFLOP an image)."""
+    CPU flash kernel is not counted at all)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -43,9 +41,8 @@ CPU_COUNT_LIMIT = 1e9
 def flops_per_training_image(build: Callable[[str], torch.nn.Module], in_channels: int, input_size: int,
                              batch: int = 1, device: str | None = None) -> float:
     """Training FLOPs (forward + backward) of one image through the model `build(device)` makes.
-    `device` None: a large model is counted on the meta device (shapes only, no arithmetic: seconds
-    for any size), a small one, or one with a layer that has no meta kernel, on the CPU. The global
-    random state is put back, so counting changes no draw of a run."""
+    `device` None: a large model is counted on the meta device (shapes only), a small one, or one with
+    a layer that has no meta kernel, on the CPU. The global random state is put back."""
     def built(device: str) -> torch.nn.Module:
         with torch.device(device):
             return build(device).train()

@@ -33,10 +33,8 @@ def weights_hint(encoder: str, flag: str = "repa.encoder_weights=PATH") -> str:
 
 def load_timm_weights(model: nn.Module, path: str | Path, name: str, flag: str = "repa.encoder_weights",
                       name_flag: str = "repa.encoder") -> None:
-    """Loads a local weights file into `model` strictly: the file must be the weights of the
-    architecture `name` builds (timm's own key conversions and position-embedding resampling
-    applied first); else one line naming the first key that does not fit. `flag` / `name_flag`
-    name the settings the user gave, for the message."""
+    """Loads a local weights file into `model` strictly (after timm's own conversions), else one line
+    naming the first key that does not fit; `flag` / `name_flag` name the user's settings in it."""
     from timm.models import load_state_dict
 
     try:
