@@ -1,15 +1,10 @@
 """Typed training configuration: a YAML file + `section.key=value` overrides -> Config.
 
-The sections are pydantic dataclasses (config_sections.py): pydantic refuses unknown keys, wrong
-types and values outside a field's declared range, and its first complaint becomes one UserError
-line naming the key. What a value means to the object that uses it
-(a model name, a topology and its options, a sampler, a guidance scale, the files named) is checked
-by building that object (config_checks.validate_config). Both run inside load_config, before
-anything is written, so a bad setting never leaves a half-made run folder behind.
-
-A topology's own hyperparameters (model.tau, model.hc_streams, ...) are given flat in the model
-section; the topology registry (models/topologies/registry.py) declares their types and defaults,
-and ModelConfig.topology_options holds them.
+pydantic (config_sections.py) refuses unknown keys, wrong types and values out of range; its first
+complaint becomes one UserError line naming the key. What a value means to the object that uses it
+is checked by building that object (config_checks.validate_config). Both run inside load_config,
+before anything is written. A topology's own options (model.tau, ...) are given flat in the model
+section; the topology registry declares their types and defaults.
 """
 from __future__ import annotations
 
@@ -29,9 +24,8 @@ from .config_sections import Config, ModelConfig
 
 # -- reading: YAML file + overrides ----------------------------------------------------------------
 def load_config(path: str | Path | None, overrides: Iterable[str] = (), check_paths: bool = True) -> Config:
-    """Reads the YAML at `path` (or the defaults when None), applies `a.b=value` overrides (values
-    parsed as YAML) and checks everything that needs no data or processes; without `check_paths`,
-    the paths it names need not exist here (config_checks.validate_config)."""
+    """The YAML at `path` (None: the defaults) with `a.b=value` overrides, checked; without
+    `check_paths` the paths it names need not exist here (config_checks.validate_config)."""
     raw: dict = {} if path is None else read_yaml_mapping(
         Path(path), "config", "pass --config configs/<name>.yaml", "sections run_dir, model, data, train (see configs/)")
     for item in overrides:
@@ -48,8 +42,7 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (), check_pa
 
 
 def check_unique_overrides(overrides: Iterable[str]) -> list[str]:
-    """The command line's overrides, refused when one key is given twice: it would say two things and
-    the last would win silently (a key twice in a YAML file is refused the same way)."""
+    """The overrides, refused when one key is given twice (the last would win silently)."""
     seen: dict[str, str] = {}
     for item in overrides:
         key, sep, _ = item.partition("=")
@@ -120,8 +113,8 @@ def config_to_dict(config: Config) -> dict[str, Any]:
 
 
 def save_config(config: Config, path: str | Path) -> None:
-    """Writes config.yaml; load_config reads it back to an equal Config (and saving that gives the same
-    bytes). Only when its bytes change, and atomically: a full disk never leaves a cut file behind."""
+    """Writes config.yaml (load_config reads it back to an equal Config), atomically and only when its
+    bytes change."""
     path = Path(path)
     data = yaml.safe_dump(config_to_dict(config), sort_keys=False).encode()
     try:

@@ -1,11 +1,7 @@
-"""The checks of a config that need more than its types: each value is checked by the object that
-uses it, built here once (the model on the meta device, the objective, the sampler and guidance
-settings, the encoder name), plus the few rules that tie sections together and the files named.
-All of it runs inside load_config, before anything is written.
-
-The paths a config names (data, reference, weights, a topology's files) must exist, unless the
-config is only read where they are not (a study's status, report or dry run away from the data):
-then the missing ones are listed instead and every other check still runs.
+"""The checks of a config beyond its types: each value is checked by the object that uses it, built
+once here (the model on the meta device, the objective, sampler, guidance, REPA's encoder), plus the
+rules that tie sections together. The paths named must exist, unless the config is read away from
+its data (a study's status or report): then the missing ones are listed and the rest still runs.
 """
 from __future__ import annotations
 
@@ -33,15 +29,13 @@ from .repa import check_repa_settings
 
 
 class _Paths:
-    """The existence checks of the paths a config names: with `check` a missing one fails its check;
-    without, it is listed in `missing` (as key=value) and passes."""
+    """Existence checks: with `check` a missing path fails; without, it is listed (key=value) and passes."""
 
     def __init__(self, check: bool):
         self.check = check
         self.missing: list[str] = []
 
     def found(self, key: str, value: str, kind: str = "file") -> bool:
-        """Whether `value` is a `kind` (file, dir, or any for either), or counts as found unchecked."""
         path = Path(value)
         if {"file": path.is_file, "dir": path.is_dir, "any": path.exists}[kind]():
             return True
@@ -51,8 +45,7 @@ class _Paths:
 
 
 def validate_config(config: Config, check_paths: bool = True) -> list[str]:
-    """Checks that need neither the data nor the process group; one UserError for the first problem.
-    Also records the options the topology is built with in model.topology_options (see below).
+    """One UserError for the first problem; records the topology's options in model.topology_options.
     Returns the paths not found here, as key=value (none when `check_paths`: each is an error)."""
     paths = _Paths(check_paths)
     if _resolve_topology_options(config.model, paths):
@@ -71,10 +64,9 @@ def validate_config(config: Config, check_paths: bool = True) -> list[str]:
 
 
 def _resolve_topology_options(m: ModelConfig, paths: _Paths) -> bool:
-    """Checks the topology options given, once, and the files its options name (e.g. frozen's
-    topology_path); records them with the topology's defaults, so that config.yaml holds them; in
-    the registry's order, so that saving a loaded config writes the same bytes. Options of other
-    topologies are kept as given. False when a file it names is missing here (unchecked)."""
+    """Checks the topology options given and the files they name; records them with the defaults, in
+    the registry's order (config.yaml then holds them, byte-stable); other topologies' options stay
+    as given. False when a file it names is missing here (unchecked)."""
     resolved = resolve_options(m.topology, m.topology_options, prefix="model.", keep_others=True)
     unlisted = len(paths.missing)
     for key, option in topology_entry(m.topology).options.items():
@@ -85,9 +77,8 @@ def _resolve_topology_options(m: ModelConfig, paths: _Paths) -> bool:
 
 
 def _build_model(config: Config) -> None:
-    """The network, on the meta device (no memory, no initialisation cost): the model, its size, its
-    layers, its topology and aggregation settings check themselves. The data's shape is the
-    data's check (training/data.py); a stand-in one is used here."""
+    """The network on the meta device (no memory, no initialisation): its size, layers, topology and
+    aggregation settings check themselves. The data's shape is build_data's check; a stand-in here."""
     m = config.model
     if m.topology_entropy_weight and not topology_entry(m.topology).incoming_softmax:
         raise UserError(f"model.topology_entropy_weight needs the ancre topology (a learned softmax over each "

@@ -1,8 +1,6 @@
-"""The training configuration's schema: one pydantic dataclass per section (run_dir, model, data,
-train, diffusion, repa, eval, log), each field with its type, default and declared range. pydantic
-refuses unknown keys, wrong types and values out of range (training/config.py turns its complaint
-into one line); what a value means to the object that uses it is that object's check
-(training/config_checks.py).
+"""The training configuration's schema: one pydantic dataclass per section, each field with its type,
+default and range (config.py turns pydantic's complaint into one line; config_checks.py checks what a
+value means by building the object that uses it).
 """
 from __future__ import annotations
 
@@ -46,17 +44,14 @@ class ModelConfig:
     mlp: Str = ARCH["mlp"]
     pos_embed: Str = ARCH["pos_embed"]
     qk_norm: Bool = ARCH["qk_norm"]
-    # Weight of the Tsallis-entropy (q = 2) penalty on ANCRe's incoming weights, added to the loss
-    # to push toward sparse topologies (models/topologies/analysis.tsallis_entropy); 0 = off.
+    # Tsallis-entropy (q = 2) penalty on ANCRe's incoming weights, toward sparse topologies; 0 = off.
     topology_entropy_weight: Float = Field(0.0, ge=0)
-    # The aggregation (see the DiT constructor): the kept history's dtype under bf16 autocast, the
-    # eager sums as Triton kernels (auto | triton | torch), and sparse ANCRe's edges per block from
-    # train.topology_sparsify_step on (0 = dense throughout).
+    # The aggregation (see DiT): the history's dtype under bf16 autocast, the eager sums' kernels
+    # (auto | triton | torch), sparse ANCRe's edges per block from train.topology_sparsify_step (0 = dense).
     history_dtype: Str = ARCH["history_dtype"]
     aggregation_kernel: Str = ARCH["aggregation_kernel"]
     topology_topk: Int = Field(ARCH["topology_topk"], ge=0)
-    # Set as `model.<option>=value` (model.tau, ...): the ones given, plus the chosen topology's
-    # defaults once loaded.
+    # Given as `model.<option>=value` (model.tau, ...); the chosen topology's defaults added at load.
     topology_options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -81,10 +76,8 @@ class TrainConfig:
     adam_beta1: Float = Field(0.9, ge=0, lt=1)
     adam_beta2: Float = Field(0.999, ge=0, lt=1)
     warmup_steps: Int = Field(0, ge=0)
-    # The routing parameters' own optimizer settings (each topology declares which of its parameters
-    # route across depth): their lr is lr x topology_lr_mult (0 = held at their initial values;
-    # under Adam, tau acts as one more such multiplier on the logits), they are held for the first
-    # topology_warmup_steps steps, and decay by topology_weight_decay (0: the logits never decay).
+    # The routing parameters (each topology declares them): lr x topology_lr_mult (0 = held; under
+    # Adam, tau is one more multiplier on the logits), held for topology_warmup_steps, own decay.
     topology_lr_mult: Float = Field(1.0, ge=0)
     topology_warmup_steps: Int = Field(0, ge=0)
     topology_weight_decay: Float = Field(0.0, ge=0)
@@ -98,8 +91,7 @@ class TrainConfig:
     ckpt_every: Int = Field(50_000, ge=1)
     keep_last: Int = Field(0, ge=0)   # keep the newest N checkpoints; 0 = keep all
     log_every: Int = Field(100, ge=1)
-    # Depth diagnostics (forward inflation, backward decay, redundancy, routing) of a fixed batch
-    # every log_every steps: logs/diagnostics.jsonl, TensorBoard, diagnostics.png.
+    # Depth diagnostics of a fixed batch every log_every steps (logs/diagnostics.jsonl, diagnostics.png).
     diagnostics: Bool = True
     sample_every: Int = Field(10_000, ge=0)  # EMA sample grid every N steps; 0 = never
     num_sample_images: Int = Field(16, ge=0)
@@ -107,34 +99,27 @@ class TrainConfig:
     sample_steps: Int = Field(50, ge=1)  # steps of the grid sampler (the objective's default one)
     eval_every: Int = Field(0, ge=0)  # evaluation (see EvalConfig) every N steps and at the end; 0 = never
     seed: Int = Field(0, ge=0)
-    # Non-finite loss / grad norm: skip the update, or stop the run; with skip, stop after more
-    # than nonfinite_max_skips in a row.
+    # Non-finite loss / grad norm: skip the update or stop; skip stops after nonfinite_max_skips in a row.
     nonfinite: Literal[POLICIES] = "skip"
     nonfinite_max_skips: Int = Field(10, ge=0)
     compile: Bool = False
     grad_checkpointing: Bool = False  # recompute each block's activations in backward (less memory, ~1 more forward)
     tf32: Bool = True
-    # Ranks agree on a stop signal every N steps (a host-side all-reduce, no GPU wait): the stop
-    # latency is at most N steps plus the checkpoint's write (docs/cluster.md).
+    # Ranks agree on a stop signal every N steps (a host-side all-reduce, no GPU wait; docs/cluster.md).
     stop_check_every: Int = Field(10, ge=1)
-    # Seconds a rank waits in a collective before the job fails (NCCL's own default is 600): the main
-    # rank may work alone for minutes (filling a node's in-memory latents, the evaluation's reference
-    # features, a large checkpoint on a slow filesystem) while the others wait for it.
+    # Seconds a rank waits in a collective before the job fails (NCCL's default 600 is short: the main
+    # rank may work alone for minutes on in-memory latents, reference features, a large checkpoint).
     collective_timeout_s: Float = Field(1800.0, gt=0)
-    # Peak dense bf16 TFLOP/s of one device, for the logged MFU; null = from the GPU's name
-    # (ancre_dit.hardware), none for a CPU.
+    # Peak dense bf16 TFLOP/s of one device for the logged MFU; null = from the GPU's name (hardware.py).
     peak_tflops: Float | None = Field(None, gt=0)
 
 
 @section
 class EvalConfig:
-    """What an evaluation measures (run every train.eval_every steps, and by `evaluate.py --run`).
-
-    Samples come from the EMA weights with a fixed seed, sampler and step count, once per cfg scale.
-    `metrics`: "digits" (held-out classifier accuracy + Fréchet distance on that classifier's
-    features; NOT FID) and/or Inception metrics (fid, sfid, is, precision, recall) and fd_dinov2
-    (DINOv2 features, `dinov2_weights`) against `ref`;
-    null = digits on digits data, fid when `ref` is set, else none (held-out loss only)."""
+    """What an evaluation measures (every train.eval_every steps, and `evaluate.py --run`): EMA samples
+    with a fixed seed, sampler and steps, once per cfg scale. `metrics`: digits (a classifier's
+    accuracy and Fréchet distance; NOT FID), fid, sfid, is, precision, recall, fd_dinov2 against
+    `ref`; null = digits on digits data, fid when `ref` is set, else none (held-out loss only)."""
     num_samples: Int = Field(1000, ge=1)
     batch_size: Int = Field(250, ge=1)  # images per sampling part (part j goes to process j % world)
     # null: the objective's default sampler (DDPM: ddpm; flow: heun), and that sampler's default step count
