@@ -1,7 +1,6 @@
 """DiT's objective (DDPM): epsilon prediction on the linear 1000-step schedule, learned variance
 trained with the VLB term, sampled with ADM's ancestral sampler (respaced) or diffusers' DDIM /
-DPM-Solver++. The model is called with the original integer timesteps 0..T-1 (T-1 = noise).
-"""
+DPM-Solver++. The model is called with the original integer timesteps 0..T-1 (T-1 = noise)."""
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping

@@ -1,9 +1,8 @@
 """Samplers of the linear-interpolant flow (time 0 = noise, 1 = data; see flow.py).
 
 ODE dx/dt = v(x, t) through torchdiffeq: "euler" and "heun" (heun2, two network calls per step) on
-`steps` equal intervals, "dopri5" adaptive with SiT's tolerances; its step sizes adapt to the whole
-batch, so a dopri5 sample depends on its batch (a fixed --batch-size still gives the same file
-whatever the number of processes).
+`steps` equal intervals, "dopri5" adaptive with SiT's tolerances (its steps adapt to the whole batch,
+so a sample depends on its batch; a fixed --batch-size still gives the same file on any process count).
 
 SDE: SiT's Euler-Maruyama by hand (torchdiffeq has none), SiT's defaults: time points
 linspace(0, 1 - last_step_size, steps), so steps - 1 noisy steps x <- x + drift dt + sqrt(2 w dt) z
@@ -53,8 +52,7 @@ def _score_times_w(v: torch.Tensor, x: torch.Tensor, t: float, norm: float) -> t
 @torch.no_grad()
 def sde_sampler(objective: Objective, denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: NoiseSource,
                 *, steps: int, sde: SDEOptions) -> torch.Tensor:
-    """The sampler table's "sde": SiT's Euler-Maruyama, steps - 1 noisy steps over
-    [0, 1 - last_step_size], then the last step."""
+    """The sampler table's "sde": SiT's Euler-Maruyama (see the module docstring)."""
     channels = x.shape[1]
 
     def velocity(state: torch.Tensor, t: float) -> torch.Tensor:

@@ -87,7 +87,6 @@ class GaussianDiffusion:
         self.fixed_log_variance = np.log(np.append(self.posterior_variance[1], betas[1:]))
         self._tables: dict[tuple, torch.Tensor] = {}
 
-    # -- helpers --------------------------------------------------------------------------
     def _table(self, name: str, device: torch.device) -> torch.Tensor:
         """The numpy table `name` as a tensor on `device`, copied there once."""
         key = (name, device)
@@ -114,7 +113,6 @@ class GaussianDiffusion:
                 kept.append(int(self.timestep_map[i]))
         return GaussianDiffusion(np.array(new_betas), self.learn_sigma, kept)
 
-    # -- forward process and posterior ---------------------------------------------------
     def q_sample(self, x_start: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps."""
         return (self._extract("sqrt_alphas_cumprod", t, x_start.ndim) * x_start
@@ -127,7 +125,6 @@ class GaussianDiffusion:
         return (mean, self._extract("posterior_variance", t, x_t.ndim),
                 self._extract("posterior_log_variance_clipped", t, x_t.ndim))
 
-    # -- the model's reverse step --------------------------------------------------------
     def p_mean_variance(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> MeanVariance:
         """p(x_{t-1} | x_t) from the network output (eps, and with learned sigma the variance
         interpolation v in [-1, 1] between beta_t and the clipped posterior variance)."""
@@ -156,7 +153,6 @@ class GaussianDiffusion:
         nonzero = (t != 0).float().reshape(-1, *([1] * (x_t.ndim - 1)))
         return out.mean + nonzero * torch.exp(0.5 * out.log_variance) * noise
 
-    # -- training ----------------------------------------------------------------------------
     def vb_terms_bpd(self, model_output: torch.Tensor, x_start: torch.Tensor, x_t: torch.Tensor,
                      t: torch.Tensor) -> torch.Tensor:
         """Per-sample variational-bound term in bits per dim: KL(q || p) for t > 0, the
@@ -183,7 +179,8 @@ class GaussianDiffusion:
         return terms
 
 
-def create_diffusion(respacing: str | int | None = None, learn_sigma: bool = True, **schedule: Any) -> GaussianDiffusion:
+def create_diffusion(respacing: str | int | None = None, learn_sigma: bool = True,
+                     **schedule: Any) -> GaussianDiffusion:
     """DiT's linear schedule (DDPM_SCHEDULE, or num_timesteps / beta_start / beta_end given),
     optionally respaced (e.g. "250" for sampling)."""
     schedule = {**DDPM_SCHEDULE, **schedule}

@@ -1,10 +1,7 @@
-"""The names an objective and a sampler are chosen by, and the one place each is interpreted.
-
-`build_objective` builds an objective from a spec (a checkpoint's model_spec.json "diffusion"
-section, or the config's diffusion section). `SAMPLERS`: sampler name -> how it runs, the objectives
-it fits, its default step count (sample.py's --sampler, the config's eval.sampler, the evaluation and
-the sampling API read it); a new sampler is its function (the signature of `SampleFn`) and one entry.
-"""
+"""The one place objective and sampler names are interpreted: `build_objective` builds an objective
+from a spec (model_spec.json's or the config's "diffusion" section); `SAMPLERS` maps a sampler name
+to how it runs, the objectives it fits and its default step count. A new sampler is its function
+(the signature of `SampleFn`) and one entry."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -90,8 +87,7 @@ def sampler_entry(name: str, setting: str = "sampler") -> SamplerEntry:
 
 
 def check_steps(objective: Objective, sampler: str, steps: int, name: str = "steps") -> None:
-    """The sampler's own rule on the step count, then the objective's schedule (none for adaptive
-    samplers); errors call the count `name`."""
+    """The sampler's own rule on the step count, then the objective's (none for adaptive samplers)."""
     entry = sampler_entry(sampler)
     if entry.adaptive:
         return

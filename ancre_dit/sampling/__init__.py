@@ -6,8 +6,6 @@ from .guidance import Guidance, GuidedDenoiser
 from .job import JobSettings, run_job
 from .noise import SampleNoise, assign_labels, check_classes, sample_seed
 
-__all__ = [
-    "SamplingPlan", "plan_sampling", "sample_images", "sample_latents", "build_decoder", "decode_pixels",
-    "Guidance", "GuidedDenoiser",
-    "JobSettings", "run_job", "assign_labels", "check_classes", "SampleNoise", "sample_seed",
-]
+__all__ = ["SamplingPlan", "plan_sampling", "sample_images", "sample_latents", "build_decoder", "decode_pixels",
+           "Guidance", "GuidedDenoiser", "JobSettings", "run_job", "assign_labels", "check_classes", "SampleNoise",
+           "sample_seed"]

@@ -28,6 +28,7 @@ def build_decoder(data_spec: dict[str, Any], model_channels: int, vae: str | Non
     kind = data_spec.get("kind")
     if kind != "latents":
         if vae:
-            raise UserError(f"--vae given, but this checkpoint is a pixel-space ({kind}) model that needs no VAE; drop --vae")
+            raise UserError(f"--vae given, but this checkpoint is a pixel-space ({kind}) model that needs no VAE; "
+                            "drop --vae")
         return decode_pixels
     return partial(decode_to_uint8, load_run_vae(data_spec, model_channels, vae, device))

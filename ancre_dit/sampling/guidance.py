@@ -60,9 +60,7 @@ class Guidance:
                        self.interval)
 
     def active_at(self, normalized_time: float) -> bool:
-        if self.scale == 1:
-            return False
-        return self.interval is None or self.interval[0] <= normalized_time <= self.interval[1]
+        return self.scale != 1 and (self.interval is None or self.interval[0] <= normalized_time <= self.interval[1])
 
 
 def parse_interval(text: str | None) -> tuple[float, float] | None:

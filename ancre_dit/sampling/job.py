@@ -33,9 +33,6 @@ from .guidance import Guidance, check_guidance
 from .noise import assign_labels, check_classes
 from .protocols import check_protocol_fits, record_path
 
-JOB_FILE = "job.json"
-
-
 @dataclass
 class JobSettings:
     ckpt: str
@@ -76,9 +73,8 @@ def part_path(folder: Path, start: int, end: int) -> Path:
 
 
 def job_identity(settings: JobSettings, spec: dict) -> dict:
-    """What decides the content of a part; a rerun may resume only if this is unchanged. The sample
-    count is left out on purpose: sample i does not depend on it, so a job can be extended; so are the
-    numerics-only switches (tf32, compile), which change a sample within rounding only."""
+    """What decides a part's content (a rerun resumes only if it is unchanged). Left out: the sample count
+    (sample i does not depend on it, so a job can be extended) and tf32 / compile (rounding only)."""
     keep = ("weights", "batch_size", "sampler", "steps", "cfg_scale", "cfg_channels", "guidance_interval",
             "seed", "label_mode", "classes", "precision", "vae", "sde_last_step", "sde_last_step_size",
             "sde_diffusion_norm")
@@ -96,10 +92,9 @@ def sde_options(s: JobSettings) -> SDEOptions:
 def check_settings(s: JobSettings) -> Guidance:
     """Flag checks that need no model, before anything is loaded (the sampler, steps and classes are
     checked once the checkpoint is)."""
-    if s.num_samples < 1:
-        raise UserError(f"--num-samples {s.num_samples} must be at least 1")
-    if s.batch_size < 1:
-        raise UserError(f"--batch-size {s.batch_size} must be at least 1")
+    for flag, value in (("--num-samples", s.num_samples), ("--batch-size", s.batch_size)):
+        if value < 1:
+            raise UserError(f"{flag} {value} must be at least 1")
     if not 0 <= s.seed < 2**63:  # each sample's noise stream is seeded from (seed, index)
         raise UserError(f"--seed {s.seed} must be a non-negative integer (below 2^63)")
     if not str(s.out).endswith(".npz"):
@@ -115,9 +110,8 @@ def check_settings(s: JobSettings) -> Guidance:
 
 def sample_part(plan: SamplingPlan, labels: np.ndarray, *, indices: np.ndarray, seed: int,
                 decoder: Decoder, pad_to: int | None = None) -> np.ndarray:
-    """One part's uint8 images (labels already checked at the job's edge). `pad_to`: a shorter part
-    is filled up to that many samples (the next indices, the last label) and the extra ones are
-    dropped, so a compiled network sees one batch shape; sample i still depends on (seed, i) alone."""
+    """One part's uint8 images. `pad_to`: a shorter part is filled up to that many samples (the next
+    indices, the last label), the extra ones dropped, so that a compiled network sees one batch shape."""
     n = len(indices)
     if pad_to is not None and n < pad_to:
         indices = np.concatenate([indices, np.arange(indices[-1] + 1, indices[-1] + 1 + pad_to - n)])
@@ -126,7 +120,7 @@ def sample_part(plan: SamplingPlan, labels: np.ndarray, *, indices: np.ndarray, 
 
 
 def _check_or_write_identity(folder: Path, identity: dict, is_main: bool) -> None:
-    path = folder / JOB_FILE
+    path = folder / "job.json"
     if path.is_file():
         old = json.loads(path.read_text())
         changed = [k for k in identity if old.get(k) != identity[k]]
@@ -136,15 +130,6 @@ def _check_or_write_identity(folder: Path, identity: dict, is_main: bool) -> Non
     elif is_main:
         folder.mkdir(parents=True, exist_ok=True)
         write_atomic(path, json.dumps(identity, indent=1).encode())
-
-
-def write_grid(images: np.ndarray, labels: np.ndarray, num_classes: int, path: Path) -> None:
-    """uint8 NHWC -> one PNG (small images enlarged); one column per class when labels are balanced."""
-    from ..figures import save_image_grid
-
-    balanced = num_classes <= 32 and len(images) % num_classes == 0 and np.array_equal(
-        labels, np.arange(len(labels)) % num_classes)
-    save_image_grid(images, path, nrow=num_classes if balanced else math.ceil(math.sqrt(len(images))))
 
 
 def merge_parts(folder: Path, ranges: list[tuple[int, int]], labels: np.ndarray, out: Path) -> np.ndarray:
@@ -237,8 +222,14 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
             Image.fromarray(image).save(Path(s.png_dir) / f"{k:06d}.png")
         log(f"wrote {len(images)} PNGs to {s.png_dir}")
     if s.grid:
-        write_grid(images[: s.grid_max], labels[: s.grid_max], num_classes, Path(s.grid))
-        log(f"wrote grid of {min(len(images), s.grid_max)} images to {s.grid}")
+        from ..figures import save_image_grid
+
+        shown = images[: s.grid_max]
+        # One column per class when the labels are balanced.
+        balanced = num_classes <= 32 and len(shown) % num_classes == 0 and np.array_equal(
+            labels[: s.grid_max], np.arange(len(shown)) % num_classes)
+        save_image_grid(shown, Path(s.grid), nrow=num_classes if balanced else math.ceil(math.sqrt(len(shown))))
+        log(f"wrote grid of {len(shown)} images to {s.grid}")
     if not s.keep_parts:
         shutil.rmtree(folder, ignore_errors=True)
     return out

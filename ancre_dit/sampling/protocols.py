@@ -1,11 +1,10 @@
-"""What a set of samples was drawn with: the preset of the published protocol, and the record
-written next to every sample file so that evaluations say which protocol their numbers follow.
+"""What a set of samples was drawn with: the published protocol's preset, and the record written
+next to every sample file so that evaluations say which protocol their numbers follow.
 
-`dit`: the protocol of the DiT and ANCRe papers' numbers: class labels drawn at random (not
-balanced), 250 respaced DDPM steps, classifier-free guidance on the first 3 latent channels only
-(a quirk of DiT's sampling script that the published numbers include), fp32. The guidance scale
-stays a flag: the papers report both cfg 1.0 and 1.5.
-"""
+`dit`, the protocol of the DiT and ANCRe papers' numbers: class labels drawn at random (not
+balanced), 250 respaced DDPM steps, guidance on the first 3 latent channels only (a quirk of DiT's
+sampling script that the published numbers include), fp32; the guidance scale stays a flag (the
+papers report cfg 1.0 and 1.5)."""
 from __future__ import annotations
 
 import json
