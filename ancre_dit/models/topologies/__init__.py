@@ -1,7 +1,6 @@
-"""Residual topologies: the interface (base.py), the registry that maps a name to a builder and
-the options it takes (registry.py), ANCRe and its ablations (ancre.py), and the peer schemes
-DenseFormer, Hyper-Connections and mHC (peers.py), and attention over depth: DAR and AttnRes
-(depth_attention.py). Importing the package registers them all."""
+"""Residual topologies: the interface (base.py), the name -> builder registry (registry.py), ANCRe and
+its ablations (ancre.py), DenseFormer, HC and mHC (peers.py), DAR and AttnRes (depth_attention.py).
+Importing the package registers them all."""
 from . import ancre, peers, depth_attention  # noqa: F401  (registers the built-in topologies, in this order)
 from .ancre import (ANCReTopology, LearnableScalarsTopology, OutgoingANCReTopology, UnnormalizedTopology,
                     first_previous_weights, fixed_dense_weights)
@@ -18,7 +17,7 @@ __all__ = [
     "all_topology_options", "resolve_options", "build_topology", "restore_topology",
     "ResidualTopology", "TopologyNotDefined", "CascadedTopology", "WeightedHistoryTopology", "FixedTopology",
     "ANCReTopology", "OutgoingANCReTopology", "UnnormalizedTopology", "LearnableScalarsTopology",
-    "DenseFormerTopology", "HyperConnectionTopology", "DepthAttentionTopology", "ManifoldHyperConnectionTopology", "sinkhorn_knopp",
-    "fixed_dense_weights", "first_previous_weights", "load_topology_json", "save_topology_json",
+    "DenseFormerTopology", "HyperConnectionTopology", "DepthAttentionTopology", "ManifoldHyperConnectionTopology",
+    "sinkhorn_knopp", "fixed_dense_weights", "first_previous_weights", "load_topology_json", "save_topology_json",
     "HISTORY_DTYPES", "AGGREGATION_KERNELS", "configure_aggregation",
 ]

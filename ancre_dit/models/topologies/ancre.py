@@ -173,12 +173,8 @@ def build_ancre(num_blocks: int, hidden_size: int | None, tau: float, ancre_mode
     return ANCReTopology(num_blocks, tau, ancre_mode, topology_init, topology_init_gap)
 
 
-@register_topology("ancre-outgoing", options=TAU,
-                   summary="ablation: softmax over each source's outgoing edges")
-def build_ancre_outgoing(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology:
-    return OutgoingANCReTopology(num_blocks, tau)
-
-
+register_topology("ancre-outgoing", options=TAU, summary="ablation: softmax over each source's outgoing edges")(
+    lambda num_blocks, hidden_size, tau: OutgoingANCReTopology(num_blocks, tau))
 register_topology("ancre-unnormalized", summary="ablation: free coefficients, initialised to 1/j")(
     lambda num_blocks, hidden_size: UnnormalizedTopology(num_blocks))
 register_topology("learnable-scalars", summary="ablation: h_j = B_j(h_{j-1}) + a_j h_{j-1}, a_j = 1 at init")(

@@ -105,12 +105,8 @@ class WeightedHistoryTopology(ResidualTopology):
     def __init__(self, num_blocks: int, edges: list[list[int]] | None = None, mode: str = "add"):
         super().__init__(num_blocks)
         self.mode = mode
-        # The dtype the kept history is stored in under bf16 autocast (model.history_dtype): the
-        # stream itself, fed from block to block, keeps its own dtype.
-        self.history_dtype = torch.float32
-        # model.aggregation_kernel: whether the eager stacked form runs its sums as Triton kernels
-        # (aggregation.py, AGGREGATION_KERNELS); under torch.compile the compiled chain in every case.
-        self.aggregation_kernel = "torch"
+        self.history_dtype = torch.float32  # of the kept history under bf16 autocast (the stream keeps its own)
+        self.aggregation_kernel = "torch"  # the eager stacked sums' kernels (aggregation.py, AGGREGATION_KERNELS)
         self.set_edges(edges if edges is not None else [list(range(j + 1)) for j in range(num_blocks)])
 
     def set_edges(self, edges: list[list[int]]) -> None:

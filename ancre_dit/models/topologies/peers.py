@@ -52,9 +52,8 @@ class DenseFormerTopology(ResidualTopology):
 
     def __init__(self, num_blocks: int):
         super().__init__(num_blocks)
-        self.alphas = nn.ParameterList(
-            [nn.Parameter(F.one_hot(torch.tensor(j + 1), j + 2).float()) for j in range(num_blocks)]
-        )
+        self.alphas = nn.ParameterList([nn.Parameter(F.one_hot(torch.tensor(j + 1), j + 2).float())
+                                        for j in range(num_blocks)])
 
     def forward(self, h0, blocks, c):
         self.check_blocks(blocks)
@@ -268,9 +267,8 @@ def _width(name: str, hidden_size: int | None) -> int:
     return hidden_size
 
 
-@register_topology("denseformer", summary="DenseFormer: weighted average of the embedding and all block outputs")
-def build_denseformer(num_blocks: int, hidden_size: int | None) -> ResidualTopology:
-    return DenseFormerTopology(num_blocks)
+register_topology("denseformer", summary="DenseFormer: weighted average of the embedding and all block outputs")(
+    lambda num_blocks, hidden_size: DenseFormerTopology(num_blocks))
 
 
 @register_topology("hc", options=STREAMS, matrix=False, summary="Hyper-Connections, static")
