@@ -133,6 +133,18 @@ def _accumulate(into: torch.Tensor, base: torch.Tensor | None, rows: torch.Tenso
         into.addcmul_(rows[i], weights[i])
 
 
+def _sum_rows(kernels: ModuleType | None, plan: StackedPlan, into: torch.Tensor, base: torch.Tensor | None,
+              rows: torch.Tensor, indices: list[int], weights: torch.Tensor,
+              copy_to: torch.Tensor | None = None) -> None:
+    """`_accumulate` (`base` in `into`'s dtype) by the Triton kernels if given; `copy_to` gets the same sum."""
+    if kernels is not None:
+        kernels.sum_rows(into, base, rows, plan.device_indices(indices, into.device), weights, copy_to=copy_to)
+        return
+    _accumulate(into, None if base is None else base.reshape(-1).to(into.dtype), rows, indices, weights)
+    if copy_to is not None:
+        copy_to.copy_(into)
+
+
 class StackedTrunk:
     """One forward's history store (h_0 copied in as row 0) and, in the backward, the nodes'
     output gradients."""
@@ -167,14 +179,8 @@ class _StackedNode(torch.autograd.Function):
                                                                                   device=out.device)
         flat = result.view(-1)
         copy = j < K - 1 and not in_store  # e.g. a bf16 history under a fp32 stream
-        kernels = trunk.kernels
-        if kernels is not None and kernels.supports(out, store, weights):
-            kernels.sum_rows(flat, out, store, trunk.plan.device_indices(edges, out.device), weights[j],
-                             copy_to=store[j + 1] if copy else None)
-        else:
-            _accumulate(flat, out.reshape(-1).to(dtype), store, edges, weights[j])
-            if copy:
-                store[j + 1].copy_(flat)
+        kernels = trunk.kernels if trunk.kernels is not None and trunk.kernels.supports(out, store, weights) else None
+        _sum_rows(kernels, trunk.plan, flat, out, store, edges, weights[j], store[j + 1] if copy else None)
         ctx.trunk, ctx.j = trunk, j
         ctx.weights = weights.detach()
         return result
@@ -192,21 +198,15 @@ class _StackedNode(torch.autograd.Function):
         readers = [r for r in plan.readers[j + 1] if trunk.done[r]] if j + 1 < K else []
         G = grads[j]
         kernels = trunk.kernels if trunk.kernels is not None and trunk.kernels.supports(grad, grads, W) else None
-        if kernels is not None:
-            column = W[:, j + 1] if j + 1 < K else W[:, 0]  # (the last node has no readers: any column)
-            kernels.sum_rows(G, grad, grads, plan.device_indices(readers, G.device), column)
-        else:
-            _accumulate(G, grad.reshape(-1).to(G.dtype), grads, readers, W[:, j + 1] if readers else W[:, 0])
+        column = W[:, j + 1] if j + 1 < K else W[:, 0]  # (the last node has no readers: any column)
+        _sum_rows(kernels, plan, G, grad, grads, readers, column)
         trunk.done[j] = True
         grad_weights = grad_h0 = None
         if j == 0:
             if ctx.needs_input_grad[2]:
                 readers0 = [r for r in plan.readers[0] if trunk.done[r]]
                 grad_h0 = torch.empty(trunk.shape, dtype=G.dtype, device=G.device)
-                if kernels is not None:
-                    kernels.sum_rows(grad_h0.view(-1), None, grads, plan.device_indices(readers0, G.device), W[:, 0])
-                else:
-                    _accumulate(grad_h0.view(-1), None, grads, readers0, W[:, 0])
+                _sum_rows(kernels, plan, grad_h0.view(-1), None, grads, readers0, W[:, 0])
             if ctx.needs_input_grad[1]:
                 gram = kernels.gram(grads, trunk.store, W.dtype) if kernels is not None else None
                 if gram is None:
