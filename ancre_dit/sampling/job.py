@@ -33,6 +33,7 @@ from .guidance import Guidance, check_guidance
 from .noise import assign_labels, check_classes
 from .protocols import check_protocol_fits, record_path
 
+
 @dataclass
 class JobSettings:
     ckpt: str
@@ -150,8 +151,7 @@ def merge_parts(folder: Path, ranges: list[tuple[int, int]], labels: np.ndarray,
 
 def sample_parts(plan: SamplingPlan, labels: np.ndarray, ranges: list[tuple[int, int]], *,
                  decoder: Decoder, seed: int, pad_to: int | None = None) -> Iterator[tuple[int, int, np.ndarray]]:
-    """(start, end, uint8 images) of each part in `ranges`; sample i uses the streams of (seed, i), so a
-    part is the same whatever process draws it."""
+    """(start, end, uint8 images) of each part in `ranges`; a part is the same whatever process draws it."""
     for start, end in ranges:
         yield start, end, sample_part(plan, labels[start:end], indices=np.arange(start, end), seed=seed,
                                       decoder=decoder, pad_to=pad_to)
