@@ -187,23 +187,20 @@ register_topology("first-previous", options=MODE, summary="ablation: fixed 1/2 o
 
 
 def check_frozen(options: dict[str, Any]) -> None:
-    path = options["topology_path"]
-    if path is None:
+    if options["topology_path"] is None:
         raise UserError("topology 'frozen' needs topology_path=<topology.json of a trained run>")
 
 
-def restore_frozen(state, ancre_mode: str = "add", **_) -> ResidualTopology:
-    """The frozen matrix travels in the state dict (its JSON may be gone); the mode in the options."""
-    return FixedTopology(state["weights"], ancre_mode)
+PATH = {"topology_path": TopologyOption(StrictStr | None, None, "topology.json of a trained run", file=True)}
 
 
-@register_topology("frozen", check=check_frozen, restore=restore_frozen,
-                   options={"topology_path": TopologyOption(StrictStr | None, None, "topology.json of a trained run",
-                                                           file=True),
-                            **MODE},
+# restore: the frozen matrix travels in the state dict (its JSON may be gone), the mode in the options.
+@register_topology("frozen", options={**PATH, **MODE}, check=check_frozen,
+                   restore=lambda state, ancre_mode="add", **_: FixedTopology(state["weights"], ancre_mode),
                    summary="a topology loaded from a topology.json, never trained")
 def build_frozen(num_blocks: int, hidden_size: int | None, topology_path: str, ancre_mode: str) -> ResidualTopology:
     weights = load_topology_json(topology_path)
     if weights.shape[0] != num_blocks:
-        raise UserError(f"{topology_path} holds a {weights.shape[0]}-block topology, the model has {num_blocks} blocks")
+        raise UserError(f"{topology_path} holds a {weights.shape[0]}-block topology, "
+                        f"the model has {num_blocks} blocks")
     return FixedTopology(weights, ancre_mode)
