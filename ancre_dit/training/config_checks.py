@@ -24,6 +24,7 @@ from ..models.topologies.aggregation import check_aggregation_kernel
 from ..sampling.guidance import check_guidance_scale
 from .config_sections import Config, EvalConfig, ModelConfig
 from .data import check_data_path
+from .lr_schedule import check_lr_schedule
 from .model_setup import model_kwargs, topology_options_of
 from .repa import check_repa_settings
 
@@ -51,6 +52,7 @@ def validate_config(config: Config, check_paths: bool = True) -> list[str]:
     if _resolve_topology_options(config.model, paths):
         _build_model(config)
     _check_sparsify_step(config)
+    check_lr_schedule(config.train)
     check_data_path(config.data, paths.found)
     objective = build_objective(diffusion_spec(config))
     check_repa_settings(config.repa, paths.found)

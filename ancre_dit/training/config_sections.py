@@ -75,7 +75,12 @@ class TrainConfig:
     weight_decay: Float = Field(0.0, ge=0)
     adam_beta1: Float = Field(0.9, ge=0, lt=1)
     adam_beta2: Float = Field(0.999, ge=0, lt=1)
-    warmup_steps: Int = Field(0, ge=0)
+    warmup_steps: Int = Field(0, ge=0)  # linear warm-up of the lr, before any schedule
+    # The lr after the warm-up (training/lr_schedule.py): constant, cosine or linear down to min_lr at
+    # max_steps, or EDM2's inverse square root after lr_decay_start steps.
+    lr_schedule: Literal["constant", "cosine", "linear", "inverse-sqrt"] = "constant"
+    min_lr: Float = Field(0.0, ge=0)
+    lr_decay_start: Int = Field(0, ge=0)
     # The routing parameters (each topology declares them): lr x topology_lr_mult (0 = held; under
     # Adam, tau is one more multiplier on the logits), held for topology_warmup_steps, own decay.
     topology_lr_mult: Float = Field(1.0, ge=0)

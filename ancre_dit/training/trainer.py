@@ -41,6 +41,7 @@ from .rank_decisions import agree_on_resume
 from .ema import EMA, ema_update_
 from .model_setup import model_kwargs, param_groups
 from .guards import NonFiniteGuard
+from .lr_schedule import lr_at
 from .stopping import StopAgreement, StopSignals
 from .periodic import PeriodicTask, RunContext, TrainProgress, build_tasks
 from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, check_enough_samples, describe,
@@ -240,7 +241,7 @@ class Trainer:
         tensors. Nothing here reads a value back to the host (that would drain the GPU queue every
         step): the non-finite guard decides on the device, and the terms are read at log steps."""
         acc, c = self.accelerator, self.config.train
-        self.lr = lr = self.lr_at(self.step)  # (the metrics log it)
+        self.lr = lr = lr_at(c, self.step)  # (the metrics log it)
         # lr by hand: Accelerate steps prepared schedulers once per process
         for group, group_lr in zip(self.optimizer.param_groups, self._group_lrs(lr)):
             group["lr"] = group_lr
@@ -284,11 +285,6 @@ class Trainer:
         sums["grad_norm"] = grad_norm.float()
         sums["skipped"] = skip  # logged: the fraction of skipped steps
         return sums
-
-    def lr_at(self, step: int) -> float:
-        """The backbone's lr for optimizer step `step` + 1 (linear warm-up over train.warmup_steps)."""
-        c = self.config.train
-        return c.lr * min(1.0, (step + 1) / c.warmup_steps) if c.warmup_steps else c.lr
 
     def _grad_norm(self) -> torch.Tensor:
         """The global gradient norm of the trained modules (the model, plus REPA's projector),
