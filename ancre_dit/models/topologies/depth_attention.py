@@ -78,19 +78,21 @@ class DepthAttentionTopology(ResidualTopology):
         keys = v @ maps.transpose(-1, -2) if maps.dim() == 2 else torch.einsum("ntd,nad->nta", v, maps)
         return keys / rms[..., None]
 
-    def _aggregate(self, l: int, sources: list[torch.Tensor], reads: list[torch.Tensor],
-                   previous: torch.Tensor) -> torch.Tensor:
+    def _aggregate(self, l: int, sources: list[tuple], previous: torch.Tensor) -> torch.Tensor:
+        """h_l, the weighted sum of `sources` ((value, reads, sublayer id) triples) for aggregator l."""
+        values = [v for v, _, _ in sources]
+        self._source_ids.append([i for _, _, i in sources])
         if self.query == "dynamic":  # per token: q = W_l v_{l-1}, (N, T, d)
             q = torch.einsum("ntd,ed->nte", previous, self.query_maps[l]) * self.key_norms[l] * self.scale
-            logits = [(v * q).sum(-1) / rms for v, rms in zip(sources, reads)]
+            logits = [(v * q).sum(-1) / rms for v, rms, _ in sources]
         else:
-            logits = [keys[..., l] for keys in reads]
-        alpha = torch.softmax(torch.stack(logits, dim=-1).float(), dim=-1).to(sources[0].dtype)
+            logits = [keys[..., l] for _, keys, _ in sources]
+        alpha = torch.softmax(torch.stack(logits, dim=-1).float(), dim=-1).to(values[0].dtype)
         if self.record_weights:
             self._recorded.append(alpha.detach().float().mean(dim=(0, 1)))
-        h = alpha[..., 0:1] * sources[0]
-        for i in range(1, len(sources)):
-            h = torch.addcmul(h, alpha[..., i:i + 1], sources[i])
+        h = alpha[..., 0:1] * values[0]
+        for i in range(1, len(values)):
+            h = torch.addcmul(h, alpha[..., i:i + 1], values[i])
         return h
 
     # -- the trunk --------------------------------------------------------------------------------
@@ -103,47 +105,36 @@ class DepthAttentionTopology(ResidualTopology):
         if self.query != "dynamic":
             q = self.queries if self.query == "static" else self.queries + self.time_head(time_embedding)[:, None, :]
             key_maps = q * self.key_norms * self.scale
-        self._recorded = []
-        summaries, summary_reads, summary_ids = [h0], [self._reads(h0, key_maps)], [0]  # finished chunks / blocks
-        current, current_reads, current_ids = [], [], []  # this chunk's outputs / this block's partial sum
-        self._source_ids: list[list[int]] = []
-        previous = h0
-        layer = 0
+        self._recorded, self._source_ids = [], []
+        finished = [(h0, self._reads(h0, key_maps), 0)]  # the closed chunks' / blocks' summaries
+        current: list[tuple] = []  # this chunk's outputs / this block's partial sum
+        v = h0
         for k, block in enumerate(blocks):
             mod = block.modulation(c)
-            for sub, (branch, (shift, scale, gate)) in enumerate(((block.attention_branch, mod[:3]),
-                                                                  (block.mlp_branch, mod[3:]))):
-                self._source_ids.append(summary_ids + current_ids)
-                h = self._aggregate(layer, summaries + current, summary_reads + current_reads, previous)
+            for sub, (branch, modulation) in enumerate(((block.attention_branch, mod[:3]),
+                                                        (block.mlp_branch, mod[3:]))):
+                h = self._aggregate(2 * k + sub, finished + current, v)
                 if sub == 0:  # the state fed to block k + 1
                     self.emit_state(k, h)
-                v = self.run_block(branch, h, shift, scale, gate)
-                layer += 1
-                previous = v
-                self._add_output(layer, v, key_maps, (summaries, summary_reads, summary_ids),
-                                 (current, current_reads, current_ids))
-        self._source_ids.append(summary_ids + current_ids)
-        h = self._aggregate(layer, summaries + current, summary_reads + current_reads, previous)
+                v = self.run_block(branch, h, *modulation)
+                current = self._add_output(2 * k + sub + 1, v, key_maps, finished, current)
+        h = self._aggregate(2 * len(blocks), finished + current, v)
         self.emit_state(len(blocks), h)
         return h
 
-    def _add_output(self, layer: int, v: torch.Tensor, key_maps: torch.Tensor | None, finished: tuple[list, ...],
-                    current: tuple[list, ...]) -> None:
-        """Files sublayer `layer`'s output v under the grouping rule (see the module docstring);
-        `finished` and `current` are (values, reads, sublayer ids) of the closed groups and the open one."""
-        values, reads, ids = current
-        if self.grouping == "chunk":
-            values.append(v)
-            reads.append(self._reads(v, key_maps))
-            ids.append(layer)
-        else:  # a block's running partial sum is its one source until the block closes
-            partial = v if not values else values[0] + v
-            values[:], reads[:], ids[:] = [partial], [self._reads(partial, key_maps)], [layer]
+    def _add_output(self, layer: int, v: torch.Tensor, key_maps: torch.Tensor | None, finished: list[tuple],
+                    current: list[tuple]) -> list[tuple]:
+        """Files sublayer `layer`'s output v under the grouping rule (see the module docstring): returns
+        the open group's sources; a group that closes adds its summary to `finished`."""
+        if self.grouping == "block":  # a block's running partial sum is its one source until the block closes
+            v = v if not current else current[0][0] + v
+            current = []
+        current = [*current, (v, self._reads(v, key_maps), layer)]
         last = layer == 2 * self.num_blocks and self.grouping == "chunk"  # DAR's final aggregator reads it raw
-        if layer % self.group == 0 and not last:  # the group closes: its summary joins the earlier ones
-            for closed, open_ in zip(finished, current):
-                closed.append(open_[-1])
-                open_.clear()
+        if layer % self.group == 0 and not last:
+            finished.append(current[-1])
+            return []
+        return current
 
     # -- inspection --------------------------------------------------------------------------------
     def probabilities(self) -> torch.Tensor:
