@@ -34,10 +34,7 @@ class DiTBlock(nn.Module):
         self.norm2 = make_norm(norm, hidden_size)
         self.mlp = make_mlp(mlp, hidden_size, mlp_ratio)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size, bias=True))
-        if rope is not None:  # a fixed table, rebuilt from the options (not in checkpoints)
-            self.register_buffer("rope", rope, persistent=False)
-        else:
-            self.rope = None
+        self.register_buffer("rope", rope, persistent=False)  # a fixed table, rebuilt from the options (or None)
 
     def modulation(self, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(shift, scale, gate) of the attention branch, then of the MLP branch."""
@@ -104,10 +101,8 @@ class DiT(nn.Module):
         super().__init__()
         check_choice("pos_embed", pos_embed, POS_EMBEDS)  # norm and mlp are checked where their layers are built
         if input_size % patch_size:
-            raise UserError(
-                f"input size {input_size} is not divisible by patch size {patch_size}; "
-                f"choose a model whose patch size divides it, or resize the data"
-            )
+            raise UserError(f"input size {input_size} is not divisible by patch size {patch_size}; "
+                            f"choose a model whose patch size divides it, or resize the data")
         if hidden_size % num_heads:
             raise UserError(f"hidden size {hidden_size} is not divisible by {num_heads} heads")
         self.learn_sigma = learn_sigma

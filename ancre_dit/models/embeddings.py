@@ -25,9 +25,7 @@ class TimestepEmbedder(nn.Module):
     def timestep_embedding(t: torch.Tensor, dim: int, max_period: int = 10000) -> torch.Tensor:
         """Sinusoidal code of (possibly fractional) timesteps t, shape (N,) -> (N, dim)."""
         half = dim // 2
-        freqs = torch.exp(
-            -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half
-        )
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         args = t[:, None].float() * freqs[None]
         embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
         if dim % 2:

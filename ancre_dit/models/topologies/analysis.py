@@ -70,8 +70,7 @@ def learned_edges(P) -> np.ndarray:
     """The weights of the learned edges: rows 2..K (blocks 2..K), sources 0..j, row by row."""
     P = square_topology(P)
     rows, cols = np.tril_indices(P.shape[0])
-    keep = rows >= 1
-    return P[rows[keep], cols[keep]]
+    return P[rows[rows >= 1], cols[rows >= 1]]
 
 
 # -- comparing ---------------------------------------------------------------------------------

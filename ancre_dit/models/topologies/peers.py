@@ -109,12 +109,9 @@ class HyperConnectionTopology(_StreamTopology):
         x = A_m^T H                  width connection: the branch input, a mix of the streams
         H <- A_r^T H + B^T T_l(x)    stream mixing, and the depth connection writing the output
 
-    with A_m (n,), A_r (n, n), B (n,) learned per sublayer (static HC). Dynamic HC adds
-    input-dependent terms, per token, with H' = LayerNorm(H) (no affine) row by row:
-
-        B = s_beta tanh(H' W_beta)^T + B,  A_m = s_alpha tanh(H' W_m) + A_m,  A_r = s_alpha tanh(H' W_r) + A_r
-
-    (`dynamic_weights[l]` = [W_beta | W_m | W_r], (d, n + 2); `dynamic_scales[l]` = [s_alpha, s_beta]).
+    with A_m (n,), A_r (n, n), B (n,) learned per sublayer (static HC). Dynamic HC adds per-token terms,
+    with H' = LayerNorm(H) (no affine): B += s_beta tanh(H' W_beta)^T, A_m += s_alpha tanh(H' W_m) and
+    A_r += s_alpha tanh(H' W_r) (`dynamic_weights[l]` = [W_beta | W_m | W_r], `dynamic_scales[l]` = [s_alpha, s_beta]).
 
     Init (the paper's Pre-Norm-equivalent one): A_m = e_{l mod n}, A_r = I, B = 1, dynamic W = 0 and
     s = 0.01. Every stream then equals the cascaded hidden state and the trunk returns n * h_K; the
@@ -195,9 +192,8 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
 
 
 class ManifoldHyperConnectionTopology(_StreamTopology):
-    """mHC: hyper-connections whose stream-mixing matrix is doubly stochastic.
-
-    For sublayer l with streams x (N, T, n, d), all per token:
+    """mHC: hyper-connections whose stream-mixing matrix is doubly stochastic. For sublayer l with
+    streams x (N, T, n, d), per token:
 
         x~     = RMSNorm(vec(x))                               (1, n d), no weight
         H_pre  = sigmoid(a_pre  * x~ phi_pre  + b_pre)          (n,)    branch input weights
