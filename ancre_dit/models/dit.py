@@ -216,13 +216,7 @@ ARCHITECTURE_DEFAULTS = {key: parameter.default for key, parameter in inspect.si
                                     "aggregation_kernel")}
 
 # name -> (depth, hidden_size, num_heads) as in the DiT paper; "T" is ours, a tiny CPU model.
-DIT_SIZES = {
-    "S": (12, 384, 6),
-    "B": (12, 768, 12),
-    "L": (24, 1024, 16),
-    "XL": (28, 1152, 16),
-    "T": (12, 192, 3),
-}
+DIT_SIZES = {"S": (12, 384, 6), "B": (12, 768, 12), "L": (24, 1024, 16), "XL": (28, 1152, 16), "T": (12, 192, 3)}
 DIT_MODELS = {f"DiT-{size}/{patch}": (size, patch) for size in DIT_SIZES for patch in (1, 2, 4, 8)
               if size == "T" or patch != 1}
 

@@ -60,19 +60,15 @@ class TopologyEntry:
     build: Callable[..., "ResidualTopology"]  # build(num_blocks, hidden_size, **options)
     options: Mapping[str, TopologyOption] = field(default_factory=dict)
     check: Callable[[dict[str, Any]], None] | None = None  # raises UserError on bad option values
-    # Rebuilds the module from its own state dict (keys without the "topology." prefix) and its
-    # options when the options alone are not enough, e.g. a frozen topology whose JSON is gone.
+    # Rebuilds the module from its own state dict (keys without "topology.") and its options when the
+    # options alone are not enough, e.g. a frozen topology whose JSON is gone.
     restore: Callable[..., "ResidualTopology"] | None = None
     summary: str = ""
-    # What tools need to know (the module declares `takes_time_embedding`, which can depend on its options).
-    # sparse: it can drop to each block's model.topology_topk strongest incoming edges after
-    # train.topology_sparsify_step (its module has `enable_topk` and `sparsify`).
-    sparse: bool = False
+    # What tools need to know (the module declares `takes_time_embedding`, which can depend on its options):
+    sparse: bool = False  # it can keep each block's model.topology_topk strongest edges (`enable_topk`, `sparsify`)
     matrix: bool = True  # False: `probabilities()` raises TopologyNotDefined (no topology.json, heatmap, compare)
     incoming_softmax: bool = False  # its rows are softmax distributions: the entropy regulariser applies
-    # weights_per_time: its weights depend on the token and the timestep; `routing_weights()` after a forward
-    # with `record_weights` on gives their mean (what `scripts/topology.py show --t` draws).
-    weights_per_time: bool = False
+    weights_per_time: bool = False  # per token and timestep: `routing_weights()` gives their mean (`show --t`)
 
 
 TOPOLOGIES: dict[str, TopologyEntry] = {}
