@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance-interval", default=None, metavar="LO,HI",
                    help="guide only at normalised times LO <= u <= HI, u in [0, 1] with 0 = data and 1 = noise, "
                         "for every objective (DDPM timestep t is u = t/999)")
+    p.add_argument("--guide-ckpt", default=None, metavar="CKPT",
+                   help="autoguidance: guide with this weaker model (a smaller one, or an earlier checkpoint of the "
+                        "same run; same latent space, classes and objective) instead of the unconditional one: "
+                        "D_weak + w (D - D_weak) with w = --cfg-scale, within --guidance-interval")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--protocol", choices=(PROTOCOL,), default=None,
                    help="dit: the DiT / ANCRe papers' protocol (random labels, DDPM-250, guidance on the first 3 "
@@ -83,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         sde_last_step_size=a.sde_last_step_size, sde_diffusion_norm=a.sde_diffusion_norm,
         label_mode="random" if a.random_classes else "balanced", classes=a.classes, precision=a.precision,
         vae=a.vae, png_dir=a.png_dir, grid=a.grid, grid_max=a.grid_max, keep_parts=a.keep_parts, cpu=a.cpu,
-        compile=a.compile, tf32=a.tf32, collective_timeout_s=a.collective_timeout_s),
+        compile=a.compile, tf32=a.tf32, collective_timeout_s=a.collective_timeout_s, guide_ckpt=a.guide_ckpt),
         a.protocol))
     return 0
 

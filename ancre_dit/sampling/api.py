@@ -46,25 +46,27 @@ class SamplingPlan:
 def plan_sampling(model: torch.nn.Module, objective: ObjectiveLike, *, sampler: str | None = None,
                   steps: int | None = None, guidance: Guidance = Guidance(), precision: str = "fp32",
                   sde: SDEOptions = SDEOptions(), compile: bool = False,
-                  names: tuple[str, str] = ("sampler", "steps")) -> SamplingPlan:
+                  names: tuple[str, str] = ("sampler", "steps"), guide: torch.nn.Module | None = None
+                  ) -> SamplingPlan:
     """Checks the settings once; sampler and steps default to the objective's (DDPM: ddpm-250; flow:
     heun-25), and errors call them `names` (sample.py: its flags). `compile`: torch.compile the
-    network with static shapes (feed it batches of one size)."""
+    network with static shapes (feed it batches of one size). `guide`: autoguidance's weak model."""
     objective = build_objective(objective)
     sampler, steps = resolve_sampler(objective, sampler, steps, names)
-    denoiser = GuidedDenoiser(model, guidance, precision, objective.normalized_time, compile=compile)
+    denoiser = GuidedDenoiser(model, guidance, precision, objective.normalized_time, compile=compile, guide=guide)
     return SamplingPlan(objective, sampler, steps, denoiser, sde)
 
 
 def sample_latents(model: torch.nn.Module, objective: ObjectiveLike, labels: Sequence[int] | np.ndarray | torch.Tensor,
                    *, indices: Sequence[int] | np.ndarray | None = None, seed: int = 0, sampler: str | None = None,
                    steps: int | None = None, guidance: Guidance = Guidance(), precision: str = "fp32",
-                   sde: SDEOptions = SDEOptions(), compile: bool = False) -> torch.Tensor:
+                   sde: SDEOptions = SDEOptions(), compile: bool = False,
+                   guide: torch.nn.Module | None = None) -> torch.Tensor:
     """x_0 (N, C, H, W) float32 for the given labels; sample j uses the random streams of (seed, indices[j])
     (indices default to 0..N-1), so it does not depend on its batch (dopri5 excepted: its steps adapt
     to the whole batch)."""
     plan = plan_sampling(model, objective, sampler=sampler, steps=steps, guidance=guidance, precision=precision,
-                         sde=sde, compile=compile)
+                         sde=sde, compile=compile, guide=guide)
     labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
     if labels.ndim != 1 or len(labels) == 0:
         raise UserError("labels must be a non-empty 1-D list of class ids")

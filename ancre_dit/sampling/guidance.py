@@ -1,8 +1,10 @@
-"""Classifier-free guidance around a DiT: the network call every sampler makes.
+"""Guidance around a DiT: the network call every sampler makes.
 
-Conditional and unconditional passes share one batched forward (the model's `forward_with_cfg`);
-at scale 1, or outside the guidance interval, only the conditional half runs. The interval is in
-normalised time u in [0, 1] (0 = data, 1 = noise; DDPM: t / 999, flow: 1 - t)."""
+Classifier-free guidance: conditional and unconditional passes share one batched forward (the model's
+`forward_with_cfg`). Autoguidance (EDM2's): a weaker model of the same task, a smaller one or an
+earlier checkpoint, guides instead, D = D_weak + w (D - D_weak), both conditional. At scale 1, or
+outside the guidance interval, only the model runs. The interval is in normalised time u in [0, 1]
+(0 = data, 1 = noise; DDPM: t / 999, flow: 1 - t)."""
 from __future__ import annotations
 
 import contextlib
@@ -89,11 +91,18 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 class GuidedDenoiser:
     """`denoiser(x, t, y)` -> the model output (C or 2C channels) with guidance applied, float32. t holds
     the objective's model times, the same for the whole batch (the samplers step in lockstep);
-    `normalized_time` (the objective's) maps them to the unit of the guidance interval."""
+    `normalized_time` (the objective's) maps them to the unit of the guidance interval. With `guide`
+    (autoguidance), that model's output on the first C channels stands in for the unconditional one;
+    the model's learned variance, if any, is kept as it is."""
 
     def __init__(self, model: torch.nn.Module, guidance: Guidance, precision: str = "fp32",
-                 normalized_time: Callable[[float], float] | None = None, compile: bool = False):
+                 normalized_time: Callable[[float], float] | None = None, compile: bool = False,
+                 guide: torch.nn.Module | None = None):
         self.model = unwrap_model(model)
+        self.guide = None if guide is None else unwrap_model(guide)
+        if self.guide is not None:
+            check_guide_fits(self.model, self.guide)
+            self._guide = torch.compile(self.guide, dynamic=False) if compile else self.guide
         # Static shapes: the job pads its last batch, so each path compiles once; dynamic shapes would
         # trade the fastest kernels for a graph that fits any batch.
         if compile:
@@ -110,7 +119,8 @@ class GuidedDenoiser:
             raise UserError(f"unknown sampling precision {precision!r}; choose {', '.join(PRECISIONS)}")
         self.dtype = PRECISIONS[precision]
         self.num_classes = int(self.model.num_classes)
-        if guidance.scale != 1 and self.model.y_embedder.embedding_table.num_embeddings <= self.num_classes:
+        if (guidance.scale != 1 and self.guide is None
+                and self.model.y_embedder.embedding_table.num_embeddings <= self.num_classes):
             raise UserError("this model was trained without class dropout, so it has no unconditional mode for "
                             f"guidance (scale {guidance.scale:g}); use guidance scale 1")
         if guidance.channels is not None and guidance.channels > self.model.in_channels:
@@ -125,8 +135,23 @@ class GuidedDenoiser:
             if not g.active_at(self.normalized_time(float(t[0])) if g.interval is not None else 0.0):
                 self.calls += len(x)
                 return self._forward(x, t, y).float()
+            if self.guide is not None:
+                self.calls += 2 * len(x)
+                out, weak = self._forward(x, t, y).float(), self._guide(x, t, y).float()
+                k = g.channels or x.shape[1]
+                return torch.cat([weak[:, :k] + g.scale * (out[:, :k] - weak[:, :k]), out[:, k:]], dim=1)
             null = torch.full_like(y, self.num_classes)
             self.calls += 2 * len(x)
             out = self._forward_with_cfg(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]), g.scale,
                                          guided_channels=g.channels)
         return out[: len(x)].float()
+
+
+def check_guide_fits(model: torch.nn.Module, guide: torch.nn.Module) -> None:
+    """Autoguidance's weak model must denoise the same inputs: latent shape and classes."""
+    for name in ("in_channels", "input_size", "num_classes"):
+        mine, theirs = int(getattr(model, name)), int(getattr(guide, name))
+        if mine != theirs:
+            raise UserError(f"the guiding model has {name} {theirs}, the sampled model {mine}; autoguidance needs a "
+                            "model of the same latent space and classes (a smaller model or an earlier checkpoint "
+                            "of the same run)")

@@ -62,6 +62,7 @@ class JobSettings:
     tf32: bool = True                 # TF32 matmuls on CUDA, as the trainer (train.tf32) and DiT's sampler
     compile: bool = False             # torch.compile the network, static shapes (the last part padded)
     protocol: str | None = None  # a named preset (protocols.py) the settings follow
+    guide_ckpt: str | None = None     # autoguidance: the weaker model's checkpoint folder (its EMA weights)
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S  # under a launcher: a collective's wait
 
 
@@ -83,6 +84,8 @@ def job_identity(settings: JobSettings, spec: dict) -> dict:
     identity["guidance_interval"] = list(settings.guidance_interval) if settings.guidance_interval else None
     identity["ckpt"] = str(Path(settings.ckpt).resolve())
     identity["step"] = spec.get("step")
+    if settings.guide_ckpt:  # only when set: the identities of earlier jobs stay as they were
+        identity["guide_ckpt"] = str(Path(settings.guide_ckpt).resolve())
     return identity
 
 
@@ -163,16 +166,44 @@ def run_job(s: JobSettings) -> Path:
     with job_processes(s.cpu, s.collective_timeout_s) as state:
         configure_precision(state.device, s.tf32)
         model, spec = load_trained_model(s.ckpt, s.weights, state.device)
-        return _run_model(model, spec, s, guidance, state)
+        guide = load_guide(s, spec, state.device) if s.guide_ckpt else None
+        return _run_model(model, spec, s, guidance, state, guide)
 
 
-def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Guidance, state) -> Path:
+# Settings that shape training only: two checkpoints that differ in them sample the same process.
+TRAINING_ONLY = ("learn_sigma", "time_sampling", "logit_mean", "logit_std")
+
+
+def load_guide(s: JobSettings, spec: dict, device) -> torch.nn.Module:
+    """Autoguidance's weak model (its EMA weights), refused in one line unless it shares the sampled
+    model's data (latent space, normalisation, classes) and objective."""
+    if float(s.cfg_scale) == 1:
+        raise UserError("--guide-ckpt guides at --cfg-scale w != 1 (D_weak + w (D - D_weak)); set --cfg-scale, "
+                        "e.g. 2, or drop --guide-ckpt")
+    guide, guide_spec = load_trained_model(s.guide_ckpt, "ema", device)
+    keys = ("kind", "image_size", "image_channels", "num_classes", "scaling_factor", "latent_norm", "channel_mean",
+            "channel_std")
+    differs = [f"data.{k} {guide_spec['data'].get(k)} there, {spec['data'].get(k)} here" for k in keys
+               if guide_spec["data"].get(k) != spec["data"].get(k)]
+    ours, theirs = ({k: v for k, v in d["diffusion"].items() if k not in TRAINING_ONLY} for d in (spec, guide_spec))
+    differs += [f"diffusion.{k} {theirs.get(k)} there, {ours.get(k)} here" for k in sorted(set(ours) | set(theirs))
+                if ours.get(k) != theirs.get(k)]
+    if differs:
+        raise UserError(f"--guide-ckpt {s.guide_ckpt} does not fit --ckpt {s.ckpt} ({'; '.join(differs)}); "
+                        "autoguidance needs a model of the same latent space, classes and objective (a smaller "
+                        "model or an earlier checkpoint of the same run)")
+    return guide
+
+
+def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Guidance, state,
+               guide: torch.nn.Module | None = None) -> Path:
     is_main, rank, world = state.is_main_process, state.process_index, state.num_processes
     log = print if is_main else (lambda *a, **k: None)
     num_classes = int(model.num_classes)
     check_protocol_fits(s.protocol, spec, int(model.in_channels))
     plan = plan_sampling(model, spec["diffusion"], sampler=s.sampler, steps=s.steps, guidance=guidance,
-                         precision=s.precision, sde=sde_options(s), compile=s.compile, names=("--sampler", "--steps"))
+                         precision=s.precision, sde=sde_options(s), compile=s.compile, names=("--sampler", "--steps"),
+                         guide=guide)
     s = replace(s, sampler=plan.sampler, steps=plan.steps)  # the defaults resolved, for the log and the job identity
     if s.classes is not None:
         s = replace(s, classes=check_classes(s.classes, num_classes))
@@ -188,7 +219,9 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
     mine = ranges[rank::world]
     todo = [r for r in mine if not part_path(folder, *r).is_file()]
     log(f"sampling {s.num_samples} images from {s.ckpt} (step {spec.get('step')}, {s.weights} weights) with "
-        f"{plan.objective.name} {s.sampler}-{s.steps}, cfg {s.cfg_scale}, {world} process(es); parts in {folder}")
+        f"{plan.objective.name} {s.sampler}-{s.steps}, "
+        f"{f'autoguidance {s.cfg_scale} by {s.guide_ckpt}' if guide is not None else f'cfg {s.cfg_scale}'}, "
+        f"{world} process(es); parts in {folder}")
     finished = sum(part_path(folder, *r).is_file() for r in ranges)
     if finished:
         log(f"resuming: {finished} of {len(ranges)} parts already done")

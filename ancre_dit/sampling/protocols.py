@@ -39,6 +39,8 @@ def apply_protocol(settings, name: str | None):
                             f"drop that flag or drop --protocol")
     if settings.classes is not None:
         raise UserError(f"--protocol {name} draws class labels at random; drop --classes or drop --protocol")
+    if settings.guide_ckpt:
+        raise UserError(f"--protocol {name} guides classifier-free; drop --guide-ckpt or drop --protocol")
     return replace(settings, **DIT_SETTINGS, protocol=name)
 
 
