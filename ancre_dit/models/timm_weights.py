@@ -18,9 +18,7 @@ def weights_hint(encoder: str, flag: str = "repa.encoder_weights=PATH") -> str:
     hub = None
     try:
         import timm
-
-        cfg = timm.models.get_pretrained_cfg(encoder)
-        hub = getattr(cfg, "hf_hub_id", None) if cfg is not None else None
+        hub = getattr(timm.models.get_pretrained_cfg(encoder), "hf_hub_id", None)
     except Exception:  # noqa: BLE001 - only the wording of a hint depends on it
         pass
     sources = [f"timm's copy: huggingface-cli download {hub} model.safetensors --local-dir weights/"] if hub else []

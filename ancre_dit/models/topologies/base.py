@@ -211,8 +211,7 @@ def configure_aggregation(topology: ResidualTopology, history_dtype: str = "floa
 def save_topology_json(path: str | Path, probabilities: torch.Tensor, **extra) -> None:
     """Writes P (K, K) as JSON; `frozen` topologies and the analysis tools read it back."""
     P = probabilities.detach().float().cpu()
-    payload = {"num_blocks": P.shape[0], "probabilities": P.tolist(), **extra}
-    Path(path).write_text(json.dumps(payload, indent=1))
+    Path(path).write_text(json.dumps({"num_blocks": P.shape[0], "probabilities": P.tolist(), **extra}, indent=1))
 
 
 def load_topology_json(path: str | Path) -> torch.Tensor:
@@ -220,8 +219,7 @@ def load_topology_json(path: str | Path) -> torch.Tensor:
     if not path.is_file():
         raise MissingFileError(f"topology file {path} not found; pass the topology.json written at a checkpoint")
     try:
-        payload = json.loads(path.read_text())
-        P = torch.tensor(payload["probabilities"], dtype=torch.float32)
+        P = torch.tensor(json.loads(path.read_text())["probabilities"], dtype=torch.float32)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
         raise UserError(f"{path} is not a topology JSON with a 'probabilities' matrix ({err})") from None
     if not torch.isfinite(P).all():
