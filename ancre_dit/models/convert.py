@@ -18,12 +18,9 @@ def convert_official_state_dict(checkpoint: Mapping[str, Any], prefer: str = "em
     """Maps a DiT or official-ANCRe state dict (or a {"model":..., "ema":...} training wrapper) to our
     names: `module.` (DDP) and `_orig_mod.` (torch.compile) prefixes stripped, `ancre.shortcut_params.N`
     -> `topology.logits.N`, `ancre.softmax_temp` -> `topology.tau` (every other DiT key is already ours).
-
-    The logits come per target, as the official ANCRe code stores them (`shortcut_params.j`: block j+1's
-    logits over sources 0..j, our layout), or per source, as we define the outgoing ablation's official
-    layout (`shortcut_params.i`: source i's edges to blocks i+1..K), remapped as
-    `logits.j[i] = shortcut_params.i[j - i]`.
-    """
+    The logits come per target (`shortcut_params.j`: block j+1's over sources 0..j, as the official code
+    and we store them) or per source (source i's edges to blocks i+1..K, the outgoing ablation's official
+    layout as we define it), remapped as `logits.j[i] = shortcut_params.i[j - i]`."""
     converted = _renamed(checkpoint, prefer)
     if _layout(converted) == "per-source":
         K = len(_logit_lengths(converted))

@@ -176,8 +176,7 @@ class DiT(nn.Module):
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
         """(N, T, p*p*C) -> (N, C, H, W)."""
         p = self.patch_size
-        h = int(x.shape[1] ** 0.5)
-        return rearrange(x, "n (h w) (p q c) -> n c (h p) (w q)", h=h, p=p, q=p)
+        return rearrange(x, "n (h w) (p q c) -> n c (h p) (w q)", h=int(x.shape[1] ** 0.5), p=p, q=p)
 
     def embed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Tokens h_0, the conditioning vector c = t-embedding + y-embedding, and the t-embedding alone."""

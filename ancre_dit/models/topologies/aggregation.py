@@ -60,9 +60,7 @@ def aggregation_kernels(choice: str, device: torch.device) -> ModuleType | None:
 
 class StackedPlan:
     """What the stacked aggregation needs to know of `edges` (a block that reads no source passes its
-    output through).
-
-    The history h_0..h_{K-1} lives in one (K, N) store, so a block's skip sum is one matrix-vector
+    output through). The history h_0..h_{K-1} lives in one (K, N) store, so a block's skip sum is one matrix-vector
     product over its sources (each read once); the backward keeps every node's output gradient in one
     (K, N) buffer, so each h_i's skip gradient is one product over the gradients of its readers, and
     the weights' gradient one Gram product of those gradients with the history, at the end.
@@ -163,10 +161,9 @@ class StackedTrunk:
 class _StackedNode(torch.autograd.Function):
     """h_{j+1} = out + sum_i w[j, i] h_i over node j's sources, with `StackedTrunk` holding the history.
 
-    Every node takes the whole weight matrix; node 0, whose backward autograd runs last (every later
-    node depends on its output through the blocks), returns its gradient (the Gram product) and
-    h_0's. Node j returns its block's output gradient: what autograd brought plus the skip-sum
-    reads of h_{j+1} by the later nodes, taken from their stored gradients.
+    Node j's backward returns its block's output gradient: what autograd brought plus the later nodes'
+    reads of h_{j+1}, from their stored gradients. Node 0, whose backward runs last (every later node
+    depends on it), also returns the whole weight matrix's gradient (the Gram product) and h_0's.
     """
 
     @staticmethod

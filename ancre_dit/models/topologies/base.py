@@ -6,9 +6,8 @@ output), zeros above the diagonal: the skip sum added *on top of* each block's o
 (the official form, `mode="add"`; a plain DiT is the zero matrix). With `mode="replace"` the mix takes
 the place of the block's own residual, h_j = (B_j(h_{j-1}) - h_{j-1}) + sum_i P[j-1, i] h_i.
 
-A topology also names its `routing_parameters()` (what the trainer's topology learning rate, warmup
-and weight decay apply to) and reports the state it feeds each next block to an optional `state_hook`.
-This module holds the interface and the topologies with no learned weights (cascaded, a fixed matrix).
+A topology also names its `routing_parameters()` (for the trainer's topology learning rate, warmup and
+weight decay) and reports the state it feeds each next block to an optional `state_hook`.
 """
 from __future__ import annotations
 

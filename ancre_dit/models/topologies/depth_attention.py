@@ -7,9 +7,8 @@ over its sources S_l, with, per token,
 
     alpha_{i->l} = softmax_i( q_l . RMSNorm_l(v_i) / s )       (s = sqrt(d) for DAR, 1 for AttnRes)
 
-and a final aggregator feeds the final layer. The queries start at zero: every weight is uniform, with
-adaLN-Zero every v_l (l >= 1) is 0, h_l = v_0 / |S_l| and LayerNorm ignores the scale, so the model
-equals the plain DiT at init.
+and a final aggregator feeds the final layer. The queries start at zero, so at init (adaLN-Zero:
+v_l = 0) h_l = v_0 / |S_l|, which LayerNorm makes the plain DiT's input.
 
 Queries: `static` (q_l = w_l), `static-t` (q_l = w_l + e(t), the timestep embedding through a
 zero-initialised head of its own, so that adaLN keeps its timestep conditioning at init), `dynamic`
@@ -20,8 +19,7 @@ block's partial sum. S = 1 (and block 0) is the dense form.
 
 The key normalisation is folded into the dot product (q . (g * v / rms(v)) = ((q * g) . v) / rms(v)),
 so no normalised copy of a source is kept for the backward. With static queries each source's logits
-for every aggregator are one small matrix product taken when the source is made, so an aggregator
-reads its sources once; dynamic queries depend on the reading token: there each source's RMS is kept.
+for every aggregator are one matrix product taken when it is made, so an aggregator reads it once.
 """
 from __future__ import annotations
 

@@ -6,10 +6,8 @@ A topology module registers a builder with the options (config keys) it takes:
                        summary="ANCRe: ingoing softmax over all earlier outputs")
     def build_ancre(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology: ...
 
-The options are checked once, by `resolve_options`, so builders trust what they are given. An entry
-also declares what tools need to know of the topology (a (K, K) matrix? timestep-dependent weights?
-softmax rows? sparsifiable?), so that the model, the config, the trainer and the checkpoint loader
-ask this registry and no code outside this package tests names or classes.
+The options are checked once, by `resolve_options`, so builders trust them. An entry also declares
+what tools need to know of the topology, so that no code outside this package tests names or classes.
 """
 from __future__ import annotations
 
