@@ -72,28 +72,12 @@ class DiT(nn.Module):
     """Class-conditional diffusion backbone: patchify, K adaLN-Zero blocks wired by `topology`,
     unpatchify. Returns C channels (epsilon) or 2C (epsilon and the variance interpolation)."""
 
-    def __init__(
-        self,
-        input_size: int = 32,
-        patch_size: int = 2,
-        in_channels: int = 4,
-        hidden_size: int = 1152,
-        depth: int = 28,
-        num_heads: int = 16,
-        mlp_ratio: float = 4.0,
-        class_dropout_prob: float = 0.1,
-        num_classes: int = 1000,
-        learn_sigma: bool = True,
-        topology: str | ResidualTopology = "cascaded",
-        norm: str = DEFAULTS["norm"],
-        mlp: str = DEFAULTS["mlp"],
-        pos_embed: str = DEFAULTS["pos_embed"],
-        qk_norm: bool = DEFAULTS["qk_norm"],
-        history_dtype: str = "float32",
-        topology_topk: int = 0,
-        aggregation_kernel: str = "torch",
-        **topology_options,
-    ):
+    def __init__(self, input_size: int = 32, patch_size: int = 2, in_channels: int = 4, hidden_size: int = 1152,
+                 depth: int = 28, num_heads: int = 16, mlp_ratio: float = 4.0, class_dropout_prob: float = 0.1,
+                 num_classes: int = 1000, learn_sigma: bool = True, topology: str | ResidualTopology = "cascaded",
+                 norm: str = DEFAULTS["norm"], mlp: str = DEFAULTS["mlp"], pos_embed: str = DEFAULTS["pos_embed"],
+                 qk_norm: bool = DEFAULTS["qk_norm"], history_dtype: str = "float32", topology_topk: int = 0,
+                 aggregation_kernel: str = "torch", **topology_options):
         """`topology` is a registered name (topologies/registry.py) or a built module, `topology_options`
         its options (e.g. tau=0.01). `norm`, `mlp`, `pos_embed` (sincos | rope2d: axial 2D RoPE on q and
         k, the absolute embedding then zero) and `qk_norm` choose the block's layers; `history_dtype`,

@@ -13,12 +13,10 @@ __all__ = ["count_training_flops", "flops_per_training_image"]
 def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
                          autocast_dtype: torch.dtype | None = torch.bfloat16) -> int:
     """FLOPs of one forward + backward on the batch (x, t, y), as `FlopCounterMode` counts them (matrix
-    products, attention included). `autocast_dtype` None runs in fp32: the same count, faster on a CPU;
-    on the meta device it costs no compute. The gradients it makes are dropped again.
-
-    Counted with SDPA's math backend: its matrix products are counted on every device, while the
-    counter's formulas for fused attention kernels depend on the backend and the torch version (the
-    CPU flash kernel is not counted at all)."""
+    products, attention included); `autocast_dtype` None runs in fp32 (the same count, faster on a CPU).
+    The gradients it makes are dropped. Counted with SDPA's math backend, whose products are counted on
+    every device: the counter's formulas for fused attention kernels depend on the backend and the torch
+    version (the CPU flash kernel is not counted at all)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
