@@ -28,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "files": {"errors"},
     "hardware": set(),
     "cli": {"errors"},
+    "assets": SHARED,
     "models": SHARED,
     "data": SHARED,
     "diffusion": SHARED | {"models"},
