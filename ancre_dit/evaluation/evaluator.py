@@ -24,7 +24,7 @@ import torch
 from ..diffusion import Objective, resolve_sampler
 from ..errors import UserError
 from .heldout import HeldOutSet, heldout_terms
-from .metric_registry import FEATURES, METRICS, MetricOptions, metric_names
+from .metric_registry import FEATURES, METRICS, metric_names
 
 EVAL_METRICS = metric_names(training=True)  # what eval.metrics accepts (the config reads TRAINING_METRICS)
 
@@ -55,17 +55,17 @@ def _ranks_parts(total: int, batch_size: int, rank: int, world: int) -> list[tup
     return part_ranges(total, batch_size)[rank::world]
 
 
-def _gather(state, items: list) -> list:
-    """All processes' lists concatenated (on every process)."""
-    if state.num_processes == 1:
-        return list(items)
-    out: list = [None] * state.num_processes
-    torch.distributed.all_gather_object(out, items)
-    return [x for part in out for x in part]
-
-
-def _in_order(parts: list[tuple[int, Any]]) -> list[Any]:
+def _gather_in_order(state, parts: list[tuple[int, Any]]) -> list[Any]:
+    """Every process's (start, payload) parts, gathered on every process: the payloads in start order."""
+    if state.num_processes > 1:
+        out: list = [None] * state.num_processes
+        torch.distributed.all_gather_object(out, parts)
+        parts = [x for part in out for x in part]
     return [payload for _, payload in sorted(parts, key=lambda p: p[0])]
+
+
+def _joined(features: list[dict[str, np.ndarray]], key: str) -> np.ndarray:
+    return np.concatenate([f[key] for f in features])
 
 
 class EvaluationAbandoned(Exception):
@@ -84,12 +84,9 @@ class Evaluator:
         # The sampler and steps the objective uses when eval.sampler / eval.steps are null.
         self.sampler, self.steps = resolve_sampler(objective, settings.sampler, settings.steps)
         self.decoder, self.state, self.log = decoder, state, log
-        self.metrics = resolve_metrics(settings, data_kind)
+        self.metrics = resolve_metrics(settings, data_kind)  # checked with the config, before the run folder existed
         self.identity = evaluation_identity(settings, data_kind)
-        # The settings themselves (metrics that fit the data, reference and weights files, a sampler
-        # and step count the objective has) were checked with the config, before the run folder existed.
-        # The networks whose features the metrics read, each run once per sampled part.
-        self.features = {METRICS[m].features for m in self.metrics}
+        self.features = {METRICS[m].features for m in self.metrics}  # the networks run on each sampled part
         self.inception = [m for m in self.metrics if METRICS[m].features == "inception"]
         if self.metrics and decoder is None:
             raise UserError("the evaluation samples images but no decoder is available; set data.vae")
@@ -138,7 +135,8 @@ class Evaluator:
         if self.metrics:
             labels = np.arange(self.settings.num_samples) % self.num_classes  # balanced, as sample.py's default
             for cfg in self.settings.cfg_scales:
-                metrics.update({f"{k}/cfg{float(cfg):g}": v for k, v in self._sample_metrics(model, labels, cfg).items()})
+                scores = self._sample_metrics(model, labels, cfg)
+                metrics.update({f"{k}/cfg{float(cfg):g}": v for k, v in scores.items()})
             if "digits" in self.features and self.state.is_main_process:
                 from .digits_metric import digits_reference_scores
                 reference.update(digits_reference_scores())
@@ -147,8 +145,8 @@ class Evaluator:
     def _heldout(self, model, suffix: str) -> dict[str, float]:
         s, state = self.settings, self.state
         mine = _ranks_parts(len(self.heldout), s.batch_size, state.process_index, state.num_processes)
-        parts = _gather(state, heldout_terms(model, self.objective, self.heldout, mine, torch.device(state.device)))
-        terms = _in_order(parts)
+        parts = heldout_terms(model, self.objective, self.heldout, mine, torch.device(state.device))
+        terms = _gather_in_order(state, parts)
         return {f"heldout_{k}{suffix}": float(np.concatenate([t[k] for t in terms]).mean()) for k in terms[0]}
 
     def _sample_metrics(self, model, labels: np.ndarray, cfg: float) -> dict[str, float]:
@@ -160,34 +158,38 @@ class Evaluator:
         mine = _ranks_parts(len(labels), s.batch_size, state.process_index, state.num_processes)
         # Every process draws at least this many parts: the stop check after each of them is collective.
         shared = len(_ranks_parts(len(labels), s.batch_size, 0, 1)) // state.num_processes
-        plan = plan_sampling(model, self.objective, sampler=self.sampler, steps=self.steps, guidance=Guidance(float(cfg)))
+        plan = plan_sampling(model, self.objective, sampler=self.sampler, steps=self.steps,
+                             guidance=Guidance(float(cfg)))
         local = []
         for k, (start, _end, images) in enumerate(sample_parts(plan, labels, mine, decoder=self.decoder, seed=s.seed)):
             local.append((start, self._features(images)))
             if k < shared and self._should_stop is not None and self._should_stop():
                 raise EvaluationAbandoned
-        features = _in_order(_gather(state, local))
+        features = _gather_in_order(state, local)
         if not state.is_main_process:
             return {}
-        # Each metric's two sides as its function reads them (see metric_registry), by feature network;
-        # eigh: the same Fréchet distance as sqrtm, stable with fewer samples than feature dimensions.
-        options = MetricOptions(fid_method="eigh", device=self.state.device)
+        from .pipeline import score
+
         out: dict[str, float] = {}
         for family in FEATURES:
             names = [m for m in self.metrics if METRICS[m].features == family]
-            if not names:
-                continue
-            if family == "inception":
-                out.update(self._inception_scores(features))
-                continue
-            if family == "digits":
-                sides = ((np.concatenate([f["digits_features"] for f in features]),
-                          np.concatenate([f["digits_pred"] for f in features]), labels), None)
-            else:
-                sides = (np.concatenate([f["dinov2"] for f in features]), self._dinov2_reference())
-            for name in names:
-                out.update(METRICS[name].compute(*sides, options))
+            if names:
+                # eigh: the same Fréchet distance as sqrtm, stable with fewer samples than feature dimensions.
+                out.update(score(*self._sides(family, features, labels), names, fid_method="eigh", device=state.device))
         return out
+
+    def _sides(self, family: str, features: list[dict[str, np.ndarray]], labels: np.ndarray) -> tuple[Any, Any]:
+        """The samples' and the reference's sides as the metrics on `family`'s features read them
+        (see metric_registry)."""
+        if family == "digits":
+            return (_joined(features, "digits_features"), _joined(features, "digits_pred"), labels), None
+        if family == "dinov2":
+            return _joined(features, "dinov2"), self._dinov2_reference()
+        from .image_sets import Side
+        from .inception import InceptionFeatures
+
+        feats = InceptionFeatures(*(_joined(features, k) for k in ("pool", "spatial", "logits")))
+        return Side("samples", features=feats, num_images=len(feats)), self._reference_side()
 
     def _features(self, images: np.ndarray) -> dict[str, np.ndarray]:
         out: dict[str, np.ndarray] = {}
@@ -213,11 +215,9 @@ class Evaluator:
         from .pipeline import default_batch_size, dinov2_features
 
         if self._dinov2_ref is None:
-            self._dinov2_ref = stored_dinov2_stats(self.settings.ref)
-        if self._dinov2_ref is None:
-            ref = dinov2_features(self.settings.ref, self._dinov2_extractor(),
-                                  default_batch_size(torch.device(self.state.device)), name="reference")
-            self._dinov2_ref = feature_statistics(ref)
+            self._dinov2_ref = stored_dinov2_stats(self.settings.ref) or feature_statistics(dinov2_features(
+                self.settings.ref, self._dinov2_extractor(), default_batch_size(torch.device(self.state.device)),
+                name="reference"))
         return self._dinov2_ref
 
     def _get_extractor(self):
@@ -226,25 +226,15 @@ class Evaluator:
             self._extractor = get_extractor(self.settings.inception_weights, self.state.device)
         return self._extractor
 
-    def _inception_scores(self, features: list[dict[str, np.ndarray]]) -> dict[str, float]:
-        from .inception import InceptionFeatures
-        from .pipeline import score
-        from .image_sets import Side
-
-        feats = InceptionFeatures(*(np.concatenate([f[k] for f in features]) for k in ("pool", "spatial", "logits")))
-        samples = Side("samples", features=feats, num_images=len(feats))
-        # eigh: the same Fréchet distance as sqrtm, stable with fewer samples than feature dimensions
-        return score(samples, self._reference_side(), self.inception, fid_method="eigh", device=self.state.device)
-
     def _reference_side(self):
         """eval.ref for the Inception metrics: its stored statistics, or its images' features (once per run)."""
         from .pipeline import default_batch_size, has_stored_stats, load_side
 
         if self._ref_side is None:
+            ref = self.settings.ref
             needs_images = any(METRICS[m].needs == "reference images" for m in self.inception)
-            device = torch.device(self.state.device)
-            self._ref_side = load_side(self.settings.ref, "reference", self._get_extractor, default_batch_size(device),
-                                       need_features=needs_images or not has_stored_stats(self.settings.ref,
-                                                                                          self.inception))
+            batch_size = default_batch_size(torch.device(self.state.device))
+            self._ref_side = load_side(ref, "reference", self._get_extractor, batch_size,
+                                       need_features=needs_images or not has_stored_stats(ref, self.inception))
         return self._ref_side
 

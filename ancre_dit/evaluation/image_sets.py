@@ -10,6 +10,8 @@ from ..errors import UserError
 from .inception import InceptionFeatures
 from .metrics import feature_statistics
 
+_STAT_KEYS = {"pool": ("mu", "sigma"), "spatial": ("mu_s", "sigma_s")}  # the FID statistics' npz keys
+
 
 @dataclass
 class Side:
@@ -21,13 +23,9 @@ class Side:
     stats_source: str = "features"
     image_size: int | None = None  # height of the images, when the side has images of one size
 
-    def pool_stats(self) -> tuple[np.ndarray, np.ndarray]:
-        return self._stats("mu", "sigma", "pool")
-
-    def spatial_stats(self) -> tuple[np.ndarray, np.ndarray]:
-        return self._stats("mu_s", "sigma_s", "spatial")
-
-    def _stats(self, mu_key: str, sigma_key: str, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    def statistics(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """(mu, sigma) of the "pool" or "spatial" features: the stored ones, else the features'."""
+        mu_key, sigma_key = _STAT_KEYS[kind]
         if mu_key not in self.stats:
             if self.features is None:
                 raise UserError(f"{self.name} has no images and no stored {mu_key}/{sigma_key}; "
@@ -35,9 +33,9 @@ class Side:
             self.stats[mu_key], self.stats[sigma_key] = feature_statistics(getattr(self.features, kind))
         return self.stats[mu_key], self.stats[sigma_key]
 
-    def raw_features(self, kind: str, mu_key: str) -> np.ndarray | None:
+    def raw_features(self, kind: str) -> np.ndarray | None:
         """The side's own features of `kind` when its statistics are not stored ones, else None."""
-        if self.features is None or (mu_key in self.stats and self.stats_source == "stored"):
+        if self.features is None or (_STAT_KEYS[kind][0] in self.stats and self.stats_source == "stored"):
             return None
         return getattr(self.features, kind)
 

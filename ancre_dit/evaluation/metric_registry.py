@@ -77,14 +77,12 @@ class MetricEntry:
 def _frechet(samples: Side, ref: Side, kind: str, method: str) -> float:
     """Fréchet distance of one Inception feature kind; "eigh" takes the N-dim route when a side
     has N < D images of its own."""
-    stats = {"pool": lambda side: side.pool_stats(), "spatial": lambda side: side.spatial_stats()}[kind]
     if method == "eigh":
-        mu_key = "mu" if kind == "pool" else "mu_s"
         for side, other in ((samples, ref), (ref, samples)):
-            feats = side.raw_features(kind, mu_key)
+            feats = side.raw_features(kind)
             if feats is not None and len(feats) <= feats.shape[1]:
-                return frechet_distance_to_features(feats, *stats(other))
-    return frechet_distance(*stats(samples), *stats(ref), method=method)
+                return frechet_distance_to_features(feats, *other.statistics(kind))
+    return frechet_distance(*samples.statistics(kind), *ref.statistics(kind), method=method)
 
 
 def fid(samples: Side, ref: Side, o: MetricOptions) -> dict[str, float]:
@@ -159,12 +157,9 @@ def metric_entry(name: str) -> MetricEntry:
     return METRICS[name]
 
 
-def metric_names(*, evaluate: bool | None = None, training: bool | None = None, default: bool | None = None,
-                 features: str | None = None) -> tuple[str, ...]:
-    """The table's names (in table order) with the given properties."""
-    return tuple(name for name, e in METRICS.items()
-                 if (evaluate is None or e.evaluate == evaluate) and (training is None or e.training == training)
-                 and (default is None or e.default == default) and (features is None or e.features == features))
+def metric_names(**where: bool | str) -> tuple[str, ...]:
+    """The table's names (in table order) whose entries have the given values (evaluate=True, ...)."""
+    return tuple(name for name, e in METRICS.items() if all(getattr(e, k) == v for k, v in where.items()))
 
 
 class MetricNames:
@@ -198,15 +193,13 @@ def lower_is_better(metric: str) -> bool:
     """Whether a lower value is better: a value a metric of the table reports (per cfg scale, e.g.
     "fid/cfg1.5"), or a training or held-out loss term ("train_loss", "heldout_mse_raw")."""
     name = metric.split("/")[0]
-    for metric_name, entry in METRICS.items():
-        values = entry.values(metric_name)
-        if name in values:
-            return values[name].lower_is_better
+    values = reported_values(METRICS)
+    if name in values:
+        return values[name].lower_is_better
     if name.startswith(("train_", "heldout_")):
         return True
-    known = ", ".join(reported_values(METRICS))
-    raise UserError(f"{metric} is not a value any metric reports ({known}) nor a loss (train_*, heldout_*); "
-                    "its direction is unknown")
+    raise UserError(f"{metric} is not a value any metric reports ({', '.join(values)}) nor a loss "
+                    "(train_*, heldout_*); its direction is unknown")
 
 
 def is_heldout_part(metric: str) -> bool:

@@ -6,14 +6,9 @@ FID / sFID; otherwise they come from the side's Inception features. IS uses the 
 precision / recall and KID need the reference's images.
 
 Differences from ADM's evaluator (guided-diffusion evaluations/evaluator.py), all checked there:
-- network: torch-fidelity's PyTorch port of the same TF 2015-12-05 Inception (TF1 bilinear resize
-  to 299 emulated, float32), not the TF graph itself; TF32 is switched off on GPUs while extracting;
-- FID / sFID: same layers (pool_3; mixed_6/conv[..., :7] in (H, W, C) order), same formula and
-  sqrtm handling by default (--fid-method sqrtm); statistics are float64 (ADM's mean is float32);
-- IS: same (softmax of unbiased logits, consecutive splits of 5000, no shuffle); float64 log-softmax;
-- precision / recall: same definition (k = 3 on pool_3, 10000-row blocks), but squared distances
-  in float32 where ADM first tries float16 (see precision_recall.py);
-- KID is not in ADM (torch-fidelity's estimator).
+torch-fidelity's PyTorch port of the same Inception graph, float32 (inception.py); float64
+statistics and log-softmax (metrics.py); float32 distances for precision / recall where ADM first
+tries float16 (precision_recall.py); KID, which ADM lacks (torch-fidelity's estimator).
 """
 from __future__ import annotations
 
@@ -63,8 +58,7 @@ def default_batch_size(device: torch.device) -> int:
 
 
 def load_side(source: ADMBatch | str | os.PathLike, name: str, extractor_fn, batch_size: int,
-              need_features: bool, image_size: int | None = None, workers: int = 0,
-              stored_stats: bool = True) -> Side:
+              need_features: bool, image_size: int | None = None, workers: int = 0) -> Side:
     """Reads a side and, when needed (`need_features`) and possible, extracts its Inception features.
     `extractor_fn()` loads the network lazily, so a statistics-only run never needs it twice."""
     if isinstance(source, ADMBatch):
@@ -80,11 +74,9 @@ def load_side(source: ADMBatch | str | os.PathLike, name: str, extractor_fn, bat
                 side.features = extractor_fn().extract(batches, total=len(files), desc=f"inception: {name}")
             return side
         batch = open_adm_npz(path)
-    side = Side(label, stats=dict(batch.stats) if stored_stats else {},
-                num_images=0 if batch.images is None else len(batch.images),
+    side = Side(label, stats=dict(batch.stats), num_images=0 if batch.images is None else len(batch.images),
+                stats_source="stored" if batch.stats else "features",
                 image_size=None if batch.images is None else int(batch.images.shape[1]))
-    if batch.stats and stored_stats:
-        side.stats_source = "stored"
     if batch.images is not None and len(batch.images) == 0 and (need_features or not side.stats):
         raise UserError(f"{label} holds no images to evaluate (arr_0 is empty); pass an .npz with samples")
     if batch.images is not None and need_features:
@@ -99,15 +91,14 @@ class EvaluationResult:
     info: dict[str, object]
 
 
-def score(samples: Side, ref: Side, metrics=DEFAULT_METRICS, is_split_size: int = 5000, pr_k: int = 3,
-          pr_batch_size: int = 10000, fid_method: str = "sqrtm", kid_subsets: int = 100,
-          kid_subset_size: int = 1000, device: str | torch.device | None = None) -> dict[str, float]:
-    """The requested Inception metrics from two prepared sides (features and/or statistics)."""
-    options = MetricOptions(is_split_size, pr_k, pr_batch_size, fid_method, kid_subsets, kid_subset_size, device)
+def score(samples, ref, metrics=DEFAULT_METRICS, **options) -> dict[str, float]:
+    """The requested metrics, all on one feature network, from its two prepared sides (see metric_registry);
+    `options`: MetricOptions' fields."""
+    settings = MetricOptions(**options)
     out: dict[str, float] = {}
     for metric in metrics:
         if metric not in out:  # one function may give several values (precision gives recall too)
-            out.update(metric_entry(metric).compute(samples, ref, options))
+            out.update(metric_entry(metric).compute(samples, ref, settings))
     wanted = reported_values(metrics)
     return {k: v for k, v in out.items() if k in wanted}
 
@@ -148,7 +139,8 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
     if ref_metrics and ref is None:
         raise UserError(f"{', '.join(ref_metrics)} need a reference (--ref)")
     image_metrics = [m for m in metrics if METRIC_TABLE[m].needs == "reference images"]
-    if image_metrics and ref is not None and not _has_images(ref):
+    members = _npz_members(ref) if image_metrics and ref is not None else None
+    if members is not None and "arr_0" not in members:
         raise UserError(f"{', '.join(image_metrics)} need reference images but {ref} holds statistics only "
                          f"(no arr_0); pass a reference with images, or drop them from --metrics")
     extractor_fn()  # fail on bad weights before reading 50K images
@@ -208,8 +200,7 @@ def _dinov2_metrics(metrics: tuple[str, ...], samples, ref, weights, model, batc
         reference = dinov2_features(ref_batch if ref_batch is not None else ref, extractor, batch_size, size, workers,
                                     "reference")
         source = "features"
-    options = MetricOptions(fid_method=fid_method, device=device)
-    values = {k: v for m in metrics for k, v in METRIC_TABLE[m].compute(feats, reference, options).items()}
+    values = score(feats, reference, metrics, fid_method=fid_method, device=device)
     info = {"num_samples": len(feats), "samples": _describe(samples), "reference": _describe(ref),
             "dinov2_model": model, "dinov2_weights": str(Path(weights).resolve()),
             "dinov2_weights_sha256": sha256_file(weights), "dinov2_reference_statistics": source,
@@ -245,27 +236,21 @@ def compute_metrics(samples: ADMBatch | str | os.PathLike, ref: str | os.PathLik
     return evaluate(samples, ref, weights, metrics, batch_size, device, **options).metrics
 
 
+def _npz_members(source) -> set[str] | None:
+    """What an ADMBatch or an npz holds ("arr_0" for its images, its statistics' keys); None for a
+    folder (or a missing path: reading it gives the clear error)."""
+    if isinstance(source, ADMBatch):
+        return set(source.stats) | ({"arr_0"} if source.images is not None else set())
+    if Path(source).is_file():
+        with np.load(source) as data:
+            return set(data.files)
+    return None
+
+
 def has_stored_stats(ref, metrics) -> bool:
     """Does `ref` (a path or an ADMBatch) carry every statistic the given metrics can use instead of its images?"""
-    wanted = stored_stat_keys(metrics)
-    if isinstance(ref, ADMBatch):
-        stored = ref.stats
-    elif Path(ref).is_file():
-        with np.load(ref) as data:
-            stored = set(data.files)
-    else:
-        return False
-    return all(k in stored for k in wanted)
-
-
-def _has_images(ref) -> bool:
-    if isinstance(ref, ADMBatch):
-        return ref.images is not None
-    path = Path(ref)
-    if path.is_file():
-        with np.load(path) as data:
-            return "arr_0" in data.files
-    return True  # a folder (or a missing path: reading it gives the clear error)
+    members = _npz_members(ref)
+    return members is not None and set(stored_stat_keys(metrics)) <= members
 
 
 def _check_readable(source, name: str) -> None:
