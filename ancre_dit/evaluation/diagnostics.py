@@ -22,23 +22,6 @@ from ..diffusion import Objective
 from ..models import TopologyNotDefined
 
 
-def collect_states(model: torch.nn.Module, objective: Objective, x: torch.Tensor, y: torch.Tensor,
-                   draws) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """(loss, states z_0..z_K, their gradients) of one forward + backward of the objective's loss.
-    Gradients are taken for the states only: the parameters' .grad stays untouched."""
-    topology = model.topology
-    states: list[torch.Tensor] = []
-    topology.state_hook = lambda k, z: states.append(z)
-    with topology.exact_state_gradients():
-        try:
-            loss = objective.losses(model, x, y, draws)["loss"].mean()
-        finally:
-            topology.state_hook = None
-        grads = torch.autograd.grad(loss, states, allow_unused=True)
-    return loss.detach(), [s.detach() for s in states], [torch.zeros_like(s) if g is None else g for s, g in
-                                                        zip(states, grads)]
-
-
 def _rms(z: torch.Tensor) -> float:
     return float(z.float().pow(2).mean().sqrt())
 
@@ -51,13 +34,23 @@ def depth_profile(model: torch.nn.Module, objective: Objective, x: torch.Tensor,
 
 
 def _profile_and_states(model, objective, x, y, draws) -> tuple[dict[str, list[float]], list[torch.Tensor]]:
+    """The depth profile and the states z_0..z_K of one forward + backward of the objective's loss.
+    Gradients are taken for the states only: the parameters' .grad stays untouched."""
+    topology, states = model.topology, []
     was_training = model.training
     model.eval()
     try:
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            _, states, grads = collect_states(model, objective, x, y, draws)
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), topology.exact_state_gradients():
+            topology.state_hook = lambda k, z: states.append(z)
+            try:
+                loss = objective.losses(model, x, y, draws)["loss"].mean()
+            finally:
+                topology.state_hook = None
+            grads = torch.autograd.grad(loss, states, allow_unused=True)
     finally:
         model.train(was_training)
+    states = [s.detach() for s in states]
+    grads = [torch.zeros_like(s) if g is None else g for s, g in zip(states, grads)]
     cosine = [float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).mean())
               for a, b in zip(states[:-1], states[1:])]
     return {"rms": [_rms(z) for z in states], "grad_rms": [_rms(g) for g in grads], "cosine": cosine}, states

@@ -9,13 +9,12 @@ Inception does not fit 8x8 grayscale images, so generated digits are scored by:
   raw 64-d pixel space (sklearn's 0..16 scale); the real held-out digits give `real_heldout_fd`,
   the floor a perfect model reaches with that many images (the distance grows with fewer).
 
-Why this classifier: scikit-learn (already a dependency) fits it deterministically in a fraction
-of a second, so every process of every run gets the same classifier without training a network,
-seeding threads or caching weights on disk; it recognises 99% of the real held-out digits, so a
->= 95% goal on samples sits well below its ceiling; and the distance is taken on pixels, so it
-depends on no learned features at all.
-Pixel mapping: generated uint8 u in 0..255 -> u * 16 / 255 (sklearn's digits are 0..16 floats, the
-training data maps them linearly to [-1, 1] and sampling maps [-1, 1] linearly to 0..255).
+Why this classifier: scikit-learn fits it deterministically in a fraction of a second, so every
+process of every run gets the same one with no network to train, threads to seed or weights to
+cache; its 99% on real held-out digits leaves a >= 95% goal on samples well below its ceiling; and
+the distance, on pixels, depends on no learned features.
+Pixel mapping: generated uint8 u in 0..255 -> u * 16 / 255 (the training data maps sklearn's 0..16
+linearly to [-1, 1], sampling maps [-1, 1] linearly to 0..255).
 """
 from __future__ import annotations
 
@@ -24,20 +23,6 @@ from functools import lru_cache
 import numpy as np
 
 from .metrics import feature_statistics, frechet_distance
-
-_SCALE = 16.0 / 255.0
-
-
-def _pixels(images: np.ndarray) -> np.ndarray:
-    """uint8 (N, 8, 8), (N, 8, 8, 1) or (N, 8, 8, 3) (equal channels averaged) -> (N, 64) on 0..16."""
-    x = np.asarray(images)
-    if x.dtype != np.uint8:
-        raise ValueError(f"the digits metric expects uint8 images in 0..255 (as sampling writes them), got {x.dtype}")
-    if x.ndim == 4:
-        x = x.astype(np.float64).mean(axis=-1)
-    if x.ndim != 3 or x.shape[1:] != (8, 8):
-        raise ValueError(f"the digits metric expects (N, 8, 8[, 1|3]) images, got shape {np.asarray(images).shape}")
-    return x.reshape(len(x), 64).astype(np.float64) * _SCALE
 
 
 @lru_cache(maxsize=1)
@@ -73,9 +58,16 @@ def _reference() -> dict[str, object]:
 
 
 def classify(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """uint8 (N, 8, 8[, 1|3]) images, as sampling writes them -> (pixels float64 (N, 64) on 0..16,
-    predicted class (N,)): the two things `digits_metric` needs, computed part by part."""
-    pixels = _pixels(images)
+    """uint8 (N, 8, 8[, 1|3]) images (equal channels averaged) -> (pixels float64 (N, 64) on 0..16,
+    predicted class (N,)): what `digits_metric` needs, computed part by part."""
+    x = np.asarray(images)
+    if x.dtype != np.uint8:
+        raise ValueError(f"the digits metric expects uint8 images in 0..255 (as sampling writes them), got {x.dtype}")
+    if x.ndim == 4:
+        x = x.astype(np.float64).mean(axis=-1)
+    if x.ndim != 3 or x.shape[1:] != (8, 8):
+        raise ValueError(f"the digits metric expects (N, 8, 8[, 1|3]) images, got shape {np.asarray(images).shape}")
+    pixels = x.reshape(len(x), 64).astype(np.float64) * (16.0 / 255.0)
     return pixels, _classifier().predict(pixels).astype(np.int64)
 
 
@@ -98,10 +90,7 @@ def digits_reference_scores() -> dict[str, float]:
 
 
 def digits_report(images: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    """The digits metric of a batch of samples with its reference (NOT FID-50K; see the module docstring).
-
-    Keys: accuracy, pixel_fd, num_samples, chance_accuracy, real_heldout_accuracy,
-    real_heldout_pixel_fd, real_heldout_count."""
+    """The digits metric of a batch of samples with its reference (NOT FID-50K; see the module docstring)."""
     pixels, predictions = classify(images)
     scores = digits_metric(pixels, predictions, labels)
     ref = digits_reference_scores()

@@ -2,11 +2,10 @@
 
 Used by the training loop (every train.eval_every steps) and by `evaluate.py --run` (every
 checkpoint of a finished run), so both write the same numbers for the same weights:
-- samples: `num_samples` images from the given (EMA) weights per cfg scale, with a fixed seed,
-  sampler and step count, cut into parts of `batch_size` as a sampling job does (part j on process
-  j % world; a part is the same whatever the process count). Each process computes the features of
-  its parts (the digits classifier's, or Inception's); they are gathered in index order on the main
-  process, which computes the metrics;
+- samples: `num_samples` images per cfg scale from the given (EMA) weights, with a fixed seed, sampler
+  and step count, in parts of `batch_size` as a sampling job cuts them (part j on process j % world,
+  the same whatever the process count). Each process computes its parts' features (the digits
+  classifier's, Inception's, DINOv2's); the main process gathers them in index order and scores;
 - held-out loss: the training objective on fixed held-out rows (see heldout.py), sharded the same way.
 Every random draw comes from generators seeded here, inside a fork of the global RNGs: the training
 random streams are untouched, so a run with evaluation on trains the same weights as one without.
@@ -74,15 +73,14 @@ class EvaluationAbandoned(Exception):
 
 
 class Evaluator:
-    """Built once per run (checks settings, loads the classifier / Inception and the reference);
-    `evaluate(model, ...)` is collective: every process calls it, the main one gets the results."""
+    """Built once per run; `evaluate(model, ...)` is collective: every process calls it, the main
+    one gets the results."""
 
     def __init__(self, settings, *, data_kind: str, num_classes: int, objective: Objective,
                  heldout: HeldOutSet | None, decoder, state, log=print):
         self.settings, self.data_kind, self.num_classes = settings, data_kind, num_classes
         self.objective, self.heldout = objective, heldout
-        # The sampler and steps the objective uses when eval.sampler / eval.steps are null.
-        self.sampler, self.steps = resolve_sampler(objective, settings.sampler, settings.steps)
+        self.sampler, self.steps = resolve_sampler(objective, settings.sampler, settings.steps)  # null: the default
         self.decoder, self.state, self.log = decoder, state, log
         self.metrics = resolve_metrics(settings, data_kind)  # checked with the config, before the run folder existed
         self.identity = evaluation_identity(settings, data_kind)
@@ -94,7 +92,6 @@ class Evaluator:
         self._ref_side = None
         self._dinov2_ref: tuple[np.ndarray, np.ndarray] | None = None
 
-    # -- public -----------------------------------------------------------------------------
     def evaluate(self, model: torch.nn.Module, raw_model: torch.nn.Module | None = None,
                  should_stop: Callable[[], bool] | None = None) -> dict[str, Any] | None:
         """{"metrics": {...}, "reference": {...}, "seconds": s} on the main process, None elsewhere.
@@ -116,15 +113,13 @@ class Evaluator:
         return {"metrics": metrics, "reference": reference, "seconds": round(time.perf_counter() - start, 3)}
 
     def prepare_reference(self) -> None:
-        """The reference side of every metric that has one (Inception features or statistics, DINOv2
-        statistics), computed once: called at the run's start on the main process, which alone
-        scores (see build_run_evaluator)."""
+        """Computes the reference side of every metric that has one, once: called at the run's start
+        on the main process, which alone scores (see build_run_evaluator)."""
         if self.inception and self.settings.ref is not None:
             self._reference_side()
         if "dinov2" in self.features:
             self._dinov2_reference()
 
-    # -- parts ------------------------------------------------------------------------------
     def _evaluate(self, model, raw_model) -> tuple[dict[str, float], dict[str, float]]:
         metrics: dict[str, float] = {}
         reference: dict[str, float] = {}
@@ -209,7 +204,7 @@ class Evaluator:
         return get_dinov2_extractor(self.settings.dinov2_weights, self.settings.dinov2_model, self.state.device)
 
     def _dinov2_reference(self) -> tuple[np.ndarray, np.ndarray]:
-        """eval.ref's DINOv2 (mu, sigma): its stored mu_dinov2 / sigma_dinov2, else from its images (once per run)."""
+        """eval.ref's DINOv2 (mu, sigma): stored in it, else from its images (once per run)."""
         from .dinov2 import stored_dinov2_stats
         from .metrics import feature_statistics
         from .pipeline import default_batch_size, dinov2_features

@@ -8,10 +8,8 @@ uint8-valued NHWC images of any size and reads two tensors:
 torch-fidelity's `inception-v3-compat` extractor (FeatureExtractorInceptionV3) is a port of that
 graph (TF1-exact bilinear resize to 299, (x - 128) / 128): its '2048' output is `pool_3` and its
 'logits_unbiased' output is `pool_3 @ softmax/weights` (no bias), the logits ADM's IS softmaxes.
-torch-fidelity maps TF's `mixed_6/conv` to `Mixed_6d.branch1x1` (conv + batch norm + ReLU; the TF
-node of that name is the ReLU output), so a forward hook on that module gives ADM's spatial tensor;
-we take channels [:7] and flatten in (H, W, C) order so that our mu_s / sigma_s line up with the
-ones stored in ADM reference batches.
+TF's `mixed_6/conv` (a ReLU output) is torch-fidelity's `Mixed_6d.branch1x1` (conv + batch norm +
+ReLU): a forward hook there gives ADM's spatial tensor, so our mu_s / sigma_s match ADM's batches.
 """
 from __future__ import annotations
 
@@ -32,7 +30,7 @@ from ..data.adm_npz import to_rgb_uint8
 WEIGHTS_NAME = "weights-inception-2015-12-05-6726825d.pth"
 WEIGHTS_URL = "https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/" + WEIGHTS_NAME
 SPATIAL_CHANNELS = 7  # ADM keeps mixed_6/conv[..., :7]
-POOL_DIM, SPATIAL_DIM, LOGITS_DIM = 2048, SPATIAL_CHANNELS * 17 * 17, 1008
+POOL_DIM, LOGITS_DIM = 2048, 1008
 
 
 def weights_hint(problem: str) -> str:
@@ -57,10 +55,9 @@ def _build_unloaded_extractor(features: list[str]):
 
 
 def write_random_inception_weights(path: str | os.PathLike, seed: int = 0) -> Path:
-    """Writes a RANDOMLY INITIALISED weights file with the structure of the real one (for tests
-    and benchmarks only: numbers computed with it mean nothing). He-normal convolutions and
-    identity batch norms keep activations of order one through all 94 layers, so features of
-    different images differ measurably."""
+    """Writes a RANDOMLY INITIALISED weights file shaped like the real one (tests and benchmarks
+    only: its numbers mean nothing). He-normal convolutions and identity batch norms keep
+    activations of order one through all 94 layers, so different images' features differ."""
     model = _build_unloaded_extractor(["2048"])
     gen = torch.Generator().manual_seed(seed)
     state = {}
@@ -154,17 +151,14 @@ class InceptionExtractor:
     def extract(self, batches: Iterable[np.ndarray], total: int | None = None,
                 desc: str = "inception features") -> InceptionFeatures:
         """Runs every uint8 NHWC batch through the network with a progress bar (`total` images)."""
-        pools, spatials, logits = [], [], []
+        parts = []  # (pool, spatial, logits) per batch
         with tqdm(total=total, desc=desc, unit="img", dynamic_ncols=True) as bar:
             for images in batches:
-                p, s, l = self.batch(images)
-                pools.append(p)
-                spatials.append(s)
-                logits.append(l)
+                parts.append(self.batch(images))
                 bar.update(len(images))
-        if not pools:
+        if not parts:
             raise UserError(f"no images to evaluate ({desc})")
-        return InceptionFeatures(torch.cat(pools).numpy(), torch.cat(spatials).numpy(), torch.cat(logits).numpy())
+        return InceptionFeatures(*(torch.cat(column).numpy() for column in zip(*parts)))
 
 
 def iterate_batches(images: np.ndarray, batch_size: int) -> Iterator[np.ndarray]:

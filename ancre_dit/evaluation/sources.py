@@ -95,18 +95,8 @@ class ImageFolderBatches:
                              f"image; pass an image size so every image is center-cropped to one size")
         return image
 
-    @property
-    def first_shape(self) -> tuple[int, ...]:
-        if not hasattr(self, "_first_shape"):
-            self._first_shape = load_rgb(self.files[0], self.image_size).shape
-        return self._first_shape
-
     def __iter__(self) -> Iterator[np.ndarray]:
         from torch.utils.data import DataLoader
 
-        self.first_shape  # noqa: B018 - computed once, before workers start
-        yield from DataLoader(self, batch_size=self.batch_size, num_workers=self.workers, collate_fn=_stack)
-
-
-def _stack(items: list[np.ndarray]) -> np.ndarray:
-    return np.stack(items)
+        self.first_shape = load_rgb(self.files[0], self.image_size).shape  # read once, before workers start
+        yield from DataLoader(self, batch_size=self.batch_size, num_workers=self.workers, collate_fn=np.stack)
