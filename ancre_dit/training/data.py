@@ -1,11 +1,9 @@
 """Data adapters for training (digits, latents, images) and the resumable data order.
 
 The order of samples is a pure function of (seed, epoch): a seeded permutation per epoch, cut into
-global batches, each global batch split across ranks and accumulation steps. The trainer saves
-(epoch, offset) in checkpoints, so a resumed run reads exactly the batches the straight run would.
-All per-sample randomness (flips, posterior draws) happens in the training step from the trainer's
-saved generator, not in DataLoader workers. With REPA on, `prepare_batch` also returns the clean
-image its encoder sees, flipped as the training example is.
+global batches, each split across ranks and accumulation steps. Checkpoints save (epoch, offset), so
+a resumed run reads exactly the batches the straight run would. All per-sample randomness (flips,
+posterior draws) happens in the training step from the trainer's saved generator, not in workers.
 """
 from __future__ import annotations
 
@@ -45,9 +43,8 @@ class DataInfo:
 
 
 class _ImageFolderArrays(Dataset):
-    """A class-folder tree (ancre_dit.data.image_folder's listing) -> (float32 (3, S, S) in [-1, 1],
-    label), ADM's center crop, no random flip (the trainer flips with its own generator so resumed
-    runs repeat the draws)."""
+    """A class-folder tree -> (float32 (3, S, S) in [-1, 1], label), ADM's center crop, no random flip
+    (the trainer flips with its own generator so resumed runs repeat the draws)."""
 
     def __init__(self, root: str, image_size: int):
         self.images = list_image_folder(root, require_classes=True)
@@ -79,8 +76,8 @@ def check_data_path(d: DataConfig, found: Callable[..., bool]) -> None:
 
 
 def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
-    """Opens the dataset named by config.data and checks that the model's patch size (default: that
-    of config.model.name) fits it."""
+    """Opens the dataset of config.data and checks that the model's patch size (default: that of
+    config.model.name) divides it."""
     d = config.data
     if patch_size is None:
         patch_size = DIT_MODELS[config.model.name][1]
@@ -132,9 +129,8 @@ def check_enough_samples(num_samples: int, global_batch: int, where: str) -> Non
 
 def load_latents_in_memory(info: DataInfo, accelerator, run_dir: Path) -> None:
     """data.in_memory: one copy of the latents per node, shared by its local ranks. The node's first
-    rank fills files on a memory filesystem (/dev/shm), the others map the same files, and the names
-    are removed once all have mapped them (the mappings stay), so nothing is left behind even by a
-    crash. Every rank checks the node's free memory for that one copy before anything is allocated,
+    rank fills files in /dev/shm, the others map them, and the names are removed once all have mapped
+    them, so not even a crash leaves anything behind. Every rank checks the node's free memory first,
     and all refuse together when any cannot (no rank is left waiting in a collective)."""
     ds = info.latents
     problem = ds.memory_problem()
@@ -168,8 +164,7 @@ def load_latents_in_memory(info: DataInfo, accelerator, run_dir: Path) -> None:
 
 def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
     """(training set, held-out set): eval.val_path's latents, or the last eval.heldout_from_train
-    training latents, which training then skips (decided by the config alone, so runs with and
-    without evaluation see the same data)."""
+    training latents, which training then skips (whether or not the run evaluates)."""
     e = config.eval
     if e.val_path:
         from ..data.latent_shards import LatentShardDataset
@@ -188,10 +183,9 @@ def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
 
 def prepare_batch(info: DataInfo, batch: tuple, device: torch.device, generator: torch.Generator,
                   clean_images: bool = False) -> tuple[torch.Tensor, ...]:
-    """Moves a batch to `device` and applies the per-step random augmentation from `generator`:
-    flip + posterior draw for latents, a horizontal flip for image folders. Returns (x, y), and with
-    `clean_images` (REPA) also the clean image in [0, 255] (float (N, C, H, W)) flipped as x is: the
-    stored crop for latents, x itself in pixel space. The draws are the same either way."""
+    """Moves a batch to `device` with the step's random augmentation from `generator` (flip + posterior
+    draw for latents, a flip for image folders) -> (x, y), and with `clean_images` (REPA) also the
+    clean image in [0, 255], flipped as x is. The draws are the same either way."""
     x, y, *stored = batch  # latents read with their clean images: (moments, labels, images)
     images = stored[0] if stored else None
     x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -219,32 +213,23 @@ def prepare_batch(info: DataInfo, batch: tuple, device: torch.device, generator:
 class GlobalBatchSampler(torch.utils.data.Sampler):
     """Infinite stream of this rank's micro-batches, starting at (epoch, offset).
 
-    Epoch e is `randperm(n)` seeded by (seed, e); global batch s covers positions
-    [s*B, (s+1)*B) of it (an incomplete last batch is dropped); rank r takes the r-th of
-    `world` equal slices and cuts it into `accum` micro-batches. The union over ranks and
-    accumulation steps is the same global batch whatever the process layout.
+    Epoch e is `randperm(n)` seeded by (seed, e); global batch s covers positions [s*B, (s+1)*B) of
+    it (an incomplete last batch is dropped); rank r takes the r-th of `world` equal slices and cuts
+    it into `accum` micro-batches: the same global batches whatever the process layout.
     """
 
     def __init__(self, num_samples: int, global_batch: int, world: int, rank: int, accum: int, seed: int,
                  epoch: int = 0, offset: int = 0):
         check_enough_samples(num_samples, global_batch, "the sampler's dataset")
-        self.n, self.B, self.world, self.rank, self.accum, self.seed = num_samples, global_batch, world, rank, accum, seed
+        self.n, self.B, self.rank, self.accum, self.seed = num_samples, global_batch, rank, accum, seed
         self.micro = global_batch // (world * accum)
         self.epoch, self.offset = epoch, offset
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self.n // self.B
-
-    def permutation(self, epoch: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(self.n, generator=g)
 
     def __iter__(self) -> Iterator[list[int]]:
         epoch, start = self.epoch, self.offset // self.B
         while True:
-            perm = self.permutation(epoch)
-            for s in range(start, self.batches_per_epoch):
+            perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + epoch))
+            for s in range(start, self.n // self.B):
                 base = s * self.B + self.rank * self.micro * self.accum
                 for k in range(self.accum):
                     yield perm[base + k * self.micro: base + (k + 1) * self.micro].tolist()
@@ -265,8 +250,8 @@ def collate(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.
 
 
 class _BatchReads(Dataset):
-    """`reads[indices]` -> `dataset.get_batch(indices)`: with `batch_size=None` the DataLoader hands
-    each worker a whole micro-batch of indices, which the latent shards read in one pass per file."""
+    """`reads[indices]` -> `dataset.get_batch(indices)`: the DataLoader (batch_size=None) hands each
+    worker a whole micro-batch, which the latent shards read in one pass per file."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
@@ -284,9 +269,8 @@ class _SubsetBatches(Subset):
 
 def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool
                 ) -> torch.utils.data.DataLoader:
-    """The training DataLoader over `sampler`'s micro-batches (an iterable of (x, y), with REPA's
-    images third). A dataset with `get_batch` (the latent shards) is read a micro-batch per call,
-    others a sample at a time, then `collate`."""
+    """The training DataLoader over `sampler`'s micro-batches ((x, y), with REPA's images third); a
+    dataset with `get_batch` (the latent shards) is read a micro-batch per call."""
     # A private generator: DataLoader would otherwise draw its worker base seed from the
     # global RNG, which the model's label dropout uses, and break exact resume.
     # worker_signal_handlers: a stop signal sent to the process group must not kill the workers
@@ -301,9 +285,8 @@ def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, p
 
 
 def nonfinite_rows(info: DataInfo, global_batch: int, seed: int, position: tuple[int, int]) -> str:
-    """Which samples of the global batch drawn at data position `position` = (epoch, offset) hold
-    non-finite values (shard file and row for latents), read again from the dataset: the non-finite
-    guard's report names them."""
+    """Which samples of the global batch drawn at `position` = (epoch, offset) hold non-finite values
+    (shard file and row for latents), read again from the dataset for the non-finite guard's report."""
     dataset = info.dataset
     describe_row = getattr(dataset, "describe_row", None)  # latent shards name file and row
     found = []
@@ -321,5 +304,3 @@ def describe(info: DataInfo) -> str:
     return (f"{info.kind}: {len(info.dataset)} samples, {info.num_classes} classes, model input "
             f"{info.in_channels}x{info.input_size}x{info.input_size}")
 
-
-__all__ = ["DataInfo", "build_data", "prepare_batch", "GlobalBatchSampler", "advance_position", "make_loader", "describe"]

@@ -1,10 +1,9 @@
 """The periodic work of a training run, as tasks the loop runs when due: EMA sample grids, depth
 diagnostics (diagnostics.jsonl), the evaluation (evals.jsonl), checkpoints (with the topology snapshot).
 
-Tasks see a `RunContext`, the narrow slice of the run they may use (its folder, config, processes,
-models, objective, progress and a `save` callback), never the trainer itself, and never draw from
-the training random streams. After every optimizer step the loop calls `task.maybe_run(ctx)` for
-each task in order, and `task.finish(ctx, stopped)` once at the end.
+Tasks see a `RunContext`, the slice of the run they may use, never the trainer itself, and never
+draw from the training random streams. After every optimizer step the loop calls `task.maybe_run(ctx)`
+for each task in order, and `task.finish(ctx, stopped)` once at the end.
 """
 from __future__ import annotations
 
@@ -52,8 +51,7 @@ class RunContext:
     _decoder: Any = field(default=None, repr=False)
 
     def decoder(self):
-        """Samples -> uint8 images: the run's VAE for latent runs (loaded once, shared by the grids and
-        the evaluation), a rescale for pixel-space runs."""
+        """Samples -> uint8 images (the run's VAE, loaded once and shared by grids and evaluation)."""
         if self._decoder is None:
             from ..sampling.decode import build_decoder
             self._decoder = build_decoder(self.data_spec, self.data.in_channels, device=self.accelerator.device)
@@ -90,10 +88,7 @@ class PeriodicTask:
 class SampleGridTask(PeriodicTask):
     """An EMA sample grid (main process only) to RUN/samples/<step>.png."""
     name = "sample grids"
-
-    def __init__(self, every: int):
-        super().__init__(every)
-        self._disabled = False
+    _disabled = False
 
     def due(self, ctx: RunContext) -> bool:
         return super().due(ctx) and ctx.accelerator.is_main_process and not self._disabled
@@ -146,8 +141,7 @@ class EvaluationTask(PeriodicTask):
         return super().due(ctx) and ctx.progress.step not in self.done
 
     def start(self, ctx: RunContext) -> None:
-        """A resumed run whose checkpoint step is due but unevaluated (a stop abandoned that
-        evaluation) evaluates it before training on."""
+        """A resumed step that is due but unevaluated (a stop abandoned it) is evaluated first."""
         step = ctx.progress.step
         if step and super().due(ctx) and step not in self.done:
             ctx.log.info("step %d: the evaluation a stop abandoned runs now", step)
@@ -189,17 +183,16 @@ DIAGNOSTICS_PLOT = "diagnostics.png"
 
 
 class DiagnosticsTask(PeriodicTask):
-    """Every train.log_every steps on the main process: the depth diagnostics of the raw model on a
-    fixed probe batch (16 held-out examples, fixed noise and times) and the routing's own, to
-    RUN/logs/diagnostics.jsonl and TensorBoard; RUN/diagnostics.png drawn at the end."""
+    """Every train.log_every steps on the main process: the raw model's depth diagnostics on a fixed
+    probe batch (16 held-out examples, fixed noise and times) and the routing's, to
+    RUN/logs/diagnostics.jsonl and TensorBoard; RUN/diagnostics.png at the end."""
     name = "diagnostics"
     PROBE_SIZE = 16
 
     def __init__(self, ctx: RunContext):
         from ..evaluation.diagnostics import RoutingWatch
 
-        c = ctx.config.train
-        super().__init__(c.log_every if c.diagnostics else 0)
+        super().__init__(ctx.config.train.log_every if ctx.config.train.diagnostics else 0)
         self.watch = RoutingWatch()
         self.probe = None
 
@@ -221,10 +214,10 @@ class DiagnosticsTask(PeriodicTask):
         record = {"step": step, **depth_profile(ctx.raw_model, ctx.objective, x, y, (t, noise)),
                   **self.watch.look(ctx.ema_model, ctx.raw_model)}
         append_jsonl(ctx.run_dir / "logs" / DIAGNOSTICS_FILE, record)
-        tracked = {f"diagnostics/{name}": value for name, value in record.items() if not isinstance(value, list)}
+        tracked = {f"diagnostics/{name}": value for name, value in record.items()
+                   if name != "step" and not isinstance(value, list)}
         for name in ("rms", "grad_rms", "cosine"):
             tracked.update({f"diagnostics/{name}_{k}": v for k, v in enumerate(record[name])})
-        tracked.pop("diagnostics/step")
         ctx.accelerator.log(tracked, step=step)
         return record
 
@@ -239,10 +232,9 @@ class DiagnosticsTask(PeriodicTask):
 
 
 class SparsifyTopologyTask(PeriodicTask):
-    """Sparse ANCRe: after train.topology_sparsify_step, each block keeps its model.topology_topk
-    strongest incoming edges of the training weights, and the EMA copy keeps the same ones. Runs on
-    every process (the choice is a function of the weights, equal on all of them), before the
-    checkpoint of that step, so the checkpoint holds the kept edges."""
+    """Sparse ANCRe: at train.topology_sparsify_step each block keeps its model.topology_topk strongest
+    incoming edges of the training weights, the EMA copy the same ones. Runs on every process (the
+    choice is a function of the weights, equal on all), before that step's checkpoint."""
     name = "topology sparsify"
 
     def __init__(self, step: int):
@@ -253,7 +245,7 @@ class SparsifyTopologyTask(PeriodicTask):
         return ctx.progress.step == self.step
 
     def start(self, ctx: RunContext) -> None:
-        """A run stopped right after the switch step but before its tasks ran switches now."""
+        """A run stopped after the switch step but before its tasks ran switches now."""
         if ctx.progress.step >= self.step and not ctx.raw_model.topology.is_sparse:
             self.run(ctx)
 
@@ -281,8 +273,7 @@ class CheckpointTask(PeriodicTask):
 
 
 def build_tasks(ctx: RunContext) -> list[PeriodicTask]:
-    """In the order they run at a step: sparsify, grid, diagnostics, evaluation, checkpoint (so a checkpoint
-    follows its evaluation)."""
+    """In the order they run at a step (a checkpoint follows its evaluation)."""
     c = ctx.config.train
     tasks: list[PeriodicTask] = [SampleGridTask(c.sample_every), DiagnosticsTask(ctx)]
     if c.topology_sparsify_step:  # first: the grid, diagnostics and checkpoint of that step see the sparse topology

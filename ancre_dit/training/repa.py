@@ -2,15 +2,14 @@
 state after block `repa.depth`, projected by a small trained MLP, point the way a frozen pretrained
 encoder's patch tokens of the clean image do (negative cosine similarity, token by token).
 
-The state is read through the topology's `state_hook` (z_k, the state fed to block k + 1, for every
-topology: the aggregated state for routed ones), attached for the training forward only. The hook
-is one `StateTap` for the whole run: torch.compile traces the call into its graph (one graph, no
-break) and guards on the hook's identity, so a new object each step would recompile every step.
+The state is read through the topology's `state_hook` (z_k, the state fed to block k + 1; the
+aggregated state for routed topologies), attached for the training forward only. The hook is one
+`StateTap` for the whole run: torch.compile traces the call into its graph and guards on the hook's
+identity, so a new object each step would recompile every step.
 
-The encoder is loaded from a local file only (nothing is downloaded), checked strictly against the
-architecture its name builds, frozen (eval mode, no gradients, run under no_grad), and fed images
-resized so that its patch grid is the DiT's token grid. The projector is trained with the model but
-is not part of it: the sampled model files stay what they are without REPA.
+The encoder is loaded from a local file only, checked strictly against the architecture its name
+builds, frozen, and fed images resized so that its patch grid is the DiT's token grid. The projector
+is trained with the model but is not part of it: the sampled model files are the same without REPA.
 """
 from __future__ import annotations
 
@@ -57,8 +56,8 @@ class StateTap:
 
 
 def make_projector(hidden_size: int, projector_dim: int, encoder_dim: int) -> nn.Sequential:
-    """REPA's projector, Linear(d, P) SiLU Linear(P, P) SiLU Linear(P, encoder_dim), initialised as
-    DiT initialises its linears (xavier-uniform weights, zero biases)."""
+    """REPA's projector, Linear(d, P) SiLU Linear(P, P) SiLU Linear(P, encoder_dim), with DiT's init
+    of linears (xavier-uniform weights, zero biases)."""
     layers = nn.Sequential(nn.Linear(hidden_size, projector_dim), nn.SiLU(), nn.Linear(projector_dim, projector_dim),
                            nn.SiLU(), nn.Linear(projector_dim, encoder_dim))
     for layer in layers:
@@ -98,14 +97,12 @@ class FrozenEncoder(nn.Module):
         return super().train(False)  # dropout / drop-path stay off whatever the caller asks
 
     def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        """[0, 255] images -> the encoder's input: 3 channels, resized to `resolution`, normalised by
-        the encoder's mean / std.
+        """[0, 255] images -> the encoder's input: 3 channels, resized to `resolution`, normalised.
 
-        The image is resized, not the features interpolated afterwards, so that each encoder patch
-        covers exactly the image area of one DiT patch and token i of both grids describes the same
-        region (for DINOv2-B/14 under a 256 px DiT-B/2: 16 x 16 patches of 14 px at 224 px, each
-        the area of a 16 px DiT patch). Downsizing antialiases, as the encoder's own (PIL)
-        preprocessing did when it was trained."""
+        The image is resized, not the features interpolated, so that each encoder patch covers the
+        area of one DiT patch and token i of both grids describes the same region (DINOv2-B/14 under a
+        256 px DiT-B/2: 16 x 16 patches of 14 px at 224 px). Downsizing antialiases, as the encoder's
+        own (PIL) preprocessing did when it was trained."""
         x = images.float() / 255.0
         if x.shape[1] == 1:  # grey (the digits): the same value in R, G and B
             x = x.expand(-1, 3, -1, -1)
@@ -133,9 +130,9 @@ def _create(cfg: RepaConfig, **extra: Any) -> nn.Module:
 
 
 def encoder_resolution(cfg: RepaConfig, grid: int) -> int:
-    """The encoder's input side: the DiT token grid x the encoder's patch size, or the configured one,
-    which must give the same grid. The patch size comes from building the encoder on the meta device
-    (no memory, no weights), or on the CPU for a model whose construction needs real tensors."""
+    """The encoder's input side: the DiT token grid x the encoder's patch size, or the configured one
+    (which must give the same grid). The patch size comes from building the encoder on the meta
+    device, or on the CPU for a model whose construction needs real tensors."""
     with torch.random.fork_rng(devices=[]):  # the training streams do not move
         try:
             with torch.device("meta"):
@@ -161,9 +158,8 @@ def encoder_resolution(cfg: RepaConfig, grid: int) -> int:
 
 def build_encoder(cfg: RepaConfig, grid: int, device: torch.device | str = "cpu", bf16: bool = False,
                   load_weights: bool = True) -> FrozenEncoder:
-    """The frozen encoder for a DiT with a `grid` x `grid` token grid, weights from cfg.encoder_weights
-    (the config's checks said the file is there); `load_weights=False` keeps the random init (for
-    benchmarks, which time the architecture)."""
+    """The frozen encoder for a `grid` x `grid` DiT token grid, weights from cfg.encoder_weights;
+    `load_weights=False` keeps the random init (benchmarks time the architecture)."""
     resolution = encoder_resolution(cfg, grid)
     with torch.random.fork_rng(devices=[]):  # its random init (overwritten) must not move the training streams
         model = _create(cfg, img_size=resolution)
@@ -177,8 +173,8 @@ def build_encoder(cfg: RepaConfig, grid: int, device: torch.device | str = "cpu"
 
 
 class RepaAlignment:
-    """What a REPA run holds besides the model: the frozen encoder, the projector (trained, saved
-    with the optimizer state and as its own file, never sampled) and the tap on the trunk."""
+    """What a REPA run holds besides the model: the frozen encoder, the projector (trained, saved as
+    its own file, never sampled) and the tap on the trunk."""
 
     PROJECTOR_FILE = "repa_projector.safetensors"
 
@@ -191,35 +187,21 @@ class RepaAlignment:
             self.projector = make_projector(hidden_size, cfg.projector_dim, self.encoder.dim).to(device)
         self.tap = StateTap(cfg.depth)
 
-    def check_checkpoint(self, folder: Path) -> None:
-        """Before a resume: the checkpoint's projector has this run's shapes (else Accelerate would
-        fail deep inside with a size mismatch)."""
-        from safetensors import safe_open  # shapes from the header (the file was checked sound with its checkpoint)
-
-        with safe_open(str(Path(folder) / self.PROJECTOR_FILE), framework="pt") as f:
-            saved = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        own = {k: tuple(v.shape) for k, v in self.projector.state_dict().items()}
-        if saved != own:
-            diff = next((k for k in own if saved.get(k) != own[k]), next(iter(saved), ""))
-            raise UserError(f"--resume {folder}: its REPA projector has {diff} {saved.get(diff)}, this config's "
-                            f"{own.get(diff)} (repa.projector_dim or repa.encoder differ); resume with the run's config")
-
     def settings(self, cfg: RepaConfig) -> dict[str, Any]:
         """What a REPA checkpoint must be resumed with (the loss weight may change between launches)."""
         return {"depth": cfg.depth, "encoder": cfg.encoder, "encoder_kwargs": dict(cfg.encoder_kwargs),
                 "projector_dim": cfg.projector_dim, "encoder_resolution": self.encoder.resolution}
 
     def loss(self, projector: nn.Module, images: torch.Tensor) -> torch.Tensor:
-        """The unweighted REPA loss of the state the tap caught in the forward just run;
-        `projector` is self.projector as the trainer prepared it (wrapped for several processes)."""
+        """The unweighted REPA loss of the state the tap caught; `projector` is self.projector as the
+        trainer prepared it (wrapped for several processes)."""
         z = self.tap.take()
         return alignment_loss(projector(z), self.encoder(images))
 
 
 def check_repa_settings(r: RepaConfig, found: Callable[[str, str], bool]) -> None:
     """At config load, REPA on: an encoder timm knows, its weights a local file (`found(key, path)`:
-    whether it exists, or counts as found where paths are not checked). The token grids and the
-    weights' fit to the encoder are checked when the trainer builds it."""
+    whether it exists, or counts as found where paths are not checked)."""
     if not r.weight:
         return
     import timm
@@ -252,7 +234,7 @@ def build_repa(cfg: RepaConfig, model: nn.Module, input_size: int, device: torch
 
 def check_resume(folder: Path, state: dict[str, Any], repa: RepaAlignment | None, cfg: RepaConfig) -> None:
     """Before a resume: the checkpoint was trained with REPA exactly when this config uses it, with the
-    same settings and projector shapes; one line naming the difference otherwise."""
+    same settings and projector shapes (else Accelerate would fail deep inside with a size mismatch)."""
     with_repa = (folder / RepaAlignment.PROJECTOR_FILE).is_file()
     run_config = folder.parent.parent / "config.yaml"
     if with_repa != (repa is not None):
@@ -261,7 +243,15 @@ def check_resume(folder: Path, state: dict[str, Any], repa: RepaAlignment | None
                         f"start a new run_dir")
     if repa is None:
         return
-    repa.check_checkpoint(folder)
+    from safetensors import safe_open  # shapes from the header (the file was checked sound with its checkpoint)
+
+    with safe_open(str(folder / RepaAlignment.PROJECTOR_FILE), framework="pt") as f:
+        saved_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    shapes = {k: tuple(v.shape) for k, v in repa.projector.state_dict().items()}
+    if saved_shapes != shapes:
+        diff = next((k for k in shapes if saved_shapes.get(k) != shapes[k]), next(iter(saved_shapes), ""))
+        raise UserError(f"--resume {folder}: its REPA projector has {diff} {saved_shapes.get(diff)}, this config's "
+                        f"{shapes.get(diff)} (repa.projector_dim or repa.encoder differ); resume with the run's config")
     saved, own = state.get("repa"), repa.settings(cfg)
     diffs = [f"repa.{k} {saved.get(k)!r} in the checkpoint, {own[k]!r} in the config"
              for k in own if saved is not None and json.loads(json.dumps(saved.get(k))) != json.loads(json.dumps(own[k]))]
@@ -269,6 +259,3 @@ def check_resume(folder: Path, state: dict[str, Any], repa: RepaAlignment | None
         raise UserError(f"--resume {folder} was trained with other REPA settings ({'; '.join(diffs)}); resume with "
                         f"the config the run was started with ({run_config}), or start a new run_dir")
 
-
-__all__ = ["RepaAlignment", "FrozenEncoder", "StateTap", "alignment_loss", "build_encoder", "build_repa", "check_repa_settings", "check_resume",
-           "encoder_resolution", "make_projector"]
