@@ -15,8 +15,8 @@ what differs between two seeds cancels in a pair:
 - final - baseline: the difference of final values, seed by seed, with the t interval of its mean;
 - the verdict reads the interval (see `verdict`).
 
-A mean curve over seeds crossing the first group's mean would mix seeds that never reach the target
-with seeds that do and give no interval: that is why the targets and the ratios are per seed.
+The targets and ratios are per seed because a mean curve crossing the baseline's mean would mix
+seeds that never reach the target with seeds that do, and give no interval.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ import numpy as np
 from ..errors import UserError
 from ..evaluation.metric_registry import is_heldout_part, lower_is_better as is_lower_better
 from ..evaluation.stats import MeanInterval, mean_t_interval
-from .run_curves import AXES, FLOPS_AXIS, Group, Run, group_runs, load_run
+from .run_curves import AXES, FLOPS_AXIS, Group, Run, Series, group_runs, load_run
 
 LEVEL = 0.95
 
@@ -43,7 +43,7 @@ def steps_to_target(steps: np.ndarray, values: np.ndarray, target: float, lower_
     return int(steps[hits[0]]) if len(hits) else None
 
 
-def interval_curve(group: Group, metric: str, axis: str = "step", level: float = LEVEL
+def interval_curve(group: Group, metric: str, axis: str = "step"
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
     """(x, mean over the group's runs, half width of the Student-t interval of that mean, or None
     for a single run) at every step all members have; None when a member lacks the metric."""
@@ -53,7 +53,7 @@ def interval_curve(group: Group, metric: str, axis: str = "step", level: float =
     x, values = found
     if len(group.runs) < 2:
         return x, values[0], None
-    columns = [mean_t_interval(values[:, k], level) for k in range(values.shape[1])]
+    columns = [mean_t_interval(column, LEVEL) for column in values.T]
     return x, np.array([c.mean for c in columns]), np.array([c.high - c.mean for c in columns])
 
 
@@ -100,30 +100,36 @@ class PairedSpeedup:
         return sum(s.arm_steps is not None for s in self.seeds)
 
 
-def _by_seed(runs: Sequence[Run]) -> dict[int, Run]:
-    out: dict[int, Run] = {}
-    for run in runs:
-        if run.seed is None:
-            raise UserError(f"{run.path}/config.yaml gives no train.seed; seed-paired statistics need it")
-        if run.seed in out:
-            raise UserError(f"runs {out[run.seed].path} and {run.path} share train.seed={run.seed}; a seed-paired "
-                            f"comparison needs one run per seed")
-        out[run.seed] = run
-    return out
+def _pairs(baseline: Sequence[Run], arm: Sequence[Run], metric: str) -> list[tuple[int, Series, Series]]:
+    """(seed, baseline's series, arm's series) of every seed both sides have the metric for."""
+    def by_seed(runs: Sequence[Run]) -> dict[int, Run]:
+        out: dict[int, Run] = {}
+        for run in runs:
+            if run.seed is None:
+                raise UserError(f"{run.path}/config.yaml gives no train.seed; seed-paired statistics need it")
+            if run.seed in out:
+                raise UserError(f"runs {out[run.seed].path} and {run.path} share train.seed={run.seed}; a "
+                                f"seed-paired comparison needs one run per seed")
+            out[run.seed] = run
+        return out
+
+    base_runs, arm_runs = by_seed(baseline), by_seed(arm)
+    pairs = []
+    for seed in sorted(set(base_runs) & set(arm_runs)):
+        base, other = base_runs[seed].series.get(metric), arm_runs[seed].series.get(metric)
+        if base is not None and other is not None and len(base.step) and len(other.step):
+            pairs.append((seed, base, other))
+    return pairs
 
 
-def paired_speedup(baseline: Sequence[Run], arm: Sequence[Run], metric: str, level: float = LEVEL,
-                   target: float | None = None) -> PairedSpeedup | None:
+def paired_speedup(baseline: Sequence[Run], arm: Sequence[Run], metric: str, target: float | None = None
+                   ) -> PairedSpeedup | None:
     """Steps to the target and their ratio, seed by seed (see the module docstring); the target of
     each seed is the baseline's final value unless `target` is given. None when no seed has the
     metric on both sides."""
     lower = is_lower_better(metric)
-    base_runs, arm_runs = _by_seed(baseline), _by_seed(arm)
     seeds: list[SeedSpeedup] = []
-    for seed in sorted(set(base_runs) & set(arm_runs)):
-        base, other = base_runs[seed].series.get(metric), arm_runs[seed].series.get(metric)
-        if base is None or other is None or not len(base.step) or not len(other.step):
-            continue
+    for seed, base, other in _pairs(baseline, arm, metric):
         goal = float(base.value[-1]) if target is None else float(target)
         base_steps = steps_to_target(base.step, base.value, goal, lower)
         arm_steps = steps_to_target(other.step, other.value, goal, lower)
@@ -135,24 +141,18 @@ def paired_speedup(baseline: Sequence[Run], arm: Sequence[Run], metric: str, lev
         return None
     geomean = low = high = None
     if all(s.speedup is not None for s in seeds):
-        logs = mean_t_interval([math.log(s.speedup) for s in seeds], level)
+        logs = mean_t_interval([math.log(s.speedup) for s in seeds], LEVEL)
         geomean = math.exp(logs.mean)
         if logs.low is not None:
             low, high = math.exp(logs.low), math.exp(logs.high)
-    return PairedSpeedup(metric, lower, seeds, geomean, low, high, level, target)
+    return PairedSpeedup(metric, lower, seeds, geomean, low, high, LEVEL, target)
 
 
-def paired_difference(baseline: Sequence[Run], arm: Sequence[Run], metric: str, level: float = LEVEL
-                      ) -> MeanInterval | None:
+def paired_difference(baseline: Sequence[Run], arm: Sequence[Run], metric: str) -> MeanInterval | None:
     """Final value of the arm minus the baseline's, seed by seed, with the t interval of its mean
     (None when no seed has the metric on both sides)."""
-    base_runs, arm_runs = _by_seed(baseline), _by_seed(arm)
-    diffs = []
-    for seed in sorted(set(base_runs) & set(arm_runs)):
-        a, b = final_value(arm_runs[seed], metric), final_value(base_runs[seed], metric)
-        if a is not None and b is not None:
-            diffs.append(a[1] - b[1])
-    return mean_t_interval(diffs, level) if diffs else None
+    diffs = [float(other.value[-1]) - float(base.value[-1]) for _, base, other in _pairs(baseline, arm, metric)]
+    return mean_t_interval(diffs, LEVEL) if diffs else None
 
 
 def _x(v: float) -> str:
@@ -202,8 +202,8 @@ class MetricRow:
     verdict: str
 
 
-def metric_rows(groups: Sequence[Group], metric: str, baseline_of: Callable[[str], str], target: float | None = None,
-                level: float = LEVEL) -> list[MetricRow]:
+def metric_rows(groups: Sequence[Group], metric: str, baseline_of: Callable[[str], str], target: float | None = None
+                ) -> list[MetricRow]:
     """A row per group that has the metric; `baseline_of(label)` names the group it is compared
     with (itself for a baseline), `target` replaces the baseline's final values when given."""
     by_label = {g.label: g for g in groups}
@@ -213,7 +213,7 @@ def metric_rows(groups: Sequence[Group], metric: str, baseline_of: Callable[[str
         if not finals:
             continue
         row = MetricRow(group.label, len(finals), max(step for step, _ in finals),
-                        mean_t_interval([v for _, v in finals], level), None, None, "baseline")
+                        mean_t_interval([v for _, v in finals], LEVEL), None, None, "baseline")
         base_label = baseline_of(group.label)
         base = by_label.get(base_label)
         if group.label == base_label:
@@ -221,19 +221,19 @@ def metric_rows(groups: Sequence[Group], metric: str, baseline_of: Callable[[str
         elif base is None:
             row.verdict = "the baseline has no finished run yet"
         else:
-            row.difference = paired_difference(base.runs, group.runs, metric, level)
-            row.speedup = paired_speedup(base.runs, group.runs, metric, level, target)
+            row.difference = paired_difference(base.runs, group.runs, metric)
+            row.speedup = paired_speedup(base.runs, group.runs, metric, target)
             row.verdict = verdict(row.speedup) if row.speedup is not None else "no seed paired with the baseline"
         rows.append(row)
     return rows
 
 
-def step_intervals(groups: Sequence[Group], metric: str, level: float = LEVEL
+def step_intervals(groups: Sequence[Group], metric: str
                    ) -> dict[str, dict[int, tuple[float, float | None, float | None]]]:
     """group -> step -> (mean, low, high) over the group's seeds (low/high None for one run)."""
     out = {}
     for group in groups:
-        curve = interval_curve(group, metric, "step", level)
+        curve = interval_curve(group, metric)
         if curve is not None:
             x, mean, half = curve
             halves = half if half is not None else [None] * len(x)
@@ -242,22 +242,20 @@ def step_intervals(groups: Sequence[Group], metric: str, level: float = LEVEL
     return out
 
 
-def interval_summary(mi: MeanInterval | None) -> dict[str, Any] | None:
-    return None if mi is None else {"mean": mi.mean, "low": mi.low, "high": mi.high, "n": mi.n}
-
-
 def row_summary(row: MetricRow) -> dict[str, Any]:
     """A row as summary.json records it (the per-seed steps and speedups included)."""
+    def interval(mi: MeanInterval | None) -> dict[str, Any] | None:
+        return None if mi is None else {"mean": mi.mean, "low": mi.low, "high": mi.high, "n": mi.n}
+
     speedup = row.speedup
-    return {"seeds": row.seeds, "final": interval_summary(row.final), "difference": interval_summary(row.difference),
+    return {"seeds": row.seeds, "final": interval(row.final), "difference": interval(row.difference),
             "verdict": row.verdict,
             "speedup": None if speedup is None else {"geomean": speedup.geomean, "low": speedup.low,
                                                      "high": speedup.high, "per_seed": [vars(s) for s in speedup.seeds]}}
 
 
 # -- the one figure writer -----------------------------------------------------------------------
-def write_curves(groups: Sequence[Group], metrics: Sequence[str], folder: Path, title: str,
-                 level: float = LEVEL) -> list[str]:
+def write_curves(groups: Sequence[Group], metrics: Sequence[str], folder: Path, title: str) -> list[str]:
     """folder/curves_<axis>.png on every axis some group has (step, images, seconds, FLOPs): one panel
     per metric (held-out loss parts: tables only), the mean over each group's seeds with its t
     interval as a band. Figures of axes no curve has any more are removed. Returns the names written."""
@@ -272,7 +270,7 @@ def write_curves(groups: Sequence[Group], metrics: Sequence[str], folder: Path, 
             if is_heldout_part(metric):
                 continue
             curves = {g.label: c for g in groups
-                      if (c := interval_curve(g, metric, axis, level)) is not None and np.isfinite(c[0]).all()}
+                      if (c := interval_curve(g, metric, axis)) is not None and np.isfinite(c[0]).all()}
             if curves:
                 panels[metric] = curves
         if panels:

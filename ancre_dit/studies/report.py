@@ -13,21 +13,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import UserError
-from .comparison import (LEVEL, MetricRow, PairedSpeedup, metric_rows, row_summary, step_intervals,
-                                     write_curves)
-from ..evaluation.metric_registry import is_heldout_part
-from ..evaluation.metric_registry import lower_is_better as is_lower_better
-from .run_curves import Group, Run, load_run
+from ..evaluation.metric_registry import is_heldout_part, lower_is_better as is_lower_better
 from ..evaluation.stats import MeanInterval
 from ..files import write_atomic
+from .comparison import LEVEL, MetricRow, PairedSpeedup, metric_rows, row_summary, step_intervals, write_curves
 from .costs import arm_flops_per_step
+from .run_curves import Group, Run, load_run
 from .spec import Study
 from .status import RunStatus
-
-
-def _metric_order(metrics: Sequence[str]) -> list[str]:
-    first = [m for m in ("heldout_loss", "train_loss") if m in metrics]
-    return first + sorted(m for m in metrics if m not in first)
 
 
 def _interval(mi: MeanInterval | None, signed: bool = False) -> str:
@@ -74,7 +67,7 @@ def _cell(text: str | None) -> str:
 
 
 class StudyReport:
-    """Loads the finished runs of a study and computes every number of its report."""
+    """The finished runs of a study, loaded and grouped by arm, with each arm's FLOPs per step."""
 
     def __init__(self, study: Study, statuses: Sequence[RunStatus], batch_sizes: dict[str, int]):
         self.study, self.statuses = study, list(statuses)
@@ -86,37 +79,19 @@ class StudyReport:
                     runs[status.job.arm].append(load_run(status.job.run_dir))
                 except UserError as err:
                     self.unreadable[status.job.name] = str(err)
-        flops = arm_flops_per_step(study.out, {arm: ([r.path for r in members], batch_sizes[arm])
-                                               for arm, members in runs.items()})
+        self.flops = arm_flops_per_step(study.out, {arm: ([r.path for r in members], batch_sizes[arm])
+                                                    for arm, members in runs.items()})
         for arm, members in runs.items():
             for run in members:
-                run.flops_per_step = flops[arm]
-        self.flops = flops
+                run.flops_per_step = self.flops[arm]
         self.groups = {arm: Group(arm, members) for arm, members in runs.items() if members}
-        self.metrics = _metric_order(list(dict.fromkeys(m for g in self.groups.values() for r in g.runs
-                                                        for m in r.series)))
-
-    @property
-    def baseline(self) -> Group | None:
-        """The baseline group when there is one baseline arm (None with a baseline per arm)."""
-        return self.groups.get(self.study.baseline) if isinstance(self.study.baseline, str) else None
+        metrics = list(dict.fromkeys(m for g in self.groups.values() for r in g.runs for m in r.series))
+        first = [m for m in ("heldout_loss", "train_loss") if m in metrics]
+        self.metrics = first + sorted(m for m in metrics if m not in first)
 
     def metric_rows(self, metric: str) -> list[MetricRow]:
         """Every arm that has the metric, against its baseline arm."""
-        return metric_rows(list(self.groups.values()), metric, self.study.baseline_of, level=LEVEL)
-
-    def per_step(self, metric: str) -> dict[str, dict[int, tuple[float, float | None, float | None]]]:
-        """arm -> step -> (mean, low, high) over the arm's seeds (low/high None for one run)."""
-        return step_intervals(list(self.groups.values()), metric, LEVEL)
-
-    def tables(self) -> dict[str, tuple[list[MetricRow], dict[str, dict[int, tuple]]]]:
-        """metric -> (its rows, its per-step intervals), computed once for the Markdown and the JSON."""
-        return {metric: (self.metric_rows(metric), self.per_step(metric)) for metric in self.metrics}
-
-    def draw(self, folder: Path) -> list[str]:
-        """curves_<axis>.png: one panel per metric, the mean over seeds of each arm with its t band."""
-        return write_curves(list(self.groups.values()), self.metrics, folder,
-                            f"{self.study.name}: mean over seeds, band = {LEVEL:.0%} t interval of the mean", LEVEL)
+        return metric_rows(list(self.groups.values()), metric, self.study.baseline_of)
 
 
 def _how_to_read(study: Study) -> list[str]:
@@ -192,7 +167,7 @@ def markdown(report: StudyReport, tables: dict[str, tuple[list[MetricRow], dict]
         flops = report.flops.get(arm)
         lines.append(f"| {arm} | `{json.dumps(values)}` | {'-' if flops is None else f'{flops:.4g}'} |")
     lines.append("")
-    if isinstance(study.baseline, str) and report.baseline is None:
+    if isinstance(study.baseline, str) and study.baseline not in report.groups:
         lines += [f"The baseline arm {study.baseline} has no finished run yet: no paired statistics.", ""]
     lines += ["## Verdicts", "", f"Speedup to the baseline's final value, paired by seed ({LEVEL:.0%} t interval).", ""]
     sections = []
@@ -232,10 +207,13 @@ def _summary(report: StudyReport, tables: dict[str, tuple[list[MetricRow], dict]
 def write_study_report(study: Study, statuses: Sequence[RunStatus], batch_sizes: dict[str, int]) -> Path:
     """Writes `<out>/report/` (report.md, summary.json, curves_*.png); returns report.md's path."""
     report = StudyReport(study, statuses, batch_sizes)
+    groups = list(report.groups.values())
     folder = study.report_dir
     folder.mkdir(parents=True, exist_ok=True)
-    figures = report.draw(folder)
-    tables = report.tables()
+    figures = write_curves(groups, report.metrics, folder,
+                           f"{study.name}: mean over seeds, band = {LEVEL:.0%} t interval of the mean")
+    # metric -> (its rows, its per-step intervals): computed once for the Markdown and the JSON
+    tables = {metric: (report.metric_rows(metric), step_intervals(groups, metric)) for metric in report.metrics}
     write_atomic(folder / "summary.json", json.dumps(_summary(report, tables), indent=1).encode())
     write_atomic(folder / "report.md", markdown(report, tables, figures).encode())
     return folder / "report.md"
