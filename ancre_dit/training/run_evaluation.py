@@ -2,10 +2,9 @@
 (periodic.EvaluationTask, every train.eval_every steps) and `evaluate.py --run RUN_DIR`.
 
 Entries go to the run's logs/evals.jsonl (source "train" or "evaluate.py") with the settings of the
-run's config.yaml `eval` section (plus `eval.*` overrides for evaluate.py), so the numbers of a
-checkpoint match the ones training wrote at that step. A checkpoint that already has an entry with
-these settings is skipped, so an interrupted evaluation resumes where it stopped. Runs on one
-process or many (`torchrun ... evaluate.py --run`), sharded as in training.
+run's `eval` section (plus evaluate.py's `eval.*` overrides), so a checkpoint's numbers match the ones
+training wrote at that step. A checkpoint with an entry of these settings is skipped, so an
+interrupted evaluation resumes where it stopped. Runs on one process or many, sharded as in training.
 """
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ EVALS_FILE = "evals.jsonl"
 
 def build_run_evaluator(config: Config, data, objective, decoder, state, log: Callable[[str], Any]):
     """The Evaluator of a run's `eval` settings: fixed held-out examples (when the data has a held-out
-    split and eval.heldout_loss) and the sample metrics; `decoder` turns samples into images (None
-    when no sample metric is asked for)."""
+    split and eval.heldout_loss) and the sample metrics, whose images `decoder` makes (or None)."""
     from ..evaluation.evaluator import Evaluator
     from ..evaluation.heldout import build_heldout_set
 
@@ -82,8 +80,12 @@ def plot_run_quality(run_dir: Path, identity: dict[str, Any]) -> Path | None:
                        title="evaluation (digits_*: digits metric, not FID)")
 
 
-def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """The run's resolved config with `eval.*` overrides (other sections describe the finished run)."""
+def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overrides: Sequence[str] = (),
+                 cpu: bool = False, log: Callable[[str], Any] = print) -> list[dict[str, Any]]:
+    """Evaluates the run's checkpoints (all, or `steps`) not yet in evals.jsonl with the run's config
+    and `eval.*` overrides; returns the new entries (on the main process). Collective."""
+    from ..cli import job_processes
+
     run_dir = Path(run_dir)
     path = run_dir / CONFIG_FILE
     if not path.is_file():
@@ -91,31 +93,17 @@ def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
     bad = [o for o in overrides if not o.strip().startswith("eval.")]
     if bad:
         raise UserError(f"evaluate.py --run takes eval.* overrides only, got {bad[0]!r} (e.g. eval.num_samples=5000)")
-    return load_config(path, list(overrides))
-
-
-def _select(found: list[tuple[int, Path]], steps: Sequence[int] | None, run_dir: Path) -> list[tuple[int, Path]]:
+    config = load_config(path, list(overrides))
+    selected = found = ckpt.list_checkpoints(run_dir)
     if not found:
         raise UserError(f"{run_dir} has no complete checkpoint in {ckpt.checkpoints_dir(run_dir)}; train first")
-    if steps is None:
-        return found
-    have = dict(found)
-    missing = [s for s in steps if s not in have]
-    if missing:
-        raise UserError(f"no checkpoint for step(s) {', '.join(map(str, missing))} in {run_dir}; available: "
-                        f"{', '.join(str(s) for s, _ in found)}")
-    return [(s, have[s]) for s in sorted(set(steps))]
-
-
-def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overrides: Sequence[str] = (),
-                 cpu: bool = False, log: Callable[[str], Any] = print) -> list[dict[str, Any]]:
-    """Evaluates the run's checkpoints (all, or `steps`) not yet in evals.jsonl; returns the new entries
-    (on the main process). Collective when launched on several processes."""
-    from ..cli import job_processes
-
-    run_dir = Path(run_dir)
-    config = run_config(run_dir, overrides)
-    selected = _select(ckpt.list_checkpoints(run_dir), steps, run_dir)
+    if steps is not None:
+        have = dict(found)
+        missing = [s for s in steps if s not in have]
+        if missing:
+            raise UserError(f"no checkpoint for step(s) {', '.join(map(str, missing))} in {run_dir}; available: "
+                            f"{', '.join(str(s) for s, _ in found)}")
+        selected = [(s, have[s]) for s in sorted(set(steps))]
     with job_processes(cpu, config.train.collective_timeout_s) as state:  # the run's own setting
         return _evaluate(run_dir, config, selected, state, log)
 
@@ -170,12 +158,7 @@ def append_eval(run_dir: str | Path, entry: dict[str, Any]) -> None:
 
 def agree_on_evaluated(state: Any, run_dir: str | Path, identity: dict[str, Any]) -> set[int]:
     """The steps evals.jsonl already holds for these settings, read by the main process, shared by all."""
-    return main_decides(state, lambda: evaluated_steps(run_dir, identity))
-
-
-def evaluated_steps(run_dir: str | Path, identity: dict[str, Any]) -> set[int]:
-    """Steps that already have an entry made with these settings (what a resumed evaluation skips)."""
-    return {int(e["step"]) for e in read_evals(run_dir) if e.get("settings") == identity}
+    return main_decides(state, lambda: {int(e["step"]) for e in read_evals(run_dir) if e.get("settings") == identity})
 
 
 def format_eval(entry: dict[str, Any]) -> str:

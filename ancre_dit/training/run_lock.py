@@ -1,13 +1,12 @@
 """An exclusive claim on a run folder: one training writes to it at a time.
 
-Two trainings on one run_dir would replace each other's checkpoints and mix their logs. The main
-process therefore holds an OS file lock (flock) on RUN/.lock for as long as it lives: the kernel
-drops it when the process ends, however it ends (kill -9 included), so a crash never leaves the
-folder claimed. The lock file names its holder (pid and host) for the refusal message; its content
-is only informative, the lock itself is the flock.
+Two trainings on one run_dir would replace each other's checkpoints and mix their logs, so the main
+process holds an OS file lock (flock) on RUN/.lock for as long as it lives: the kernel drops it
+however the process ends (kill -9 included), so a crash never leaves the folder claimed. The file's
+content (pid and host) only names the holder in the refusal message.
 
-A process keeps the claims it took (one per folder) until it exits or calls `release_run_dir`, so
-that several trainings in one process (a notebook, the tests) may reuse a folder one after another.
+A process keeps its claims until it exits or calls `release_run_dir`, so that several trainings in
+one process (a notebook, the tests) may reuse a folder one after another.
 """
 from __future__ import annotations
 
@@ -29,14 +28,6 @@ _held: dict[Path, IO[str]] = {}  # resolved run folder -> the open lock file thi
 _created: set[Path] = set()  # the claimed folders this process created
 
 
-def _holder(lock_path: Path) -> str:
-    try:
-        text = lock_path.read_text().strip()
-    except OSError:
-        text = ""
-    return text or "another process"
-
-
 def _make_folder(run_dir: Path) -> bool:
     """Creates run_dir; True when it did not exist."""
     for parent in (run_dir, *run_dir.parents):
@@ -54,7 +45,7 @@ def _make_folder(run_dir: Path) -> bool:
 
 def acquire_run_dir(run_dir: str | Path) -> None:
     """Claims `run_dir` for this process (creating it), or raises a UserError naming the process
-    that holds it. Once claimed, temporary checkpoint folders left by dead runs are removed."""
+    that holds it. Once claimed, the temporaries of saves that died midway are removed."""
     run_dir = Path(run_dir)
     created = _make_folder(run_dir)
     key = run_dir.resolve()
@@ -74,8 +65,12 @@ def acquire_run_dir(run_dir: str | Path) -> None:
         if err.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise UserError(f"run_dir {run_dir}: the lock file {lock_path} cannot be locked ({err.strerror}); "
                             f"put run_dir on a local file system") from None
-        raise UserError(f"run_dir {run_dir} is in use by another training ({_holder(lock_path)}); wait for it "
-                        f"to finish or stop it, or set another run_dir") from None
+        try:
+            holder = lock_path.read_text().strip()
+        except OSError:
+            holder = ""
+        raise UserError(f"run_dir {run_dir} is in use by another training ({holder or 'another process'}); wait "
+                        f"for it to finish or stop it, or set another run_dir") from None
     try:
         f.seek(0)
         f.truncate()
@@ -88,21 +83,13 @@ def acquire_run_dir(run_dir: str | Path) -> None:
     _held[key] = f
     if created:
         _created.add(key)
-    remove_stale_temporaries(run_dir)
-
-
-def remove_stale_temporaries(run_dir: str | Path) -> list[Path]:
-    """Deletes checkpoints/.tmp-* folders and the run folder's `<file>.tmp<pid>` files (files.write_atomic's
-    temporaries: config.yaml, topology.json): with the run folder claimed, no save is in progress, so
-    each one was left by a run that died mid-save (they would pile up and hold the free space)."""
-    root = checkpoints_dir(run_dir)
-    stale = sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []
-    for folder in stale:
+    # With the folder claimed no save is in progress: checkpoints/.tmp-* folders and write_atomic's
+    # `<file>.tmp<pid>` files were left by runs that died mid-save (they would pile up, holding space).
+    for folder in checkpoints_dir(run_dir).glob(f"{TMP_PREFIX}*"):
         shutil.rmtree(folder, ignore_errors=True)
-    files = sorted(p for p in Path(run_dir).glob("*.tmp*") if p.is_file() and re.search(r"\.tmp\d+$", p.name))
-    for path in files:
-        path.unlink(missing_ok=True)
-    return stale + files
+    for path in run_dir.glob("*.tmp*"):
+        if path.is_file() and re.search(r"\.tmp\d+$", path.name):
+            path.unlink(missing_ok=True)
 
 
 def release_run_dir(run_dir: str | Path) -> None:
@@ -115,17 +102,15 @@ def release_run_dir(run_dir: str | Path) -> None:
 
 
 def abandon_new_run_dir(run_dir: str | Path) -> None:
-    """After a start that failed before training (a config or data check): releases the claim and,
-    when this process created the folder, removes it, so that a refused start leaves nothing behind.
-    Only the claim's holder acts; a folder that holds a checkpoint is never removed."""
+    """After a start that failed before training: releases the claim and removes the folder when this
+    process created it and it holds no checkpoint, so that a refused start leaves nothing behind."""
     key = Path(run_dir).resolve()
     if key not in _held:
         return
     created = key in _created
     release_run_dir(run_dir)
-    if created:
-        if not any(True for _ in checkpoints_dir(key).glob("[0-9]*")):
-            shutil.rmtree(key, ignore_errors=True)
+    if created and not any(True for _ in checkpoints_dir(key).glob("[0-9]*")):
+        shutil.rmtree(key, ignore_errors=True)
 
 
 def claim_run_dir(run_dir: str | Path, accelerator) -> None:

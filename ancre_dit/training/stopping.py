@@ -1,23 +1,18 @@
 """Stop signals: SIGTERM, SIGINT and SIGUSR1 ask for a clean stop (finish the step, checkpoint, exit).
 
-Where a signal can arrive, under every launcher:
-- the rank itself (torchrun forwards the signal it gets to each rank's process group; SLURM's
-  `--signal` and `scancel --signal` reach every process of the step; Ctrl-C reaches the terminal's
-  foreground group);
-- its DataLoader workers, which share the rank's process group. A worker killed by the signal
-  would make the loader raise in the rank and lose every step since the last checkpoint, so workers
-  never die of it: `worker_signal_handlers` (their worker_init_fn) passes the request on to the rank
-  as SIGUSR1 and keeps serving batches. The rank's handler is installed before the workers fork, so
-  a signal in the instant between the fork and worker_init_fn only sets a flag in the worker's copy.
+A signal reaches the rank itself (torchrun forwards it to each rank's process group, SLURM's
+`--signal` reaches every process of the step, Ctrl-C the terminal's foreground group) and its
+DataLoader workers, which share the rank's process group. A worker killed by it would make the
+loader raise and lose every step since the last checkpoint, so workers pass the request on to the
+rank as SIGUSR1 (`worker_signal_handlers`) and keep serving batches. The rank's handler is installed
+before the workers fork, so a signal between the fork and worker_init_fn only sets a flag in the copy.
 
 A second Ctrl-C (SIGINT more than REPEAT_SECONDS after the first) still interrupts at once. Copies
-of one request never escalate: SIGUSR1, which is what workers forward, never does, and a SIGINT
-that reaches a rank twice in a burst (a job-wide signal that torchrun also forwards) asks for one
-clean stop.
+of one request never escalate: SIGUSR1 never does, and a SIGINT that reaches a rank twice in a
+burst (a job-wide signal that torchrun also forwards) asks for one clean stop.
 
-Ranks agree on stopping over a CPU (gloo) process group every `check_every` steps: the agreement
-never waits on the GPU queue, and a signal that reached one rank only stops all of them at the
-same step. The stop latency is at most `check_every` steps plus the checkpoint's write. Across
+Ranks agree on stopping over a CPU (gloo) group every `check_every` steps: the agreement never waits
+on the GPU queue, and a signal that reached one rank stops all of them at the same step. Across
 nodes gloo binds to the address the host name resolves to, or to GLOO_SOCKET_IFNAME's interface: a
 loopback address is refused at start-up, and a group that cannot connect fails there in one line.
 """
@@ -92,16 +87,12 @@ GLOO_HINT = ("set GLOO_SOCKET_IFNAME to the network interface the nodes reach ea
              "e.g. GLOO_SOCKET_IFNAME=ib0 or eth0; `ip -brief addr` lists them)")
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-
-
 def check_gloo_address() -> None:
     """Refuses a multi-node job whose gloo group would bind to a loopback address: with no
     GLOO_SOCKET_IFNAME gloo takes the address the host name resolves to, which on many clusters
     is 127.0.1.1 (Debian's /etc/hosts), unreachable from the other nodes, so the group would hang."""
-    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-    if world <= local or os.environ.get("GLOO_SOCKET_IFNAME"):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= int(os.environ.get("LOCAL_WORLD_SIZE", world)) or os.environ.get("GLOO_SOCKET_IFNAME"):
         return
     host = socket.gethostname()
     try:
@@ -133,7 +124,8 @@ class StopAgreement:
                 self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
                 self.agree(False)  # the first exchange: a rank that cannot reach the others fails here, at start-up
             except (RuntimeError, dist.DistBackendError) as err:
-                raise UserError(f"the ranks could not connect over gloo for the stop agreement ({_first_line(err)}); "
+                first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+                raise UserError(f"the ranks could not connect over gloo for the stop agreement ({first}); "
                                 f"{GLOO_HINT}") from None
 
     def should_stop(self, step: int, signals: StopSignals | None, force: bool = False) -> bool:
