@@ -1,8 +1,8 @@
-"""The one place matplotlib is set up: figures drawn by Agg without pyplot, and saving one to a path.
+"""The one place matplotlib is set up: figures drawn by Agg without pyplot, and saved to a path.
 
-pyplot is not imported: its import (backend selection, the figure manager) is slow, every training
-run draws at its first checkpoint, and a figure that pyplot never saw needs no closing. matplotlib
-itself is imported at the first figure, so that a command drawing only sample grids never loads it."""
+pyplot is not imported: its import is slow, every training run draws at its first checkpoint, and a
+figure pyplot never saw needs no closing. matplotlib itself is imported at the first figure, so a
+command drawing only sample grids never loads it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,18 +24,13 @@ def subplots(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float] | N
 
 
 def colormap(name: str) -> Colormap:
-    """matplotlib's colormap `name` ("viridis", ...)."""
     from matplotlib import colormaps
 
     return colormaps[name]
 
 
 def save_figure(fig: Figure, path: str | Path, dpi: int = 120) -> Path:
-    """Writes `fig` to `path` (parent folders made)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     return path
-
-
-__all__ = ["colormap", "save_figure", "subplots"]

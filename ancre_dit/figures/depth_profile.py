@@ -10,8 +10,24 @@ from .canvas import colormap, save_figure, subplots
 
 PROFILES = (("rms", "forward: RMS of z_k", True), ("grad_rms", "backward: RMS of dL/dz_k", True),
             ("cosine", "redundancy: cos(z_k, z_k+1)", False))
-ROUTING = (("routing_entropy", "routing: mean row entropy / log j"), ("strongest_changed", "blocks whose strongest source changed"),
+ROUTING = (("routing_entropy", "routing: mean row entropy / log j"),
+           ("strongest_changed", "blocks whose strongest source changed"),
            ("ema_raw_gap", "largest |P_ema - P_raw|"))
+
+
+def _plot_profiles(axes, profiles: list[tuple[str, dict[str, Any]]], colours, cosine_xlabel: str) -> None:
+    """One line per (label, profile) on each of the PROFILES axes (cosines start at k = 1)."""
+    for ax, (key, title, log_y) in zip(axes, PROFILES):
+        for colour, (label, profile) in zip(colours, profiles):
+            start = 1 if key == "cosine" else 0
+            ax.plot(range(start, start + len(profile[key])), profile[key], marker="o", markersize=3, color=colour,
+                    label=label)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(cosine_xlabel if key == "cosine" else "k (0 = embedding)")
+        if log_y:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
 
 
 def plot_diagnostics(records: Sequence[dict[str, Any]], path: str | Path, snapshots: int = 4) -> Path | None:
@@ -24,19 +40,8 @@ def plot_diagnostics(records: Sequence[dict[str, Any]], path: str | Path, snapsh
     rows = 2 if routed else 1
     fig, axes = subplots(rows, 3, figsize=(13.5, 3.6 * rows), squeeze=False)
     picks = sorted({int(i) for i in np.linspace(0, len(records) - 1, min(snapshots, len(records)))})
-    colours = colormap("viridis")(np.linspace(0.85, 0.0, len(picks)))
-    for ax, (key, title, log_y) in zip(axes[0], PROFILES):
-        for colour, i in zip(colours, picks):
-            values = records[i][key]
-            start = 1 if key == "cosine" else 0
-            ax.plot(range(start, start + len(values)), values, marker="o", markersize=3, color=colour,
-                    label=f"step {records[i]['step']}")
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("k (cosine: between k-1 and k)" if key == "cosine" else "k (0 = embedding)")
-        if log_y:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=8)
+    _plot_profiles(axes[0], [(f"step {records[i]['step']}", records[i]) for i in picks],
+                   colormap("viridis")(np.linspace(0.85, 0.0, len(picks))), "k (cosine: between k-1 and k)")
     if routed:
         steps = [r["step"] for r in records]
         for ax, (key, title) in zip(axes[1], ROUTING):
@@ -52,18 +57,8 @@ def plot_diagnosis(result: dict[str, Any], path: str | Path) -> Path:
     """`scripts/topology.py diagnose`: the depth profiles, one line per normalised time t, and the
     time probe's R^2 against depth."""
     fig, axes = subplots(1, 4, figsize=(18, 3.8), squeeze=False)
-    colours = colormap("plasma")(np.linspace(0.0, 0.85, len(result["profiles"])))
-    for ax, (key, title, log_y) in zip(axes[0], PROFILES):
-        for colour, (t, profile) in zip(colours, result["profiles"].items()):
-            values = profile[key]
-            start = 1 if key == "cosine" else 0
-            ax.plot(range(start, start + len(values)), values, marker="o", markersize=3, color=colour, label=f"t={t}")
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("k (0 = embedding)")
-        if log_y:
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=8)
+    _plot_profiles(axes[0], [(f"t={t}", profile) for t, profile in result["profiles"].items()],
+                   colormap("plasma")(np.linspace(0.0, 0.85, len(result["profiles"]))), "k (0 = embedding)")
     probe = axes[0, 3]
     if result.get("time_probe_r2") is not None:
         probe.plot(range(len(result["time_probe_r2"])), result["time_probe_r2"], marker="o", markersize=3)

@@ -10,11 +10,8 @@ from torchvision.utils import make_grid, save_image
 
 
 def save_image_grid(images, path: str | Path, nrow: int = 8, scale: int | None = None) -> Path:
-    """Saves a grid PNG of uint8 NHWC images (ADM sample layout) or float NCHW images in [-1, 1].
-
-    `scale` is an integer nearest-neighbour upscale; by default small images (e.g. 8x8 digits)
-    are enlarged to at least 64 pixels a side so the grid is readable.
-    """
+    """Saves a grid PNG of uint8 NHWC images (ADM sample layout) or float NCHW images in [-1, 1],
+    upscaled `scale` times (nearest neighbour; by default to at least 64 pixels a side)."""
     x = torch.as_tensor(np.asarray(images)) if not isinstance(images, torch.Tensor) else images.detach().cpu()
     if x.ndim != 4:
         raise ValueError(f"images must be a 4-D batch (NHWC uint8 or NCHW float), got shape {tuple(x.shape)}")
@@ -30,4 +27,3 @@ def save_image_grid(images, path: str | Path, nrow: int = 8, scale: int | None =
     path.parent.mkdir(parents=True, exist_ok=True)
     save_image(make_grid(x, nrow=nrow, padding=max(1, scale), pad_value=0.5), path)
     return path
-

@@ -17,10 +17,8 @@ from .canvas import save_figure, subplots
 
 
 def plot_topology_heatmap(P, path: str | Path, title: str | None = None) -> Path:
-    """Lower-triangular heatmap of P: rows = target block, columns = source (0 = embedding).
-
-    Cells are annotated with their weight when K <= 16; entries above the diagonal are blank.
-    """
+    """Lower-triangular heatmap of P: rows = target block, columns = source (0 = embedding); cells
+    are annotated with their weight when K <= 16."""
     P = square_topology(P, min_blocks=1)
     K = P.shape[0]
     masked = np.ma.masked_where(np.triu(np.ones_like(P, dtype=bool), k=1), P)
