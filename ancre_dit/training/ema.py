@@ -1,10 +1,8 @@
 """The EMA copy of the model and its update, maskable on the device.
 
-The copy and its decay schedule are DiT's (a constant decay) or, with warm-up, the ramp of timm's
-ModelEmaV3 (tests/test_training.py holds the schedule to timm's); they are written here because
-importing timm costs seconds in every process. The update's interpolation weight is a device
-tensor, (1 - decay) x (1 - skip): a skipped non-finite step leaves the EMA bitwise unchanged
-without a host read.
+The decay is DiT's constant or, with warm-up, the ramp of timm's ModelEmaV3 (written here because
+importing timm costs seconds in every process). The update's weight is a device tensor,
+(1 - decay) x (1 - skip): a skipped non-finite step leaves the EMA bitwise unchanged without a host read.
 """
 from __future__ import annotations
 
@@ -14,8 +12,8 @@ import torch
 
 
 class EMA:
-    """`module`: a copy of the model in eval mode, without gradients; `decay(updates)` the decay of
-    the update that follows `updates` earlier ones."""
+    """`module`: a frozen copy of the model in eval mode; `decay(updates)` the decay of the update
+    that follows `updates` earlier ones."""
 
     def __init__(self, model: torch.nn.Module, decay: float, warmup: bool = False):
         self.module = copy.deepcopy(model).eval().requires_grad_(False)

@@ -1,19 +1,17 @@
 """The non-finite guard of the training step: a NaN / inf loss or gradient norm never becomes an update.
 
-Long DiT runs in bf16 can diverge late; without a guard, AdamW writes NaN into the weights, the
-EMA follows, and `keep_last` replaces the good checkpoints with NaN ones.
+Long bf16 runs can diverge late; without a guard AdamW writes NaN into the weights, the EMA
+follows, and `keep_last` replaces the good checkpoints with NaN ones.
 
-The decision is made on the device, without reading anything back to the host (a host read drains
-the GPU queue every step): `flag()` returns a 0-d tensor, 1.0 when the step must be skipped,
-agreed by all ranks through an all-reduce on the device; the fused optimizer and the EMA take it
-as a mask, as the GradScaler's found_inf is taken (weights, optimizer state and EMA untouched).
-What happened is read once, by `report()`, at log steps and before any periodic task (so a
-checkpoint is never written before a stop is decided): it warns for each skipped step, names the
-data rows when the inputs themselves were non-finite, and raises NonFiniteStop as the policy says.
+The decision stays on the device (a host read would drain the GPU queue every step): `flag()`
+returns a 0-d tensor, 1.0 when the step must be skipped, agreed by all ranks through a device
+all-reduce; the fused optimizer and the EMA take it as a mask, as they take the GradScaler's
+found_inf. `report()` reads what happened at log steps and before any periodic task (so no
+checkpoint is written before a stop is decided): it warns for each skipped step, names the data rows
+when the inputs themselves were non-finite, and raises NonFiniteStop as the policy says.
 
 Policies (train.nonfinite): `skip` drops the update up to train.nonfinite_max_skips times in a row,
-then stops; `stop` stops at the first one. Either way a run where most steps so far were skipped
-stops too: that is broken data or a broken recipe, not a rare spike.
+then stops; `stop` stops at the first one. Either way a run where most steps were skipped stops too.
 """
 from __future__ import annotations
 
@@ -44,22 +42,17 @@ class _Pending:
 
 
 class NonFiniteGuard:
-    """`flag(...)` -> a device mask for this step (1.0: skip); `report()` reads the steps since the
-    last report and warns or raises NonFiniteStop. `scaler_handles_grads`: with fp16 the GradScaler
-    already skips steps whose gradients overflow (and lowers its scale), which is routine, so only a
-    non-finite loss counts then. `bad_rows(step, position)` names the non-finite data of a step."""
+    """`flag(...)` -> a device mask for this step (1.0: skip); `report()` warns or raises for the steps
+    since the last report. `scaler_handles_grads`: with fp16 the GradScaler already skips (routine)
+    gradient overflows, so only a non-finite loss counts. `bad_rows(position)` names a step's bad data."""
 
     def __init__(self, accelerator, policy: str, max_skips: int, last_checkpoint: Callable[[], str],
                  warn: Callable[[str], None], scaler_handles_grads: bool = False,
                  bad_rows: Callable[[tuple[int, int]], str] | None = None):
-        self.accelerator = accelerator
-        self.policy, self.max_skips = policy, max_skips
-        self.last_checkpoint, self.warn = last_checkpoint, warn
+        self.accelerator, self.policy, self.max_skips = accelerator, policy, max_skips
+        self.last_checkpoint, self.warn, self.bad_rows = last_checkpoint, warn, bad_rows
         self.scaler_handles_grads = scaler_handles_grads
-        self.bad_rows = bad_rows
-        self.in_a_row = 0
-        self.total_skipped = 0
-        self.steps_seen = 0
+        self.in_a_row = self.total_skipped = self.steps_seen = 0
         self._pending: list[_Pending] = []
 
     def flag(self, step: int, position: tuple[int, int], terms: dict[str, torch.Tensor], grad_norm: torch.Tensor,
@@ -100,13 +93,15 @@ class NonFiniteGuard:
         what = (f"step {p.step}: non-finite loss or gradient ({shown}, grad_norm {norm:.4g}"
                 f"{'' if local else ' here; non-finite on another rank'})")
         if not inputs_finite:
-            what += "; its input batch itself is non-finite" + (f" ({self.bad_rows(p.position)})" if self.bad_rows else "")
+            what += "; its input batch itself is non-finite"
+            what += f" ({self.bad_rows(p.position)})" if self.bad_rows else ""
         mostly = self.steps_seen >= MOST_SKIPPED_AFTER and self.total_skipped > MOST_SKIPPED_SHARE * self.steps_seen
         if self.policy == "stop" or self.in_a_row > self.max_skips or mostly:
             if self.policy == "stop":
                 reason = "train.nonfinite=stop"
             elif self.in_a_row > self.max_skips:
-                reason = f"{self.in_a_row} non-finite steps in a row, more than train.nonfinite_max_skips={self.max_skips}"
+                reason = (f"{self.in_a_row} non-finite steps in a row, more than "
+                          f"train.nonfinite_max_skips={self.max_skips}")
             else:
                 reason = f"{self.total_skipped} of the {self.steps_seen} steps so far were non-finite and skipped"
             fix = ("fix or drop those rows (scripts/extract_latents.py --verify), then resume" if not inputs_finite

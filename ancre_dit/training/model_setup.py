@@ -13,14 +13,15 @@ from .config_sections import ModelConfig
 def model_kwargs(m: ModelConfig, input_size: int, in_channels: int, num_classes: int) -> dict[str, Any]:
     """create_model(m.name, **model_kwargs(...)) is the run's network."""
     kwargs: dict[str, Any] = dict(topology=m.topology, input_size=input_size, in_channels=in_channels,
-                                  num_classes=num_classes, learn_sigma=m.learn_sigma, class_dropout_prob=m.class_dropout)
-    kwargs.update(topology_options_of(m))
+                                  num_classes=num_classes, learn_sigma=m.learn_sigma,
+                                  class_dropout_prob=m.class_dropout, **topology_options_of(m))
     for key in ("depth", "hidden_size", "num_heads"):
         if getattr(m, key) is not None:
             kwargs[key] = getattr(m, key)
     # The architecture choices only where they differ from the DiT's defaults: specs of default runs
     # (and of runs from before a choice existed) stay what they were, so those runs resume.
-    kwargs.update({key: getattr(m, key) for key, default in ARCHITECTURE_DEFAULTS.items() if getattr(m, key) != default})
+    kwargs.update({key: getattr(m, key) for key, default in ARCHITECTURE_DEFAULTS.items()
+                   if getattr(m, key) != default})
     return kwargs
 
 
@@ -31,10 +32,9 @@ def topology_options_of(m: ModelConfig) -> dict[str, Any]:
 
 
 def param_groups(model, weight_decay_of_routing: float, extra=None) -> tuple[list[dict[str, Any]], int | None]:
-    """AdamW's groups of trainable parameters: the backbone, then the routing parameters the topology
-    declares (their own weight decay, and their own lr: the trainer's `_group_lrs`), then `extra`'s
-    (REPA's projector: the backbone's lr and decay). Empty groups are left out; returns the groups
-    and the index of the routing group (None when it is empty)."""
+    """AdamW's groups of trainable parameters: the backbone, the topology's routing parameters (their
+    own weight decay and lr), then `extra`'s (REPA's projector). Empty groups are left out; returns
+    the groups and the index of the routing group (None when it is empty)."""
     routing = {id(p) for p in model.topology.routing_parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trainable if id(p) not in routing]},

@@ -1,11 +1,9 @@
 """Decisions every process must share, made once: the main process reads the files and the others
 receive its answer. On a shared filesystem with stale caches, processes that each read for
-themselves can see different checkpoints or evaluation logs and go separate ways (one resumes,
-another starts over; one evaluates a step, the others skip it and wait in a collective).
+themselves can go separate ways (one resumes, another starts over; one evaluates a step, the others
+skip it and wait in a collective). A user error on the main process is raised on every process.
 
-`state` is anything with `num_processes` and `is_main_process` (an Accelerator, accelerate's
-PartialState, cli.SingleProcess). A user error on the main process is raised on every process, so
-all exit with the same one-line message instead of the others waiting for an answer.
+`state` is anything with `num_processes` and `is_main_process` (an Accelerator, PartialState, cli.SingleProcess).
 """
 from __future__ import annotations
 

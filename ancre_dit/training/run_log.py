@@ -29,16 +29,6 @@ def make_logger(run_dir: Path, main: bool) -> logging.Logger:
     return logger
 
 
-def throughput(steps: int, elapsed: float, images: int, num_processes: int, flops_per_image: float,
-               peak_tflops: float | None) -> dict[str, float | None]:
-    """Rates over a log interval: images/s in all and per process (one GPU each), the model FLOP/s
-    per process and its MFU against the device's peak (None when that is unknown)."""
-    per_process = images / elapsed / num_processes
-    tflops = per_process * flops_per_image / 1e12
-    return {"steps_per_s": steps / elapsed, "images_per_s_total": images / elapsed, "images_per_s_per_process": per_process,
-            "tflops_per_s": tflops, "mfu": tflops / peak_tflops if peak_tflops else None}
-
-
 class MetricsLog:
     """Sums each step's loss terms on the device (`add`, no host read) and, at a log step, averages
     them over the steps since the last one and over all processes, then writes one record
@@ -51,15 +41,12 @@ class MetricsLog:
         self.peak_source = peak_source  # which peak the MFU is against (hardware.peak_tflops), in each record
         self.topology_matrix = topology_matrix  # () -> the (K, K) matrix to track, or None
         self.last: dict[str, float] = {}
-        self._reset(started=0.0)
-
-    def _reset(self, started: float) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
-        self.lr_sum, self.count, self.started = 0.0, 0, started
+        self.start(0.0)
 
     def start(self, now: float) -> None:
-        """The first interval starts now (after the launch's setup)."""
-        self._reset(now)
+        """An interval starts now (the first one after the launch's setup)."""
+        self.sums: dict[str, torch.Tensor] = {}
+        self.lr_sum, self.count, self.started = 0.0, 0, now
 
     def add(self, terms: dict[str, torch.Tensor], lr: float) -> None:
         for key, value in terms.items():
@@ -76,13 +63,24 @@ class MetricsLog:
         mean = acc.reduce(local, reduction="mean")  # the logged loss is averaged over all processes
         metrics = {k: float(v) for k, v in zip(keys, mean.tolist())}
         metrics["lr"] = self.lr_sum / count
-        metrics.update(throughput(count, now - self.started, count * self.global_batch_size, acc.num_processes,
-                                  self.flops_per_image, self.peak_tflops))
+        # Rates per process are per GPU; MFU is against the device's peak (None when that is unknown).
+        elapsed, images = now - self.started, count * self.global_batch_size
+        per_process = images / elapsed / acc.num_processes
+        tflops = per_process * self.flops_per_image / 1e12
+        metrics.update(steps_per_s=count / elapsed, images_per_s_total=images / elapsed,
+                       images_per_s_per_process=per_process, tflops_per_s=tflops,
+                       mfu=tflops / self.peak_tflops if self.peak_tflops else None)
         metrics["train_seconds"] = round(train_seconds, 3)
         if acc.is_main_process:
             append_jsonl(self.path, {"step": step, **metrics, "peak_tflops": self.peak_tflops,
                                      "peak_source": self.peak_source})
-            acc.log(self._tracked(metrics), step=step)
+            tracked = {f"train/{k}": v for k, v in metrics.items() if v is not None}
+            P = self.topology_matrix() if self.topology_matrix is not None else None
+            if P is not None:
+                for j in range(P.shape[0]):
+                    for i in range(j + 1):
+                        tracked[f"topology/p_{j + 1}_{i}"] = float(P[j, i])
+            acc.log(tracked, step=step)
         mfu = metrics["mfu"]
         if progress is not None:
             progress.set_postfix(loss=f"{metrics['loss']:.4f}", img_s_gpu=f"{metrics['images_per_s_per_process']:.1f}",
@@ -91,17 +89,8 @@ class MetricsLog:
                       metrics["steps_per_s"], metrics["images_per_s_total"], metrics["images_per_s_per_process"],
                       f", MFU {mfu:.1%}" if mfu is not None else "")
         self.last = metrics
-        self._reset(now)
+        self.start(now)
         return metrics
-
-    def _tracked(self, metrics: dict[str, float | None]) -> dict[str, float]:
-        tracked = {f"train/{k}": v for k, v in metrics.items() if v is not None}
-        P = self.topology_matrix() if self.topology_matrix is not None else None
-        if P is not None:
-            for j in range(P.shape[0]):
-                for i in range(j + 1):
-                    tracked[f"topology/p_{j + 1}_{i}"] = float(P[j, i])
-        return tracked
 
 
 def log_time_shares(log: logging.Logger, train_seconds: float, tasks: Iterable[Any]) -> None:
