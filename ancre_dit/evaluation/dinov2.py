@@ -1,21 +1,16 @@
 """FD-DINOv2: the Fréchet distance between DINOv2 ViT-L/14 CLS features (Stein et al.'s dgm-eval,
 EDM2's second metric), from a local timm weights file.
 
-Protocol (EDM2's / dgm-eval's): uint8 images -> float in [0, 1], resized to 224 x 224 with bicubic
-interpolation and antialiasing (torch's F.interpolate, EDM2's call), normalised with ImageNet's
-mean and std; the feature is the CLS token after the final norm (1024-d for ViT-L/14); the
-statistics and the distance are FID's (`metrics.feature_statistics`, `frechet_distance`).
+Protocol (EDM2's / dgm-eval's): uint8 images -> [0, 1], resized to 224 x 224 (bicubic, antialiased:
+EDM2's F.interpolate call), normalised with ImageNet's mean and std; the feature is the CLS token
+after the final norm (1024-d for ViT-L/14); the statistics and the distance are FID's. A reference
+npz stores them as `mu_dinov2` / `sigma_dinov2` (evaluate.py --save-ref-stats with --dinov2-weights).
 
-How it relates to other implementations: EDM2 and dgm-eval load Meta's model through torch.hub,
-which interpolates its 37 x 37 position embedding to the 16 x 16 grid of a 224 px image at every
-forward; timm resamples it once when the weights are loaded (bicubic), so features differ
-slightly and values agree closely but not to the digit. torch-fidelity's `fd-dinov2` also loads
-through torch.hub (no local file), and resizes with TF1-style bilinear interpolation without
-antialiasing, which gives different features, hence different numbers: compare FD-DINOv2 values
-only between runs of one implementation.
-
-Reference statistics are stored in the reference npz as `mu_dinov2` / `sigma_dinov2`
-(evaluate.py --save-ref-stats with --dinov2-weights) and used as they are, like Inception's.
+Values agree closely with EDM2's and dgm-eval's but not to the digit: they load Meta's model through
+torch.hub, which interpolates its 37 x 37 position embedding to the 224 px grid at every forward,
+where timm resamples it once at load (bicubic). torch-fidelity's `fd-dinov2` (torch.hub too) resizes
+TF1-style bilinear without antialiasing, hence different numbers: compare FD-DINOv2 values only
+between runs of one implementation.
 """
 from __future__ import annotations
 

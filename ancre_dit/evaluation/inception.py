@@ -98,8 +98,8 @@ def check_weights(path: str | os.PathLike | None) -> Path:
     # Two landmark tensors tell this file from other checkpoints; the strict load_state_dict in
     # InceptionExtractor checks every other key and shape.
     landmarks = {"fc.weight": (LOGITS_DIM, POOL_DIM), "Mixed_6d.branch1x1.conv.weight": (192, 768, 1, 1)}
-    if not isinstance(state, dict) or any(
-            not isinstance(state.get(k), torch.Tensor) or tuple(state[k].shape) != shape for k, shape in landmarks.items()):
+    if not isinstance(state, dict) or any(not isinstance(state.get(k), torch.Tensor) or tuple(state[k].shape) != shape
+                                          for k, shape in landmarks.items()):
         raise UserError(weights_hint(f"{path} does not hold torch-fidelity's inception-v3-compat weights"))
     return path
 

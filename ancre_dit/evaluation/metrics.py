@@ -1,23 +1,21 @@
 """FID / sFID, Inception Score and KID on precomputed features, with ADM's definitions.
 
 Checked against guided-diffusion's evaluations/evaluator.py (ADM):
-- Statistics: mu = mean, sigma = np.cov(rowvar=False) (ddof 1), as ADM. We accumulate in float64;
-  ADM's mean stays float32 (its np.cov is float64): differences ~1e-7 relative.
-- Fréchet distance, method "sqrtm" (default, ADM's handling): scipy.linalg.sqrtm(sigma1 @ sigma2);
-  if the result is not finite, retry with 1e-6 added to both diagonals; a complex result whose
-  diagonal has an imaginary part above 1e-3 is an error, otherwise the real part is used.
-  Method "eigh" computes the same trace, tr sqrt(sigma1 sigma2) = tr sqrt(A sigma2 A) with
-  A = sigma1^(1/2), from two symmetric eigendecompositions: faster than a general matrix root and stable when
-  there are fewer samples than dimensions (where sqrtm of the singular product can fail); for
-  well-conditioned 50K statistics both agree to ~1e-6 relative. With raw features of N < D images
-  on one side, "eigh" works in the N-dim sample space instead (`frechet_distance_to_features`):
-  the nonzero eigenvalues of sigma1 sigma2 are those of Xc sigma2 Xc^T / (N - 1), Xc the centred
-  features, so a 2,000-sample check costs one small eigendecomposition, not two 2048-d ones.
+- Statistics: mu = mean, sigma = np.cov(rowvar=False) (ddof 1), accumulated in float64 (ADM's mean
+  stays float32: differences ~1e-7 relative).
+- Fréchet distance, method "sqrtm" (default, ADM's handling): scipy.linalg.sqrtm(sigma1 @ sigma2); if
+  not finite, retry with 1e-6 added to both diagonals; a complex result whose diagonal has an
+  imaginary part above 1e-3 is an error, otherwise its real part is used.
+  Method "eigh": the same trace, tr sqrt(A sigma2 A) with A = sigma1^(1/2), from two symmetric
+  eigendecompositions: faster, and stable with fewer samples than dimensions (where sqrtm of the
+  singular product can fail); ~1e-6 relative from sqrtm on well-conditioned 50K statistics. With raw
+  features of N < D images on one side it works in the N-dim sample space
+  (`frechet_distance_to_features`): the nonzero eigenvalues of sigma1 sigma2 are those of
+  Xc sigma2 Xc^T / (N - 1), Xc the centred features.
 - Inception Score: softmax of the unbiased logits (pool_3 @ W, no bias) in consecutive splits of
-  `split_size` images (ADM: 5000; the last split may be smaller, as in ADM), exp(mean KL) per
-  split, mean over splits. No shuffling (as ADM; torch-fidelity shuffles and uses a split count).
-  We use float64 log-softmax (torch-fidelity's isc_features_to_metric per split); ADM takes
-  np.log of a float32 softmax.
+  `split_size` images (ADM: 5000; the last may be smaller, as in ADM), exp(mean KL) per split, mean
+  over splits, no shuffling (as ADM; torch-fidelity shuffles and uses a split count). float64
+  log-softmax (torch-fidelity's isc_features_to_metric per split) where ADM takes np.log of a float32 softmax.
 - KID (not in ADM): torch-fidelity's unbiased MMD with the cubic polynomial kernel on pool
   features, averaged over random subsets.
 """

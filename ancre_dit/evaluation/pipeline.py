@@ -112,10 +112,11 @@ def parse_metrics(metrics: str | tuple[str, ...] | list[str]) -> tuple[str, ...]
     return tuple(dict.fromkeys(names))
 
 
-def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.PathLike | None, weights: str | os.PathLike,
-             metrics=DEFAULT_METRICS, batch_size: int | None = None, device: str | torch.device | None = None,
-             is_split_size: int = 5000, pr_k: int = 3, fid_method: str = "sqrtm", kid_subsets: int = 100,
-             kid_subset_size: int = 1000, image_size: int | None = None, workers: int = 0,
+def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.PathLike | None,
+             weights: str | os.PathLike, metrics=DEFAULT_METRICS, batch_size: int | None = None,
+             device: str | torch.device | None = None, is_split_size: int = 5000, pr_k: int = 3,
+             fid_method: str = "sqrtm", kid_subsets: int = 100, kid_subset_size: int = 1000,
+             image_size: int | None = None, workers: int = 0,
              dinov2_weights: str | os.PathLike | None = None, dinov2_model: str | None = None) -> EvaluationResult:
     """Scores `samples` against `ref` (None is allowed when only IS is asked for); returns the metrics
     and what they were computed from (sample count, reference, weights file and its sha256, settings).
@@ -163,20 +164,15 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
     extractor = extractor_fn()
     import torch_fidelity
 
-    info = {
-        "num_samples": sample_side.num_images,
-        "num_reference_images": ref_side.num_images,
-        "samples": _describe(samples),
-        "reference": _describe(ref),
-        "reference_statistics": ref_side.stats_source,
-        "inception_weights": str(Path(extractor.weights).resolve()),
-        "inception_weights_sha256": sha256_file(extractor.weights),
-        "feature_extractor": f"torch-fidelity {torch_fidelity.__version__} inception-v3-compat",
-        "settings": {"is_split_size": is_split_size, "pr_k": pr_k, "fid_method": fid_method,
-                     "batch_size": batch_size, "device": str(device),
-                     **({"kid_subsets": kid_subsets, "kid_subset_size": kid_subset_size} if "kid" in metrics else {})},
-        "seconds": round(time.time() - start, 1),
-    }
+    settings = {"is_split_size": is_split_size, "pr_k": pr_k, "fid_method": fid_method, "batch_size": batch_size,
+                "device": str(device),
+                **({"kid_subsets": kid_subsets, "kid_subset_size": kid_subset_size} if "kid" in metrics else {})}
+    info = {"num_samples": sample_side.num_images, "num_reference_images": ref_side.num_images,
+            "samples": _describe(samples), "reference": _describe(ref), "reference_statistics": ref_side.stats_source,
+            "inception_weights": str(Path(extractor.weights).resolve()),
+            "inception_weights_sha256": sha256_file(extractor.weights),
+            "feature_extractor": f"torch-fidelity {torch_fidelity.__version__} inception-v3-compat",
+            "settings": settings, "seconds": round(time.time() - start, 1)}
     return EvaluationResult(values, info)
 
 
@@ -191,13 +187,14 @@ def _dinov2_metrics(metrics: tuple[str, ...], samples, ref, weights, model, batc
     extractor = get_dinov2_extractor(weights, model, device)  # fail on bad weights before reading images
     start = time.time()
     feats = dinov2_features(samples, extractor, batch_size, None, workers, "samples")
-    ref_batch = ref if isinstance(ref, ADMBatch) else (open_adm_npz(ref) if Path(ref).is_file() else None)
+    ref_batch = _open_npz(ref)
     keys = stored_stat_keys(metrics)
     if ref_batch is not None and set(keys) <= set(ref_batch.stats):
         reference, source = tuple(ref_batch.stats[k] for k in keys), "stored"
     else:
-        size = image_size or _image_size(samples)
-        reference = dinov2_features(ref_batch if ref_batch is not None else ref, extractor, batch_size, size, workers,
+        batch = _open_npz(samples)  # a folder reference is cropped to the samples' size
+        size = image_size or (None if batch is None or batch.images is None else int(batch.images.shape[1]))
+        reference = dinov2_features(ref if ref_batch is None else ref_batch, extractor, batch_size, size, workers,
                                     "reference")
         source = "features"
     values = score(feats, reference, metrics, fid_method=fid_method, device=device)
@@ -208,9 +205,9 @@ def _dinov2_metrics(metrics: tuple[str, ...], samples, ref, weights, model, batc
     return EvaluationResult(values, info)
 
 
-def _image_size(source) -> int | None:
-    batch = source if isinstance(source, ADMBatch) else (open_adm_npz(source) if Path(source).is_file() else None)
-    return None if batch is None or batch.images is None else int(batch.images.shape[1])
+def _open_npz(source) -> ADMBatch | None:
+    """An ADMBatch as it is, an npz opened (see open_adm_npz); None for a folder."""
+    return source if isinstance(source, ADMBatch) else (open_adm_npz(source) if Path(source).is_file() else None)
 
 
 def dinov2_features(source, extractor, batch_size: int, image_size: int | None = None, workers: int = 0,
@@ -284,7 +281,8 @@ def format_table(result: EvaluationResult) -> str:
     """Results as an aligned two-column text table, with the sample count and reference."""
     rows = [(value_label(k), display(v)) for k, v in result.metrics.items()]
     info = result.info
-    rows += [("samples", str(info.get("num_samples", "-"))), ("reference", str(info.get("reference") or "none (IS only)")),
+    rows += [("samples", str(info.get("num_samples", "-"))),
+             ("reference", str(info.get("reference") or "none (IS only)")),
              ("reference stats", str(info.get("reference_statistics", info.get("dinov2_reference_statistics"))))]
     width = max(len(r[0]) for r in rows)
     return "\n".join(f"{a:<{width}}  {b}" for a, b in rows)

@@ -1,18 +1,14 @@
 """Improved precision and recall (Kynkäänniemi et al. 2019) as ADM's ManifoldEstimator computes them.
 
-Definition (checked against guided-diffusion's evaluations/evaluator.py):
-- each feature vector's radius is the distance to its k-th nearest neighbour in its own set,
-  the point itself counted as the 0th (k = 3: the 4th smallest distance, self included);
-- precision = fraction of sample features within the radius of at least one reference feature;
-  recall = fraction of reference features within the radius of at least one sample feature;
-- features are Inception pool_3 (2048-d), not torch-fidelity's default VGG16;
-- distances are computed in row x column blocks of `batch_size` (ADM: 10000 x 10000).
-Differences from ADM: ADM compares squared distances computed in float16 (falling back to float32
-when float16 overflows); we compare squared distances in float32 (or float64 on the CPU for tiny
-sets in tests). Radii tied at the float16 resolution can flip a membership, so precision / recall
-may differ from ADM's in the 4th decimal.
-Written by hand rather than torch-fidelity's calculate_precision_recall_part because that moves
-every distance block to the host; here blocks stay on the GPU and only radii / flags come back.
+Checked against guided-diffusion's evaluations/evaluator.py: each feature vector's radius is the
+distance to its k-th nearest neighbour in its own set, itself the 0th (k = 3: the 4th smallest
+distance); precision is the fraction of sample features within the radius of some reference
+feature, recall the converse; features are Inception pool_3 (not torch-fidelity's VGG16); distances
+come in row x column blocks of `batch_size` (ADM: 10000 x 10000).
+Where ADM compares squared distances in float16 (float32 when that overflows), we use float32 (or
+float64 on the CPU for tiny test sets): radii tied at float16 resolution can flip a membership, so
+values may differ from ADM's in the 4th decimal. Written by hand because torch-fidelity's
+calculate_precision_recall_part moves every distance block to the host; here blocks stay on the GPU.
 """
 from __future__ import annotations
 

@@ -15,9 +15,6 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["median_confidence_interval", "per_round_ratios", "PairedRatio", "paired_ratio", "MeanInterval",
-           "mean_t_interval"]
-
 
 def median_confidence_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float] | None:
     """Distribution-free interval for the median: order statistics x_(l) and x_(n+1-l), with l the
