@@ -29,8 +29,8 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    """A unique temporary name per process, fsync, then rename: a kill at any moment leaves either
-    the old state or the complete file, never half a file that a rerun would trust."""
+    """A temporary name per process, fsync, then rename: a kill at any moment leaves the old state or
+    the complete file, never half a file that a rerun would trust."""
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -64,14 +64,14 @@ _UniqueKeyLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^
 
 def load_yaml_unique(text: str):
     """yaml.safe_load that refuses a key given twice in one mapping (DuplicateKeyError) and reads 1e-4
-    as a number, for what users write by hand (training configs and overrides, studies)."""
+    as a number, for what users write by hand."""
     return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 def read_yaml_mapping(path: Path, kind: str, fix_missing: str, contents: str) -> dict:
-    """A YAML file users write by hand (a training config, a study) as a mapping: a missing, empty or
-    non-YAML file, a key given twice in one mapping (PyYAML would keep the last silently) or anything
-    but a mapping is one UserError naming the file (`kind` file ... ; `contents`: what it must hold)."""
+    """A hand-written YAML file (a training config, a study) as a mapping: a missing, empty or non-YAML
+    file, a key given twice or anything but a mapping is one UserError naming the file (`contents`:
+    what it must hold)."""
     if not path.is_file():
         raise UserError(f"{kind} file {path} not found; {fix_missing}")
     try:
@@ -90,9 +90,8 @@ def read_yaml_mapping(path: Path, kind: str, fix_missing: str, contents: str) ->
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The JSON objects of a .jsonl file in file order; a missing file is an empty list. A line that
-    does not parse (a writer killed mid-record) is skipped and reported in one warning naming the
-    file and its line numbers, never merged with its neighbours."""
+    """The JSON objects of a .jsonl file in file order ([] when missing). A line that does not parse (a
+    writer killed mid-record) is skipped and reported in one warning naming the file and the lines."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -115,39 +114,32 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
-    """Appends `record` as one line, in one write, to an append-only log (metrics, evaluations,
-    studies). A torn last line left by a writer killed mid-record is cut off first (with a warning
-    naming the file and the line), so the new record starts on a line of its own instead of being
-    glued to the fragment and lost with it."""
+    """Appends `record` as one line, in one write, to an append-only log. A torn last line left by a
+    writer killed mid-record is cut off first (with a warning naming the file and the line), so the
+    new record starts on a line of its own instead of being glued to the fragment and lost with it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = (json.dumps(record) + "\n").encode()
+    data = (json.dumps(record) + "\n").encode()  # a record that does not serialise leaves the file alone
     with open(path, "a+b", buffering=0) as f:
         end = f.seek(0, os.SEEK_END)
-        if end:
-            f.seek(end - 1)
-            if f.read(1) != b"\n":
-                _cut_torn_tail(f, path, end)
+        f.seek(max(end - 1, 0))
+        if end and f.read(1) != b"\n":  # a torn last line: cut after the last newline
+            start = max(0, end - (1 << 20))
+            f.seek(start)
+            tail = f.read()
+            cut = start + tail.rfind(b"\n") + 1 if b"\n" in tail else 0
+            f.seek(0)
+            line = f.read(cut).count(b"\n") + 1
+            f.truncate(cut)
+            _log.warning("%s: line %d was torn (a writer stopped mid-record) and is dropped; the records before "
+                         "it are kept", path, line)
         f.write(data)  # O_APPEND, unbuffered: one write call per record
 
 
-def _cut_torn_tail(f, path: Path, end: int) -> None:
-    """Truncates `f` after its last newline (the partial line after it is no record)."""
-    start = max(0, end - (1 << 20))
-    f.seek(start)
-    tail = f.read()
-    cut = start + tail.rfind(b"\n") + 1 if b"\n" in tail else 0
-    f.seek(0)
-    line = f.read(cut).count(b"\n") + 1
-    f.truncate(cut)
-    _log.warning("%s: line %d was torn (a writer stopped mid-record) and is dropped; the records before it "
-                 "are kept", path, line)
-
-
 def file_problem(path: Path) -> str | None:
-    """Why `path` cannot be read, judged from its structure without loading it (None = readable):
-    a safetensors header that does not cover the file, a torch/zip archive whose directory or
-    checksums are broken, a pickle without its end, invalid JSON. Truncation, the usual damage of a killed copy, fails all three."""
+    """Why `path` cannot be read, judged from its structure without loading it (None = readable): a
+    safetensors header that does not cover the file, a zip archive whose directory or checksums are
+    broken, a pickle without its end, invalid JSON. Truncation (a killed copy) fails all of them."""
     try:
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt"):

@@ -2,10 +2,10 @@
 user passes one), encoding images to scaled moments (latent extraction) and decoding latents to
 uint8 images in chunks (sampling and the trainer's sample grids).
 
-The autoencoder classes are one table (`VAE_CLASSES`), picked by the folder's config `_class_name`:
-AutoencoderKL of any latent channel count (SD's 4, SD3 / FLUX's 16, ...) and AutoencoderDC (DC-AE,
-deterministic: its posterior std is 0). Latents may be normalised per channel with dataset
-statistics (`data.latent_norm: channel`); `LoadedVAE.latent_norm` then undoes it before decoding."""
+The autoencoder class is picked by the folder's config `_class_name` (`VAE_CLASSES`): AutoencoderKL
+of any latent channel count (SD's 4, SD3 / FLUX's 16, ...) or AutoencoderDC (DC-AE, deterministic:
+its posterior std is 0). With `data.latent_norm: channel`, `LoadedVAE.latent_norm` undoes the
+per-channel normalisation before decoding."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,6 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -39,29 +38,8 @@ class LoadedVAE:
     latent_norm: ChannelNorm | None = None  # set: latents are (z - mean) / std per channel (latent_norm channel)
 
 
-def _kl_downsample(config: Any) -> int:
-    return 2 ** (len(config.block_out_channels) - 1)
-
-
-def _dc_downsample(config: Any) -> int:
-    return 2 ** (len(config.encoder_block_out_channels) - 1)
-
-
-def _kl_moments(vae: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    posterior = vae.encode(x).latent_dist
-    return posterior.mean.float(), posterior.std.float()
-
-
-def _dc_moments(vae: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    z = vae.encode(x).latent.float()
-    return z, torch.zeros_like(z)
-
-
-# config `_class_name` -> (downsampling factor from the config, images -> posterior (mean, std)).
-VAE_CLASSES: dict[str, tuple[Any, Any]] = {
-    "AutoencoderKL": (_kl_downsample, _kl_moments),
-    "AutoencoderDC": (_dc_downsample, _dc_moments),
-}
+# config `_class_name` -> the config entry whose length n gives the downsampling factor, 2 ** (n - 1).
+VAE_CLASSES = {"AutoencoderKL": "block_out_channels", "AutoencoderDC": "encoder_block_out_channels"}
 
 
 def _vae_class(source: str, subfolder: str | None, is_local: bool) -> str:
@@ -98,8 +76,8 @@ def resolve_vae_dir(name: str) -> tuple[str, str | None]:
 
 def load_vae(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32,
              scaling_factor: float | None = None) -> LoadedVAE:
-    """Loads the VAE in eval mode on `device` in `dtype`; any loading failure is one clear UserError.
-    Scaling and shift factors come from the VAE's config (`scaling_factor` overrides the first)."""
+    """Loads the VAE in eval mode on `device` in `dtype` (any failure is one UserError); scaling and
+    shift factors come from its config (`scaling_factor` overrides the first)."""
     import diffusers  # heavy import, only when a VAE is really needed
 
     source, subfolder = resolve_vae_dir(name)
@@ -118,7 +96,8 @@ def load_vae(name: str, device: torch.device | str, dtype: torch.dtype = torch.f
     vae = vae.to(device=device).eval().requires_grad_(False)
     return LoadedVAE(vae=vae, name=name, scaling_factor=factor,
                      shift_factor=None if shift is None else float(shift),
-                     downsample=VAE_CLASSES[kind][0](config), latent_channels=int(config.latent_channels), kind=kind)
+                     downsample=2 ** (len(getattr(config, VAE_CLASSES[kind])) - 1),
+                     latent_channels=int(config.latent_channels), kind=kind)
 
 
 def _scaling_factor(name: str, config) -> float:
@@ -140,16 +119,15 @@ def _scaling_factor(name: str, config) -> float:
 
 def check_vae_fits(name: str, latent_shape: tuple[int, int, int], image_size: int, what: str = "data.vae") -> None:
     """Refuses a local VAE folder whose latents (channels, downsampling) are not those of the data,
-    from its config alone (no weights loaded), so a run fails at start rather than at its first grid."""
+    from its config alone, so a run fails at start rather than at its first grid."""
     source, subfolder = resolve_vae_dir(name)
     if not Path(source).expanduser().is_dir():
         return  # a hub id: checked when it is loaded
     kind = _vae_class(source, subfolder, True)
     config = json.loads((Path(source) / (subfolder or "") / "config.json").read_text())
-    ns = SimpleNamespace(**config)
     try:
-        channels, down = int(config["latent_channels"]), VAE_CLASSES[kind][0](ns)
-    except (KeyError, AttributeError, TypeError, ValueError):
+        channels, down = int(config["latent_channels"]), 2 ** (len(config[VAE_CLASSES[kind]]) - 1)
+    except (KeyError, TypeError, ValueError):
         raise UserError(f"{what} {name}: its config.json lacks latent_channels or its block channels") from None
     c, h, _ = latent_shape
     if channels != c or image_size // down != h:
@@ -172,7 +150,12 @@ def encode_moments(loaded: LoadedVAE, images: torch.Tensor) -> tuple[torch.Tenso
     vae = loaded.vae
     param = next(vae.parameters())
     x = to_vae_input(images).to(device=param.device, dtype=param.dtype)
-    mean, std = VAE_CLASSES[loaded.kind][1](vae, x)
+    if loaded.kind == "AutoencoderDC":  # deterministic
+        mean = vae.encode(x).latent.float()
+        std = torch.zeros_like(mean)
+    else:
+        posterior = vae.encode(x).latent_dist
+        mean, std = posterior.mean.float(), posterior.std.float()
     if loaded.shift_factor is not None:
         mean = mean - loaded.shift_factor
     return mean * loaded.scaling_factor, std * loaded.scaling_factor
@@ -180,8 +163,8 @@ def encode_moments(loaded: LoadedVAE, images: torch.Tensor) -> tuple[torch.Tenso
 
 def load_run_vae(data_spec: dict[str, Any], latent_channels: int, vae: str | None = None,
                  device: torch.device | str = "cpu") -> LoadedVAE:
-    """The VAE a trained latent model decodes with: the one its run names in `data_spec` (or `vae`,
-    which overrides it), with the run's scaling factor; checked against the model's latent channels."""
+    """The VAE a trained latent model decodes with: `vae`, else the one its run names in `data_spec`,
+    with the run's scaling factor; checked against the model's latent channels."""
     named = vae or data_spec.get("vae")
     if not named:
         raise UserError("this checkpoint samples VAE latents but its run names no VAE; pass --vae DIR "
@@ -199,8 +182,7 @@ def load_run_vae(data_spec: dict[str, Any], latent_channels: int, vae: str | Non
 
 @torch.no_grad()
 def decode_to_uint8(loaded: LoadedVAE, z: torch.Tensor, chunk: int = 32) -> np.ndarray:
-    """Latents (N, C, h, w), scaled as trained -> uint8 RGB (N, H, W, 3), decoded `chunk` at a time
-    so a large batch of samples fits in memory."""
+    """Latents (N, C, h, w), scaled as trained -> uint8 RGB (N, H, W, 3), decoded `chunk` at a time."""
     vae = loaded.vae
     param = next(vae.parameters())
     out = []
