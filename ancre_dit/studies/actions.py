@@ -1,4 +1,4 @@
-"""What `scripts/study.py run|status|report` do, put together from spec, folder, runner, cluster,
+"""What `scripts/study.py run|status|report` do, put together from spec, ownership, runner, cluster,
 status and report; each validates every run's config first, so a mistake costs no run."""
 from __future__ import annotations
 
@@ -20,20 +20,17 @@ def dry_run(study: Study, check_paths: bool = True, rate=None) -> str:
 
     configs = validate(study, check_paths)
     check_folder(study)
-    rows, unchecked = [], {}
+    rows, unchecked, bill = [], {}, {}
     for job in study.jobs:
         c = configs[job.name]
         unchecked.update(dict.fromkeys([] if check_paths else validate_config(c, check_paths=False)))
         rows.append((job.name, job.arm, job.seed, c.model.topology, c.train.max_steps,
                      ", ".join(f"{k}={v}" for k, v in study.arms[job.arm].items()) or "-"))
+        # arms x seeds: each seed of an arm is one more run of the same cost
+        runs, per_step, _ = bill.get(job.arm) or (0, config_flops_per_step(c), None)
+        bill[job.arm] = (runs + 1, per_step, c.train.max_steps)
     table = format_table(("run", "arm", "seed", "topology", "max_steps", "arm overrides"), rows)
     note = (f"\nnot checked (missing here, --no-check-paths): {', '.join(unchecked)}" if unchecked else "")
-    bill = {}
-    for job in study.jobs:  # arms x seeds: each seed of an arm is one more run of the same cost
-        c = configs[job.name]
-        per_step = config_flops_per_step(c)
-        runs, _, _ = bill.get(job.arm, (0, per_step, c.train.max_steps))
-        bill[job.arm] = (runs + 1, per_step, c.train.max_steps)
     bill_text = format_bill([(arm, *row) for arm, row in bill.items()], rate or compute_rate())
     return (f"study {study.name}: {len(study.arms)} arms x {len(study.seeds)} seeds = {len(rows)} runs, all configs "
             f"valid; baseline {study.baseline_label}; runs would go to {study.runs_dir}{note}\n\n{table}\n\n{bill_text}")
@@ -62,9 +59,13 @@ def write_report(study: Study) -> Path:
     return write_study_report(study, statuses(study, configs), batch)
 
 
-def _to_run(study: Study, max_steps: dict[str, int], force: bool) -> list[Job]:
-    """The runs not finished yet; a UserError for one that is running or queued elsewhere (two
-    trainings in one run folder would overwrite each other's checkpoints), unless `force`."""
+def _to_run(study: Study, check_paths: bool, force: bool) -> tuple[dict[str, int], list[Job]]:
+    """Validates the configs and claims the folder; returns (run name -> max_steps, the runs not
+    finished yet). A UserError for a run that is running or queued elsewhere (two trainings in one
+    run folder would overwrite each other's checkpoints), unless `force`."""
+    configs = validate(study, check_paths)
+    claim_folder(study)
+    max_steps = {job.name: configs[job.name].train.max_steps for job in study.jobs}
     todo = []
     for job in study.jobs:
         state = run_status(job, max_steps[job.name]).state
@@ -73,7 +74,7 @@ def _to_run(study: Study, max_steps: dict[str, int], force: bool) -> list[Job]:
                             f"or, if its process or job is gone, pass --force")
         if state != "done":
             todo.append(job)
-    return todo
+    return max_steps, todo
 
 
 def run_local(study: Study, train_script: Path, slots: int, check_paths: bool = True, force: bool = False,
@@ -81,14 +82,10 @@ def run_local(study: Study, train_script: Path, slots: int, check_paths: bool = 
     """Runs every unfinished run, `slots` at a time; 0 when all finished, 1 when any failed or stopped."""
     from tqdm.auto import tqdm
 
-    configs = validate(study, check_paths)
-    claim_folder(study)
-    max_steps = {job.name: configs[job.name].train.max_steps for job in study.jobs}
-    todo = _to_run(study, max_steps, force)
-    skipped = len(study.jobs) - len(todo)
-    say(f"study {study.name}: {len(study.jobs)} runs, {skipped} finished already (skipped), {len(todo)} to run, "
-        f"{slots} at a time ({max(1, usable_cores() // slots)} thread(s) each); each run's output: <run>/study.log "
-        f"under {study.runs_dir}")
+    max_steps, todo = _to_run(study, check_paths, force)
+    say(f"study {study.name}: {len(study.jobs)} runs, {len(study.jobs) - len(todo)} finished already (skipped), "
+        f"{len(todo)} to run, {slots} at a time ({max(1, usable_cores() // slots)} thread(s) each); each run's "
+        f"output: <run>/study.log under {study.runs_dir}")
     if not todo:
         return 0
     runner = LocalRunner(study, train_script, slots,
@@ -117,10 +114,7 @@ def run_cluster(study: Study, train_script: Path, options, cluster: str, wait: b
     """Submits every unfinished run through submitit; with `wait`, waits for them (0 = all finished)."""
     from .cluster import submit
 
-    configs = validate(study, check_paths)
-    claim_folder(study)
-    max_steps = {job.name: configs[job.name].train.max_steps for job in study.jobs}
-    todo = _to_run(study, max_steps, force)
+    max_steps, todo = _to_run(study, check_paths, force)
     say(f"study {study.name}: {len(study.jobs)} runs, {len(study.jobs) - len(todo)} finished already, "
         f"submitting {len(todo)} to {cluster}")
     if not todo:
@@ -131,11 +125,8 @@ def run_cluster(study: Study, train_script: Path, options, cluster: str, wait: b
         + f"; submitit's logs: {study.out / 'submitit'}")
     if not wait:
         return 0
-    failures = []
-    for job, handle in zip(todo, handles):
-        error = handle.exception()
-        if error is not None:
-            failures.append(f"{job.name}: {' '.join(str(error).split())[-300:]}")
+    failures = [f"{job.name}: {' '.join(str(error).split())[-300:]}" for job, handle in zip(todo, handles)
+                if (error := handle.exception()) is not None]
     done = sum(run_status(job, max_steps[job.name]).state == "done" for job in todo)
     say(f"{done} of {len(todo)} submitted runs finished" + (f"; failed: {'; '.join(failures)}" if failures else ""))
     return 0 if done == len(todo) else 1

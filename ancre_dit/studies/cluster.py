@@ -1,14 +1,12 @@
-"""Runs a study's training runs as cluster jobs through submitit (SLURM; or submitit's local
+"""Runs a study's training runs as cluster jobs through submitit (SLURM, or submitit's local
 executor, which runs the same code path on this machine).
 
-Each run is one job (a job array over the runs), whose callable launches the training command:
-`python train.py ...` on one GPU, or `python -m torch.distributed.run` (torchrun) over the job's
-GPUs and nodes (one task per node: the callable runs once per node with that node's rank, and node
-0 is the rendezvous host). The callable is a `submitit.helpers.Checkpointable`: on a time limit or
-a preemption submitit calls its `checkpoint()`, which sends SIGTERM to the training (train.py saves
-a checkpoint and exits, within `grace_s`: GRACE_S, inside SLURM's SIGNAL_DELAY_S) and requeues the same callable; the requeued job resumes
-exactly with `--resume auto`. Launch events go to the run's study_status.jsonl, as with the local
-executor, so `status` works from the login node.
+Each run is one job of a job array; its callable launches `python train.py ...` on one GPU, or
+torchrun over the job's GPUs and nodes (one task per node, with that node's rank; node 0 is the
+rendezvous host). On a time limit or a preemption submitit calls the callable's `checkpoint()`,
+which sends SIGTERM to the training (train.py saves a checkpoint and exits within GRACE_S) and
+requeues the callable; the requeued job resumes exactly with `--resume auto`. Launch events go to
+the run's study_status.jsonl, as with the local executor, so `status` works from the login node.
 """
 from __future__ import annotations
 
@@ -134,15 +132,13 @@ class StudyRun(Checkpointable):
             error = last_error_line(run_dir / LOG)
             record_event(run_dir, "failed", exit_code=code, error=error, job_id=str(env.job_id))
             raise RuntimeError(f"run {self.name} failed with exit code {code}: {error}")
-        if self.max_steps is not None and not self._finished():  # SIGTERM reached train.py directly (preemption)
+        if self.max_steps is not None and finished_at(run_dir, self.max_steps) is None:
+            # SIGTERM reached train.py directly (preemption)
             record_event(run_dir, "stopped", exit_code=0, job_id=str(env.job_id),
                          reason="stopped before max_steps by a signal; a requeue or a rerun resumes it")
             return {"run": self.name, "exit_code": 0, "finished": False}
         record_event(run_dir, "finished", exit_code=0, job_id=str(env.job_id))
         return {"run": self.name, "exit_code": 0, "finished": True}
-
-    def _finished(self) -> bool:
-        return finished_at(Path(self.run_dir), self.max_steps) is not None
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
         """Time limit or preemption: train.py checkpoints on SIGTERM; then requeue a fresh copy."""
@@ -170,19 +166,13 @@ def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: Clust
         raise UserError(f"--executor {cluster}: {' '.join(str(err).split())} (submit from a SLURM login node, or use "
                         f"--executor local)") from None
     params: dict[str, Any] = dict(name=f"study-{study.name}", timeout_min=options.time_min, tasks_per_node=1)
-    if options.gpus_per_node:
-        params["gpus_per_node"] = options.gpus_per_node
-    if options.cpus_per_task:
-        params["cpus_per_task"] = options.cpus_per_task
+    optional = {"gpus_per_node": options.gpus_per_node, "cpus_per_task": options.cpus_per_task}
     if cluster == "slurm":
-        params["nodes"] = options.nodes
-        params["slurm_array_parallelism"] = options.array_parallelism
-        params["slurm_signal_delay_s"] = SIGNAL_DELAY_S  # time for the checkpoint and the requeue before the kill
-        if options.partition:
-            params["slurm_partition"] = options.partition
-        if options.account:
-            params["slurm_account"] = options.account
-    executor.update_parameters(**params)
+        # slurm_signal_delay_s: time for the checkpoint and the requeue before the kill
+        params.update(nodes=options.nodes, slurm_array_parallelism=options.array_parallelism,
+                      slurm_signal_delay_s=SIGNAL_DELAY_S)
+        optional.update(slurm_partition=options.partition, slurm_account=options.account)
+    executor.update_parameters(**params, **{key: value for key, value in optional.items() if value})
     for job in jobs:  # before submitting: a job that starts at once must not be followed by this record
         record_event(job.run_dir, "submitted", executor=cluster)
     handles = []

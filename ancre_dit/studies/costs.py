@@ -1,14 +1,12 @@
 """Training FLOPs per step of each arm, so that arms of different cost (width, depth, peer
-topologies) can be compared at equal compute, not only at equal steps, and priced before a study
-runs (`study.py run --dry-run`: GPU-hours at a stated MFU and GPU peak).
+topologies) compare at equal compute, not only at equal steps, and a study is priced before it runs
+(`study.py run --dry-run`: GPU-hours at a stated MFU and GPU peak).
 
-Counted once per model config (`ancre_dit.models.flops.count_training_flops`: network forward +
-backward, matrix products only; `models.flops.flops_per_training_image` picks the meta device or the
-CPU), fp32, with a micro-batch of two images, from the model spec of one of the arm's checkpoints
-(the exact model the run trained, data shape included, rebuilt as sampling rebuilds it) or, before
-any, of its config; then scaled to a step: per image x train.global_batch_size. Optimizer, EMA and
-the recomputation of train.grad_checkpointing are not in it. The report's counts are cached in
-`<out>/flops.json`, keyed by the model spec.
+Counted once per model config (network forward + backward, matrix products only: models.flops), on
+a micro-batch of two images, from the model spec of one of the arm's checkpoints (the exact model the
+run trained, data shape included) or, before any, of its config; then x train.global_batch_size.
+Optimizer, EMA and gradient-checkpointing recomputation are not in it. The report's counts are
+cached in `<out>/flops.json`, keyed by the model spec.
 """
 from __future__ import annotations
 
@@ -31,9 +29,7 @@ _COUNTED: dict[str, float] = {}  # per process: a study's arms and seeds share a
 
 def flops_per_image(model_spec: dict[str, Any], topology_state: dict[str, Any] | None = None) -> float:
     """Training FLOPs of one image through the model a model spec describes; `topology_state`: the
-    `topology.*` tensors of its checkpoint (checkpoint.build_model). Counted on the meta device
-    (shapes only, no arithmetic) for a large model, on the CPU for a small one or a topology whose
-    code needs real tensors (`models.flops.flops_per_training_image`)."""
+    `topology.*` tensors of its checkpoint (checkpoint.build_model)."""
     from ..checkpoint import build_model
     from ..models.flops import flops_per_training_image
 
@@ -132,7 +128,6 @@ def compute_rate(mfu: float | None = None, peak_tflops: float | None = None, gpu
         raise UserError(f"--mfu {mfu} must be a fraction in (0, 1], e.g. --mfu 0.4 for 40%")
     if peak_tflops is not None and not peak_tflops > 0:
         raise UserError(f"--gpu-peak-tflops {peak_tflops} must be positive, e.g. 989 for an H100")
-    sources = []
     measured: dict[str, Any] = {}
     if gpu_check is not None:
         path = Path(gpu_check)
@@ -144,26 +139,22 @@ def compute_rate(mfu: float | None = None, peak_tflops: float | None = None, gpu
         if not measured.get("mfu"):
             raise UserError(f"--gpu-check {path} holds no trainer MFU (its \"trainer\" section is missing or has "
                             f"none); rerun the GPU check on a GPU, or give --mfu")
-    if mfu is None and measured:
-        mfu = float(measured["mfu"])
-        sources.append(f"MFU measured by the GPU check ({gpu_check})")
-    elif mfu is None:
-        mfu = DEFAULT_MFU
-        sources.append(f"default MFU {DEFAULT_MFU:.0%}")
+    if mfu is not None:
+        mfu_source = "MFU given"
+    elif measured:
+        mfu, mfu_source = float(measured["mfu"]), f"MFU measured by the GPU check ({gpu_check})"
     else:
-        sources.append("MFU given")
-    if peak_tflops is None and gpu is not None:
-        peak_tflops = _table_peak(gpu)
-        sources.append(f"peak of {gpu} from the device table")
-    elif peak_tflops is None and measured.get("peak_tflops"):
+        mfu, mfu_source = DEFAULT_MFU, f"default MFU {DEFAULT_MFU:.0%}"
+    if peak_tflops is not None:
+        peak_source = "peak given"
+    elif gpu is not None:
+        peak_tflops, peak_source = _table_peak(gpu), f"peak of {gpu} from the device table"
+    elif measured.get("peak_tflops"):
         peak_tflops = float(measured["peak_tflops"])
-        sources.append(f"peak of the GPU check's device {measured.get('device', '')}".rstrip())
-    elif peak_tflops is None:
-        peak_tflops = _table_peak(DEFAULT_GPU)
-        sources.append(f"peak of an {DEFAULT_GPU}/H200 (default)")
+        peak_source = f"peak of the GPU check's device {measured.get('device', '')}".rstrip()
     else:
-        sources.append("peak given")
-    return ComputeRate(mfu, peak_tflops, "; ".join(sources))
+        peak_tflops, peak_source = _table_peak(DEFAULT_GPU), f"peak of an {DEFAULT_GPU}/H200 (default)"
+    return ComputeRate(mfu, peak_tflops, f"{mfu_source}; {peak_source}")
 
 
 def data_shape(config) -> tuple[int, int, int, str]:

@@ -57,12 +57,6 @@ def slot_environment(slot: int, slots: int, gpus: int) -> dict[str, str]:
     return env
 
 
-def visible_gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 class LocalRunner:
     """Launches the jobs N at a time; `run` returns one Outcome per job it launched."""
 
@@ -74,7 +68,6 @@ class LocalRunner:
         self._stopping = threading.Event()
 
     def launch(self, job: Job, env: dict[str, str]) -> Outcome:
-        """One run in a child process, its output appended to `<run>/study.log`."""
         command = train_command(self.study, job, self.train_script)
         job.run_dir.mkdir(parents=True, exist_ok=True)
         log_path = job.run_dir / LOG
@@ -107,7 +100,9 @@ class LocalRunner:
                 child.send_signal(signal.SIGTERM)
 
     def run(self, jobs: Sequence[Job], progress: Callable[[Outcome], None] = lambda o: None) -> list[Outcome]:
-        gpus = visible_gpus()
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         free: queue.Queue[int] = queue.Queue()
         for slot in range(self.slots):
             free.put(slot)

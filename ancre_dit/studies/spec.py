@@ -1,23 +1,14 @@
-"""A study file: one base config, named arms and a grid of overrides, seeds -> the list of runs.
+"""A study file (format: docs/studies.md): a base config, common overrides, named arms and/or a
+grid of overrides, seeds and a baseline -> the list of runs.
 
-    out: results/studies/NAME          # default results/studies/<file stem>
-    base: configs/quickstart.yaml      # every run starts from it (paths relative to the current folder)
-    overrides: {model.depth: 12}       # applied to every run
-    arms: {cascaded: {model.topology: cascaded}}
-    grid: {model.topology: [ancre], model.tau: [0.01, 0.1]}   # more arms: the product of the values
-    seeds: [0, 1, 2]
-    baseline: cascaded
-    name: ..., description: ...        # optional
-    slurm: {partition: ..., gpus_per_node: 8, nodes: 1, time_min: 4320, account: ..., array_parallelism: 8}
+Grid arms are named from their values in the grid's key order, joined by "-": a text value as
+itself, any other as the key's last part followed by the value ({model.topology: ancre,
+model.tau: 0.01} is `ancre-tau0.01`); characters other than letters, digits and `._+-` become `_`.
+Run `<arm>-s<seed>` trains in `<out>/runs/<arm>-s<seed>` with `train.seed=<seed>`: every arm uses
+the same seeds, so runs of one seed compare in pairs.
 
-Grid arms are named from their values, in the grid's key order, joined by "-": a text value as
-itself (`ancre`), any other value as the key's last part followed by the value (`tau0.01`), so
-{model.topology: ancre, model.tau: 0.01} is `ancre-tau0.01`. Characters other than letters,
-digits and `._+-` become `_`. Run `<arm>-s<seed>` trains in `<out>/runs/<arm>-s<seed>` with
-`train.seed=<seed>`; every arm uses the same seeds, so runs of one seed can be compared in pairs.
-
-Every run's config is loaded (base + overrides + arm + seed + run_dir) before anything is written,
-so a mistake in any arm is one line naming it, not a failed run hours later.
+Every run's config is loaded before anything is written, so a mistake in any arm is one line naming
+it, not a failed run hours later.
 """
 from __future__ import annotations
 

@@ -47,16 +47,6 @@ class RunStatus:
         return self.state == "done"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _last_heldout(run_dir: Path) -> float | None:
     evals = [e for e in read_evals(run_dir) if "heldout_loss" in e.get("metrics", {})]
     return float(evals[-1]["metrics"]["heldout_loss"]) if evals else None
@@ -77,25 +67,33 @@ def finished_at(run_dir: Path, max_steps: int) -> int | None:
 
 def run_status(job: Job, max_steps: int) -> RunStatus:
     run_dir = job.run_dir
+    heldout = _last_heldout(run_dir)
     done_at = finished_at(run_dir, max_steps)
     if done_at is not None:
-        return RunStatus(job, "done", done_at, max_steps, _last_heldout(run_dir))
-    heldout = _last_heldout(run_dir)
+        return RunStatus(job, "done", done_at, max_steps, heldout)
     step = _step_reached(run_dir)
     events = read_jsonl(run_dir / EVENTS)
     last = events[-1] if events else {}
-    kind = last.get("event")
-    if kind == "failed":
+    if last.get("event") == "failed":
         return RunStatus(job, "failed", step, max_steps, heldout, last.get("exit_code"), last.get("error"))
-    if kind == "started":
-        here = last.get("host") == socket.gethostname()
-        if not (here and last.get("pid") and not _alive(int(last["pid"]))):
-            return RunStatus(job, "running", step, max_steps, heldout)
-    if kind == "submitted":
-        return RunStatus(job, "submitted", step, max_steps, heldout)
-    if events or step:
-        return RunStatus(job, "stopped", step, max_steps, heldout)
-    return RunStatus(job, "not started", step, max_steps, heldout)
+    if last.get("event") == "started" and not (last.get("host") == socket.gethostname() and last.get("pid")
+                                               and not _alive(int(last["pid"]))):
+        state = "running"  # on another host, a started launch cannot be checked
+    elif last.get("event") == "submitted":
+        state = "submitted"
+    else:
+        state = "stopped" if events or step else "not started"
+    return RunStatus(job, state, step, max_steps, heldout)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        pass
+    return True
 
 
 def last_error_line(log: Path, limit: int = 1 << 16) -> str | None:
