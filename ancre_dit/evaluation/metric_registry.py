@@ -75,8 +75,8 @@ class MetricEntry:
 
 # -- the metric functions ------------------------------------------------------------------------
 def _frechet(samples: Side, ref: Side, kind: str, method: str) -> float:
-    """Fréchet distance of one Inception feature kind; "eigh" takes the N-dim route when a side
-    has N < D images of its own."""
+    """Fréchet distance of one Inception feature kind; "eigh" takes the N-dim route when a side has
+    N <= D images of its own."""
     if method == "eigh":
         for side, other in ((samples, ref), (ref, samples)):
             feats = side.raw_features(kind)
@@ -163,8 +163,7 @@ def metric_names(**where: bool | str) -> tuple[str, ...]:
 
 
 class MetricNames:
-    """The names `metric_names(**where)` gives, looked up each time it is read: a choice list built
-    at import (the config schema's) that follows the table."""
+    """`metric_names(**where)`, read anew each time: a choice list built at import that follows the table."""
 
     def __init__(self, **where: bool | str):
         self.where = where

@@ -44,10 +44,9 @@ def save_reference_stats(images_dir: str | os.PathLike, out: str | os.PathLike, 
                          seed: int = 0, batch_size: int | None = None, device: str | torch.device | None = None,
                          workers: int = 0, dinov2_weights: str | os.PathLike | None = None,
                          dinov2_model: str | None = None) -> Path:
-    """Center-crops every image of `images_dir` to `image_size` (ADM's crop, as in training),
-    computes Inception statistics and writes them (and optionally the images) to `out`.
-    `max_images` keeps a seeded random subset (a sorted prefix of ImageNet would be a few classes).
-    With `dinov2_weights`, also FD-DINOv2's mu_dinov2 / sigma_dinov2 from the same crops."""
+    """Writes the Inception statistics of `images_dir`'s images, center-cropped to `image_size` as in
+    training (and, optionally, the crops; with `dinov2_weights`, FD-DINOv2's statistics) to `out`.
+    `max_images` keeps a seeded random subset (a sorted prefix of ImageNet would be a few classes)."""
     check_replaceable(Path(out))
     device = torch.device(device) if device is not None else default_device()
     extractor = get_extractor(weights, device)  # fail on bad weights before reading any image
@@ -55,7 +54,6 @@ def save_reference_stats(images_dir: str | os.PathLike, out: str | os.PathLike, 
     if dinov2_weights:
         from .dinov2 import DINOV2_MODEL, get_dinov2_extractor
         dinov2 = get_dinov2_extractor(dinov2_weights, dinov2_model or DINOV2_MODEL, device)
-    dinov2_parts: list[np.ndarray] = []
     listing = list_image_folder(images_dir)
     files, labels = listing.paths(), listing.labels
     if max_images is not None and max_images < len(files):
@@ -66,6 +64,7 @@ def save_reference_stats(images_dir: str | os.PathLike, out: str | os.PathLike, 
         raise UserError(f"{images_dir} has {len(files)} image(s); statistics need at least 2")
     batches = ImageFolderBatches(files, image_size, batch_size or default_batch_size(device), workers)
     kept: list[np.ndarray] = []
+    dinov2_parts: list[np.ndarray] = []
 
     def keep_images():  # one pass over the files: the cropped images are kept as they stream by
         for batch in batches:
@@ -76,11 +75,10 @@ def save_reference_stats(images_dir: str | os.PathLike, out: str | os.PathLike, 
             yield batch
 
     features = extractor.extract(keep_images(), total=len(files), desc="inception: reference images")
-    mu, sigma = feature_statistics(features.pool)
-    mu_s, sigma_s = feature_statistics(features.spatial)
-    images = np.concatenate(kept) if with_images else None
-    extra = {}
+    stats = {}
+    stats["mu"], stats["sigma"] = feature_statistics(features.pool)
+    stats["mu_s"], stats["sigma_s"] = feature_statistics(features.spatial)
     if dinov2 is not None:
-        extra["mu_dinov2"], extra["sigma_dinov2"] = feature_statistics(np.concatenate(dinov2_parts))
-    return save_adm_npz(out, images, labels if with_images else None,
-                        mu=mu, sigma=sigma, mu_s=mu_s, sigma_s=sigma_s, **extra)
+        stats["mu_dinov2"], stats["sigma_dinov2"] = feature_statistics(np.concatenate(dinov2_parts))
+    images = np.concatenate(kept) if with_images else None
+    return save_adm_npz(out, images, labels if with_images else None, **stats)

@@ -21,8 +21,8 @@ from ..errors import UserError
 
 
 def _memmap_member(path: Path, member: str) -> np.ndarray | None:
-    """A read-only memmap of `member` (.npy) inside an uncompressed zip, or None if not possible.
-    Written by hand: numpy's mmap_mode is ignored for .npz files."""
+    """A read-only memmap of `member` (.npy) inside an uncompressed zip, or None if not possible
+    (numpy's mmap_mode is ignored for .npz files)."""
     with open(path, "rb") as f, zipfile.ZipFile(f) as zf:
         try:
             info = zf.getinfo(member)
