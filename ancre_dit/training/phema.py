@@ -11,10 +11,16 @@ written here for a step count rather than images seen).
 """
 from __future__ import annotations
 
+import json
 from functools import lru_cache
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+import torch
+
+from ..errors import UserError
+from ..files import write_atomic
 
 
 @lru_cache(maxsize=None)  # read at every step by the tracking rule
@@ -56,3 +62,77 @@ def reconstruction_weights(snapshot_steps: Sequence[int], snapshot_stds: Sequenc
     target = profile_inner_product(t, g, np.float64(target_step), np.float64(exponent_of_std(target_std)))
     x = np.linalg.solve(gram, target)
     return x / x.sum()
+
+
+# -- snapshots: RUN/phema/<step>.safetensors, every tracked std's weights at one step ---------------
+SNAPSHOT_DIR = "phema"
+
+
+def write_snapshot(run_dir: Path, step: int, emas: dict[float, dict[str, torch.Tensor]]) -> Path:
+    """One file per step, keys "<std>/<name>", written atomically (a kill leaves no half snapshot)."""
+    from safetensors.torch import save
+
+    folder = Path(run_dir) / SNAPSHOT_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {f"{std:g}/{k}": v.detach().cpu().contiguous() for std, state in emas.items() for k, v in state.items()}
+    path = folder / f"{step:07d}.safetensors"
+    write_atomic(path, save(tensors, metadata={"step": str(step), "stds": json.dumps(sorted(emas))}))
+    return path
+
+
+def snapshot_steps(run_dir: Path, at: int | None = None) -> list[int]:
+    found = sorted(int(p.stem) for p in (Path(run_dir) / SNAPSHOT_DIR).glob("*.safetensors") if p.stem.isdigit())
+    return [s for s in found if at is None or s <= at]
+
+
+def read_snapshot(path: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """(the stds it holds, its tensors "<std>/<name>")."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return json.loads(f.metadata()["stds"]), {k: f.get_tensor(k) for k in f.keys()}
+
+
+def reconstruct(run_dir: Path, std: float, at: int | None = None) -> tuple[dict[str, torch.Tensor], int, list[int]]:
+    """The EMA of length `std` at step `at` (default: the last snapshot), rebuilt from the snapshots up
+    to it: (state dict, step, snapshot steps used). Non-float tensors are the last snapshot's."""
+    steps = snapshot_steps(run_dir, at)
+    if not steps:
+        raise UserError(f"no post-hoc EMA snapshots in {Path(run_dir) / SNAPSHOT_DIR}"
+                        f"{f' up to step {at}' if at is not None else ''}; train with train.phema.stds and "
+                        "train.phema.snapshot_every")
+    target = steps[-1] if at is None else at
+    exponent_of_std(std)  # its range, in one line
+    snapshots = [read_snapshot(Path(run_dir) / SNAPSHOT_DIR / f"{s:07d}.safetensors") for s in steps]
+    tracked = [(i, d) for i, (stds, _) in enumerate(snapshots) for d in stds]
+    weights = reconstruction_weights([steps[i] for i, _ in tracked], [d for _, d in tracked], target, std)
+    last_stds, last = snapshots[-1]
+    out = {}
+    for name in sorted({key.split("/", 1)[1] for key in last}):
+        reference = last[f"{last_stds[0]:g}/{name}"]
+        if not reference.is_floating_point():
+            out[name] = reference
+            continue
+        total = sum(float(w) * snapshots[i][1][f"{d:g}/{name}"].double() for w, (i, d) in zip(weights, tracked))
+        out[name] = total.to(reference.dtype)
+    return out, target, steps
+
+
+def write_reconstruction(run_dir: Path, std: float, at: int | None, out: Path) -> dict:
+    """A checkpoint folder (model_spec.json + ema.safetensors) holding the rebuilt EMA, which sample.py
+    and the evaluation read like any other; its spec is the run's newest checkpoint's, at the step
+    rebuilt, and records the std and snapshots. Returns the spec."""
+    from ..checkpoint import SPEC_FILE, WEIGHT_FILES, load_model_spec, save_safetensors
+    from .checkpointing import list_checkpoints
+
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise UserError(f"{run_dir} has no checkpoint to take the model's spec from; train until its first "
+                        "checkpoint (train.ckpt_every)")
+    state, step, steps = reconstruct(run_dir, std, at)
+    spec = {**load_model_spec(found[-1][1]), "step": step,
+            "posthoc_ema": {"std": std, "snapshots": len(steps), "first": steps[0], "last": steps[-1]}}
+    out.mkdir(parents=True, exist_ok=True)
+    save_safetensors(state, out / WEIGHT_FILES["ema"])
+    write_atomic(out / SPEC_FILE, json.dumps(spec, indent=1).encode())  # last: the folder is complete
+    return spec
