@@ -25,6 +25,7 @@ from ..sampling.guidance import check_guidance_scale
 from .config_sections import Config, EvalConfig, ModelConfig
 from .data import check_data_path
 from .lr_schedule import check_lr_schedule
+from .phema import check_phema_settings
 from .model_setup import model_kwargs, topology_options_of
 from .repa import check_repa_settings
 
@@ -53,6 +54,7 @@ def validate_config(config: Config, check_paths: bool = True) -> list[str]:
         _build_model(config)
     _check_sparsify_step(config)
     check_lr_schedule(config.train)
+    check_phema_settings(config.train.phema.stds, config.train.phema.snapshot_every)
     check_data_path(config.data, paths.found)
     objective = build_objective(diffusion_spec(config))
     check_repa_settings(config.repa, paths.found)

@@ -68,6 +68,14 @@ class DataConfig:
 
 
 @section
+class PhemaConfig:
+    """Post-hoc EMA (training/phema.py): power-function EMAs of these relative stds (EDM2: 0.05, 0.10),
+    their snapshots written every snapshot_every steps; scripts/reconstruct_ema.py rebuilds any std."""
+    stds: list[Float] = Field(default_factory=list)
+    snapshot_every: Int = Field(0, ge=0)
+
+
+@section
 class TrainConfig:
     global_batch_size: Int = Field(256, ge=1)
     max_steps: Int = Field(400_000, ge=1)
@@ -91,6 +99,9 @@ class TrainConfig:
     grad_clip: Float = Field(0.0, ge=0)  # max global grad norm; 0 = off
     ema_decay: Float = Field(0.9999, ge=0, le=1)
     ema_warmup: Bool = False          # ramp the decay up from 0 (timm's warmup), for short runs
+    # More EMAs of other decays beside ema_decay's, each saved as ema-<decay>.safetensors (sample.py --ema).
+    ema_decays: Annotated[list[Float], BeforeValidator(_as_list)] = Field(default_factory=list)
+    phema: PhemaConfig = Field(default_factory=PhemaConfig)
     mixed_precision: Precision = "bf16"
     grad_accum: Int = Field(1, ge=1)
     ckpt_every: Int = Field(50_000, ge=1)

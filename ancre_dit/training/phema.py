@@ -64,6 +64,21 @@ def reconstruction_weights(snapshot_steps: Sequence[int], snapshot_stds: Sequenc
     return x / x.sum()
 
 
+
+def check_phema_settings(stds: Sequence[float], snapshot_every: int) -> None:
+    """train.phema: stds inside a power-function profile's range, distinct, with a snapshot period."""
+    for std in stds:
+        if not 0 < std < 12 ** -0.5:
+            raise UserError(f"train.phema.stds holds {std:g}; a power-function EMA's std lies in (0, "
+                            f"{12 ** -0.5:.4f}) (EDM2 tracks 0.05 and 0.10)")
+    if len(set(stds)) != len(stds):
+        raise UserError(f"train.phema.stds {list(stds)} repeats a std; give each once")
+    if stds and not snapshot_every:
+        raise UserError("train.phema.stds needs train.phema.snapshot_every (steps between snapshots; the "
+                        "reconstruction wants a few hundred of them over a run)")
+    if snapshot_every and not stds:
+        raise UserError("train.phema.snapshot_every needs train.phema.stds (e.g. [0.05, 0.10])")
+
 # -- snapshots: RUN/phema/<step>.safetensors, every tracked std's weights at one step ---------------
 SNAPSHOT_DIR = "phema"
 
