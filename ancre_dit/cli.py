@@ -19,9 +19,8 @@ BUG_REPORT = ("this is a bug in ancre-dit, not a problem with your input; please
 
 # -- where a command writes (one rule for every --out; docs/reliability.md, "Where outputs go") ------------------
 def output_file(path: str | os.PathLike, suffixes: Sequence[str], flag: str = "--out") -> Path:
-    """A file a command writes: it must end in a suffix the command can write, must not be a folder,
-    and its parent folders (created by the writer) must not be files. An existing file of that name
-    is replaced: files are derived outputs (figures, reports, sample sets) that a rerun regenerates."""
+    """A file a command writes: ending in one of `suffixes`, not a folder, no parent a file. An existing
+    file is replaced: files are derived outputs (figures, reports, sample sets) a rerun regenerates."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{flag} {path} is a folder; give a file name ending in {suffixes[0]}")
@@ -34,10 +33,9 @@ def output_file(path: str | os.PathLike, suffixes: Sequence[str], flag: str = "-
 
 def output_folder(path: str | os.PathLike, kind: str, marker: str | tuple[str, ...], flag: str = "--out",
                   replace_own: bool = True, overwrite: bool = False) -> Path:
-    """A folder a command fills: a new or empty one, or one of its own kind (it holds a file matching
-    `marker`, a glob pattern or several, that the command writes there), which is updated when
-    `replace_own`, else only with --overwrite. A file in its place, or a non-empty folder of another
-    kind (a run folder, say), is refused, so that no command mixes its files into someone else's folder."""
+    """A folder a command fills: a new or empty one, or one of its own kind (holding a file that matches
+    `marker`, one glob pattern or several), updated when `replace_own`, else only with --overwrite. A
+    non-empty folder of another kind is refused: no command mixes its files into someone else's."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file; give a folder for the {kind}")
@@ -54,8 +52,8 @@ def output_folder(path: str | os.PathLike, kind: str, marker: str | tuple[str, .
 
 
 def _check_parents(path: Path, flag: str) -> None:
-    """No parent is a file, and the nearest existing folder (the path itself, or the one the writer
-    creates it in) is writable: found before the work, not when its result is written."""
+    """No parent is a file and the nearest existing folder is writable: found before the work, not
+    when its result is written."""
     for parent in path.parents:
         if parent.exists() and not parent.is_dir():
             raise UserError(f"{flag} {path}: {parent} is a file, not a folder")
@@ -66,18 +64,17 @@ def _check_parents(path: Path, flag: str) -> None:
 
 
 class CommandParser(argparse.ArgumentParser):
-    """argparse for every command: a usage mistake (unknown flag, bad choice, missing argument) is a
-    UserError, so it prints as the same one `error:` line as any other input mistake, pointing to
-    --help instead of printing the usage block."""
+    """argparse whose usage mistakes are UserErrors: the same one `error:` line as any other input
+    mistake, pointing to --help instead of printing the usage block."""
 
     def error(self, message: str) -> NoReturn:
         raise UserError(f"{message}; see {self.prog} --help")
 
 
 def run_cli(main: Callable[[], int | None]) -> None:
-    """Runs `main`. A `UserError` prints `error: <message>` (on the main process of a launched job
-    only) and exits 2 (ANCRE_DEBUG=1 shows its traceback); any other exception is a bug: its traceback, then one line saying so, exit 1.
-    Ctrl-C exits 130 after `main` has had its chance to save."""
+    """Runs `main`. A `UserError` prints `error: <message>` (once per launched job) and exits 2
+    (ANCRE_DEBUG=1 shows its traceback); any other exception is a bug: its traceback, one line saying
+    so, exit 1. Ctrl-C exits 130 after `main` has had its chance to save."""
     try:
         code = main()
     except UserError as err:
@@ -100,8 +97,8 @@ def run_cli(main: Callable[[], int | None]) -> None:
 
 
 def _close_progress_bars() -> None:
-    """Closes the progress bars an error left open (a bar outside a `with` block is still drawn):
-    each ends its line now, so the message starts a line of its own and no redraw follows it."""
+    """Closes the progress bars an error left open, so the message starts a line of its own and no
+    redraw follows it."""
     if "tqdm" not in sys.modules:
         return
     from tqdm import tqdm
@@ -132,11 +129,10 @@ COLLECTIVE_TIMEOUT_S = 1800.0
 
 @contextlib.contextmanager
 def job_processes(cpu: bool = False, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator:
-    """The processes of a job: this one alone, or, under torchrun / accelerate launch (WORLD_SIZE > 1),
-    accelerate's PartialState, whose process group is destroyed on the way out (a group left open
-    makes gloo abort the process at exit). Without a GPU, or with ACCELERATE_USE_CPU=1 or `cpu`,
-    the group runs on the CPU (gloo): PartialState alone would treat each process as a lone one.
-    `timeout_s`: how long a process waits in a collective."""
+    """The processes of a job: this one alone, or under torchrun (WORLD_SIZE > 1) accelerate's
+    PartialState, whose process group is destroyed on the way out (one left open makes gloo abort the
+    process at exit). Without a GPU, or with ACCELERATE_USE_CPU=1 or `cpu`, the group runs on gloo:
+    PartialState alone would treat each process as a lone one."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         yield SingleProcess(cpu)
         return

@@ -30,8 +30,7 @@ def table_peak(name: str) -> tuple[float, str] | None:
 
 
 def peak_tflops(device: torch.device | str, override: float | None = None) -> tuple[float | None, str]:
-    """(peak dense bf16 TFLOP/s, where the figure came from); None when unknown (a CPU, or a GPU
-    missing from the table), in which case MFU is not reported unless a peak is given."""
+    """(peak dense bf16 TFLOP/s or None when unknown, where the figure came from)."""
     if override:
         return float(override), "given"
     device = torch.device(device)
@@ -45,9 +44,8 @@ def peak_tflops(device: torch.device | str, override: float | None = None) -> tu
 
 
 def configure_precision(device: torch.device | str, tf32: bool = True) -> None:
-    """TF32 for fp32 matrix products and convolutions on CUDA (the DiT recipe's setting); a no-op
-    elsewhere. Called by train.py, sample.py and evaluate.py alike, so an in-training evaluation and a
-    later `evaluate.py --run` of the same weights compute the same way."""
+    """TF32 for fp32 matrix products and convolutions on CUDA (the DiT recipe's setting). Every command
+    calls it, so an in-training evaluation and a later `evaluate.py --run` compute the same way."""
     if torch.device(device).type != "cuda":
         return
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -57,9 +55,8 @@ def configure_precision(device: torch.device | str, tf32: bool = True) -> None:
 
 @contextlib.contextmanager
 def full_fp32() -> Iterator[None]:
-    """Full fp32 products and convolutions meanwhile, whatever configure_precision set: evaluation
-    features and distances (Inception, DINOv2, precision / recall), since TF32 perturbs features at
-    the 1e-3 level and ADM's reference numbers were computed in full fp32."""
+    """Full fp32 products and convolutions meanwhile, for evaluation features and distances: TF32
+    perturbs features at the 1e-3 level, and ADM's reference numbers were computed in full fp32."""
     saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:

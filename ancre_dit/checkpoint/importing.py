@@ -2,14 +2,11 @@
 
 Handles the original DiT release (a bare state dict of EMA weights), official ANCRe training
 checkpoints ({"model", "ema", "opt", "args"}, keys possibly under `module.` / `_orig_mod.`) and the
-per-source logit layout of the outgoing-normalisation ablation (see
-`models.convert.convert_official_state_dict`). The architecture comes from the file's `args` where
-it has them (model, image_size, num_classes), else from the caller, and is always checked against
-the state dict's shapes by a strict load.
+per-source logit layout of the outgoing-normalisation ablation. The architecture comes from the
+file's `args` where it has them, else from the caller, and is checked by a strict load.
 
-A .pt file is a pickle, and unpickling can run arbitrary code, so files are read with
-`torch.load(weights_only=True)`, which only rebuilds tensors and plain containers, plus the one
-class these files really hold (argparse.Namespace, the training script's arguments).
+Unpickling can run arbitrary code, so files are read with `torch.load(weights_only=True)` (tensors
+and plain containers), plus the one class these files really hold: argparse.Namespace.
 """
 from __future__ import annotations
 
@@ -39,8 +36,8 @@ DEFAULT_TOPOLOGY = {None: "cascaded", "per-target": "ancre", "per-source": "ancr
 
 
 def _reason(path: Path, err: BaseException) -> str:
-    """Why torch.load failed, in one short line. Never its advice to retry with weights_only=False:
-    that would run code from an untrusted file."""
+    """Why torch.load failed, in one short line; never its advice to retry with weights_only=False
+    (that would run code from an untrusted file)."""
     with open(path, "rb") as f:
         head = f.read(2)
     if head == b"PK" and not zipfile.is_zipfile(path):
@@ -54,8 +51,7 @@ def _reason(path: Path, err: BaseException) -> str:
 
 
 def safe_torch_load(path: str | Path) -> Any:
-    """torch.load that never runs code from the file: weights_only, Namespace allowed, else refused.
-    Anything torch.load cannot read (a text or YAML file, a truncated archive) is one UserError."""
+    """torch.load that never runs code from the file; anything it cannot read is one UserError."""
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"{path} not found; pass the .pt file to import")
@@ -71,7 +67,7 @@ def safe_torch_load(path: str | Path) -> Any:
             raise UserError(f"{path} wants to run code when unpickled{what} and was not loaded; only tensors, "
                             f"plain containers and argparse.Namespace are accepted") from None
         raise UserError(unreadable.format(_reason(path, err))) from None
-    except Exception as err:  # noqa: BLE001 - a foreign file makes the legacy unpickler raise anything (KeyError, IndexError, ...)
+    except Exception as err:  # noqa: BLE001 - a foreign file makes the legacy unpickler raise anything
         raise UserError(unreadable.format(_reason(path, err))) from None
 
 
@@ -96,8 +92,8 @@ def _select_weights(raw: Mapping[str, Any], weights: str | None) -> tuple[Mappin
 def _pick(name: str, given: Any, from_file: Any, default: Any = None) -> Any:
     """A setting from the caller or the file's args; both given and different is an error. Floats are
     compared at float32, the precision files store them in (0.01 is stored as 0.0099999998)."""
-    same = (np.float32(given) == np.float32(from_file)) if isinstance(from_file, float) or isinstance(given, float) \
-        else given == from_file
+    floats = isinstance(from_file, float) or isinstance(given, float)
+    same = np.float32(given) == np.float32(from_file) if floats else given == from_file
     if given is not None and from_file is not None and not same:
         raise UserError(f"--{name.replace('_', '-')} {given} contradicts the file, which was trained with "
                         f"{name} {from_file}; drop the flag or pass the file's value")
@@ -107,11 +103,9 @@ def _pick(name: str, given: Any, from_file: Any, default: Any = None) -> Any:
 def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = None, image_size: int | None = None,
                       topology: str | None = None, tau: float | None = None, weights: str | None = None,
                       overrides: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
-    """Writes OUT/model_spec.json + ema/model.safetensors (both hold the imported weights; the spec's
-    "imported" entry says which) and OUT/topology.json for ANCRe; returns the spec.
-
-    `overrides`: extra create_model arguments (depth, hidden_size, num_heads) for non-standard sizes;
-    `overwrite`: replace the checkpoint an earlier import wrote to OUT."""
+    """Writes OUT/model_spec.json + ema/model.safetensors (both the imported weights; the spec's
+    "imported" entry says which) and OUT/topology.json for ANCRe; returns the spec. `overrides`: extra
+    create_model arguments for non-standard sizes; `overwrite`: replace an earlier import's checkpoint."""
     src, out = Path(src), Path(out)
     if (out / SPEC_FILE).exists() and not overwrite:
         raise UserError(f"{out} already holds a checkpoint; choose another --out, or pass --overwrite to replace it")

@@ -25,9 +25,8 @@ WEIGHT_FILES = {"ema": "ema.safetensors", "model": "model.safetensors"}
 
 def make_model_spec(name: str, model_kwargs: dict[str, Any], diffusion: dict[str, Any], data: dict[str, Any],
                     step: int) -> dict[str, Any]:
-    """model_kwargs: create_model's keyword arguments; diffusion: the objective's spec() (its name
-    and settings); data: kind, image_size, image_channels, num_classes, vae, scaling_factor (+
-    latent_norm, channel_mean, channel_std when trained with data.latent_norm=channel)."""
+    """The spec of create_model(name, **model_kwargs), trained with the objective whose spec() is
+    `diffusion` on `data` (kind, image_size, image_channels, num_classes, vae, scaling_factor, ...)."""
     return {"model": {"name": name, "kwargs": dict(model_kwargs)}, "diffusion": dict(diffusion),
             "data": dict(data), "step": int(step)}
 
@@ -47,16 +46,16 @@ def load_model_spec(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     path = folder / SPEC_FILE
     if not path.is_file():
-        raise MissingFileError(
-            f"{folder} is not a checkpoint folder ({SPEC_FILE} missing); pass RUN/checkpoints/<step> of a training run"
-        )
+        raise MissingFileError(f"{folder} is not a checkpoint folder ({SPEC_FILE} missing); pass "
+                               f"RUN/checkpoints/<step> of a training run")
     spec = read_json_checked(path)
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict) or "kwargs" not in spec["model"]:
         raise UserError(f"{path} is damaged (no model name and kwargs); pick another checkpoint")
     return spec
 
 
-def load_trained_model(folder: str | Path, weights: str = "ema", device: str | torch.device = "cpu") -> tuple[DiT, dict]:
+def load_trained_model(folder: str | Path, weights: str = "ema", device: str | torch.device = "cpu"
+                       ) -> tuple[DiT, dict]:
     """Rebuilds the network of a checkpoint and loads its EMA (default) or raw weights, in eval mode."""
     if weights not in WEIGHT_FILES:
         raise UserError(f"unknown weights {weights!r}; choose ema or model")
@@ -70,9 +69,9 @@ def load_trained_model(folder: str | Path, weights: str = "ema", device: str | t
 
 
 def build_model(spec: dict[str, Any], state: Mapping[str, torch.Tensor] | None = None) -> DiT:
-    """The network a spec describes, its weights not loaded. Given the checkpoint's state dict (its
-    `topology.*` tensors suffice), a topology that carries its own weights (frozen: the JSON it came
-    from may be gone) rebuilds from it, the others from their options."""
+    """The network a spec describes, weights not loaded. Given the checkpoint's state dict (its
+    `topology.*` tensors suffice), a topology that carries its own frozen weights rebuilds from it
+    (the JSON it came from may be gone), the others from their options."""
     kwargs = dict(spec["model"]["kwargs"])
     topology = None if state is None else restore_topology(kwargs.get("topology", "cascaded"), state, kwargs)
     if topology is not None:

@@ -46,6 +46,3 @@ def read_json_checked(path: str | os.PathLike) -> Any:
         return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise damaged(path, f"not valid JSON: {err}") from None
-
-
-__all__ = ["load_safetensors_checked", "save_safetensors", "read_json_checked", "damaged"]

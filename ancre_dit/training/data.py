@@ -303,4 +303,3 @@ def nonfinite_rows(info: DataInfo, global_batch: int, seed: int, position: tuple
 def describe(info: DataInfo) -> str:
     return (f"{info.kind}: {len(info.dataset)} samples, {info.num_classes} classes, model input "
             f"{info.in_channels}x{info.input_size}x{info.input_size}")
-

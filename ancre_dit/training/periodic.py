@@ -282,4 +282,3 @@ def build_tasks(ctx: RunContext) -> list[PeriodicTask]:
         tasks.append(EvaluationTask(ctx))
     tasks.append(CheckpointTask(c.ckpt_every))
     return tasks
-

@@ -258,4 +258,3 @@ def check_resume(folder: Path, state: dict[str, Any], repa: RepaAlignment | None
     if diffs:
         raise UserError(f"--resume {folder} was trained with other REPA settings ({'; '.join(diffs)}); resume with "
                         f"the config the run was started with ({run_config}), or start a new run_dir")
-
