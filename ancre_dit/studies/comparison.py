@@ -214,13 +214,10 @@ def metric_rows(groups: Sequence[Group], metric: str, baseline_of: Callable[[str
             continue
         row = MetricRow(group.label, len(finals), max(step for step, _ in finals),
                         mean_t_interval([v for _, v in finals], LEVEL), None, None, "baseline")
-        base_label = baseline_of(group.label)
-        base = by_label.get(base_label)
-        if group.label == base_label:
-            pass
-        elif base is None:
+        base = by_label.get(baseline_of(group.label))
+        if base is None:
             row.verdict = "the baseline has no finished run yet"
-        else:
+        elif base is not group:
             row.difference = paired_difference(base.runs, group.runs, metric)
             row.speedup = paired_speedup(base.runs, group.runs, metric, target)
             row.verdict = verdict(row.speedup) if row.speedup is not None else "no seed paired with the baseline"

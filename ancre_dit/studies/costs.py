@@ -11,9 +11,8 @@ cached in `<out>/flops.json`, keyed by the model spec.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from ..checkpoint import WEIGHT_FILES, load_model_spec
 from ..errors import UserError
@@ -97,17 +96,11 @@ IMAGENET_CLASSES = 1000     # latents whose manifest is not at hand are taken as
 SD_VAE = (8, 4)             # (downsampling, channels) of the SD VAE the recipes name
 
 
-@dataclass(frozen=True)
-class ComputeRate:
-    """Sustained training FLOP/s = mfu x peak, and where each figure came from."""
-
+class ComputeRate(NamedTuple):
+    """The sustained training rate, mfu x peak, and where each figure came from."""
     mfu: float
     peak_tflops: float
     source: str
-
-    @property
-    def flops_per_second(self) -> float:
-        return self.mfu * self.peak_tflops * 1e12
 
 
 def _table_peak(gpu: str) -> float:
@@ -189,14 +182,15 @@ def format_bill(rows: list[tuple[str, int, float, int]], rate: ComputeRate) -> s
     """rows: (arm, runs, FLOPs per step, steps per run) -> the table and the study's total."""
     from .status import format_table
 
+    per_second = rate.mfu * rate.peak_tflops * 1e12
     table, total = [], 0.0
     for arm, runs, per_step, steps in rows:
         flops = per_step * steps * runs
         total += flops
         table.append((arm, runs, f"{per_step / 1e12:.3g}", steps, f"{flops / 1e18:.4g}",
-                      f"{flops / rate.flops_per_second / 3600:,.1f}"))
+                      f"{flops / per_second / 3600:,.1f}"))
     head = ("arm", "runs", "TFLOP/step", "steps/run", "EFLOP (all runs)", "GPU-hours")
-    hours = total / rate.flops_per_second / 3600
+    hours = total / per_second / 3600
     return (f"training compute at {rate.mfu:.0%} MFU of {rate.peak_tflops:g} TFLOP/s per GPU ({rate.source}; "
             f"network forward + backward only: no optimizer, EMA, REPA encoder, evaluation or recomputation):\n"
             f"{format_table(head, table)}\n"

@@ -43,7 +43,7 @@ class Job:
 
 @dataclass
 class Study:
-    """A parsed study file (see the module docstring); `jobs` in arm order, then seed order."""
+    """A parsed study file (see the module docstring)."""
     source: Path
     name: str
     description: str
@@ -78,16 +78,13 @@ class Study:
     def report_dir(self) -> Path:
         return self.out / "report"
 
-    def run_dir(self, arm: str, seed: int) -> Path:
-        return self.runs_dir / f"{arm}-s{seed}"
-
     @property
     def jobs(self) -> list[Job]:
         """Seed by seed (every arm's seed 0 first): a study stopped part-way still compares every arm."""
         out = []
         for seed in self.seeds:
             for arm, values in self.arms.items():
-                run_dir = self.run_dir(arm, seed)
+                run_dir = self.runs_dir / f"{arm}-s{seed}"
                 # An arm's value replaces the common one: each key once on the command line.
                 merged = {**self.overrides, **values}
                 out.append(Job(arm, seed, run_dir, (*(f"{k}={yaml_value(v)}" for k, v in merged.items()),
