@@ -18,9 +18,6 @@ class MissingFileError(UserError, FileNotFoundError):
     """A file or folder the user named does not exist (or lacks what it should hold)."""
 
 
-__all__ = ["UserError", "MissingFileError", "or_list", "invalid_value"]
-
-
 def or_list(names) -> str:
     """"a", "a or b", "a, b or c"."""
     names = [str(n) for n in names]

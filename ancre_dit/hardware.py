@@ -8,8 +8,6 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["PEAK_BF16_TFLOPS", "table_peak", "peak_tflops", "configure_precision", "full_fp32", "autocast_dtype"]
-
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by a fragment of torch.cuda.get_device_name, the
 # most specific first: the first fragment the name contains wins ("H100 PCIe" before "H100", "H200"
 # before "H20", "L40S" before "L40" before "L4"). The vendors' data sheets; the SXM parts are the

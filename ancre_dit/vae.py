@@ -117,7 +117,7 @@ def _scaling_factor(name: str, config) -> float:
     return factor
 
 
-def check_vae_fits(name: str, latent_shape: tuple[int, int, int], image_size: int, what: str = "data.vae") -> None:
+def check_vae_fits(name: str, latent_shape: tuple[int, int, int], image_size: int) -> None:
     """Refuses a local VAE folder whose latents (channels, downsampling) are not those of the data,
     from its config alone, so a run fails at start rather than at its first grid."""
     source, subfolder = resolve_vae_dir(name)
@@ -128,10 +128,10 @@ def check_vae_fits(name: str, latent_shape: tuple[int, int, int], image_size: in
     try:
         channels, down = int(config["latent_channels"]), 2 ** (len(config[VAE_CLASSES[kind]]) - 1)
     except (KeyError, TypeError, ValueError):
-        raise UserError(f"{what} {name}: its config.json lacks latent_channels or its block channels") from None
+        raise UserError(f"data.vae {name}: its config.json lacks latent_channels or its block channels") from None
     c, h, _ = latent_shape
     if channels != c or image_size // down != h:
-        raise UserError(f"{what} {name} makes {channels}x{image_size // down}x{image_size // down} latents of "
+        raise UserError(f"data.vae {name} makes {channels}x{image_size // down}x{image_size // down} latents of "
                         f"{image_size} px images but the data holds {c}x{h}x{h}; name the VAE the latents were "
                         "extracted with")
 

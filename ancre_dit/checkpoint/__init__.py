@@ -11,7 +11,3 @@ from .model_spec import (SPEC_FILE, WEIGHT_FILES, build_model, load_model_spec, 
                      write_model_files)
 from .importing import import_checkpoint, safe_torch_load
 from .weights import damaged, load_safetensors_checked, read_json_checked, save_safetensors
-
-__all__ = ["SPEC_FILE", "WEIGHT_FILES", "build_model", "make_model_spec", "write_model_files", "load_model_spec",
-           "load_trained_model", "import_checkpoint", "safe_torch_load", "damaged", "load_safetensors_checked",
-           "read_json_checked", "save_safetensors"]

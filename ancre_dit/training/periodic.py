@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
@@ -48,14 +49,12 @@ class RunContext:
     progress: TrainProgress
     save: Callable[[], Path]        # writes a checkpoint of the current step (collective)
     stop_requested: Callable[[], bool] = lambda: False  # a stop signal arrived (agreed by all processes)
-    _decoder: Any = field(default=None, repr=False)
 
+    @cached_property
     def decoder(self):
         """Samples -> uint8 images (the run's VAE, loaded once and shared by grids and evaluation)."""
-        if self._decoder is None:
-            from ..sampling.decode import build_decoder
-            self._decoder = build_decoder(self.data_spec, self.data.in_channels, device=self.accelerator.device)
-        return self._decoder
+        from ..sampling.decode import build_decoder
+        return build_decoder(self.data_spec, self.data.in_channels, device=self.accelerator.device)
 
 
 class PeriodicTask:
@@ -100,7 +99,7 @@ class SampleGridTask(PeriodicTask):
 
         c, d, step = ctx.config.train, ctx.data, ctx.progress.step
         try:
-            decoder = ctx.decoder()
+            decoder = ctx.decoder
         except UserError as err:  # e.g. a latent run without a VAE at hand: grids off, training goes on
             ctx.log.warning("no sample grids: %s", err)
             self._disabled = True
@@ -126,13 +125,12 @@ class EvaluationTask(PeriodicTask):
 
     def __init__(self, ctx: RunContext):
         from ..evaluation.evaluator import resolve_metrics
-        from .run_evaluation import agree_on_evaluated
-        from .run_evaluation import build_run_evaluator
+        from .run_evaluation import agree_on_evaluated, build_run_evaluator
 
         super().__init__(ctx.config.train.eval_every)
         needs_decoder = bool(resolve_metrics(ctx.config.eval, ctx.data.kind))  # only sample metrics decode images
         self.evaluator = build_run_evaluator(ctx.config, ctx.data, ctx.objective,
-                                             decoder=ctx.decoder() if needs_decoder else None,
+                                             decoder=ctx.decoder if needs_decoder else None,
                                              state=ctx.accelerator, log=ctx.log.info)
         # Read once, before anyone writes, by one process for all: every process agrees on what is left to do.
         self.done = agree_on_evaluated(ctx.accelerator, ctx.run_dir, self.evaluator.identity)
@@ -179,7 +177,6 @@ class EvaluationTask(PeriodicTask):
 
 
 DIAGNOSTICS_FILE = "diagnostics.jsonl"
-DIAGNOSTICS_PLOT = "diagnostics.png"
 
 
 class DiagnosticsTask(PeriodicTask):
@@ -227,7 +224,7 @@ class DiagnosticsTask(PeriodicTask):
             from ..files import read_jsonl
 
             start = time.perf_counter()
-            plot_diagnostics(read_jsonl(ctx.run_dir / "logs" / DIAGNOSTICS_FILE), ctx.run_dir / DIAGNOSTICS_PLOT)
+            plot_diagnostics(read_jsonl(ctx.run_dir / "logs" / DIAGNOSTICS_FILE), ctx.run_dir / "diagnostics.png")
             self.seconds += time.perf_counter() - start
 
 

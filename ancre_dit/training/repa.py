@@ -96,8 +96,9 @@ class FrozenEncoder(nn.Module):
     def train(self, mode: bool = True) -> "FrozenEncoder":
         return super().train(False)  # dropout / drop-path stay off whatever the caller asks
 
-    def preprocess(self, images: torch.Tensor) -> torch.Tensor:
-        """[0, 255] images -> the encoder's input: 3 channels, resized to `resolution`, normalised.
+    @torch.no_grad()
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """Patch tokens of [0, 255] images, which are made 3-channel, resized to `resolution`, normalised.
 
         The image is resized, not the features interpolated, so that each encoder patch covers the
         area of one DiT patch and token i of both grids describes the same region (DINOv2-B/14 under a
@@ -109,11 +110,7 @@ class FrozenEncoder(nn.Module):
         if x.shape[-2:] != (self.resolution, self.resolution):
             x = F.interpolate(x, size=(self.resolution, self.resolution), mode="bicubic", align_corners=False,
                               antialias=x.shape[-1] > self.resolution)
-        return (x - self.mean) / self.std
-
-    @torch.no_grad()
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        x = self.preprocess(images)
+        x = (x - self.mean) / self.std
         with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             tokens = self.encoder.forward_features(x)
         return tokens[:, getattr(self.encoder, "num_prefix_tokens", 0):].float()
@@ -220,15 +217,14 @@ def check_repa_settings(r: RepaConfig, found: Callable[[str, str], bool]) -> Non
 
 
 def build_repa(cfg: RepaConfig, model: nn.Module, input_size: int, device: torch.device, bf16: bool, seed: int,
-               log=None) -> RepaAlignment | None:
+               log) -> RepaAlignment | None:
     """REPA's encoder, projector and tap for this model's token grid and width; None with repa.weight 0."""
     if not cfg.weight:
         return None
     repa = RepaAlignment(cfg, model.pos_embed.shape[-1], input_size // model.patch_size, device, bf16=bf16, seed=seed)
-    if log is not None:
-        log.info("REPA: the state after block %d, projected to %d dims, aligned with the patch tokens of %s at %d px "
-                 "(weight %g; logged as train/repa_loss)", cfg.depth, repa.encoder.dim, cfg.encoder,
-                 repa.encoder.resolution, cfg.weight)
+    log.info("REPA: the state after block %d, projected to %d dims, aligned with the patch tokens of %s at %d px "
+             "(weight %g; logged as train/repa_loss)", cfg.depth, repa.encoder.dim, cfg.encoder,
+             repa.encoder.resolution, cfg.weight)
     return repa
 
 
