@@ -81,18 +81,15 @@ def _ignore_submitit_signal() -> None:
 class StudyRun(Checkpointable):
     """One run as a submitit job; picklable (the running child is not part of its state)."""
 
+    _child: subprocess.Popen | None = None  # the class's None where an unpickled copy has none
+
     def __init__(self, name: str, run_dir: str, train_args: Sequence[str], gpus_per_node: int, threads: int | None = None,
                  grace_s: float = GRACE_S, max_steps: int | None = None):
         self.name, self.run_dir, self.train_args = name, run_dir, list(train_args)
         self.gpus_per_node, self.threads, self.grace_s, self.max_steps = gpus_per_node, threads, grace_s, max_steps
-        self._child: subprocess.Popen | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_child"}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._child = None
 
     def command(self, env: Any) -> list[str]:
         """train.py alone on one process, torchrun over the job's GPUs and nodes otherwise."""

@@ -1,22 +1,14 @@
 """The comparison of training runs: steps to a target, the speedup with its interval, the verdict,
-and the curves figure. `scripts/compare_runs.py` and a study's report both use it.
+and the curves figure; `scripts/compare_runs.py` and a study's report both use it.
 
-Each group (the seeds of one setting: a study's arm, compare_runs' group) is compared with its
-baseline group seed by seed, because runs of one seed share their data order and noise, so most of
-what differs between two seeds cancels in a pair:
-
-- target of seed s: the baseline's final value for s (or one given target for every seed);
-  steps_s: the first evaluated step at which a run's curve reaches it (<= when lower is better,
-  >= otherwise); the baseline reaches its own final value at its last step at the latest;
-- speedup_s = baseline steps_s / group steps_s, summarised as the geometric mean over seeds with a
-  Student-t interval on the log speedups (ratios compose by multiplication, so their logarithms are
-  the scale on which a mean and a symmetric interval make sense). A seed whose group never reaches
-  the target is censored (its speedup is below baseline steps_s / the group's last step): no interval;
-- final - baseline: the difference of final values, seed by seed, with the t interval of its mean;
-- the verdict reads the interval (see `verdict`).
-
-The targets and ratios are per seed because a mean curve crossing the baseline's mean would mix
-seeds that never reach the target with seeds that do, and give no interval.
+Each group (the seeds of one setting) is compared with its baseline seed by seed: runs of one seed
+share their data order and noise, so most of what differs between two seeds cancels in a pair.
+The target of seed s is the baseline's final value for s (or one given target); steps_s is the
+first evaluated step at which a curve reaches it; speedup_s = baseline steps_s / group steps_s,
+summarised as the geometric mean with a Student-t interval on the log speedups (ratios compose by
+multiplication, so logarithms are where a mean and a symmetric interval make sense). A seed whose
+group never reaches the target is censored: no interval. Targets are per seed because a mean curve
+would mix seeds that never reach the target with seeds that do, and give no interval.
 """
 from __future__ import annotations
 

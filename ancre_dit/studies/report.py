@@ -127,19 +127,17 @@ def _step_table(curves: dict[str, dict[int, tuple]]) -> list[str]:
     """Mean [95% t interval] of every arm at every evaluated step (the steps all of an arm's seeds have)."""
     if not curves:
         return []
+    def cell(point: tuple | None) -> str:
+        if point is None:
+            return "-"
+        mean, low, high = point
+        return f"{mean:.4g}" + ("" if low is None else f" [{low:.4g}, {high:.4g}]")
+
     arms = list(curves)
     lines = ["Per evaluated step, mean [95% t interval] over seeds:", "", "| step | " + " | ".join(arms) + " |",
              "|---" * (len(arms) + 1) + "|"]
     for step in sorted({s for c in curves.values() for s in c}):
-        cells = []
-        for arm in arms:
-            point = curves[arm].get(step)
-            if point is None:
-                cells.append("-")
-            else:
-                mean, low, high = point
-                cells.append(f"{mean:.4g}" + ("" if low is None else f" [{low:.4g}, {high:.4g}]"))
-        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+        lines.append(f"| {step} | " + " | ".join(cell(curves[arm].get(step)) for arm in arms) + " |")
     return lines + [""]
 
 

@@ -60,9 +60,9 @@ def slot_environment(slot: int, slots: int, gpus: int) -> dict[str, str]:
 class LocalRunner:
     """Launches the jobs N at a time; `run` returns one Outcome per job it launched."""
 
-    def __init__(self, study: Study, train_script: Path, slots: int = 1, is_done: Callable[[Job], bool] | None = None):
+    def __init__(self, study: Study, train_script: Path, slots: int, is_done: Callable[[Job], bool]):
         self.study, self.train_script, self.slots = study, Path(train_script), max(1, int(slots))
-        self.is_done = is_done or (lambda job: False)
+        self.is_done = is_done
         self._children: dict[str, subprocess.Popen] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
