@@ -85,19 +85,14 @@ def load_run(path: str | Path) -> Run:
         seconds = row.get("train_seconds")
         return (float(value), np.nan if images is None else float(images), np.nan if seconds is None else float(seconds))
 
-    loss = {int(r["step"]): point(r, r["loss"]) for r in read_jsonl(path / "logs" / "metrics.jsonl") if "loss" in r}
-    if loss:
-        run.series["train_loss"] = _series(loss)
+    by_metric = {"train_loss": {int(r["step"]): point(r, r["loss"])
+                                for r in read_jsonl(path / "logs" / "metrics.jsonl") if "loss" in r}}
     evals = read_evals(path)
-    if evals:  # one evaluation setting per run: the latest one's (a re-evaluation with new settings wins)
-        settings = evals[-1].get("settings")
-        by_metric: dict[str, dict[int, tuple]] = {}
-        for row in evals:
-            if row.get("settings") != settings:
-                continue
+    for row in evals:  # one evaluation setting per run: the latest one's (a re-evaluation with new settings wins)
+        if row.get("settings") == evals[-1].get("settings"):
             for k, v in row["metrics"].items():
                 by_metric.setdefault(k, {})[int(row["step"])] = point(row, v)
-        run.series.update({k: _series(v) for k, v in by_metric.items()})
+    run.series.update({k: _series(v) for k, v in by_metric.items() if v})
     if not run.series:
         present = [p.relative_to(path) for p in (path / "logs" / "metrics.jsonl", path / "logs" / "evals.jsonl")
                    if p.is_file()]
@@ -134,7 +129,6 @@ def group_runs(runs: Sequence[Run], patterns: Sequence[str] = ()) -> list[Group]
     a pattern (fnmatch) form its group, others stay alone. Without: runs whose configs are equal
     once run_dir and train.seed are removed form a group."""
     groups: dict[str, list[Run]] = {}
-    labels: dict[str, str] = {}
     for run in runs:
         if patterns:
             key = next((p for p in patterns if fnmatch.fnmatch(run.name, p)), f"run:{run.path}")
@@ -144,12 +138,14 @@ def group_runs(runs: Sequence[Run], patterns: Sequence[str] = ()) -> list[Group]
             (config.get("train") or {}).pop("seed", None)
             key = json.dumps(config, sort_keys=True)
         groups.setdefault(key, []).append(run)
+    out = []
     for key, members in groups.items():
         if len(members) == 1:
-            labels[key] = members[0].name
+            label = members[0].name
         elif patterns and not key.startswith("run:"):
-            labels[key] = key
+            label = key
         else:
             prefix = os.path.commonprefix([r.name for r in members]).rstrip("-_ ")
-            labels[key] = f"{prefix}* ({len(members)} runs)" if prefix else f"{members[0].name} +{len(members) - 1}"
-    return [Group(labels[k], v) for k, v in groups.items()]
+            label = f"{prefix}* ({len(members)} runs)" if prefix else f"{members[0].name} +{len(members) - 1}"
+        out.append(Group(label, members))
+    return out
