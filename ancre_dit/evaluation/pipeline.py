@@ -146,7 +146,7 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
                          f"(no arr_0); pass a reference with images, or drop them from --metrics")
     extractor_fn()  # fail on bad weights before reading 50K images
     if ref is not None:  # an empty or unreadable reference is found before the samples' features
-        _check_readable(ref, "reference")
+        _check_readable(ref)
     sample_side = load_side(samples, "samples", extractor_fn, batch_size, need_features=True, workers=workers)
     if ref is None:
         ref_side = Side("reference (none)", stats_source="none")
@@ -250,17 +250,14 @@ def has_stored_stats(ref, metrics) -> bool:
     return members is not None and set(stored_stat_keys(metrics)) <= members
 
 
-def _check_readable(source, name: str) -> None:
-    """The cheap part of load_side (the listing or the header): raises what reading it would raise."""
-    if isinstance(source, ADMBatch):
+def _check_readable(ref) -> None:
+    """The cheap part of load_side (a folder's listing, an npz's header): raises what reading `ref` would."""
+    if isinstance(ref, ADMBatch):
         return
-    path = Path(source)
-    if path.is_dir():
-        list_image_folder(path)
-        return
-    batch = open_adm_npz(path)
-    if batch.images is not None and len(batch.images) == 0 and not batch.stats:
-        raise UserError(f"{name} ({path}) holds no images to evaluate (arr_0 is empty); pass another --ref")
+    if Path(ref).is_dir():
+        list_image_folder(ref)
+    elif (batch := open_adm_npz(ref)).images is not None and len(batch.images) == 0 and not batch.stats:
+        raise UserError(f"reference ({Path(ref)}) holds no images to evaluate (arr_0 is empty); pass another --ref")
 
 
 def display(value: float) -> str:
