@@ -99,12 +99,9 @@ def run_cli(main: Callable[[], int | None]) -> None:
 def _close_progress_bars() -> None:
     """Closes the progress bars an error left open, so the message starts a line of its own and no
     redraw follows it."""
-    if "tqdm" not in sys.modules:
-        return
-    from tqdm import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
+    if "tqdm" in sys.modules:  # no bar was ever drawn otherwise
+        for bar in list(getattr(sys.modules["tqdm"].tqdm, "_instances", ())):
+            bar.close()
 
 
 class SingleProcess:

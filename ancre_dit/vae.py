@@ -42,19 +42,18 @@ class LoadedVAE:
 VAE_CLASSES = {"AutoencoderKL": "block_out_channels", "AutoencoderDC": "encoder_block_out_channels"}
 
 
-def _vae_class(source: str, subfolder: str | None, is_local: bool) -> str:
-    """The autoencoder class a folder's config.json names (hub ids: AutoencoderKL, as before)."""
-    if not is_local:
-        return "AutoencoderKL"
+def _folder_config(source: str, subfolder: str | None) -> tuple[str, dict]:
+    """(autoencoder class, config) of a VAE folder's config.json."""
     path = Path(source) / (subfolder or "") / "config.json"
     try:
-        name = json.loads(path.read_text()).get("_class_name", "AutoencoderKL")
+        config = json.loads(path.read_text())
+        name = config.get("_class_name", "AutoencoderKL")
     except (OSError, ValueError, AttributeError):
         raise UserError(f"{path} is not a readable JSON config; pass a diffusers VAE folder") from None
     if name not in VAE_CLASSES:
         raise UserError(f"{path} names the class {name}, which is not a VAE this package loads; pass a folder of "
                         f"one of {', '.join(VAE_CLASSES)}")
-    return name
+    return name, config
 
 
 def resolve_vae_dir(name: str) -> tuple[str, str | None]:
@@ -82,7 +81,7 @@ def load_vae(name: str, device: torch.device | str, dtype: torch.dtype = torch.f
 
     source, subfolder = resolve_vae_dir(name)
     is_local = Path(source).expanduser().is_dir()
-    kind = _vae_class(source, subfolder, is_local)
+    kind = _folder_config(source, subfolder)[0] if is_local else "AutoencoderKL"  # hub ids: as before
     try:
         vae = getattr(diffusers, kind).from_pretrained(source, subfolder=subfolder, local_files_only=is_local,
                                                        torch_dtype=dtype)
@@ -123,8 +122,7 @@ def check_vae_fits(name: str, latent_shape: tuple[int, int, int], image_size: in
     source, subfolder = resolve_vae_dir(name)
     if not Path(source).expanduser().is_dir():
         return  # a hub id: checked when it is loaded
-    kind = _vae_class(source, subfolder, True)
-    config = json.loads((Path(source) / (subfolder or "") / "config.json").read_text())
+    kind, config = _folder_config(source, subfolder)
     try:
         channels, down = int(config["latent_channels"]), 2 ** (len(config[VAE_CLASSES[kind]]) - 1)
     except (KeyError, TypeError, ValueError):

@@ -271,10 +271,8 @@ def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, p
                 ) -> torch.utils.data.DataLoader:
     """The training DataLoader over `sampler`'s micro-batches ((x, y), with REPA's images third); a
     dataset with `get_batch` (the latent shards) is read a micro-batch per call."""
-    # A private generator: DataLoader would otherwise draw its worker base seed from the
-    # global RNG, which the model's label dropout uses, and break exact resume.
-    # worker_signal_handlers: a stop signal sent to the process group must not kill the workers
-    # (the rank would lose its steps since the last checkpoint); they pass it on to the rank.
+    # A private generator: DataLoader would otherwise draw its worker base seed from the global RNG,
+    # which the model's label dropout uses, and break exact resume. Workers pass stop signals on.
     workers = num_workers > 0
     common = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=workers,
                   generator=torch.Generator(), prefetch_factor=4 if workers else None,

@@ -15,7 +15,6 @@ then stops; `stop` stops at the first one. Either way a run where most steps wer
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -32,15 +31,6 @@ class NonFiniteStop(UserError):
     """Training stopped on non-finite values; the message names the step, the terms and the last good checkpoint."""
 
 
-@dataclass
-class _Pending:
-    """One optimizer step awaiting its report: device values, read together at the next report."""
-    step: int
-    position: tuple[int, int]  # the data position (epoch, offset) the step's batch was drawn from
-    values: torch.Tensor       # [terms..., grad_norm, local bad, agreed bad, inputs finite]
-    keys: tuple[str, ...]
-
-
 class NonFiniteGuard:
     """`flag(...)` -> a device mask for this step (1.0: skip); `report()` warns or raises for the steps
     since the last report. `scaler_handles_grads`: with fp16 the GradScaler already skips (routine)
@@ -53,7 +43,9 @@ class NonFiniteGuard:
         self.last_checkpoint, self.warn, self.bad_rows = last_checkpoint, warn, bad_rows
         self.scaler_handles_grads = scaler_handles_grads
         self.in_a_row = self.total_skipped = self.steps_seen = 0
-        self._pending: list[_Pending] = []
+        # Steps awaiting their report: (step, data position (epoch, offset), term names, device values
+        # [terms..., grad_norm, local bad, agreed bad, inputs finite]), read together at the next report.
+        self._pending: list[tuple[int, tuple[int, int], tuple[str, ...], torch.Tensor]] = []
 
     def flag(self, step: int, position: tuple[int, int], terms: dict[str, torch.Tensor], grad_norm: torch.Tensor,
              inputs_finite: torch.Tensor) -> torch.Tensor:
@@ -69,7 +61,7 @@ class NonFiniteGuard:
         if self.accelerator.num_processes > 1:
             agreed = (self.accelerator.reduce(local.clone(), reduction="sum") > 0).float()
         record = torch.cat([values, torch.stack([norm, local, agreed, inputs_finite.float().reshape(())])])
-        self._pending.append(_Pending(step, position, record, keys))
+        self._pending.append((step, position, keys, record))
         return agreed
 
     def report(self) -> None:
@@ -77,36 +69,36 @@ class NonFiniteGuard:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        rows = torch.stack([p.values for p in pending]).cpu().tolist()
-        for p, row in zip(pending, rows):
+        rows = torch.stack([values for *_, values in pending]).cpu().tolist()
+        for (step, position, keys, _), row in zip(pending, rows):
             self.steps_seen += 1
-            terms, (norm, local, agreed, inputs_finite) = dict(zip(p.keys, row[:len(p.keys)])), row[len(p.keys):]
+            terms, (norm, local, agreed, inputs_finite) = dict(zip(keys, row[:len(keys)])), row[len(keys):]
             if not agreed:
                 self.in_a_row = 0
                 continue
             self.in_a_row += 1
             self.total_skipped += 1
-            self._act(p, terms, norm, bool(local), bool(inputs_finite))
+            self._act(step, position, terms, norm, bool(local), bool(inputs_finite))
 
-    def _act(self, p: _Pending, terms: dict[str, float], norm: float, local: bool, inputs_finite: bool) -> None:
+    def _act(self, step: int, position: tuple[int, int], terms: dict[str, float], norm: float, local: bool,
+             inputs_finite: bool) -> None:
         shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(terms.items()))
-        what = (f"step {p.step}: non-finite loss or gradient ({shown}, grad_norm {norm:.4g}"
+        what = (f"step {step}: non-finite loss or gradient ({shown}, grad_norm {norm:.4g}"
                 f"{'' if local else ' here; non-finite on another rank'})")
         if not inputs_finite:
             what += "; its input batch itself is non-finite"
-            what += f" ({self.bad_rows(p.position)})" if self.bad_rows else ""
-        mostly = self.steps_seen >= MOST_SKIPPED_AFTER and self.total_skipped > MOST_SKIPPED_SHARE * self.steps_seen
-        if self.policy == "stop" or self.in_a_row > self.max_skips or mostly:
-            if self.policy == "stop":
-                reason = "train.nonfinite=stop"
-            elif self.in_a_row > self.max_skips:
-                reason = (f"{self.in_a_row} non-finite steps in a row, more than "
-                          f"train.nonfinite_max_skips={self.max_skips}")
-            else:
-                reason = f"{self.total_skipped} of the {self.steps_seen} steps so far were non-finite and skipped"
-            fix = ("fix or drop those rows (scripts/extract_latents.py --verify), then resume" if not inputs_finite
-                   else "resume from it with a lower train.lr, train.grad_clip > 0 or train.mixed_precision=no")
-            raise NonFiniteStop(f"training stopped at {what}: {reason}; no non-finite update was applied and no "
-                                f"checkpoint written since; last good checkpoint: {self.last_checkpoint()}; {fix}")
-        self.warn(f"{what}: update skipped ({self.in_a_row} in a row, stop after {self.max_skips}); "
-                  f"weights, optimizer and EMA unchanged; last good checkpoint: {self.last_checkpoint()}")
+            what += f" ({self.bad_rows(position)})" if self.bad_rows else ""
+        if self.policy == "stop":
+            reason = "train.nonfinite=stop"
+        elif self.in_a_row > self.max_skips:
+            reason = f"{self.in_a_row} non-finite steps in a row, more than train.nonfinite_max_skips={self.max_skips}"
+        elif self.steps_seen >= MOST_SKIPPED_AFTER and self.total_skipped > MOST_SKIPPED_SHARE * self.steps_seen:
+            reason = f"{self.total_skipped} of the {self.steps_seen} steps so far were non-finite and skipped"
+        else:
+            self.warn(f"{what}: update skipped ({self.in_a_row} in a row, stop after {self.max_skips}); "
+                      f"weights, optimizer and EMA unchanged; last good checkpoint: {self.last_checkpoint()}")
+            return
+        fix = ("fix or drop those rows (scripts/extract_latents.py --verify), then resume" if not inputs_finite
+               else "resume from it with a lower train.lr, train.grad_clip > 0 or train.mixed_precision=no")
+        raise NonFiniteStop(f"training stopped at {what}: {reason}; no non-finite update was applied and no "
+                            f"checkpoint written since; last good checkpoint: {self.last_checkpoint()}; {fix}")
