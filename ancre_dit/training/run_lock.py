@@ -21,6 +21,7 @@ from typing import IO
 
 from ..errors import UserError
 from .checkpointing import checkpoints_dir, TMP_PREFIX
+from .rank_decisions import main_decides
 
 LOCK_FILE = ".lock"
 
@@ -116,15 +117,4 @@ def abandon_new_run_dir(run_dir: str | Path) -> None:
 def claim_run_dir(run_dir: str | Path, accelerator) -> None:
     """Collective: the main process claims the folder; every process raises the same UserError when
     it refused, so no rank goes on to write into a folder that another training owns."""
-    problem = None
-    if accelerator.is_main_process:
-        try:
-            acquire_run_dir(run_dir)
-        except UserError as err:
-            problem = str(err)
-    if accelerator.num_processes > 1:
-        from accelerate.utils import broadcast_object_list
-
-        problem = broadcast_object_list([problem], from_process=0)[0]
-    if problem:
-        raise UserError(problem)
+    main_decides(accelerator, lambda: acquire_run_dir(run_dir))
