@@ -83,8 +83,8 @@ class StudyRun(Checkpointable):
 
     _child: subprocess.Popen | None = None  # the class's None where an unpickled copy has none
 
-    def __init__(self, name: str, run_dir: str, train_args: Sequence[str], gpus_per_node: int, threads: int | None = None,
-                 grace_s: float = GRACE_S, max_steps: int | None = None):
+    def __init__(self, name: str, run_dir: str, train_args: Sequence[str], gpus_per_node: int,
+                 threads: int | None = None, grace_s: float = GRACE_S, max_steps: int | None = None):
         self.name, self.run_dir, self.train_args = name, run_dir, list(train_args)
         self.gpus_per_node, self.threads, self.grace_s, self.max_steps = gpus_per_node, threads, grace_s, max_steps
 
