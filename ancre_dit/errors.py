@@ -1,9 +1,8 @@
 """The one exception type that means "the user can fix this": commands print it as one line.
 
-Every input check in the package raises `UserError` (or `MissingFileError`); the command-line
-faces catch only these (`ancre_dit.cli.run_cli`), so anything else is a bug and keeps its
-traceback. `UserError` subclasses `ValueError` (and `MissingFileError` also `FileNotFoundError`)
-so library callers that catch the built-in types keep working.
+Every input check raises `UserError` (or `MissingFileError`); `ancre_dit.cli.run_cli` catches only
+these, so anything else is a bug and keeps its traceback. They subclass ValueError (and
+FileNotFoundError) so library callers that catch the built-in types keep working.
 """
 from __future__ import annotations
 

@@ -15,7 +15,6 @@ from safetensors import SafetensorError, safe_open
 
 from .errors import UserError
 
-_CHUNK = 1 << 22
 _log = logging.getLogger("ancre_dit")
 
 
@@ -23,7 +22,7 @@ def sha256_file(path: str | os.PathLike) -> str:
     """Hex sha256 of a file, read in 4 MiB chunks (shards and weight files can be large)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
+        while chunk := f.read(1 << 22):
             digest.update(chunk)
     return digest.hexdigest()
 

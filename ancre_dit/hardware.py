@@ -8,10 +8,9 @@ from typing import Iterator
 
 import torch
 
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) by a fragment of torch.cuda.get_device_name, the
-# most specific first: the first fragment the name contains wins ("H100 PCIe" before "H100", "H200"
-# before "H20", "L40S" before "L40" before "L4"). The vendors' data sheets; the SXM parts are the
-# bare names ("NVIDIA H100 80GB HBM3").
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity, the vendors' data sheets; SXM parts are the bare
+# names) by a fragment of torch.cuda.get_device_name: the first fragment the name contains wins, so
+# the most specific come first ("H100 PCIe" before "H100", "H200" before "H20", "L40S" before "L4").
 PEAK_BF16_TFLOPS = (("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 PCIe", 756.0),
                     ("H100 NVL", 835.0), ("H100", 989.0), ("H800 PCIe", 756.0), ("H800", 989.0), ("H20", 148.0),
                     ("GB200", 2500.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),

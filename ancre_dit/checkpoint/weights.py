@@ -1,8 +1,7 @@
 """Reading weight and metadata files so that a damaged one is one clear line naming it.
 
-safetensors raises its own `SafetensorError` ("header too large", "incomplete metadata") without
-the file name, and `json` says "Expecting value: line 2 column 1" without it either; every reader
-of a checkpoint (sampling, resume, evaluation) goes through these helpers instead.
+safetensors' own errors ("header too large") and json's ("Expecting value: line 2 column 1") do not
+name the file; every reader of a checkpoint (sampling, resume, evaluation) goes through these instead.
 """
 from __future__ import annotations
 
