@@ -9,7 +9,6 @@ a fresh posterior sample per step (`draw_latents_from_moments`).
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import json
 import math
@@ -59,39 +58,34 @@ def read_safetensors_layout(path: str | os.PathLike) -> tuple[int, dict[str, tup
 
 
 class _ShardFile:
-    """An open shard for batched reads: the file descriptor, the mean/std row layout, the labels.
-
-    Rows are read with positional reads (`os.preadv`) straight into the batch buffer: no per-call
-    Python objects as with safetensors' `get_slice`, no page faults as with re-created memory maps.
-    """
+    """An open shard read by positional reads (`os.preadv`) straight into the batch buffer: no
+    per-call Python objects as with safetensors' `get_slice`, no page faults as with re-created maps."""
 
     def __init__(self, path: Path, layout: tuple[int, dict]):
         start, tensors = layout
-        self.offsets, self.row_bytes = {}, {}
         for name in ("mean", "std"):
-            dtype, shape, begin, end = tensors[name]
-            if dtype not in _DTYPES:
-                raise UserError(f"{path}: tensor {name} has dtype {dtype}, which this reader does not know; "
-                                "re-extract the latents")
-            self.torch_dtype = _DTYPES[dtype][1]
-            self.offsets[name], self.row_bytes[name] = start + begin, (end - begin) // max(shape[0], 1)
-        if IMAGE_KEY in tensors:
-            _, shape, begin, end = tensors[IMAGE_KEY]
-            self.offsets[IMAGE_KEY], self.row_bytes[IMAGE_KEY] = start + begin, (end - begin) // max(shape[0], 1)
+            if tensors[name][0] not in _DTYPES:
+                raise UserError(f"{path}: tensor {name} has dtype {tensors[name][0]}, which this reader does not "
+                                "know; re-extract the latents")
+        self.torch_dtype = _DTYPES[tensors["std"][0]][1]
+        self.offsets, self.row_bytes = {}, {}
+        for name in ("mean", "std", IMAGE_KEY):
+            if name in tensors:
+                _, shape, begin, end = tensors[name]
+                self.offsets[name], self.row_bytes[name] = start + begin, (end - begin) // max(shape[0], 1)
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
         dtype, shape, begin, end = tensors["label"]
         raw = self.read_bytes(end - begin, start + begin)
         self.labels = np.frombuffer(raw, _DTYPES[dtype][0]).astype(np.int64)
 
     def read_bytes(self, size: int, offset: int) -> bytes:
-        """`size` bytes at `offset` (a positional read where the platform has one)."""
         if hasattr(os, "pread"):
             return os.pread(self.fd, size, offset)
         os.lseek(self.fd, offset, os.SEEK_SET)  # platforms without pread (Windows): not thread-safe, fine per process
         return os.read(self.fd, size)
 
     def read_row(self, name: str, row: int, halves: list[memoryview]) -> None:
-        """Reads row `row` of tensor `name` into the given buffers (filled in order)."""
+        """Reads row `row` of tensor `name` into `halves`, filled in order."""
         offset = self.offsets[name] + row * self.row_bytes[name]
         if hasattr(os, "preadv"):
             os.preadv(self.fd, halves, offset)
@@ -101,6 +95,11 @@ class _ShardFile:
             for h in halves:
                 h[:] = data[at:at + len(h)]
                 at += len(h)
+
+    def read_all(self, name: str) -> np.ndarray:
+        """Every row of tensor `name` as bytes, uint8 (rows, row bytes)."""
+        data = self.read_bytes(self.row_bytes[name] * len(self.labels), self.offsets[name])
+        return np.frombuffer(data, np.uint8).reshape(len(self.labels), -1)
 
     def close(self) -> None:
         if self.fd is not None:
@@ -112,7 +111,7 @@ class _ShardFile:
 
 
 def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
-    """Loads LATENT_DIR/manifest.json; anything missing or foreign is one clear ValueError."""
+    """Loads LATENT_DIR/manifest.json; anything missing or foreign is one clear UserError."""
     root = Path(root)
     path = root / MANIFEST_NAME
     hint = ("run scripts/extract_latents.py --data-path IMAGES --vae VAE_DIR --out "
@@ -124,7 +123,8 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
     if not root.is_dir():
         raise UserError(f"latent directory {root} does not exist; {hint}")
     if not path.is_file():
-        raise UserError(f"{root} has no {MANIFEST_NAME} (not a latent directory, or its extraction did not finish); {hint}")
+        raise UserError(f"{root} has no {MANIFEST_NAME} (not a latent directory, or its extraction did not "
+                        f"finish); {hint}")
     try:
         manifest = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
@@ -143,10 +143,9 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
 
 def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int, int, int],
                         image_shape: tuple[int, int, int] | None) -> dict[str, tuple[int, dict]]:
-    """Each shard listed once, and its header holding `count` rows of the manifest's latent shape
-    (and, with `image_shape`, of its clean images): a shard of another extraction or a miscounted
-    one would otherwise be read as garbage or fail deep in a DataLoader worker (`--verify` also
-    reads the data). Returns each file's header layout, which the reads use."""
+    """Each shard listed once, its header holding `count` rows of the manifest's latent shape (and of
+    clean images, with `image_shape`): another extraction's or a miscounted shard would otherwise be read
+    as garbage or fail deep in a DataLoader worker. Returns each file's header layout, which the reads use."""
     fix = f"run scripts/extract_latents.py --verify {root}, then re-extract the latents"
     files = [s["file"] for s in shards]
     twice = sorted({f for f in files if files.count(f) > 1})
@@ -154,24 +153,24 @@ def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int,
         raise UserError(f"{root}/{MANIFEST_NAME} lists {twice[0]} twice (its images would be trained on twice); {fix}")
     layouts = {}
     for s in shards:
-        layouts[s["file"]] = read_safetensors_layout(root / s["file"])
+        path, count = root / s["file"], int(s["count"])
+        layouts[s["file"]] = read_safetensors_layout(path)
         tensors = layouts[s["file"]][1]
-        count = int(s["count"])
         for name in ("mean", "std", "label"):
             if name not in tensors:
-                raise UserError(f"latent shard {root / s['file']} holds no {name!r} tensor; {fix}")
+                raise UserError(f"latent shard {path} holds no {name!r} tensor; {fix}")
         shape = tensors["mean"][1]
         if len(shape) != 5 or tuple(shape[2:]) != latent_shape:
-            raise UserError(f"latent shard {root / s['file']} holds latents of shape {tuple(shape[2:])}, the manifest "
+            raise UserError(f"latent shard {path} holds latents of shape {tuple(shape[2:])}, the manifest "
                             f"says {latent_shape} (another extraction's shard?); {fix}")
         rows = [tuple(tensors[name][1])[:1] for name in ("mean", "std", "label")]
         if any(r != (count,) for r in rows):
             rows = min((r[0] if r else 0) for r in rows)
-            raise UserError(f"latent shard {root / s['file']} holds {rows} rows, its manifest entry says {count}; {fix}")
+            raise UserError(f"latent shard {path} holds {rows} rows, its manifest entry says {count}; {fix}")
         if image_shape is not None:
             dtype, shape = tensors[IMAGE_KEY][:2] if IMAGE_KEY in tensors else (None, None)
             if dtype != "U8" or shape != (count, *image_shape):
-                raise UserError(f"latent shard {root / s['file']}: image is {dtype} {shape}, expected uint8 "
+                raise UserError(f"latent shard {path}: image is {dtype} {shape}, expected uint8 "
                                 f"{(count, *image_shape)}; re-extract the latents with --keep-images")
     return layouts
 
@@ -213,68 +212,54 @@ class LatentShardDataset(Dataset):
                 raise UserError(f"latent shard {problem}; run scripts/extract_latents.py --verify {self.root}, "
                                 "then rerun the extraction to rewrite it")
         self.images = images
-        self.image_shape: tuple[int, int, int] | None = self._image_shape() if images else None
+        self.image_shape: tuple[int, int, int] | None = None
+        if images:
+            size = int(self.manifest["image_size"])
+            if not self.manifest.get("images"):
+                raise UserError(f"latent directory {self.root} holds no images (extracted without --keep-images), "
+                                f"but REPA (repa.weight > 0) aligns with the clean images; re-extract with "
+                                f"scripts/extract_latents.py --keep-images (about {3 * size * size / 1000:.0f} KB per "
+                                f"{size}px image), or set repa.weight=0")
+            self.image_shape = (3, size, size)
         layouts = _check_shards_match(self.root, shards, self.latent_shape, self.image_shape)
         nonempty = [s for s in shards if int(s["count"]) > 0]
         self._files = [self.root / s["file"] for s in nonempty]
-        self._starts: list[int] = []
-        total = 0
-        for s in nonempty:
-            self._starts.append(total)
-            total += int(s["count"])
-        self._len = total
-        if total != int(self.manifest["num_images"]):
-            raise UserError(f"{self.root}/{MANIFEST_NAME} lists {total} images in its shards but "
+        self._layouts = [layouts[s["file"]] for s in nonempty]  # headers, kept: a few hundred bytes per shard
+        ends = np.cumsum([0] + [int(s["count"]) for s in nonempty])
+        self._starts, self._len = ends[:-1], int(ends[-1])
+        if self._len != int(self.manifest["num_images"]):
+            raise UserError(f"{self.root}/{MANIFEST_NAME} lists {self._len} images in its shards but "
                              f"num_images={self.manifest['num_images']}; run --verify and re-extract")
+        # the stored mean/std dtype, from the first shard's header (an unknown one fails in _ShardFile)
+        stored = self._layouts[0][1]["mean"][0] if self._len else "F16"
+        self._dtype = _DTYPES[stored][1] if stored in _DTYPES else torch.float16
         self._max_open = max(1, max_open_shards)
         self._files_open: OrderedDict[int, _ShardFile] = OrderedDict()
-        # headers, kept: a few hundred bytes per shard
-        self._layouts: dict[int, tuple[int, dict]] = {k: layouts[s["file"]] for k, s in enumerate(nonempty)}
-        self._starts_np = np.asarray(self._starts, dtype=np.int64)
         self._memory: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         if in_memory:
-            self.check_memory()
+            problem = self.memory_problem()
+            if problem:
+                raise UserError(problem)
             self.load_into_memory()
 
     def __len__(self) -> int:
         return self._len
 
-    def _image_shape(self) -> tuple[int, int, int]:
-        """(3, S, S) of the stored clean images (the manifest says whether there are any); latents
-        without them are one line saying how to get them."""
-        size = int(self.manifest["image_size"])
-        if not self.manifest.get("images"):
-            raise UserError(f"latent directory {self.root} holds no images (extracted without --keep-images), "
-                            f"but REPA (repa.weight > 0) aligns with the clean images; re-extract with "
-                            f"scripts/extract_latents.py --keep-images (about {3 * size * size / 1000:.0f} KB per "
-                            f"{size}px image), or set repa.weight=0")
-        return (3, size, size)
-
-    def locate(self, i: int) -> tuple[int, int]:
-        """Global image position -> (shard position among non-empty shards, row in the shard)."""
+    def describe_row(self, i: int) -> str:
+        """Where global image `i` is stored, for messages: "<shard file> row <row>"."""
         if not -self._len <= i < self._len:
             raise IndexError(f"index {i} out of range for {self._len} latents")
         i %= self._len
-        shard = bisect.bisect_right(self._starts, i) - 1
-        return shard, i - self._starts[shard]
-
-    def describe_row(self, i: int) -> str:
-        """Where global image `i` is stored, for messages: "<shard file> row <row>"."""
-        shard, row = self.locate(i)
-        return f"{self._files[shard].name} row {row}"
+        shard = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return f"{self._files[shard].name} row {i - self._starts[shard]}"
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         moments, labels = self.get_batch([int(i)], shared=False)[:2]  # a sample, collated later: no shared tensor
         return moments[0], int(labels[0])
 
-    def _moments_dtype(self) -> torch.dtype:
-        """The dtype of the stored mean/std, from the first shard's header (an unknown one fails in _ShardFile)."""
-        stored = self._layouts[0][1]["mean"][0] if self._len else "F16"
-        return _DTYPES[stored][1] if stored in _DTYPES else torch.float16
-
-    def _shard_file(self, shard: int, dtype: torch.dtype) -> _ShardFile:
-        """The shard opened for batched reads, least recently used closed first (as `_handle`);
-        a shard whose moments are not stored as `dtype` is one clear error."""
+    def _shard_file(self, shard: int) -> _ShardFile:
+        """The shard opened for batched reads, the least recently used closed first; a shard whose
+        moments are not stored as the first shard's are is one clear error."""
         entry = self._files_open.get(shard)
         if entry is None:
             entry = self._files_open[shard] = _ShardFile(self._files[shard], self._layouts[shard])
@@ -282,18 +267,17 @@ class LatentShardDataset(Dataset):
                 self._files_open.popitem(last=False)[1].close()
         else:
             self._files_open.move_to_end(shard)
-        if entry.torch_dtype != dtype:
-            raise UserError(f"{self._files[shard]} stores {entry.torch_dtype}, other shards {dtype}; re-extract the latents")
+        if entry.torch_dtype != self._dtype:
+            raise UserError(f"{self._files[shard]} stores {entry.torch_dtype}, other shards {self._dtype}; "
+                            "re-extract the latents")
         return entry
 
     def get_batch(self, indices: Sequence[int], shared: bool = True) -> tuple[torch.Tensor, ...]:
         """`(stack of ds[i][0], tensor of ds[i][1])` over `indices`, in their order, and with
         `images` their clean images third.
 
-        Rows are read shard by shard in file order, each shard opened at most once per batch
-        however many shards the batch spans, straight into the batch tensor. With `shared`, inside
-        a DataLoader worker that tensor is allocated in shared memory, as torch's default collate
-        does, so handing it to the main process costs no copy.
+        With `shared`, inside a DataLoader worker the batch is allocated in shared memory, as torch's
+        default collate does, so handing it to the main process costs no copy.
         """
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = len(idx)
@@ -302,26 +286,32 @@ class LatentShardDataset(Dataset):
             raise IndexError(f"index {bad} out of range for {self._len} latents")
         idx = idx % max(self._len, 1)
         images = _new_batch_tensor((n, *self.image_shape), torch.uint8, shared) if self.images else None
+        moments = _new_batch_tensor((n, 2, 2, *self.latent_shape), self._dtype, shared)
         if self._memory is not None:
             all_moments, all_labels, all_images = self._memory
             picked = torch.from_numpy(idx)
-            moments = _new_batch_tensor((n, *all_moments.shape[1:]), all_moments.dtype, shared)
             torch.index_select(all_moments, 0, picked, out=moments)
+            labels = all_labels[picked]
             if images is not None:
                 torch.index_select(all_images, 0, picked, out=images)
-            return _batch(moments, all_labels[picked], images)
-        shard_of = np.searchsorted(self._starts_np, idx, side="right") - 1
-        rows = idx - self._starts_np[shard_of]
-        dtype = self._moments_dtype()
-        shape = (n, 2, 2, *self.latent_shape)
-        moments = _new_batch_tensor(shape, dtype, shared)
+        else:
+            labels = self._read_rows(idx, moments, images)
+        return (moments, labels) if images is None else (moments, labels, images)
+
+    def _read_rows(self, idx: np.ndarray, moments: torch.Tensor, images: torch.Tensor | None) -> torch.Tensor:
+        """Reads rows `idx` into `moments` (and `images`) shard by shard in file order, each shard
+        opened at most once per batch; returns their labels."""
+        n = len(idx)
+        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
+        rows = idx - self._starts[shard_of]
         labels = torch.empty(n, dtype=torch.int64)
-        raw = moments.view(torch.uint8).numpy().reshape(n, 2, 2, moments[0, 0, 0].nbytes if n else 0)  # [sample, flip, mean/std, bytes]
+        # [sample, flip, mean/std, bytes]
+        raw = moments.view(torch.uint8).numpy().reshape(n, 2, 2, moments[0, 0, 0].nbytes if n else 0)
         image_rows = images.numpy().reshape(n, int(np.prod(self.image_shape))) if images is not None else None
         label_out = labels.numpy()
         shard_list, row_list = shard_of.tolist(), rows.tolist()
         for shard, group in itertools.groupby(np.lexsort((rows, shard_of)).tolist(), key=shard_list.__getitem__):
-            f = self._shard_file(shard, dtype)
+            f = self._shard_file(shard)
             for k in group:
                 row = row_list[k]
                 f.read_row("mean", row, [raw[k, 0, 0], raw[k, 1, 0]])
@@ -329,20 +319,16 @@ class LatentShardDataset(Dataset):
                 if image_rows is not None:
                     f.read_row(IMAGE_KEY, row, [image_rows[k]])
                 label_out[k] = f.labels[row]
-        return _batch(moments, labels, images)
-
-    def memory_needed(self) -> int:
-        """Bytes that `load_into_memory` takes (the moments, and the images with REPA)."""
-        dtype = self._moments_dtype()
-        need = self._len * 4 * int(np.prod(self.latent_shape)) * torch.empty(0, dtype=dtype).element_size()
-        return need + (self._len * int(np.prod(self.image_shape)) if self.images else 0)
+        return labels
 
     def memory_problem(self) -> str | None:
         """Why one in-memory copy of the latents does not fit (None: it fits): in the machine's free
         memory, in what the job's memory limit leaves (a cgroup's: SLURM --mem, a container's), or
         in the free space of the shared-memory filesystem that holds it (a container's /dev/shm is
         often 64 MB)."""
-        need, shm = self.memory_needed(), shared_memory_dir()
+        need = self._len * 4 * int(np.prod(self.latent_shape)) * self._dtype.itemsize
+        need += self._len * int(np.prod(self.image_shape)) if self.images else 0
+        shm = shared_memory_dir()
         room = [(available_memory_bytes(), "of memory is available", "set data.in_memory=false"),
                 (cgroup_memory_left(), "the job's memory limit leaves (cgroup memory.max: SLURM --mem, a "
                  "container's --memory)", "raise the limit or set data.in_memory=false"),
@@ -353,11 +339,6 @@ class LatentShardDataset(Dataset):
                 return (f"data.in_memory needs {_size(need)} for the latents of {self.root} but only "
                         f"{_size(free)} {where}; {fix} (the shards are then read from disk)")
         return None
-
-    def check_memory(self) -> None:
-        problem = self.memory_problem()
-        if problem:
-            raise UserError(problem)
 
     def load_into_memory(self, backing: Path | None = None, fill: bool = True) -> None:
         """Reads every shard once into arrays that batches are then picked from by `index_select`.
@@ -375,23 +356,20 @@ class LatentShardDataset(Dataset):
                 return torch.empty(shape, dtype=dtype).share_memory_()
             return torch.from_file(f"{backing}.{name}", shared=True, size=int(np.prod(shape)), dtype=dtype).view(shape)
 
-        moments = array("moments", (self._len, 2, 2, *self.latent_shape), self._moments_dtype())
+        moments = array("moments", (self._len, 2, 2, *self.latent_shape), self._dtype)
         images = array("images", (self._len, *self.image_shape), torch.uint8) if self.images else None
         labels = array("labels", (self._len,), torch.int64)
         if not fill:
             return moments, labels, images
         flat = moments.view(torch.uint8).numpy().reshape(self._len, 2, 2, -1)  # [image, flip, mean/std, bytes]
         for shard in tqdm(range(len(self._files)), desc="latents into memory", unit="shard", dynamic_ncols=True):
-            f = self._shard_file(shard, self._moments_dtype())
-            start, count = self._starts[shard], len(f.labels)
+            f = self._shard_file(shard)
+            start, end = int(self._starts[shard]), int(self._starts[shard]) + len(f.labels)
             for which, name in enumerate(("mean", "std")):
-                size = f.row_bytes[name] * count
-                block = f.read_bytes(size, f.offsets[name])
-                flat[start:start + count, :, which] = np.frombuffer(block, np.uint8).reshape(count, 2, -1)
+                flat[start:end, :, which] = f.read_all(name).reshape(end - start, 2, -1)
             if images is not None:
-                block = f.read_bytes(f.row_bytes[IMAGE_KEY] * count, f.offsets[IMAGE_KEY])
-                images.numpy()[start:start + count] = np.frombuffer(block, np.uint8).reshape(count, *self.image_shape)
-            labels[start:start + count] = torch.from_numpy(f.labels)
+                images.numpy()[start:end] = f.read_all(IMAGE_KEY).reshape(end - start, *self.image_shape)
+            labels[start:end] = torch.from_numpy(f.labels)
         for entry in self._files_open.values():
             entry.close()
         self._files_open.clear()
@@ -422,8 +400,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def cgroup_memory_left() -> int | None:
-    """Bytes this process's memory cgroup still allows (its limit less its usage), or None when no
-    limit is set or none can be read."""
+    """Bytes this process's memory cgroup still allows (limit less usage); None without a readable limit."""
     for limit_file, usage_file in (("memory.max", "memory.current"),
                                    ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
         try:
@@ -449,10 +426,6 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def _batch(moments: torch.Tensor, labels: torch.Tensor, images: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    return (moments, labels) if images is None else (moments, labels, images)
-
-
 def _new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
     """An empty tensor; with `shared`, in shared memory inside a DataLoader worker (what default_collate does)."""
     if not shared or torch.utils.data.get_worker_info() is None:
@@ -464,12 +437,10 @@ def _new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) 
 
 def draw_latents_from_moments(moments: torch.Tensor, generator: torch.Generator | None = None,
                               return_flip: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """DiT's on-the-fly augmentation from stored moments (N, 2, 2, C, h, w): per sample a random flip,
-    then a fresh posterior draw mean + std * eps. Returns float32 (N, C, h, w), with `return_flip`
-    also the flips (N,) (1 = flipped), so that REPA's clean images can be flipped alike.
-
-    All randomness comes from `generator` (drawn on the generator's device, then moved), so the
-    trainer's RNG state alone decides the result and resumed runs repeat it exactly.
+    """DiT's on-the-fly augmentation from stored moments (N, 2, 2, C, h, w): per sample a random flip, then a
+    fresh posterior draw mean + std * eps. Returns float32 (N, C, h, w), with `return_flip` also the flips (N,)
+    (1 = flipped), so that REPA's clean images can be flipped alike. All randomness comes from `generator`
+    (drawn on its device, then moved), so the trainer's RNG state alone decides it and resumes repeat it exactly.
     """
     if moments.ndim != 6 or tuple(moments.shape[1:3]) != (2, 2):
         raise ValueError(f"moments must be (N, 2, 2, C, h, w) [flip][mean, std], got {tuple(moments.shape)}")
