@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import io
+import itertools
 import os
 import tarfile
 from dataclasses import dataclass, field
@@ -31,18 +32,15 @@ _HF_DICT_FILE = "dataset_dict.json"
 
 @dataclass
 class ImageSource:
-    """A listed container: `files[i]` names image i (report, fingerprint), `labels[i]` its class."""
+    """A listed container: `files[i]` names image i (report, fingerprint), `labels[i]` its class;
+    `images(image_size, min_side)` is the Dataset position -> LoadedImage (a bad image is reported, not raised)."""
     format: str
     path: str
     files: list[str]
     labels: list[int]
     class_names: list[str]
-    _open: Callable[[int, int], Dataset] = field(repr=False)
+    images: Callable[[int, int], Dataset] = field(repr=False)
     options: dict[str, Any] = field(default_factory=dict)
-
-    def images(self, image_size: int, min_side: int) -> Dataset:
-        """position -> LoadedImage (ADM crop at `image_size`; a bad image is reported, not raised)."""
-        return self._open(image_size, min_side)
 
     def describe(self) -> dict[str, Any]:
         """The manifest's record of where the images came from."""
@@ -111,21 +109,15 @@ def _decode(position: int, data: bytes | None, path: str | None, image_size: int
     source = io.BytesIO(data) if data is not None else path
     if source is None:
         return LoadedImage(position, None, "skipped", "no image bytes")
-    array, action, detail = load_and_crop(source, image_size, min_side)
-    return LoadedImage(position, array, action, detail)
+    return LoadedImage(position, *load_and_crop(source, image_size, min_side))
+
+
+def _numbered_classes(labels: list[int]) -> list[str]:
+    """The class list of plain integer labels: "0".."max"."""
+    return [str(k) for k in range(max(labels, default=-1) + 1)]
 
 
 # -- Hugging Face datasets -----------------------------------------------------------------------
-
-def _class_names(features: Any, label_column: str, labels: list[int]) -> list[str]:
-    """ClassLabel names when the label column has them, else "0".."max" (plain integer labels)."""
-    from datasets import ClassLabel
-
-    feature = features.get(label_column) if features is not None else None
-    if isinstance(feature, ClassLabel):
-        return list(feature.names)
-    return [str(k) for k in range(max(labels, default=-1) + 1)]
-
 
 def _check_columns(names: list[str], image_column: str, label_column: str, where: str) -> None:
     missing = [c for c in (image_column, label_column) if c not in names]
@@ -170,7 +162,8 @@ def _open_hf(path: str, image_column: str, label_column: str) -> ImageSource:
         _check_columns(ds.column_names, image_column, label_column, path)
         table = ds.with_format("arrow").select_columns([image_column, label_column])[:]
         labels = _class_indices(table.column(label_column).to_pylist(), path)
-        names = _class_names(ds.features, label_column, labels)
+        feature = ds.features.get(label_column) if ds.features is not None else None
+        names = list(feature.names) if isinstance(feature, datasets.ClassLabel) else _numbered_classes(labels)
         paths = _image_paths(table.column(image_column))
         files = [f"{i}" + (f" {p}" if p else "") for i, p in enumerate(paths)]
         _check_labels(labels, names, lambda i: f"{path} row {i}")
@@ -212,7 +205,7 @@ def _open_parquet(root: Path, image_column: str, label_column: str, options: dic
             raise UserError(f"{p} and {paths[0]} disagree on their ClassLabel names (class {k}: {theirs(here)} vs "
                             f"{theirs(names)}): one index would mean two classes; write every file with one class list")
         names = names if names is not None else here
-    names = names if names is not None else [str(k) for k in range(max(labels, default=-1) + 1)]
+    names = names if names is not None else _numbered_classes(labels)
     _check_labels(labels, names, lambda i: f"{root} image {files[i]}")
     parquet = [str(p) for p in paths]
     return ImageSource("hf", str(root), files, labels, names,
@@ -240,9 +233,7 @@ class _ParquetRows(Dataset):
 
     def __init__(self, paths: list[str], counts: list[int], column: str, image_size: int, min_side: int):
         self.paths, self.column, self.image_size, self.min_side = paths, column, image_size, min_side
-        self.starts = [0]
-        for n in counts:
-            self.starts.append(self.starts[-1] + n)
+        self.starts = [0, *itertools.accumulate(counts)]
         self._files: dict[int, Any] = {}
         self._group: tuple[int, int, int, list] | None = None  # (file, group, first row, values)
 
@@ -260,12 +251,10 @@ class _ParquetRows(Dataset):
         g = self._group
         if g is None or g[0] != k or not g[2] <= row < g[2] + len(g[3]):
             f = self._files.setdefault(k, pq.ParquetFile(self.paths[k]))
-            first = 0
-            for group in range(f.metadata.num_row_groups):
-                n = f.metadata.row_group(group).num_rows
-                if row < first + n:
-                    break
-                first += n
+            sizes = (f.metadata.row_group(g).num_rows for g in range(f.metadata.num_row_groups))
+            ends = list(itertools.accumulate(sizes))
+            group = bisect.bisect_right(ends, row)
+            first = ends[group - 1] if group else 0
             values = f.read_row_group(group, columns=[self.column]).column(self.column).to_pylist()
             g = self._group = (k, group, first, values)
         return _decode(position, *_row_image(g[3][row - g[2]]), self.image_size, self.min_side)
@@ -304,34 +293,25 @@ def _index_tar(url: str) -> list[tuple[str, int, int, int]]:
         with open(url, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
             return _index_open_tar(url, raw, tar)
     except (tarfile.TarError, EOFError) as err:
-        raise UserError(f"{url} is not a readable tar ({_first_line(err)}); it is damaged or cut short: "
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise UserError(f"{url} is not a readable tar ({reason}); it is damaged or cut short: "
                         "copy it again, or leave it out of --data-path") from None
 
 
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-
-
-def _check_tar_complete(url: str, raw, members: list[tarfile.TarInfo]) -> None:
-    """A tar cut at a member boundary reads as a shorter tar (tarfile stops at the end of the file
-    without a word; a cut inside a member it does report): the two zero blocks that end an archive
-    must follow the last member."""
-    end = max((m.offset_data + m.size for m in members), default=0)
-    end = -(-end // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-    raw.seek(end)
-    if raw.read(2 * tarfile.BLOCKSIZE) != bytes(2 * tarfile.BLOCKSIZE):
-        raise UserError(f"{url} ends after its last member without the end-of-archive blocks: the file was cut "
-                        "short (samples may be missing); copy it again, or leave it out of --data-path")
-
-
 def _index_open_tar(url: str, raw, tar: tarfile.TarFile) -> list[tuple[str, int, int, int]]:
-    """_index_tar's work on the open tar, once it is known to be whole."""
+    """_index_tar's work on the open tar."""
     from webdataset.tariterators import base_plus_ext
 
     samples: list[tuple[str, int, int, int]] = []
     groups: list[tuple[str, dict[str, tarfile.TarInfo]]] = []
     members = tar.getmembers()
-    _check_tar_complete(url, raw, members)
+    # A tar cut at a member boundary reads as a shorter tar (tarfile stops at the end of the file without
+    # a word; a cut inside a member it does report): the two zero blocks that end an archive must follow.
+    end = -(-max((m.offset_data + m.size for m in members), default=0) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+    raw.seek(end)
+    if raw.read(2 * tarfile.BLOCKSIZE) != bytes(2 * tarfile.BLOCKSIZE):
+        raise UserError(f"{url} ends after its last member without the end-of-archive blocks: the file was cut "
+                        "short (samples may be missing); copy it again, or leave it out of --data-path")
     for member in members:
         if not member.isfile():
             continue
@@ -371,8 +351,7 @@ def _open_wds(path: str) -> ImageSource:
     if bad is not None:
         raise UserError(f"{files[bad]} has label {labels[bad]}, outside the classes [0, ...); "
                         "remove unlabelled samples")
-    names = [str(k) for k in range(max(labels) + 1)]
-    return ImageSource("wds", path, files, labels, names,
+    return ImageSource("wds", path, files, labels, _numbered_classes(labels),
                        lambda size, min_side: _TarMembers(urls, where, size, min_side))
 
 
