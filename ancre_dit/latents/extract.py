@@ -1,10 +1,9 @@
 """Images -> VAE latent shards: the work of one process of a (possibly multi-process) run.
 
-Shard k holds the images at positions [k * shard_size, (k + 1) * shard_size) of the source's listing
-(image_datasets.py: the sorted file list of a folder, the rows of a dataset, the samples of the tars), minus
-skipped images, and is written by process k % world. Images are batched within a shard
-only, so a shard's batches (and hence its values) do not depend on how many processes ran. Process 0
-writes the manifest and the report once every shard is on disk (after a barrier).
+Shard k holds the images at positions [k * shard_size, (k + 1) * shard_size) of the source's listing, minus
+skipped images, and is written by process k % world. Images are batched within a shard only, so a shard's
+values do not depend on how many processes ran. Process 0 writes the manifest and the report once every
+shard is on disk (after a barrier).
 """
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from tqdm.auto import tqdm
 
 from ancre_dit.errors import UserError
 from ancre_dit.data.latent_shards import (FORMAT_NAME, FORMAT_VERSION, IMAGE_KEY, MANIFEST_NAME, REPORT_NAME,
-                                    shard_file_name)
+                                         shard_file_name)
 from ancre_dit.data.image_folder import LoadedImage
 from ancre_dit.data.latent_norm import channel_statistics, moment_sums
 from ancre_dit.files import write_atomic
@@ -33,7 +32,6 @@ from ancre_dit.latents.image_datasets import ImageSource, open_source
 from ancre_dit.latents.shards import (checksum_path, read_checksum, read_shard_meta, remove_stale_tmp,
                                       shard_is_complete, write_shard)
 from ancre_dit.vae import DTYPES, LoadedVAE, encode_moments, load_vae
-
 
 _SHARD_NAME = re.compile(r"shard-(\d{5})\.safetensors")
 
@@ -122,57 +120,36 @@ def _check_compatible(out: Path, fingerprint: dict[str, Any], num_shards: int) -
         raise UserError(f"{out} holds {extra[0]} beyond the {num_shards} shards of this data; use a new --out folder")
 
 
-def _batch_plan(shards: list[int], num_files: int, shard_size: int, batch_size: int) -> list[tuple[int, list[int], bool]]:
-    """(shard, positions, last batch of its shard) for every batch, batches never crossing shards."""
-    plan = []
-    for k in shards:
-        positions = list(range(k * shard_size, min((k + 1) * shard_size, num_files)))
-        chunks = [positions[i:i + batch_size] for i in range(0, len(positions), batch_size)]
-        plan += [(k, chunk, i == len(chunks) - 1) for i, chunk in enumerate(chunks)]
-    return plan
-
-
 class _ShardBuffer:
-    """Collects one shard's encoded rows (and crops, with `image_size`) and its report entries until
-    its last batch."""
+    """One shard's encoded rows (and crops, with `image_size`) and report entries, until its last batch."""
 
     def __init__(self, latent_shape: tuple[int, int, int], image_size: int | None = None):
-        self.latent_shape = latent_shape
-        self.image_size = image_size
-        self.images: list[torch.Tensor] = []
+        self.latent_shape, self.image_size = latent_shape, image_size
         self.mean: list[torch.Tensor] = []
         self.std: list[torch.Tensor] = []
+        self.images: list[torch.Tensor] = []
         self.labels: list[int] = []
         self.index: list[int] = []
         self.report: list[list[Any]] = []
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        empty = torch.zeros((0, 2, *self.latent_shape), dtype=torch.float16)
-        out = {"mean": torch.cat(self.mean) if self.mean else empty,
-               "std": torch.cat(self.std) if self.std else empty,
+        empty = torch.zeros((0, 2, *self.latent_shape), dtype=torch.float16)  # so that a shard of no image has shapes
+        out = {"mean": torch.cat([empty, *self.mean]), "std": torch.cat([empty, *self.std]),
                "label": torch.tensor(self.labels, dtype=torch.int64),
                "index": torch.tensor(self.index, dtype=torch.int64)}
         if self.image_size is not None:
             s = self.image_size
-            out[IMAGE_KEY] = torch.cat(self.images) if self.images else torch.zeros((0, 3, s, s), dtype=torch.uint8)
+            out[IMAGE_KEY] = torch.cat([torch.zeros((0, 3, s, s), dtype=torch.uint8), *self.images])
         return out
 
 
-def _nonfinite_cause(vae: LoadedVAE) -> str:
-    dtype = next(vae.vae.parameters()).dtype
-    if dtype != torch.float32:
-        return f"an overflow of {dtype} is likely; rerun with --vae-dtype fp32 to resume"
-    return ("the VAE ran in fp32, so its weights (or --scaling-factor) give values beyond float16's range in which "
-            "latents are stored; check the VAE folder and the scaling factor")
-
-
-def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageSource, buf: _ShardBuffer) -> int:
+def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageSource, buf: _ShardBuffer) -> None:
     for it in items:
         if it.action != "ok":
             buf.report.append([it.position, images.files[it.position], it.action, it.detail])
     good = [it for it in items if it.array is not None]
     if not good:
-        return 0
+        return
     pixels = torch.from_numpy(np.stack([it.array for it in good]))
     # The image and its horizontal flip (of the crop, as DiT flips after cropping) in one batch.
     mean, std = encode_moments(vae, torch.cat([pixels, pixels.flip(2)]))
@@ -181,15 +158,17 @@ def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageSource,
     mean = mean.view(2, n, *mean.shape[1:]).transpose(0, 1).half().cpu()
     std = std.view(2, n, *std.shape[1:]).transpose(0, 1).half().cpu()
     if not (torch.isfinite(mean).all() and torch.isfinite(std).all()):
-        raise UserError(f"the VAE gave non-finite latents near {images.files[good[0].position]}: "
-                        f"{_nonfinite_cause(vae)}")
+        dtype = next(vae.vae.parameters()).dtype
+        cause = (f"an overflow of {dtype} is likely; rerun with --vae-dtype fp32 to resume" if dtype != torch.float32
+                 else "the VAE ran in fp32, so its weights (or --scaling-factor) give values beyond float16's range "
+                 "in which latents are stored; check the VAE folder and the scaling factor")
+        raise UserError(f"the VAE gave non-finite latents near {images.files[good[0].position]}: {cause}")
     buf.mean.append(mean)
     buf.std.append(std)
     buf.labels += [images.labels[it.position] for it in good]
     buf.index += [it.position for it in good]
     if buf.image_size is not None:  # the crop the VAE saw, unflipped, channels first
         buf.images.append(pixels.permute(0, 3, 1, 2).contiguous())
-    return n
 
 
 class NothingEncoded(UserError):
@@ -212,7 +191,8 @@ def run_extraction(cfg: ExtractConfig, ctx: DistContext | None = None) -> Extrac
     if cfg.vae_dtype not in DTYPES:
         raise UserError(f"--vae-dtype must be one of {', '.join(DTYPES)}, got {cfg.vae_dtype}")
     if cfg.vae_dtype != "fp32" and ctx.device.type != "cuda":
-        raise UserError(f"--vae-dtype {cfg.vae_dtype} is for GPUs; on {ctx.device.type} the VAE runs in fp32 (drop the flag)")
+        raise UserError(f"--vae-dtype {cfg.vae_dtype} is for GPUs; on {ctx.device.type} the VAE runs in fp32 "
+                        "(drop the flag)")
     images = open_source(cfg.data_path, cfg.data_format, cfg.image_column, cfg.label_column)
     if not images.files:
         raise UserError(f"--data-path {cfg.data_path} holds no images ({images.format}: 0 rows); "
@@ -253,7 +233,11 @@ def _extract_into(out: Path, cfg: ExtractConfig, ctx: DistContext, images: Image
     to_check = claimed[ctx.rank::ctx.world]
     reused = [k for k in to_check if shard_is_complete(out / shard_file_name(k))]
     pending = sorted(todo[ctx.rank::ctx.world] + sorted(set(to_check) - set(reused)))[: cfg.max_shards]
-    plan = _batch_plan(pending, num_files, cfg.shard_size, cfg.batch_size)
+    plan = []  # (shard, positions, last batch of its shard) for every batch; batches never cross shards
+    for k in pending:
+        positions = list(range(k * cfg.shard_size, min((k + 1) * cfg.shard_size, num_files)))
+        chunks = [positions[i:i + cfg.batch_size] for i in range(0, len(positions), cfg.batch_size)]
+        plan += [(k, chunk, i == len(chunks) - 1) for i, chunk in enumerate(chunks)]
     if ctx.rank == 0:
         print(f"{num_files} images in {len(images.class_names)} classes -> {num_shards} shards of <= "
               f"{cfg.shard_size} in {out}; latents {list(latent_shape)} on {ctx.device} ({cfg.vae_dtype}), "
@@ -280,16 +264,8 @@ def _extract_into(out: Path, cfg: ExtractConfig, ctx: DistContext, images: Image
     bar.close()
 
     ctx.barrier()
-    manifest = None
-    if ctx.rank == 0:
-        manifest = write_manifest(out, cfg, images, vae, latent_shape, fingerprint, num_shards)
+    manifest = write_manifest(out, cfg, images, vae, latent_shape, fingerprint, num_shards) if ctx.rank == 0 else None
     return ExtractResult(num_shards, written, reused, manifest)
-
-
-def _shard_sums(path: Path) -> dict[str, Any]:
-    """moment_sums of a shard written before shards carried them (a resumed older extraction)."""
-    tensors = load_file(str(path))
-    return moment_sums(tensors["mean"].numpy(), tensors["std"].numpy())
 
 
 def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: LoadedVAE,
@@ -308,7 +284,10 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: Load
             continue
         shards.append({"file": path.name, "count": int(meta["count"]), "sha256": digest})
         report += meta["report"]
-        stats.append(meta.get("stats") or _shard_sums(path))
+        if not meta.get("stats"):  # a shard written before shards carried their sums (a resumed older extraction)
+            tensors = load_file(str(path))
+            meta["stats"] = moment_sums(tensors["mean"].numpy(), tensors["std"].numpy())
+        stats.append(meta["stats"])
     if missing:
         print(f"{len(missing)} of {num_shards} shards not written yet (first: {missing[0]}); "
               "rerun the same command to finish (finished shards are kept)", flush=True)
