@@ -1,19 +1,16 @@
 """The one image-folder reader: how a folder is listed, how an image is opened, ADM's center crop.
 
-Latent extraction, image-folder training and Inception reference statistics all read folders here,
-so a folder gives the same files, order and labels to each of them. The listing rule:
+Extraction, image-folder training and Inception reference statistics all read folders here, so a folder
+gives each of them the same files, order and labels. The listing rule:
 
-- **Class tree** (subfolders hold the images): exactly torchvision's ImageFolder. Classes are the
-  subfolder names sorted as strings, label = position in that list (an empty class folder still
-  takes its label, so the others keep theirs); files are found recursively inside each class
-  folder and ordered as ImageFolder orders them. This is DiT's order, so labels match ImageNet's.
-- **Flat folder** (images sit directly in it): its image files sorted by name, no labels;
-  subfolders without images are ignored.
-- A folder holding images both directly and in subfolders is refused: it is not clear which rule
-  the user meant, and silently dropping either half would be worse.
+- **Class tree** (subfolders hold the images): exactly torchvision's ImageFolder, DiT's order, so labels
+  match ImageNet's. Classes are the subfolder names sorted as strings, label = position in that list
+  (an empty class folder still takes its label); files are found recursively inside each class folder.
+- **Flat folder** (images directly in it): its image files sorted by name, no labels; subfolders
+  without images are ignored.
+- Images both directly and in subfolders are refused: which rule was meant is unclear.
 
-Image files are those with torchvision's extensions (IMG_EXTENSIONS, case-insensitive: jpg,
-jpeg, png, ppm, bmp, pgm, tif, tiff, webp); anything else (notes, json) is ignored.
+Image files are those with torchvision's IMG_EXTENSIONS (case-insensitive); anything else is ignored.
 """
 from __future__ import annotations
 
@@ -28,13 +25,6 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from ..errors import MissingFileError, UserError
-
-
-def _torchvision_folder():
-    """torchvision's folder rules, imported when a folder is first listed: importing torchvision
-    costs seconds, which commands that read no folder should not pay."""
-    from torchvision.datasets import folder
-    return folder
 
 
 @dataclass
@@ -56,7 +46,8 @@ def list_image_folder(root: str | os.PathLike, require_classes: bool = False) ->
     root = Path(root)
     if not root.is_dir():
         raise MissingFileError(f"{root} is not a folder; pass a folder of images (one subfolder per class for labels)")
-    folder = _torchvision_folder()
+    from torchvision.datasets import folder  # imported here: seconds that commands reading no folder do not pay
+
     extensions = folder.IMG_EXTENSIONS
     try:
         class_names, class_to_idx = folder.find_classes(root)
@@ -90,7 +81,8 @@ def _class_samples(root: Path, class_to_idx: dict[str, int]) -> list[tuple[str, 
     """torchvision's make_dataset (same files, order and labels), except that symbolic links are
     followed to each real folder and file once: a link back up the tree (a loop) or into another
     class folder is not walked again, so no image is listed twice or under another class's label."""
-    folder_rules = _torchvision_folder()
+    from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
+
     class_dirs = {os.path.realpath(root / name) for name in class_to_idx}
     seen_dirs: set[str] = set()
     seen_files: set[str] = set()
@@ -109,18 +101,16 @@ def _class_samples(root: Path, class_to_idx: dict[str, int]) -> list[tuple[str, 
             for fname in sorted(files):
                 path = os.path.join(folder, fname)
                 real = os.path.realpath(path)
-                if folder_rules.has_file_allowed_extension(fname, folder_rules.IMG_EXTENSIONS) and real not in seen_files:
+                if has_file_allowed_extension(fname, IMG_EXTENSIONS) and real not in seen_files:
                     seen_files.add(real)
                     samples.append((path, class_to_idx[name]))
     return samples
 
 
 def center_crop_arr(pil_image: Image.Image, image_size: int) -> Image.Image:
-    """ADM's center crop (used by DiT): halve with a box filter while the short side is at least
-    twice the target, resize the short side to `image_size` with bicubic, then crop the center.
-
-    Written by hand because torchvision's Resize+CenterCrop does not box-downsample first and
-    so gives different pixels than the reference statistics expect.
+    """ADM's center crop (used by DiT): halve with a box filter while the short side is at least twice the
+    target, resize the short side to `image_size` with bicubic, then crop the center. By hand because
+    torchvision's Resize+CenterCrop does not box-downsample first: other pixels than the references expect.
     """
     while min(*pil_image.size) >= 2 * image_size:
         pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
@@ -155,7 +145,8 @@ def load_rgb(path: str | os.PathLike, image_size: int | None = None) -> np.ndarr
     try:
         img, _ = open_rgb(path)
     except (OSError, SyntaxError, ValueError) as err:  # PIL's UnidentifiedImageError is an OSError
-        raise UserError(f"{path} is not a readable image ({' '.join(str(err).split())}); remove or replace it") from None
+        reason = " ".join(str(err).split())
+        raise UserError(f"{path} is not a readable image ({reason}); remove or replace it") from None
     if image_size is not None:
         img = center_crop_arr(img, image_size)
     return np.asarray(img, dtype=np.uint8)
@@ -191,8 +182,7 @@ class LoadedImage:
 
 
 class CroppedImages(Dataset):
-    """Positions of a listing -> LoadedImage (tolerant `load_and_crop`), for a DataLoader whose
-    workers decode the images."""
+    """Positions of a listing -> LoadedImage (tolerant `load_and_crop`), decoded in DataLoader workers."""
 
     def __init__(self, images: ImageList, image_size: int, min_side: int):
         self.images, self.image_size, self.min_side = images, image_size, min_side
@@ -201,6 +191,5 @@ class CroppedImages(Dataset):
         return len(self.images.files)
 
     def __getitem__(self, position: int) -> LoadedImage:
-        array, action, detail = load_and_crop(self.images.root / self.images.files[position], self.image_size,
-                                              self.min_side)
-        return LoadedImage(position, array, action, detail)
+        path = self.images.root / self.images.files[position]
+        return LoadedImage(position, *load_and_crop(path, self.image_size, self.min_side))
