@@ -187,27 +187,24 @@ def prepare_batch(info: DataInfo, batch: tuple, device: torch.device, generator:
     draw for latents, a flip for image folders) -> (x, y), and with `clean_images` (REPA) also the
     clean image in [0, 255], flipped as x is. The draws are the same either way."""
     x, y, *stored = batch  # latents read with their clean images: (moments, labels, images)
-    images = stored[0] if stored else None
-    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    x, y, images = x.to(device, non_blocking=True), y.to(device, non_blocking=True), None
     if info.kind == "latents":
         from ..data.latent_shards import draw_latents_from_moments
         x, flip = draw_latents_from_moments(x, generator=generator, return_flip=True)
         if info.latent_norm is not None:
             x = info.latent_norm(x)
         if clean_images:
-            if images is None:
+            if not stored:
                 raise UserError("REPA needs the clean images, but the latent loader gave none; open the latents "
                                 "with their images (build_data with repa.weight > 0)")
-            images = images.to(device, non_blocking=True)
+            images = stored[0].to(device, non_blocking=True)
             images = torch.where(flip.bool()[:, None, None, None], images.flip(-1), images).float()
     elif info.random_flip:
         flip = torch.rand(x.shape[0], generator=generator, device=generator.device).to(device) < 0.5
         x = torch.where(flip[:, None, None, None], x.flip(-1), x)
-    if not clean_images:
-        return x.float(), y.long()
-    if info.kind != "latents":
+    if clean_images and info.kind != "latents":
         images = (x.float() + 1.0) * 127.5  # the training example in [-1, 1] is the clean image
-    return x.float(), y.long(), images
+    return (x.float(), y.long(), images) if clean_images else (x.float(), y.long())
 
 
 class GlobalBatchSampler(torch.utils.data.Sampler):

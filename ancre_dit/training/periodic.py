@@ -140,9 +140,8 @@ class EvaluationTask(PeriodicTask):
 
     def start(self, ctx: RunContext) -> None:
         """A resumed step that is due but unevaluated (a stop abandoned it) is evaluated first."""
-        step = ctx.progress.step
-        if step and super().due(ctx) and step not in self.done:
-            ctx.log.info("step %d: the evaluation a stop abandoned runs now", step)
+        if ctx.progress.step and self.due(ctx):
+            ctx.log.info("step %d: the evaluation a stop abandoned runs now", ctx.progress.step)
             self.maybe_run(ctx)
 
     def run(self, ctx: RunContext) -> dict[str, Any] | None:
