@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import MissingFileError, UserError
 
 STAT_KEYS = ("mu", "sigma", "mu_s", "sigma_s", "mu_dinov2", "sigma_dinov2")  # the last two: FD-DINOv2
+STAT_PAIRS = tuple(zip(STAT_KEYS[::2], STAT_KEYS[1::2]))  # (mean, covariance)
 
 
 @dataclass
@@ -103,9 +104,6 @@ def check_labels(labels: np.ndarray, num_images: int | None, path: Path) -> np.n
         raise UserError(f"{path} holds {num_images} images (arr_0) but {len(labels)} labels (arr_1); "
                         "regenerate the file with sample.py")
     return labels.astype(np.int64)
-
-
-STAT_PAIRS = (("mu", "sigma"), ("mu_s", "sigma_s"), ("mu_dinov2", "sigma_dinov2"))
 
 
 def check_stats(stats: dict[str, np.ndarray], path: str | os.PathLike) -> None:

@@ -39,14 +39,6 @@ HELDOUT_INDICES = tuple(int(i) for i in """
 
 
 @lru_cache(maxsize=1)
-def _split_indices() -> dict[str, np.ndarray]:
-    """Indices of each split into the digits arrays (sorted, disjoint, covering all)."""
-    n = len(_all_digits()[1])
-    heldout = np.asarray(HELDOUT_INDICES, dtype=np.int64)
-    return {"train": np.setdiff1d(np.arange(n), heldout), "heldout": heldout}
-
-
-@lru_cache(maxsize=1)
 def _all_digits() -> tuple[np.ndarray, np.ndarray]:
     """(images float32 (1797, 8, 8) in 0..16, labels int64), as sklearn.datasets.load_digits gives
     them. Read from the file scikit-learn ships, without importing scikit-learn (a slow import);
@@ -74,9 +66,9 @@ class DigitsDataset(Dataset):
         if split not in DIGITS_SPLITS:
             raise UserError(f"unknown digits split {split!r}; choose one of {', '.join(DIGITS_SPLITS)}")
         images, labels = _all_digits()
-        index = _split_indices()[split]
-        self.split = split
-        self.indices = index
+        heldout = np.asarray(HELDOUT_INDICES, dtype=np.int64)
+        index = heldout if split == "heldout" else np.setdiff1d(np.arange(len(labels)), heldout)
+        self.split, self.indices = split, index
         self.images = torch.from_numpy(images[index] / _MAX_PIXEL * 2.0 - 1.0).unsqueeze(1).contiguous()
         self.labels = torch.from_numpy(labels[index])
 

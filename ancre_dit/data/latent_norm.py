@@ -1,15 +1,12 @@
-"""How stored latents are normalised for training (`data.latent_norm`), and the per-channel
-statistics extraction records for it.
+"""How stored latents are normalised for training (`data.latent_norm`), and the per-channel statistics
+extraction records for it.
 
-- `scale`: the latents as stored, (z - shift) * scaling_factor (the VAE config's factors; SD-VAE's
-  0.18215).
-- `channel`: additionally (x - channel_mean) / channel_std per channel, with the statistics of the
-  stored latents (LightningDiT's convention for VAEs whose channels differ in scale). Decoding
-  inverts it first (`LoadedVAE.channel_mean/std`), so samples come out in the VAE's own space.
+- `scale`: the latents as stored, (z - shift) * scaling_factor (the VAE config's factors; SD-VAE's 0.18215).
+- `channel`: additionally (x - channel_mean) / channel_std per channel (LightningDiT's convention for VAEs
+  whose channels differ in scale); decoding inverts it first, so samples come out in the VAE's own space.
 
-The statistics describe the training distribution itself, the posterior sample x = mean + std * eps
-over every image and its flip: per channel, E[x] = E[mean] and Var[x] = Var[mean] + E[std^2]
-(computed exactly from sums, no draws).
+The statistics are the training distribution's, the posterior sample x = mean + std * eps over every image
+and its flip: per channel E[x] = E[mean] and Var[x] = Var[mean] + E[std^2], exactly from sums (no draws).
 """
 from __future__ import annotations
 

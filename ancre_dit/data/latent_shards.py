@@ -45,11 +45,8 @@ _DTYPES = {"F16": (np.dtype("<f2"), torch.float16), "BF16": (np.dtype("<u2"), to
 
 
 def read_safetensors_layout(path: str | os.PathLike) -> tuple[int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
-    """(start of the data section, {name: (dtype, shape, begin, end)}) from a safetensors header.
-
-    Read by hand because the batched reader needs each tensor's byte offsets for its positional reads:
-    safetensors' `get_slice` only takes contiguous ranges, so gathering 256 random rows would cost 256 calls.
-    """
+    """(start of the data section, {name: (dtype, shape, begin, end)}) from a safetensors header. By hand: the
+    positional reads need byte offsets, and `get_slice` takes contiguous ranges only (256 rows, 256 calls)."""
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(size))
@@ -178,20 +175,13 @@ def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int,
 class LatentShardDataset(Dataset):
     """Random access over all images of a latent directory.
 
-    `ds.get_batch(indices) -> (moments (N, 2, 2, C, h, w), labels int64 (N,))`, moments float16
-    indexed [flip][0=mean, 1=std], read in one gather per shard (the training loader calls it once
-    per micro-batch); `ds[i] -> (moments, label)` is the same read for one index. Shards are opened
-    lazily (so each DataLoader worker opens its own descriptors); at most `max_open_shards` stay
-    open per process.
-
-    `in_memory=True` reads every shard once, here, into one array in shared memory (DataLoader
-    workers see it without a copy); batches are then one `index_select`, the same bytes as from
-    the files. It needs the latents' size in free RAM (ImageNet-256 with both flips: about 42 GB)
-    and refuses in one line when that is not available.
-
-    `images=True` (REPA) makes `get_batch` return `(moments, labels, images uint8 (N, 3, S, S))`;
-    every shard must then hold its clean images (`extract_latents.py --keep-images`). `ds[i]` is
-    the same either way (the held-out sets use the moments only).
+    `ds.get_batch(indices) -> (moments (N, 2, 2, C, h, w), labels int64 (N,))`, moments float16 indexed
+    [flip][0=mean, 1=std], one gather per shard (the loader calls it once per micro-batch); `ds[i]` is the
+    same for one index. Shards are opened lazily (each DataLoader worker opens its own descriptors), at
+    most `max_open_shards` per process. `in_memory=True` reads every shard once into shared memory
+    (ImageNet-256: about 42 GB; refused in one line when it does not fit); batches are then one
+    `index_select` of the same bytes. `images=True` (REPA, shards extracted with --keep-images) adds the
+    clean images uint8 (N, 3, S, S) third to `get_batch`'s result; `ds[i]` stays the moments only.
     """
 
     def __init__(self, root: str | os.PathLike, max_open_shards: int = 64, in_memory: bool = False,
@@ -273,12 +263,9 @@ class LatentShardDataset(Dataset):
         return entry
 
     def get_batch(self, indices: Sequence[int], shared: bool = True) -> tuple[torch.Tensor, ...]:
-        """`(stack of ds[i][0], tensor of ds[i][1])` over `indices`, in their order, and with
-        `images` their clean images third.
-
+        """`(stack of ds[i][0], tensor of ds[i][1])` over `indices` (with `images`, their clean images third).
         With `shared`, inside a DataLoader worker the batch is allocated in shared memory, as torch's
-        default collate does, so handing it to the main process costs no copy.
-        """
+        default collate does, so handing it to the main process costs no copy."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = len(idx)
         if n and not (-self._len <= idx.min() and idx.max() < self._len):
@@ -322,10 +309,8 @@ class LatentShardDataset(Dataset):
         return labels
 
     def memory_problem(self) -> str | None:
-        """Why one in-memory copy of the latents does not fit (None: it fits): in the machine's free
-        memory, in what the job's memory limit leaves (a cgroup's: SLURM --mem, a container's), or
-        in the free space of the shared-memory filesystem that holds it (a container's /dev/shm is
-        often 64 MB)."""
+        """Why one in-memory copy of the latents does not fit (None: it fits) in free memory, in what the
+        job's cgroup limit leaves, or in the shared-memory filesystem (a container's /dev/shm: often 64 MB)."""
         need = self._len * 4 * int(np.prod(self.latent_shape)) * self._dtype.itemsize
         need += self._len * int(np.prod(self.image_shape)) if self.images else 0
         shm = shared_memory_dir()
@@ -341,11 +326,10 @@ class LatentShardDataset(Dataset):
         return None
 
     def load_into_memory(self, backing: Path | None = None, fill: bool = True) -> None:
-        """Reads every shard once into arrays that batches are then picked from by `index_select`.
-        Without `backing` the arrays are this process's shared memory (its DataLoader workers see them
-        without a copy). With `backing`, a path prefix on a memory filesystem (/dev/shm), they are
-        files there mapped shared: every process of a machine that maps the same prefix reads the
-        same pages, one copy per node; `fill=False` maps arrays that another process filled."""
+        """Reads every shard once into arrays that batches are picked from. Without `backing` they are this
+        process's shared memory (its DataLoader workers see them without a copy); with `backing`, a path
+        prefix on a memory filesystem, files there mapped shared, so every process of a machine that maps
+        the same prefix reads the same pages (one copy per node); `fill=False` maps arrays another filled."""
         self._memory = self._load_all(backing, fill)
 
     def _load_all(self, backing: Path | None, fill: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
