@@ -2,14 +2,9 @@
 state after block `repa.depth`, projected by a small trained MLP, point the way a frozen pretrained
 encoder's patch tokens of the clean image do (negative cosine similarity, token by token).
 
-The state is read through the topology's `state_hook` (z_k, the state fed to block k + 1; the
-aggregated state for routed topologies), attached for the training forward only. The hook is one
-`StateTap` for the whole run: torch.compile traces the call into its graph and guards on the hook's
-identity, so a new object each step would recompile every step.
-
-The encoder is loaded from a local file only, checked strictly against the architecture its name
-builds, frozen, and fed images resized so that its patch grid is the DiT's token grid. The projector
-is trained with the model but is not part of it: the sampled model files are the same without REPA.
+The encoder is loaded from a local file only and fed images resized so that its patch grid is the
+DiT's token grid. The projector is trained with the model but is not part of it: the sampled model
+files are the same without REPA.
 """
 from __future__ import annotations
 
@@ -28,7 +23,9 @@ from .config_sections import RepaConfig
 
 
 class StateTap:
-    """The topology's state hook during a training forward: keeps z_depth (with its graph)."""
+    """The topology's `state_hook` during a training forward: keeps z_depth, the (aggregated) state fed
+    to block depth + 1, with its graph. One tap serves the whole run: torch.compile traces the call
+    into its graph and guards on the hook's identity, so a new object each step would recompile."""
 
     def __init__(self, depth: int):
         self.depth = depth

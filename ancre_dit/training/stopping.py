@@ -1,19 +1,14 @@
 """Stop signals: SIGTERM, SIGINT and SIGUSR1 ask for a clean stop (finish the step, checkpoint, exit).
 
-A signal reaches the rank itself (torchrun forwards it to each rank's process group, SLURM's
-`--signal` reaches every process of the step, Ctrl-C the terminal's foreground group) and its
-DataLoader workers, which share the rank's process group. A worker killed by it would make the
-loader raise and lose every step since the last checkpoint, so workers pass the request on to the
-rank as SIGUSR1 (`worker_signal_handlers`) and keep serving batches. The rank's handler is installed
-before the workers fork, so a signal between the fork and worker_init_fn only sets a flag in the copy.
+A signal reaches the rank (torchrun forwards it, SLURM's `--signal` reaches every process, Ctrl-C
+the foreground group) and its DataLoader workers, which share its process group. A worker killed by
+it would make the loader raise and lose every step since the last checkpoint, so workers pass the
+request on to the rank as SIGUSR1 and keep serving; the rank's handler is installed before they fork.
+A second Ctrl-C (SIGINT more than REPEAT_SECONDS after the first) interrupts at once; copies of one
+request (SIGUSR1, a SIGINT that torchrun also forwards) never escalate.
 
-A second Ctrl-C (SIGINT more than REPEAT_SECONDS after the first) still interrupts at once. Copies
-of one request never escalate: SIGUSR1 never does, and a SIGINT that reaches a rank twice in a
-burst (a job-wide signal that torchrun also forwards) asks for one clean stop.
-
-Ranks agree on stopping over a CPU (gloo) group every `check_every` steps: the agreement never waits
-on the GPU queue, and a signal that reached one rank stops all of them at the same step. Across
-nodes gloo binds to the address the host name resolves to, or to GLOO_SOCKET_IFNAME's interface: a
+Ranks agree on stopping every `check_every` steps over a CPU (gloo) group, which never waits on the
+GPU queue. Across nodes gloo binds to the host name's address or GLOO_SOCKET_IFNAME's interface: a
 loopback address is refused at start-up, and a group that cannot connect fails there in one line.
 """
 from __future__ import annotations
