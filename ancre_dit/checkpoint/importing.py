@@ -81,11 +81,13 @@ def _select_weights(raw: Mapping[str, Any], weights: str | None) -> tuple[Mappin
             raise UserError(f"the file holds neither a state dict nor 'ema' / 'model' entries (keys: "
                             f"{', '.join(map(str, list(raw)[:8]))})")
         if weights == "model":
-            raise UserError("the file is a bare state dict (one set of weights, EMA in the DiT release); drop --weights")
+            raise UserError("the file is a bare state dict (one set of weights, EMA in the DiT release); "
+                            "drop --weights")
         return raw, "state dict"
     choice = weights or wrapped[0]  # EMA preferred
     if choice not in wrapped:
-        raise UserError(f"the file has no {choice!r} weights (it has {', '.join(wrapped)}); pass --weights {wrapped[0]}")
+        raise UserError(f"the file has no {choice!r} weights (it has {', '.join(wrapped)}); "
+                        f"pass --weights {wrapped[0]}")
     return raw[choice], choice
 
 
@@ -152,8 +154,8 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
     load_state_dict_checked(net, state, source=str(src))
 
     spec = make_model_spec(name, kwargs, dict(objective="ddpm", **DDPM_SCHEDULE, learn_sigma=kwargs["learn_sigma"]),
-                           {"kind": "latents", "image_size": image_size, "image_channels": 3, "num_classes": num_classes,
-                            "vae": None, "scaling_factor": SD_VAE_SCALING},
+                           {"kind": "latents", "image_size": image_size, "image_channels": 3,
+                            "num_classes": num_classes, "vae": None, "scaling_factor": SD_VAE_SCALING},
                            step=int(src.stem) if src.stem.isdigit() else 0)
     spec["imported"] = {"source": str(src.resolve()), "sha256": sha256_file(src), "weights": which,
                         "logit_layout": layout}

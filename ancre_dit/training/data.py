@@ -170,8 +170,9 @@ def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
         from ..data.latent_shards import LatentShardDataset
         val = LatentShardDataset(e.val_path)
         if val.latent_shape != ds.latent_shape or val.num_classes != ds.num_classes:
-            raise UserError(f"eval.val_path {e.val_path} holds {val.latent_shape} latents of {val.num_classes} classes, "
-                            f"the training data {ds.latent_shape} of {ds.num_classes}; extract both the same way")
+            raise UserError(f"eval.val_path {e.val_path} holds {val.latent_shape} latents of {val.num_classes} "
+                            f"classes, the training data {ds.latent_shape} of {ds.num_classes}; extract both the "
+                            f"same way")
         return ds, val
     k = e.heldout_from_train
     if k:
