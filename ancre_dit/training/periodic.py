@@ -87,7 +87,7 @@ class PeriodicTask:
 class SampleGridTask(PeriodicTask):
     """An EMA sample grid (main process only) to RUN/samples/<step>.png."""
     name = "sample grids"
-    _disabled = False
+    _disabled = False  # not `every = 0`: the base rule of `due` must stay the same on every rank
 
     def due(self, ctx: RunContext) -> bool:
         return super().due(ctx) and ctx.accelerator.is_main_process and not self._disabled
