@@ -87,11 +87,9 @@ class _ShardFile:
         if hasattr(os, "preadv"):
             os.preadv(self.fd, halves, offset)
         else:
-            data = self.read_bytes(self.row_bytes[name], offset)
-            at = 0
+            data = memoryview(self.read_bytes(self.row_bytes[name], offset))
             for h in halves:
-                h[:] = data[at:at + len(h)]
-                at += len(h)
+                h[:], data = data[:len(h)], data[len(h):]
 
     def read_all(self, name: str) -> np.ndarray:
         """Every row of tensor `name` as bytes, uint8 (rows, row bytes)."""

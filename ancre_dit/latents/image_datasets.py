@@ -347,11 +347,9 @@ def _open_wds(path: str) -> ImageSource:
             where.append((t, offset, size))
     if not files:
         raise MissingFileError(f"no {'/'.join(WDS_IMAGE_KEYS)} samples in the tar files of {path}")
-    bad = next((i for i, y in enumerate(labels) if y < 0), None)
-    if bad is not None:
-        raise UserError(f"{files[bad]} has label {labels[bad]}, outside the classes [0, ...); "
-                        "remove unlabelled samples")
-    return ImageSource("wds", path, files, labels, _numbered_classes(labels),
+    names = _numbered_classes(labels)
+    _check_labels(labels, names, files.__getitem__)
+    return ImageSource("wds", path, files, labels, names,
                        lambda size, min_side: _TarMembers(urls, where, size, min_side))
 
 
