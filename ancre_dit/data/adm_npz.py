@@ -1,8 +1,7 @@
 """The ADM sample / reference-batch .npz layout, read and written by sampling and evaluation.
 
-`arr_0`: uint8 images (N, H, W, 3); `arr_1`: int64 labels (N,) when known. ADM reference
-batches may also hold Inception statistics: `mu`, `sigma` (pool features) and `mu_s`, `sigma_s`
-(spatial features). Written by hand: this is a file convention, not a library.
+`arr_0`: uint8 images (N, H, W, 3); `arr_1`: int64 labels (N,) when known. ADM reference batches may also
+hold Inception statistics: `mu`, `sigma` (pool features) and `mu_s`, `sigma_s` (spatial features).
 """
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ class ADMBatch:
 
 
 def to_uint8(images) -> np.ndarray:
-    """Images in [-1, 1] (a tensor or array of any shape) -> uint8 0..255, clipped, rounded to nearest.
-    The one place that fixes how model outputs become pixels (samples, grids, digits checks)."""
+    """Images in [-1, 1] (tensor or array, any shape) -> uint8 0..255, clipped, rounded to nearest: the one
+    place that fixes how model outputs become pixels (samples, grids, digits checks)."""
     if hasattr(images, "detach"):
         images = images.detach().float().cpu().numpy()
     x = np.asarray(images, dtype=np.float32)

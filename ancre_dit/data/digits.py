@@ -1,9 +1,8 @@
 """The embedded default data set: scikit-learn's 8x8 handwritten digits, in pixel space.
 
-1,797 grayscale images (values 0..16) of 10 classes ship inside scikit-learn, so the default
-needs no download and no VAE. Pixels are mapped linearly to [-1, 1]. A fixed, seeded,
-stratified 10% of the images is held out ("heldout"); "train" is the rest, so every run and
-every benchmark sees the same split.
+1,797 grayscale images (values 0..16) of 10 classes ship inside scikit-learn: no download, no VAE.
+Pixels are mapped linearly to [-1, 1]. A fixed, seeded, stratified 10% is held out ("heldout"), "train"
+is the rest, so every run and every benchmark sees the same split.
 """
 from __future__ import annotations
 
@@ -40,9 +39,8 @@ HELDOUT_INDICES = tuple(int(i) for i in """
 
 @lru_cache(maxsize=1)
 def _all_digits() -> tuple[np.ndarray, np.ndarray]:
-    """(images float32 (1797, 8, 8) in 0..16, labels int64), as sklearn.datasets.load_digits gives
-    them. Read from the file scikit-learn ships, without importing scikit-learn (a slow import);
-    load_digits itself where that file is not where it has always been."""
+    """(images float32 (1797, 8, 8) in 0..16, labels int64), as sklearn's load_digits gives them, read from
+    the file scikit-learn ships without importing it (slow); load_digits itself where that file is not."""
     sklearn = importlib.util.find_spec("sklearn")  # finds the package without importing it
     path = Path(sklearn.origin).parent / "datasets" / "data" / "digits.csv.gz" if sklearn and sklearn.origin else None
     if path is None or not path.is_file():
@@ -56,11 +54,8 @@ def _all_digits() -> tuple[np.ndarray, np.ndarray]:
 
 
 class DigitsDataset(Dataset):
-    """Items are (image float32 (1, 8, 8) in [-1, 1], label int).
-
-    `images` (N, 1, 8, 8) and `labels` (N,) hold the whole split as tensors, for loops that
-    index batches directly instead of going through a DataLoader.
-    """
+    """Items are (image float32 (1, 8, 8) in [-1, 1], label int); `images` (N, 1, 8, 8) and `labels` (N,)
+    hold the whole split as tensors, for loops that index batches directly instead of using a DataLoader."""
 
     def __init__(self, split: str = "train"):
         if split not in DIGITS_SPLITS:

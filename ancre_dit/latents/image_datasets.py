@@ -289,51 +289,44 @@ def _index_tar(url: str) -> list[tuple[str, int, int, int]]:
     needs random access by position: shards are written by different processes and a resumed run
     reads only the shards it misses, which a sequential stream cannot do without rereading.
     """
-    try:
-        with open(url, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
-            return _index_open_tar(url, raw, tar)
-    except (tarfile.TarError, EOFError) as err:
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise UserError(f"{url} is not a readable tar ({reason}); it is damaged or cut short: "
-                        "copy it again, or leave it out of --data-path") from None
-
-
-def _index_open_tar(url: str, raw, tar: tarfile.TarFile) -> list[tuple[str, int, int, int]]:
-    """_index_tar's work on the open tar."""
     from webdataset.tariterators import base_plus_ext
 
     samples: list[tuple[str, int, int, int]] = []
     groups: list[tuple[str, dict[str, tarfile.TarInfo]]] = []
-    members = tar.getmembers()
-    # A tar cut at a member boundary reads as a shorter tar (tarfile stops at the end of the file without
-    # a word; a cut inside a member it does report): the two zero blocks that end an archive must follow.
-    end = -(-max((m.offset_data + m.size for m in members), default=0) // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-    raw.seek(end)
-    if raw.read(2 * tarfile.BLOCKSIZE) != bytes(2 * tarfile.BLOCKSIZE):
-        raise UserError(f"{url} ends after its last member without the end-of-archive blocks: the file was cut "
-                        "short (samples may be missing); copy it again, or leave it out of --data-path")
-    for member in members:
-        if not member.isfile():
-            continue
-        key, ext = base_plus_ext(member.name)
-        if key is None:
-            continue
-        if not groups or groups[-1][0] != key:
-            groups.append((key, {}))
-        groups[-1][1][ext.lower()] = member
-    for key, group in groups:
-        image = next((group[k] for k in WDS_IMAGE_KEYS if k in group), None)
-        if image is None:
-            continue  # not an image sample (e.g. a lone metadata file)
-        if WDS_LABEL_KEY not in group:
-            raise UserError(f"{url}: sample {key} has an image but no .{WDS_LABEL_KEY} label; every sample "
-                            f"needs a {key}.{WDS_LABEL_KEY} member holding its class index")
-        text = tar.extractfile(group[WDS_LABEL_KEY]).read().decode(errors="replace").strip()
-        try:
-            label = int(text)
-        except ValueError:
-            raise UserError(f"{url}: {key}.{WDS_LABEL_KEY} holds {text[:20]!r}, not a class index") from None
-        samples.append((key, image.offset_data, image.size, label))
+    try:
+        with open(url, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
+            members = tar.getmembers()
+            # A tar cut at a member boundary reads as a shorter tar (tarfile stops at the end of the file without
+            # a word; a cut inside a member it does report): the two zero blocks ending an archive must follow.
+            end = max((m.offset_data + m.size for m in members), default=0)
+            raw.seek(-(-end // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE)
+            if raw.read(2 * tarfile.BLOCKSIZE) != bytes(2 * tarfile.BLOCKSIZE):
+                raise UserError(f"{url} ends after its last member without the end-of-archive blocks: the file was "
+                                "cut short (samples may be missing); copy it again, or leave it out of --data-path")
+            for member in members:
+                key, ext = base_plus_ext(member.name) if member.isfile() else (None, None)
+                if key is None:
+                    continue
+                if not groups or groups[-1][0] != key:
+                    groups.append((key, {}))
+                groups[-1][1][ext.lower()] = member
+            for key, group in groups:
+                image = next((group[k] for k in WDS_IMAGE_KEYS if k in group), None)
+                if image is None:
+                    continue  # not an image sample (e.g. a lone metadata file)
+                if WDS_LABEL_KEY not in group:
+                    raise UserError(f"{url}: sample {key} has an image but no .{WDS_LABEL_KEY} label; every sample "
+                                    f"needs a {key}.{WDS_LABEL_KEY} member holding its class index")
+                text = tar.extractfile(group[WDS_LABEL_KEY]).read().decode(errors="replace").strip()
+                try:
+                    label = int(text)
+                except ValueError:
+                    raise UserError(f"{url}: {key}.{WDS_LABEL_KEY} holds {text[:20]!r}, not a class index") from None
+                samples.append((key, image.offset_data, image.size, label))
+    except (tarfile.TarError, EOFError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise UserError(f"{url} is not a readable tar ({reason}); it is damaged or cut short: "
+                        "copy it again, or leave it out of --data-path") from None
     return samples
 
 

@@ -1,11 +1,10 @@
 """Writing shards atomically with a checksum, and reading back what resume and --verify need.
 
-Each shard `shard-XXXXX.safetensors` comes with `shard-XXXXX.safetensors.sha256` (sha256sum format,
-so `sha256sum -c LATENT_DIR/*.sha256` works): a rerun skips a shard only if both exist and agree.
-The shard's safetensors metadata holds one key, `ancre_dit`, a JSON string with the shard number,
-its image count, the extraction fingerprint and the per-file report; one key only because
-safetensors writes a metadata map in arbitrary order, which would make the bytes (and the
-checksum) differ between identical runs.
+Each shard `shard-XXXXX.safetensors` comes with `shard-XXXXX.safetensors.sha256` (sha256sum format, so
+`sha256sum -c LATENT_DIR/*.sha256` works): a rerun skips a shard only if both exist and agree. Its
+safetensors metadata holds one key, `ancre_dit`, a JSON string (shard number, image count, extraction
+fingerprint, per-file report): one key because safetensors writes a map in arbitrary order, which
+would make the bytes (and the checksum) differ between identical runs.
 """
 from __future__ import annotations
 
