@@ -270,11 +270,8 @@ def _extract_into(out: Path, cfg: ExtractConfig, ctx: DistContext, images: Image
 
 def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: LoadedVAE,
                    latent_shape: tuple[int, int, int], fingerprint: dict[str, Any], num_shards: int) -> Path | None:
-    """Writes manifest.json + the report when every shard is present (else says what is missing).
-
-    Checksums come from the checksum files written next to each shard (hashed from the bytes
-    written, or verified when a rerun reused the shard), so this does not reread the whole set.
-    """
+    """Writes manifest.json + the report when every shard is present (else says what is missing). Checksums
+    come from each shard's checksum file (hashed when written or verified when reused): no reread of the set."""
     shards, report, missing, stats = [], [], [], []
     for k in range(num_shards):
         path = out / shard_file_name(k)
@@ -320,8 +317,8 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: Load
         "vae": vae.name, "vae_dtype": cfg.vae_dtype,
         "scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor,
         "image_size": cfg.image_size, "crop": "adm_center_crop", "flip": True,
-        "data_path": str(cfg.data_path), "source": images.describe(), "num_classes": len(images.class_names),
-        "class_names": images.class_names, "report": REPORT_NAME,
+        "data_path": str(cfg.data_path), "source": {"format": images.format, "path": images.path, **images.options},
+        "num_classes": len(images.class_names), "class_names": images.class_names, "report": REPORT_NAME,
         "extraction": fingerprint, "shards": shards,
     }
     path = out / MANIFEST_NAME

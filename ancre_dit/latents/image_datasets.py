@@ -1,11 +1,9 @@
 """Where extraction reads its images: an image folder, a Hugging Face dataset (save_to_disk folder or
-parquet files) or WebDataset tar shards, behind one interface.
+parquet files) or WebDataset tar shards, behind one interface (`open_source` picks it from the path).
 
-Every container yields the same thing: a listing (one name and one label per image, in a fixed
-order, plus the class names) and a Dataset that maps a position of that listing to a LoadedImage.
-The image's encoded bytes are decoded by the image folder's own `load_and_crop` (same PIL decoding,
-RGB conversion and ADM crop), so the same images give bitwise the same crops, hence the same
-latents, whatever container they come in. `open_source` picks the container from the path.
+Each yields a listing (one name and one label per image, in a fixed order, plus the class names) and a
+Dataset mapping a position of it to a LoadedImage, decoded by the image folder's own `load_and_crop`: the
+same images give bitwise the same crops, hence the same latents, whatever container they come in.
 """
 from __future__ import annotations
 
@@ -33,7 +31,8 @@ _HF_DICT_FILE = "dataset_dict.json"
 @dataclass
 class ImageSource:
     """A listed container: `files[i]` names image i (report, fingerprint), `labels[i]` its class;
-    `images(image_size, min_side)` is the Dataset position -> LoadedImage (a bad image is reported, not raised)."""
+    `images(image_size, min_side)` is the Dataset position -> LoadedImage (a bad image is reported, not raised);
+    `format`, `path` and `options` are the manifest's record of where the images came from."""
     format: str
     path: str
     files: list[str]
@@ -41,10 +40,6 @@ class ImageSource:
     class_names: list[str]
     images: Callable[[int, int], Dataset] = field(repr=False)
     options: dict[str, Any] = field(default_factory=dict)
-
-    def describe(self) -> dict[str, Any]:
-        """The manifest's record of where the images came from."""
-        return {"format": self.format, "path": self.path, **self.options}
 
 
 def detect_format(path: str) -> str:
@@ -281,14 +276,10 @@ def _wds_urls(path: str) -> list[str]:
 
 
 def _index_tar(url: str) -> list[tuple[str, int, int, int]]:
-    """(key, byte offset, size of the image member, label) of each sample of one tar, in order.
-
-    Samples are grouped as webdataset groups them (its `base_plus_ext` split of member names,
-    suffixes case-insensitive, a sample = consecutive members with one key). The tar is indexed with
-    the standard library's tarfile rather than streamed by webdataset's pipeline because extraction
-    needs random access by position: shards are written by different processes and a resumed run
-    reads only the shards it misses, which a sequential stream cannot do without rereading.
-    """
+    """(key, byte offset, size of the image member, label) of each sample of one tar, in order, grouped as
+    webdataset groups them (`base_plus_ext`, suffixes case-insensitive, a sample = consecutive members with
+    one key). Indexed with tarfile rather than streamed by webdataset because extraction reads by position:
+    shards are written by different processes, and a resumed run reads only the shards it misses."""
     from webdataset.tariterators import base_plus_ext
 
     samples: list[tuple[str, int, int, int]] = []

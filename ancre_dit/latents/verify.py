@@ -19,7 +19,7 @@ _DTYPES = {"mean": torch.float16, "std": torch.float16, "label": torch.int64, "i
 def _check_tensors(path: Path, k: int, entry: dict[str, Any], manifest: dict[str, Any]) -> list[str]:
     """Structure of one shard: keys, dtypes, shapes, labels in range, indices inside the shard's span."""
     count, shape = int(entry["count"]), tuple(manifest["latent_shape"])
-    wanted = dict(zip(SHARD_KEYS, [(count, 2, *shape), (count, 2, *shape), (count,), (count,)]))  # mean, std, label, index
+    wanted = dict(zip(SHARD_KEYS, [(count, 2, *shape), (count, 2, *shape), (count,), (count,)]))  # mean std label index
     if manifest.get("images"):  # extracted with --keep-images
         size = int(manifest["image_size"])
         wanted[IMAGE_KEY] = (count, 3, size, size)
