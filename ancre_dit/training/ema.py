@@ -17,8 +17,7 @@ class EMA:
 
     def __init__(self, model: torch.nn.Module, decay: float, warmup: bool = False):
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
-        self.max_decay = decay
-        self.warmup = warmup
+        self.max_decay, self.warmup = decay, warmup
 
     def decay(self, updates: int) -> float:
         """Constant, or with warm-up 1 - (1 + n)^(-2/3) capped at the set decay (0 for the first

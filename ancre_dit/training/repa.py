@@ -81,8 +81,7 @@ class FrozenEncoder(nn.Module):
     def __init__(self, encoder: nn.Module, resolution: int, bf16: bool):
         super().__init__()
         self.encoder = encoder.eval().requires_grad_(False)
-        self.resolution = resolution
-        self.bf16 = bf16
+        self.resolution, self.bf16 = resolution, bf16
         # The normalisation the encoder was trained with (DINOv2's: ImageNet's mean / std, the fallback).
         cfg = getattr(encoder, "pretrained_cfg", None) or {}
         mean, std = cfg.get("mean", (0.485, 0.456, 0.406)), cfg.get("std", (0.229, 0.224, 0.225))
