@@ -22,7 +22,7 @@ def convert_official_state_dict(checkpoint: Mapping[str, Any], prefer: str = "em
     and we store them) or per source (source i's edges to blocks i+1..K, the outgoing ablation's official
     layout as we define it), remapped as `logits.j[i] = shortcut_params.i[j - i]`."""
     converted = _renamed(checkpoint, prefer)
-    if _layout(converted) == "per-source":
+    if official_logit_layout(converted) == "per-source":  # (renaming our own names changes nothing)
         K = len(_logit_lengths(converted))
         source = {i: converted.pop(f"{_LOGITS}.{i}") for i in range(K)}
         for j in range(K):
@@ -61,11 +61,7 @@ def _logit_lengths(state_dict: Mapping[str, torch.Tensor]) -> list[int]:
 def official_logit_layout(checkpoint: Mapping[str, Any], prefer: str = "ema") -> str | None:
     """How an official checkpoint stores its ANCRe logits: "per-target" (lengths 1..K), "per-source"
     (lengths K..1) or None (no logits); a UserError if the lengths fit neither."""
-    return _layout(_renamed(checkpoint, prefer))
-
-
-def _layout(state_dict: Mapping[str, torch.Tensor]) -> str | None:
-    lengths = _logit_lengths(state_dict)
+    lengths = _logit_lengths(_renamed(checkpoint, prefer))
     K = len(lengths)
     if K == 0:
         return None

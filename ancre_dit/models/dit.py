@@ -48,10 +48,9 @@ class DiTBlock(nn.Module):
         return gate.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift, scale))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.modulation(c)
-        x = x + self.attention_branch(x, shift_msa, scale_msa, gate_msa)
-        x = x + self.mlp_branch(x, shift_mlp, scale_mlp, gate_mlp)
-        return x
+        mod = self.modulation(c)
+        x = x + self.attention_branch(x, *mod[:3])
+        return x + self.mlp_branch(x, *mod[3:])
 
 
 class FinalLayer(nn.Module):
@@ -144,13 +143,10 @@ class DiT(nn.Module):
         nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
         nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
 
-        for block in self.blocks:
-            nn.init.constant_(block.adaLN_modulation[-1].weight, 0)
-            nn.init.constant_(block.adaLN_modulation[-1].bias, 0)
-        nn.init.constant_(self.final_layer.adaLN_modulation[-1].weight, 0)
-        nn.init.constant_(self.final_layer.adaLN_modulation[-1].bias, 0)
-        nn.init.constant_(self.final_layer.linear.weight, 0)
-        nn.init.constant_(self.final_layer.linear.bias, 0)
+        for layer in [*(block.adaLN_modulation[-1] for block in self.blocks), self.final_layer.adaLN_modulation[-1],
+                      self.final_layer.linear]:  # adaLN-Zero
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Activation checkpointing per block (the unit the topology wires): its internals are recomputed

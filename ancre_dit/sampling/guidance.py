@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -100,17 +101,20 @@ class GuidedDenoiser:
                  guide: torch.nn.Module | None = None):
         self.model = unwrap_model(model)
         self.guide = None if guide is None else unwrap_model(guide)
-        if self.guide is not None:
-            check_guide_fits(self.model, self.guide)
-            self._guide = torch.compile(self.guide, dynamic=False) if compile else self.guide
         # Static shapes: the job pads its last batch, so each path compiles once; dynamic shapes would
         # trade the fastest kernels for a graph that fits any batch.
-        if compile:
-            self._forward = torch.compile(self.model, dynamic=False)
-            self._forward_with_cfg = torch.compile(self.model.forward_with_cfg, dynamic=False)
-        else:  # looked up when called: a model that is never guided needs no forward_with_cfg
-            self._forward = self.model
-            self._forward_with_cfg = lambda *a, **k: self.model.forward_with_cfg(*a, **k)
+        wrap = partial(torch.compile, dynamic=False) if compile else (lambda fn: fn)
+        self._forward = wrap(self.model)
+        # looked up when called: a model that is never guided needs no forward_with_cfg
+        self._forward_with_cfg = wrap(lambda *a, **k: self.model.forward_with_cfg(*a, **k))
+        if self.guide is not None:
+            for name in ("in_channels", "input_size", "num_classes"):  # the weak model denoises the same inputs
+                mine, theirs = int(getattr(self.model, name)), int(getattr(self.guide, name))
+                if mine != theirs:
+                    raise UserError(f"the guiding model has {name} {theirs}, the sampled model {mine}; autoguidance "
+                                    "needs a model of the same latent space and classes (a smaller model or an "
+                                    "earlier checkpoint of the same run)")
+            self._guide = wrap(self.guide)
         self.guidance = guidance
         if guidance.interval is not None and normalized_time is None:
             raise ValueError("a guidance interval needs the objective's normalized_time")
@@ -135,23 +139,13 @@ class GuidedDenoiser:
             if not g.active_at(self.normalized_time(float(t[0])) if g.interval is not None else 0.0):
                 self.calls += len(x)
                 return self._forward(x, t, y).float()
+            self.calls += 2 * len(x)
             if self.guide is not None:
-                self.calls += 2 * len(x)
                 out, weak = self._forward(x, t, y).float(), self._guide(x, t, y).float()
                 k = g.channels or x.shape[1]
                 return torch.cat([weak[:, :k] + g.scale * (out[:, :k] - weak[:, :k]), out[:, k:]], dim=1)
             null = torch.full_like(y, self.num_classes)
-            self.calls += 2 * len(x)
             out = self._forward_with_cfg(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]), g.scale,
                                          guided_channels=g.channels)
         return out[: len(x)].float()
 
-
-def check_guide_fits(model: torch.nn.Module, guide: torch.nn.Module) -> None:
-    """Autoguidance's weak model must denoise the same inputs: latent shape and classes."""
-    for name in ("in_channels", "input_size", "num_classes"):
-        mine, theirs = int(getattr(model, name)), int(getattr(guide, name))
-        if mine != theirs:
-            raise UserError(f"the guiding model has {name} {theirs}, the sampled model {mine}; autoguidance needs a "
-                            "model of the same latent space and classes (a smaller model or an earlier checkpoint "
-                            "of the same run)")

@@ -34,8 +34,14 @@ def topology_file(path: str | Path) -> Path:
 
 
 def load_topology(path: str | Path) -> np.ndarray:
-    """P from a topology.json or a run directory's newest one."""
-    return _routing(topology_file(path))
+    """P from a topology.json or a run directory's newest one; all zeros (a plain DiT) is refused, as
+    comparing and pruning mean nothing there."""
+    path = topology_file(path)
+    P = load_topology_json(path).double().numpy()
+    if not np.any(P):
+        raise UserError(f"{path} is all zeros: a plain DiT (cascaded) has no routing to compare, prune or "
+                        f"follow; pass a run of a topology with learned routing (e.g. ancre)")
+    return P
 
 
 def checkpoint_topologies(run_dir: str | Path) -> list[tuple[int, np.ndarray]]:
@@ -45,16 +51,7 @@ def checkpoint_topologies(run_dir: str | Path) -> list[tuple[int, np.ndarray]]:
     if not found:
         raise MissingFileError(f"no checkpoints/<step>/topology.json under {run_dir}; pass a run directory whose "
                                f"topology has learned weights (e.g. ancre)")
-    return [(step, _routing(p)) for step, p in found]
-
-
-def _routing(path: Path) -> np.ndarray:
-    """P of a topology.json; all zeros (a plain DiT) is refused, as comparing and pruning mean nothing there."""
-    P = load_topology_json(path).double().numpy()
-    if not np.any(P):
-        raise UserError(f"{path} is all zeros: a plain DiT (cascaded) has no routing to compare, prune or "
-                        f"follow; pass a run of a topology with learned routing (e.g. ancre)")
-    return P
+    return [(step, load_topology(p)) for step, p in found]
 
 
 def square_topology(P, min_blocks: int = 2) -> np.ndarray:
@@ -86,18 +83,13 @@ def pearson(P, Q) -> float:
     return float((a * b).sum() / norm) if norm > 0 else float("nan")
 
 
-def strongest_sources(P) -> np.ndarray:
-    """For blocks 2..K, the source of the largest incoming weight (the lowest index on a tie)."""
-    P = square_topology(P)
-    return np.array([int(np.argmax(P[j, : j + 1])) for j in range(1, P.shape[0])])
-
-
 def strongest_edge_agreement(P, Q) -> float:
-    """Fraction of blocks 2..K whose strongest incoming edge comes from the same source in both."""
-    a, b = strongest_sources(P), strongest_sources(Q)
-    if a.shape != b.shape:
+    """Fraction of blocks 2..K whose strongest incoming edge comes from the same source in both (the
+    lowest source on a tie)."""
+    a, b = ([int(np.argmax(M[j, : j + 1])) for j in range(1, len(M))] for M in map(square_topology, (P, Q)))
+    if len(a) != len(b):
         raise UserError(f"cannot compare topologies of different depths ({len(a) + 1} and {len(b) + 1} blocks)")
-    return float((a == b).mean())
+    return float(np.mean(np.equal(a, b)))
 
 
 def compare_topologies(topologies: Mapping[str, np.ndarray]) -> dict:
