@@ -1,8 +1,7 @@
 """Images -> VAE latent shards (scripts/extract_latents.py); the reader is ancre_dit.data.latent_shards.
 
-image_datasets.py lists an image folder, a Hugging Face dataset or WebDataset tars (ancre_dit.data.image_folder
-decodes and crops), ancre_dit.vae loads and encodes; here shards.py writes and checksums, extract.py
-runs one process's share of the work, verify.py checks a finished set.
+image_datasets.py lists the image containers, shards.py writes and checksums, extract.py runs one
+process's share of the work, verify.py checks a finished set.
 """
 from .extract import DistContext, ExtractConfig, ExtractResult, run_extraction
 from .verify import verify_latent_dir
