@@ -31,7 +31,6 @@ import torch.nn as nn
 
 from ...errors import UserError
 from .base import ResidualTopology, TopologyNotDefined
-from .peers import _width
 from .registry import NonNegativeInt, PositiveInt, TopologyOption, register_topology
 
 QUERIES = ("static", "static-t", "dynamic")
@@ -160,20 +159,17 @@ QUERY = {"query": TopologyOption(Literal[QUERIES], "static", "the aggregators' q
                                  "vector), static-t (plus a zero-initialised head of the timestep embedding) or "
                                  "dynamic (a map of the previous output, per token)")}
 # Their weights depend on the token and the timestep: no (K, K) matrix, mean weights per time instead.
-DEPTH_ROUTING = {"matrix": False, "weights_per_time": True}
+DEPTH_ROUTING = {"matrix": False, "weights_per_time": True, "width": True}
 
 
-@register_topology("dar", **DEPTH_ROUTING,
-                   options={**QUERY, "chunk": TopologyOption(PositiveInt, 4, "sublayers per chunk (1 = dense)")},
-                   summary="DAR: softmax attention over earlier sublayer outputs (timestep-aware with static-t), "
-                           "chunked")
-def build_dar(num_blocks: int, hidden_size: int | None, query: str, chunk: int) -> ResidualTopology:
-    return DepthAttentionTopology(num_blocks, _width("dar", hidden_size), query=query, group=chunk, grouping="chunk")
-
-
-@register_topology("attnres", **DEPTH_ROUTING,
-                   options={**QUERY, "block": TopologyOption(NonNegativeInt, 0, "sublayers per block (0 = full)")},
-                   summary="AttnRes: attention residuals over earlier sublayer outputs, block sums with block S")
-def build_attnres(num_blocks: int, hidden_size: int | None, query: str, block: int) -> ResidualTopology:
-    return DepthAttentionTopology(num_blocks, _width("attnres", hidden_size), query=query, group=block,
-                                  grouping="block")
+register_topology("dar", **DEPTH_ROUTING,
+                  options={**QUERY, "chunk": TopologyOption(PositiveInt, 4, "sublayers per chunk (1 = dense)")},
+                  summary="DAR: softmax attention over earlier sublayer outputs (timestep-aware with static-t), "
+                          "chunked")(
+    lambda num_blocks, hidden_size, query, chunk: DepthAttentionTopology(num_blocks, hidden_size, query=query,
+                                                                         group=chunk, grouping="chunk"))
+register_topology("attnres", **DEPTH_ROUTING,
+                  options={**QUERY, "block": TopologyOption(NonNegativeInt, 0, "sublayers per block (0 = full)")},
+                  summary="AttnRes: attention residuals over earlier sublayer outputs, block sums with block S")(
+    lambda num_blocks, hidden_size, query, block: DepthAttentionTopology(num_blocks, hidden_size, query=query,
+                                                                         group=block, grouping="block"))

@@ -256,25 +256,13 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
 # -- registry entries ---------------------------------------------------------------------------
 STREAMS = {"hc_streams": TopologyOption(PositiveInt, 4, "residual streams n of hc / hc-dynamic / mhc")}
 
-
-def _width(name: str, hidden_size: int | None) -> int:
-    if hidden_size is None:
-        raise UserError(f"topology {name!r} needs hidden_size=<model width>; build it through create_model")
-    return hidden_size
-
-
 register_topology("denseformer", summary="DenseFormer: weighted average of the embedding and all block outputs")(
     lambda num_blocks, hidden_size: DenseFormerTopology(num_blocks))
-
-
-@register_topology("hc", options=STREAMS, matrix=False, summary="Hyper-Connections, static")
-def build_hc(num_blocks: int, hidden_size: int | None, hc_streams: int) -> ResidualTopology:
-    return HyperConnectionTopology(num_blocks, _width("hc", hidden_size), hc_streams)
-
-
-@register_topology("hc-dynamic", options=STREAMS, matrix=False, summary="Hyper-Connections, input-dependent")
-def build_hc_dynamic(num_blocks: int, hidden_size: int | None, hc_streams: int) -> ResidualTopology:
-    return HyperConnectionTopology(num_blocks, _width("hc-dynamic", hidden_size), hc_streams, dynamic=True)
+register_topology("hc", options=STREAMS, matrix=False, width=True, summary="Hyper-Connections, static")(
+    lambda num_blocks, hidden_size, hc_streams: HyperConnectionTopology(num_blocks, hidden_size, hc_streams))
+register_topology("hc-dynamic", options=STREAMS, matrix=False, width=True,
+                  summary="Hyper-Connections, input-dependent")(
+    lambda num_blocks, hidden_size, hc_streams: HyperConnectionTopology(num_blocks, hidden_size, hc_streams, True))
 
 
 def check_mhc(options: dict) -> None:
@@ -283,9 +271,9 @@ def check_mhc(options: dict) -> None:
                         f"got {options['hc_streams']}")
 
 
-@register_topology("mhc", summary="mHC: HC with a doubly stochastic (Sinkhorn-Knopp) stream mixing",
-                   options={**STREAMS, "sinkhorn_iters": TopologyOption(PositiveInt, 20,
-                                                                        "Sinkhorn-Knopp iterations of mhc")},
-                   check=check_mhc, matrix=False)
-def build_mhc(num_blocks: int, hidden_size: int | None, hc_streams: int, sinkhorn_iters: int) -> ResidualTopology:
-    return ManifoldHyperConnectionTopology(num_blocks, _width("mhc", hidden_size), hc_streams, sinkhorn_iters)
+register_topology("mhc", summary="mHC: HC with a doubly stochastic (Sinkhorn-Knopp) stream mixing",
+                  options={**STREAMS, "sinkhorn_iters": TopologyOption(PositiveInt, 20,
+                                                                       "Sinkhorn-Knopp iterations of mhc")},
+                  check=check_mhc, matrix=False, width=True)(
+    lambda num_blocks, hidden_size, hc_streams, sinkhorn_iters: ManifoldHyperConnectionTopology(
+        num_blocks, hidden_size, hc_streams, sinkhorn_iters))

@@ -67,6 +67,7 @@ class TopologyEntry:
     matrix: bool = True  # False: `probabilities()` raises TopologyNotDefined (no topology.json, heatmap, compare)
     incoming_softmax: bool = False  # its rows are softmax distributions: the entropy regulariser applies
     weights_per_time: bool = False  # per token and timestep: `routing_weights()` gives their mean (`show --t`)
+    width: bool = False  # its builder needs the model's hidden_size
 
 
 TOPOLOGIES: dict[str, TopologyEntry] = {}
@@ -129,7 +130,10 @@ def resolve_options(name: str, given: Mapping[str, Any], prefix: str = "",
 
 def build_topology(name: str, num_blocks: int, hidden_size: int | None = None, **options: Any) -> "ResidualTopology":
     """Name -> residual topology for `num_blocks` blocks of width `hidden_size`."""
-    return topology_entry(name).build(num_blocks, hidden_size, **resolve_options(name, options))
+    entry = topology_entry(name)
+    if entry.width and hidden_size is None:
+        raise UserError(f"topology {name!r} needs hidden_size=<model width>; build it through create_model")
+    return entry.build(num_blocks, hidden_size, **resolve_options(name, options))
 
 
 def restore_topology(name: str, state: Mapping[str, "torch.Tensor"],
