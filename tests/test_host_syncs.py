@@ -170,6 +170,9 @@ RECIPES = {
     "bf16-history": ("train.mixed_precision=bf16", "model.history_dtype=bfloat16"),
     # sparsified at step 1: the quiet steps run the sparse wiring
     "sparse-top2": ("model.topology_topk=2", "train.topology_sparsify_step=1"),
+    # several EMAs and the post-hoc ones in one update, under a decaying lr
+    "emas-cosine": ("train.ema_decays=[0.5,0.99]", "train.phema.stds=[0.05,0.1]", "train.phema.snapshot_every=1000",
+                    "train.lr_schedule=cosine", "train.min_lr=1e-5"),
     **{name: (f"model.topology={name}",) for name in TOPOLOGIES},
 }
 

@@ -56,12 +56,13 @@ def load_model_spec(folder: str | Path) -> dict[str, Any]:
 
 def load_trained_model(folder: str | Path, weights: str = "ema", device: str | torch.device = "cpu"
                        ) -> tuple[DiT, dict]:
-    """Rebuilds the network of a checkpoint and loads its EMA (default) or raw weights, in eval mode."""
-    if weights not in WEIGHT_FILES:
-        raise UserError(f"unknown weights {weights!r}; choose ema or model")
+    """Rebuilds the network of a checkpoint and loads its EMA (default), raw weights, or another EMA by
+    its file's name (ema-<decay>, phema-<std>: train.ema_decays, train.phema), in eval mode."""
+    if weights not in WEIGHT_FILES and not weights.startswith(("ema-", "phema-")):
+        raise UserError(f"unknown weights {weights!r}; choose ema or model (or an EMA such as ema-0.999)")
     folder = Path(folder)
     spec = load_model_spec(folder)
-    path = folder / WEIGHT_FILES[weights]
+    path = folder / WEIGHT_FILES.get(weights, f"{weights}.safetensors")
     state = load_safetensors_checked(path)
     model = build_model(spec, state)
     load_state_dict_checked(model, state, source=str(path))

@@ -332,10 +332,11 @@ class CheckpointManager:
     world size, with compile or gradient checkpointing switched, from the folder sample.py reads."""
 
     def __init__(self, accelerator, config, run_dir: Path, model_kwargs: dict[str, Any], objective, data,
-                 raw_model: torch.nn.Module, ema, repa, generator: torch.Generator, progress, log):
+                 raw_model: torch.nn.Module, emas: dict, repa, generator: torch.Generator, progress, log):
+        """`emas`: every EMA by the name of its weights file, "ema" (what sampling reads) first."""
         self.accelerator, self.config, self.run_dir = accelerator, config, run_dir
-        self.raw_model, self.ema, self.repa, self.generator, self.progress, self.log = (
-            raw_model, ema, repa, generator, progress, log)
+        self.raw_model, self.emas, self.ema, self.repa, self.generator, self.progress, self.log = (
+            raw_model, emas, emas["ema"], repa, generator, progress, log)
         self.spec = make_model_spec(config.model.name, model_kwargs, objective.spec(), data_spec(data), 0)
         accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: weights.clear())
         accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
@@ -357,6 +358,9 @@ class CheckpointManager:
         step = self.progress.step
         write_model_files(folder, {**self.spec, "step": step}, self.raw_model.state_dict(),
                           self.ema.module.state_dict())
+        for name, ema in self.emas.items():
+            if name != "ema":
+                save_safetensors(ema.module.state_dict(), folder / f"{name}.safetensors")
         write_topology_files(folder, self.run_dir, self.ema.module, self.raw_model, step, self.config.model.topology,
                              heatmap=self.config.log.figures)
         if self.repa is not None:  # resume reads it (sampling never does)
@@ -374,7 +378,12 @@ class CheckpointManager:
         # Read on the host, then copied into the modules on their device (a rank's device name
         # such as cpu:0 is no valid safetensors device).
         self.raw_model.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["model"], device="cpu"))
-        self.ema.module.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["ema"], device="cpu"))
+        for name, ema in self.emas.items():
+            path = folder / (WEIGHT_FILES["ema"] if name == "ema" else f"{name}.safetensors")
+            if not path.is_file():
+                raise UserError(f"--resume {folder} holds no {path.name}: train.ema_decays or train.phema.stds "
+                                "changed since; resume with the run's own settings, or start a new run_dir")
+            ema.module.load_state_dict(load_safetensors_checked(path, device="cpu"))
         if self.repa is not None:
             self.repa.projector.load_state_dict(
                 load_safetensors_checked(folder / self.repa.PROJECTOR_FILE, device="cpu"))

@@ -54,6 +54,7 @@ def validate_config(config: Config, check_paths: bool = True) -> list[str]:
         _build_model(config)
     _check_sparsify_step(config)
     check_lr_schedule(config.train)
+    _check_ema_decays(config.train.ema_decay, config.train.ema_decays)
     check_phema_settings(config.train.phema.stds, config.train.phema.snapshot_every)
     check_data_path(config.data, paths.found)
     objective = build_objective(diffusion_spec(config))
@@ -100,6 +101,14 @@ def _build_model(config: Config) -> None:
     if config.repa.weight and config.repa.depth > blocks:
         raise UserError(f"repa.depth={config.repa.depth} is beyond the {blocks} blocks of {m.name}; choose "
                         f"1..{blocks} (REPA aligns block 8 of 12-block models)")
+
+
+def _check_ema_decays(decay: float, extra: list[float]) -> None:
+    """Each EMA once: its weights file is named by its decay."""
+    for d in extra:
+        if d == decay or extra.count(d) > 1:
+            what = "the decay of train.ema_decay" if d == decay else "given twice"
+            raise UserError(f"train.ema_decays holds {d:g}, {what}; keep each EMA once")
 
 
 def _check_sparsify_step(config: Config) -> None:

@@ -100,7 +100,8 @@ class TrainConfig:
     ema_decay: Float = Field(0.9999, ge=0, le=1)
     ema_warmup: Bool = False          # ramp the decay up from 0 (timm's warmup), for short runs
     # More EMAs of other decays beside ema_decay's, each saved as ema-<decay>.safetensors (sample.py --ema).
-    ema_decays: Annotated[list[Float], BeforeValidator(_as_list)] = Field(default_factory=list)
+    ema_decays: Annotated[list[Annotated[Float, Field(ge=0, le=1)]], BeforeValidator(_as_list)] = Field(
+        default_factory=list)
     phema: PhemaConfig = Field(default_factory=PhemaConfig)
     mixed_precision: Precision = "bf16"
     grad_accum: Int = Field(1, ge=1)

@@ -7,6 +7,7 @@ importing timm costs seconds in every process). The update's weight is a device 
 from __future__ import annotations
 
 import copy
+from typing import Sequence
 
 import torch
 
@@ -29,25 +30,33 @@ class EMA:
         return min(1 - (1 + updates) ** (-2 / 3), self.max_decay)
 
 
-def ema_update_(ema: EMA, model: torch.nn.Module, updates: int, skip: torch.Tensor | None) -> None:
-    """ema <- ema + w (model - ema) for floating tensors (others copied), w = (1 - decay) (1 - skip)."""
-    decay = ema.decay(updates)
-    ema_values, model_values = [], []
-    for ema_v, model_v in zip(ema.module.state_dict().values(), model.state_dict().values()):
-        if ema_v.is_floating_point():
-            ema_values.append(ema_v)
-            model_values.append(model_v)
-        else:
-            ema_v.copy_(model_v)
+def ema_update_(emas: EMA | Sequence[EMA], model: torch.nn.Module, updates: int, skip: torch.Tensor | None) -> None:
+    """Each ema <- ema + w (model - ema) for floating tensors (others copied), w = (1 - decay) (1 - skip):
+    one foreach call over every EMA given (several decays, the post-hoc EMAs)."""
+    emas = [emas] if isinstance(emas, EMA) else list(emas)
+    model_state = list(model.state_dict().values())
+    ema_values, model_values, decays = [], [], []
+    for ema in emas:
+        decay = ema.decay(updates)
+        for ema_v, model_v in zip(ema.module.state_dict().values(), model_state):
+            if ema_v.is_floating_point():
+                ema_values.append(ema_v)
+                model_values.append(model_v)
+                decays.append(decay)
+            else:
+                ema_v.copy_(model_v)
     if not ema_values:
         return
-    if skip is None:
-        weights = 1.0 - decay
+    if skip is None and len(set(decays)) == 1:
+        weights = 1.0 - decays[0]
+    elif skip is None:
+        weights = [torch.tensor(1.0 - d, device=ema_values[0].device) for d in decays]
     else:
         # A 0-d device tensor where the Scalar overload wants a number would be read on the host;
         # the List overload reads each weight on the device (one lerp per tensor on CUDA, since its
         # fused kernel wants weights shaped like the values).
-        weight = (1.0 - decay) * (1.0 - skip.to(ema_values[0].device, torch.float32))
-        weights = [weight] * len(ema_values)
+        keep = 1.0 - skip.to(ema_values[0].device, torch.float32)
+        per_decay = {d: (1.0 - d) * keep for d in set(decays)}
+        weights = [per_decay[d] for d in decays]
     with torch.no_grad():
         torch._foreach_lerp_(ema_values, model_values, weights)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +49,7 @@ class RunContext:
     progress: TrainProgress
     save: Callable[[], Path]        # writes a checkpoint of the current step (collective)
     stop_requested: Callable[[], bool] = lambda: False  # a stop signal arrived (agreed by all processes)
+    emas: dict[str, Any] = field(default_factory=dict)  # every EMA by its weights file's name (ema, phema-<std>)
 
     @cached_property
     def decoder(self):
@@ -254,6 +255,19 @@ class SparsifyTopologyTask(PeriodicTask):
                      topology.num_blocks * (topology.num_blocks + 1) // 2)
 
 
+class PhemaSnapshotTask(PeriodicTask):
+    """The post-hoc EMAs' snapshot every train.phema.snapshot_every steps (main process): RUN/phema/<step>."""
+    name = "post-hoc EMA snapshots"
+
+    def run(self, ctx: RunContext) -> None:
+        from .phema import PowerFunctionEMA, write_snapshot
+
+        if ctx.accelerator.is_main_process:  # (due stays the base rule: the guard's report is collective)
+            write_snapshot(ctx.run_dir, ctx.progress.step, {ema.std: ema.module.state_dict()
+                                                            for ema in ctx.emas.values()
+                                                            if isinstance(ema, PowerFunctionEMA)})
+
+
 class CheckpointTask(PeriodicTask):
     """A checkpoint every train.ckpt_every steps and at the end (collective)."""
     name = "checkpoints"
@@ -276,5 +290,7 @@ def build_tasks(ctx: RunContext) -> list[PeriodicTask]:
         tasks.insert(0, SparsifyTopologyTask(c.topology_sparsify_step))
     if c.eval_every:
         tasks.append(EvaluationTask(ctx))
+    if c.phema.stds:
+        tasks.append(PhemaSnapshotTask(c.phema.snapshot_every))
     tasks.append(CheckpointTask(c.ckpt_every))
     return tasks

@@ -21,6 +21,7 @@ import torch
 
 from ..errors import UserError
 from ..files import write_atomic
+from .ema import EMA
 
 
 @lru_cache(maxsize=None)  # read at every step by the tracking rule
@@ -78,6 +79,17 @@ def check_phema_settings(stds: Sequence[float], snapshot_every: int) -> None:
                         "reconstruction wants a few hundred of them over a run)")
     if snapshot_every and not stds:
         raise UserError("train.phema.snapshot_every needs train.phema.stds (e.g. [0.05, 0.10])")
+
+
+class PowerFunctionEMA(EMA):
+    """An EMA on the power-function profile of relative std `std`: its decay follows the step count."""
+
+    def __init__(self, model: torch.nn.Module, std: float):
+        super().__init__(model, decay=0.0)
+        self.std = std
+
+    def decay(self, updates: int) -> float:
+        return tracking_beta(self.std, updates + 1)
 
 # -- snapshots: RUN/phema/<step>.safetensors, every tracked std's weights at one step ---------------
 SNAPSHOT_DIR = "phema"

@@ -42,6 +42,7 @@ from .ema import EMA, ema_update_
 from .model_setup import model_kwargs, param_groups
 from .guards import NonFiniteGuard
 from .lr_schedule import lr_at
+from .phema import PowerFunctionEMA
 from .stopping import StopAgreement, StopSignals
 from .periodic import PeriodicTask, RunContext, TrainProgress, build_tasks
 from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, check_enough_samples, describe,
@@ -107,6 +108,10 @@ class Trainer:
         self.raw_model = create_model(c.model.name, **self.model_kwargs).to(acc.device)
         self.raw_model.train()
         self.ema = EMA(self.raw_model, c.train.ema_decay, warmup=c.train.ema_warmup)
+        # Every EMA by the name of its weights file: ema, ema-<decay> (train.ema_decays), phema-<std>.
+        self.emas = {"ema": self.ema,
+                     **{f"ema-{d:g}": EMA(self.raw_model, d, warmup=c.train.ema_warmup) for d in c.train.ema_decays},
+                     **{f"phema-{s:g}": PowerFunctionEMA(self.raw_model, s) for s in c.train.phema.stds}}
         self.raw_model.set_grad_checkpointing(c.train.grad_checkpointing)
         self.objective = build_objective(diffusion_spec(c))
         self.repa = build_repa(c.repa, self.raw_model, d.input_size, acc.device, bf16=c.train.mixed_precision == "bf16",
@@ -134,7 +139,7 @@ class Trainer:
         # Checkpoints and resume: one rank picks the checkpoint, every rank loads it.
         self.progress = TrainProgress()
         self.checkpoints = ckpt.CheckpointManager(acc, c, self.run_dir, self.model_kwargs, self.objective, d,
-                                                  self.raw_model, self.ema, self.repa, self.generator, self.progress,
+                                                  self.raw_model, self.emas, self.repa, self.generator, self.progress,
                                                   self.log)
         self.resumed_from = agree_on_resume(acc, resume, self.run_dir, warn=self.log.warning)
         if self.resumed_from is not None:
@@ -164,8 +169,7 @@ class Trainer:
         self.context = RunContext(run_dir=self.run_dir, config=c, accelerator=acc, data=d,
                                   objective=self.objective, raw_model=self.raw_model, ema_model=self.ema.module,
                                   data_spec=self.checkpoints.spec["data"], log=self.log, progress=self.progress,
-                                  save=self.checkpoints.save,
-                                  stop_requested=self._stop_requested)
+                                  save=self.checkpoints.save, stop_requested=self._stop_requested, emas=self.emas)
         self.tasks = build_tasks(self.context)
 
     @property
@@ -277,8 +281,9 @@ class Trainer:
                     self._optimizer_step(skip)
                 self.optimizer.zero_grad(set_to_none=True)
         # Constant decay as in DiT; with ema_warmup, a 1 - (1 + n)^(-2/3) ramp capped at ema_decay
-        # (short runs: a 0.999 EMA would still hold ~13% of the initial weights after 2000 steps).
-        ema_update_(self.ema, self.raw_model, self.step, skip)
+        # (short runs: a 0.999 EMA would still hold ~13% of the initial weights after 2000 steps);
+        # the post-hoc EMAs' decay follows their profile. One foreach update for all of them.
+        ema_update_(self.emas.values(), self.raw_model, self.step, skip)
         p = self.progress
         p.step += 1
         p.epoch, p.offset = advance_position(p.epoch, p.offset, c.global_batch_size, len(self.data.dataset))

@@ -1,0 +1,98 @@
+"""Several EMAs in one run and post-hoc EMA: each EMA is the one a run of that decay alone keeps, all
+of them and the snapshots resume bitwise, sample.py picks one, and scripts/reconstruct_ema.py rebuilds
+a tracked length from the snapshots."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import ROOT, accelerate_state, load_script, tiny_config, train_straight_and_resumed
+from safetensors.torch import load_file
+
+from ancre_dit.checkpoint import load_trained_model
+from ancre_dit.errors import UserError
+from ancre_dit.training import train
+
+PHEMA = ["train.phema.stds=[0.05,0.1]", "train.phema.snapshot_every=1"]
+
+
+def _weights(folder, name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / f"{name}.safetensors"))
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_each_extra_ema_is_the_ema_a_run_of_that_decay_keeps(tmp_path):
+    with accelerate_state():
+        train(tiny_config(tmp_path / "alone", "train.ema_decay=0.5", "train.max_steps=3"))
+    with accelerate_state():
+        train(tiny_config(tmp_path / "several", "train.ema_decay=0.99", "train.ema_decays=[0.5,0.9]",
+                          "train.max_steps=3"))
+    alone, several = tmp_path / "alone/checkpoints/0000003", tmp_path / "several/checkpoints/0000003"
+    assert _same(_weights(alone, "ema"), _weights(several, "ema-0.5"))
+    assert not _same(_weights(several, "ema-0.9"), _weights(several, "ema-0.5"))
+    assert _same(_weights(alone, "model"), _weights(several, "model"))  # the EMAs do not touch training
+
+
+@pytest.mark.slow
+def test_the_emas_and_the_snapshots_resume_bitwise(tmp_path):
+    last = train_straight_and_resumed(tmp_path, "train.ema_decays=[0.5]", *PHEMA, steps=4, stop_at=2)
+    straight = tmp_path / "straight/checkpoints/0000004"
+    for name in ("ema-0.5", "phema-0.05", "phema-0.1"):
+        assert _same(_weights(straight, name), _weights(last, name)), name
+    for step in range(1, 5):
+        snapshot = f"phema/{step:07d}.safetensors"
+        assert _same(load_file(str(tmp_path / "straight" / snapshot)), load_file(str(tmp_path / "resumed" / snapshot)))
+
+
+@pytest.mark.slow
+def test_a_tracked_length_rebuilt_from_the_snapshots_is_the_tracked_ema(tmp_path, capsys):
+    run = tmp_path / "run"
+    with accelerate_state():
+        train(tiny_config(run, *PHEMA, "train.max_steps=6", "train.ckpt_every=3"))
+    out = tmp_path / "rebuilt"
+    load_script(ROOT / "scripts" / "reconstruct_ema.py").main([str(run), "--std", "0.1", "--out", str(out)])
+    assert "from 6 snapshots" in capsys.readouterr().out
+    model, spec = load_trained_model(out)
+    assert spec["step"] == 6 and spec["posthoc_ema"]["std"] == 0.1
+    tracked = _weights(run / "checkpoints/0000006", "phema-0.1")
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, tracked[name], rtol=1e-5, atol=1e-6, msg=name)
+    # Another length: a real combination, not one snapshot.
+    load_script(ROOT / "scripts" / "reconstruct_ema.py").main([str(run), "--std", "0.07", "--at", "5",
+                                                              "--out", str(tmp_path / "other")])
+    other, spec = load_trained_model(tmp_path / "other")
+    assert spec["step"] == 5 and any(not torch.equal(v, tracked[k]) for k, v in other.state_dict().items())
+    with pytest.raises(UserError, match="no post-hoc EMA snapshots .* up to step 0"):
+        load_script(ROOT / "scripts" / "reconstruct_ema.py").main([str(run), "--std", "0.1", "--at", "0",
+                                                                  "--out", str(tmp_path / "none")])
+
+
+@pytest.mark.slow
+def test_sample_py_picks_an_ema_by_name(tmp_path):
+    with accelerate_state():
+        train(tiny_config(tmp_path / "run", "train.ema_decays=[0.5]", "train.max_steps=2"))
+    ckpt = tmp_path / "run/checkpoints/0000002"
+    model, _ = load_trained_model(ckpt, "ema-0.5")
+    assert _same(model.state_dict(), _weights(ckpt, "ema-0.5"))
+    sample = load_script(ROOT / "sample.py").main
+    sample(["--ckpt", str(ckpt), "--ema", "0.5", "--num-samples", "2", "--steps", "3", "--out", str(tmp_path / "a.npz")])
+    assert (tmp_path / "a.npz").is_file()
+    with pytest.raises(UserError, match=r"--ema 0\.7: .* holds no ema-0\.7\.safetensors; its EMAs: 0\.5"):
+        sample(["--ckpt", str(ckpt), "--ema", "0.7", "--out", str(tmp_path / "b.npz")])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.phema.stds=[0.05]"], "train.phema.stds needs train.phema.snapshot_every"),
+    (["train.phema.snapshot_every=10"], "train.phema.snapshot_every needs train.phema.stds"),
+    (["train.phema.stds=[0.5]", "train.phema.snapshot_every=10"], "train.phema.stds holds 0.5; a power-function"),
+    (["train.phema.stds=[0.1,0.1]", "train.phema.snapshot_every=10"], "repeats a std"),
+    (["train.ema_decays=[1.5]"], "train.ema_decays must be less than or equal to 1, got 1.5"),
+    (["train.ema_decays=[0.5,0.5]"], "train.ema_decays holds 0.5, given twice"),
+    (["train.ema_decays=[0.9]"], "train.ema_decays holds 0.9, the decay of train.ema_decay"),
+])
+def test_ema_settings_that_cannot_work_are_refused(tmp_path, overrides, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(".", r"\.").replace("[", r"\[")):
+        tiny_config(tmp_path, *overrides)
