@@ -230,7 +230,7 @@ class _ParquetRows(Dataset):
         self.paths, self.column, self.image_size, self.min_side = paths, column, image_size, min_side
         self.starts = [0, *itertools.accumulate(counts)]
         self._files: dict[int, Any] = {}
-        self._group: tuple[int, int, int, list] | None = None  # (file, group, first row, values)
+        self._group: tuple[int, int, list] | None = None  # (file, first row, values) of the last row group read
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -243,16 +243,17 @@ class _ParquetRows(Dataset):
 
         k = bisect.bisect_right(self.starts, position) - 1
         row = position - self.starts[k]
-        g = self._group
-        if g is None or g[0] != k or not g[2] <= row < g[2] + len(g[3]):
-            f = self._files.setdefault(k, pq.ParquetFile(self.paths[k]))
-            sizes = (f.metadata.row_group(g).num_rows for g in range(f.metadata.num_row_groups))
-            ends = list(itertools.accumulate(sizes))
+        cached, first, values = self._group or (None, 0, [])
+        if cached != k or not first <= row < first + len(values):
+            if k not in self._files:
+                self._files[k] = pq.ParquetFile(self.paths[k])
+            meta = self._files[k].metadata
+            ends = list(itertools.accumulate(meta.row_group(i).num_rows for i in range(meta.num_row_groups)))
             group = bisect.bisect_right(ends, row)
             first = ends[group - 1] if group else 0
-            values = f.read_row_group(group, columns=[self.column]).column(self.column).to_pylist()
-            g = self._group = (k, group, first, values)
-        return _decode(position, *_row_image(g[3][row - g[2]]), self.image_size, self.min_side)
+            values = self._files[k].read_row_group(group, columns=[self.column]).column(self.column).to_pylist()
+            self._group = (k, first, values)
+        return _decode(position, *_row_image(values[row - first]), self.image_size, self.min_side)
 
 
 # -- WebDataset tar shards -----------------------------------------------------------------------

@@ -23,7 +23,6 @@ def _check_tensors(path: Path, k: int, entry: dict[str, Any], manifest: dict[str
     if manifest.get("images"):  # extracted with --keep-images
         size = int(manifest["image_size"])
         wanted[IMAGE_KEY] = (count, 3, size, size)
-    problems = []
     try:
         with safe_open(str(path), framework="pt") as f:
             keys = set(f.keys())
@@ -32,10 +31,9 @@ def _check_tensors(path: Path, k: int, entry: dict[str, Any], manifest: dict[str
             t = {key: f.get_tensor(key) for key in wanted}
     except Exception as err:  # noqa: BLE001 - any parse failure means a corrupt shard
         return [f"unreadable ({str(err).splitlines()[0] if str(err) else type(err).__name__})"]
-    for key, want in wanted.items():
-        if t[key].dtype != _DTYPES[key] or tuple(t[key].shape) != want:
-            problems.append(f"{key} is {str(t[key].dtype).removeprefix('torch.')} {tuple(t[key].shape)}, "
-                            f"expected {str(_DTYPES[key]).removeprefix('torch.')} {want}")
+    problems = [f"{key} is {str(t[key].dtype).removeprefix('torch.')} {tuple(t[key].shape)}, "
+                f"expected {str(_DTYPES[key]).removeprefix('torch.')} {want}"
+                for key, want in wanted.items() if t[key].dtype != _DTYPES[key] or tuple(t[key].shape) != want]
     if problems:
         return problems
     labels, index = t["label"], t["index"]
@@ -69,9 +67,7 @@ def verify_latent_dir(root: str | os.PathLike, progress: bool = True) -> tuple[d
         if not path.is_file():
             problems.append(f"{name}: missing")
             continue
-        reasons = []
-        if sha256_file(path) != entry["sha256"]:
-            reasons.append("checksum mismatch (file changed or corrupt)")
+        reasons = ["checksum mismatch (file changed or corrupt)"] if sha256_file(path) != entry["sha256"] else []
         reasons += _check_tensors(path, k, entry, manifest)
         if reasons:
             problems.append(f"{name}: corrupt: {'; '.join(reasons)}")
