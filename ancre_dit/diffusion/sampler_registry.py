@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping
 
 import torch
 
 from ..errors import UserError
-from .base import Denoiser, NoiseSource, Objective, SDEOptions
+from .base import Objective
 from .ddpm import DDPMObjective, ddpm_sampler, schedule_of, scheduler_sampler
 from .flow import FlowObjective
 from .flow_samplers import check_sde_steps, ode_sampler, sde_sampler
@@ -38,11 +38,7 @@ def build_objective(spec: Mapping[str, Any] | Objective) -> Objective:
     raise UserError(f"unknown diffusion objective {name!r}; choose {' or '.join(OBJECTIVES)}")
 
 
-class SampleFn(Protocol):
-    """run(objective, denoiser, x, y, noise, steps=..., sde=...) -> data, from the initial noise x."""
-
-    def __call__(self, objective: Objective, denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
-                 noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor: ...
+SampleFn = Callable[..., torch.Tensor]  # run(objective, denoiser, x, y, noise, *, steps, sde) -> data, from noise x
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,6 @@ from typing import Callable
 
 import torch
 
-__all__ = ["count_training_flops", "flops_per_training_image"]
-
 
 def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
                          autocast_dtype: torch.dtype | None = torch.bfloat16) -> int:
@@ -21,9 +19,9 @@ def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tenso
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
+    # Autocast only when asked: it refuses the meta device, where counting costs no compute.
+    amp = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
     with counter, sdpa_kernel(SDPBackend.MATH):
-        # Autocast only when asked: it refuses the meta device, where counting costs no compute.
-        amp = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
         with amp:
             out = model(x, t, y)
         out.float().square().mean().backward()

@@ -16,12 +16,12 @@ from ..diffusion import build_objective
 from ..errors import UserError
 
 PROTOCOL = "dit"  # the one protocol; --protocol names it so that more can follow
-DIT_SETTINGS: dict[str, Any] = {"sampler": "ddpm", "steps": 250, "cfg_channels": 3, "label_mode": "random",
-                                "precision": "fp32", "guidance_interval": None}
+# setting -> (the protocol's value, the flag that sets it)
+DIT_SETTINGS: dict[str, tuple[Any, str]] = {
+    "sampler": ("ddpm", "--sampler"), "steps": (250, "--steps"), "cfg_channels": (3, "--cfg-channels"),
+    "label_mode": ("random", "--random-classes / --classes"), "precision": ("fp32", "--precision"),
+    "guidance_interval": (None, "--guidance-interval")}
 DIT_NEEDS = "DiT's DDPM-250 protocol for 4-channel latent models (guidance on the first 3 channels)"
-FLAG_OF = {"sampler": "--sampler", "steps": "--steps", "cfg_channels": "--cfg-channels",
-           "label_mode": "--random-classes / --classes", "precision": "--precision",
-           "guidance_interval": "--guidance-interval"}
 
 
 def apply_protocol(settings, name: str | None):
@@ -32,16 +32,16 @@ def apply_protocol(settings, name: str | None):
     if name != PROTOCOL:
         raise UserError(f"unknown --protocol {name!r}; choose {PROTOCOL}")
     defaults = {f.name: f.default for f in fields(settings)}
-    for key, wanted in DIT_SETTINGS.items():
+    for key, (wanted, flag) in DIT_SETTINGS.items():
         given = getattr(settings, key)
         if given != wanted and given != defaults[key]:
-            raise UserError(f"--protocol {name} samples with {key} {wanted}, but {FLAG_OF[key]} asks for {given}; "
+            raise UserError(f"--protocol {name} samples with {key} {wanted}, but {flag} asks for {given}; "
                             f"drop that flag or drop --protocol")
     if settings.classes is not None:
         raise UserError(f"--protocol {name} draws class labels at random; drop --classes or drop --protocol")
     if settings.guide_ckpt:
         raise UserError(f"--protocol {name} guides classifier-free; drop --guide-ckpt or drop --protocol")
-    return replace(settings, **DIT_SETTINGS, protocol=name)
+    return replace(settings, **{key: wanted for key, (wanted, _) in DIT_SETTINGS.items()}, protocol=name)
 
 
 def record_path(samples: str | Path) -> Path:
@@ -69,6 +69,6 @@ def check_protocol_fits(name: str | None, spec: dict[str, Any], in_channels: int
     if objective != "ddpm":
         raise UserError(f"--protocol {name} is {DIT_NEEDS}; this checkpoint was trained with the {objective} "
                         f"objective: drop --protocol and choose a {objective} sampler with --sampler")
-    if in_channels < DIT_SETTINGS["cfg_channels"]:
+    if in_channels < DIT_SETTINGS["cfg_channels"][0]:
         raise UserError(f"--protocol {name} is {DIT_NEEDS}; this model has {in_channels} channel(s) "
                         f"(a pixel-space model?): drop --protocol")

@@ -96,10 +96,9 @@ class ANCReTopology(_PerBlockLogits):
         if kept is None:
             with torch.no_grad():
                 P = self.probabilities().detach().cpu()
-            kept = torch.zeros_like(self.kept, device="cpu")
-            for j in range(self.num_blocks):
-                order = torch.argsort(-P[j, : j + 1], stable=True)
-                kept[j, order[: self.topk]] = True
+            # (the zeros above the diagonal sort after a row's own sources, which the tril drops anyway)
+            order = torch.argsort(-P.tril(), dim=1, stable=True)[:, : self.topk]
+            kept = torch.zeros_like(self.kept, device="cpu").scatter_(1, order, True).tril()
         with torch.no_grad():
             self.kept.copy_(kept)
         self._edges_from_mask()

@@ -146,12 +146,9 @@ class HyperConnectionTopology(_StreamTopology):
         # autocast the einsums would round every stream to bf16 at every sublayer.
         with autocast_off(H.device):
             a_m, a_r, b = self.coefficients(l, H)
-            if self.dynamic:
-                x = torch.einsum("...sd,...s->...d", H, a_m)
-                mixed = torch.einsum("...sd,...sr->...rd", H, a_r)
-            else:
-                x = torch.einsum("...sd,s->...d", H, a_m)
-                mixed = torch.einsum("...sd,sr->...rd", H, a_r)
+            per = "..." if self.dynamic else ""  # dynamic coefficients are per token
+            x = torch.einsum(f"...sd,{per}s->...d", H, a_m)
+            mixed = torch.einsum(f"...sd,{per}sr->...rd", H, a_r)
         out = branch(x, *mod)
         with autocast_off(H.device):
             return mixed + b.unsqueeze(-1) * out.to(mixed.dtype).unsqueeze(-2)
