@@ -93,3 +93,18 @@ def test_a_resumed_cosine_run_finds_the_same_lr_and_weights(tmp_path):
     assert [straight[s] for s in range(1, 7)] == pytest.approx([lr_at(t, s - 1) for s in range(1, 7)], rel=1e-12)
     assert straight[6] == pytest.approx(1e-4) and straight[2] == pytest.approx(1e-3)
     assert_same_weights(tmp_path / "straight/checkpoints/0000006", tmp_path / "resumed/checkpoints/0000006")
+
+
+def test_the_loss_figure_draws_the_logged_lr_beside_the_loss(tmp_path, monkeypatch):
+    import ancre_dit.figures as figures
+    from ancre_dit.training.run_log import plot_loss
+
+    (tmp_path / "logs").mkdir()
+    rows = [{"step": s, "loss": 1.0 / s, "lr": 1e-3 * min(1.0, s / 4)} for s in range(1, 9)]
+    (tmp_path / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn = {}
+    monkeypatch.setattr(figures, "plot_panels", lambda panels, path, **kw: drawn.update(panels=panels, path=path))
+    plot_loss(tmp_path)
+    assert list(drawn["panels"]) == ["loss", "lr"] and drawn["path"] == tmp_path / "loss.png"
+    steps, lr, _ = drawn["panels"]["lr"][""]
+    assert steps.tolist() == list(range(1, 9)) and lr.tolist() == [r["lr"] for r in rows]

@@ -3,10 +3,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Mapping
-
 import numpy as np
-import torch
 
 from .canvas import save_figure, subplots
 
@@ -44,27 +41,3 @@ def plot_panels(panels: dict[str, dict[str, Curve]], path: str | Path, xlabel: s
     fig.tight_layout(rect=(0, 0.06 if any(labels) else 0, 1, 1))
     return save_figure(fig, path, dpi=110)
 
-
-def mean_and_std(values) -> tuple[np.ndarray, np.ndarray | None]:
-    """1-D (one run) -> (curve, None); 2-D (runs, points) -> (mean, std over runs; None for one run)."""
-    values = np.asarray(values.detach().cpu() if isinstance(values, torch.Tensor) else values, dtype=np.float64)
-    if values.ndim == 1:
-        return values, None
-    if values.ndim == 2:
-        return values.mean(axis=0), (values.std(axis=0) if values.shape[0] > 1 else None)
-    raise ValueError(f"losses must be 1-D (one run) or 2-D (runs, points), got shape {values.shape}")
-
-
-def plot_loss_curve(steps, losses, path: str | Path, label: str | None = None, title: str | None = None,
-                    ylabel: str = "loss", log_y: bool = False) -> Path:
-    """One panel of loss against step: `losses` is one curve (1-D), several runs of one setting
-    (2-D (runs, points), drawn as mean +- std), or a mapping label -> either, for several settings."""
-    curves = dict(losses) if isinstance(losses, Mapping) else {label: losses}
-    steps = np.asarray(steps)
-    panel: dict[str, Curve] = {}
-    for name, values in curves.items():
-        mean, spread = mean_and_std(values)
-        if mean.shape != steps.shape:
-            raise ValueError(f"{len(steps)} steps but {mean.shape[0]} loss values for {name or 'the curve'}")
-        panel[name or ""] = (steps, mean, spread)
-    return plot_panels({ylabel: panel}, path, xlabel="step", title=title, log_y=log_y)

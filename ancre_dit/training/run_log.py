@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 from ..files import append_jsonl, read_jsonl
@@ -104,8 +105,11 @@ def log_time_shares(log: logging.Logger, train_seconds: float, tasks: Iterable[A
 
 
 def plot_loss(run_dir: Path) -> None:
-    """RUN/loss.png from metrics.jsonl (every launch's records)."""
+    """RUN/loss.png from metrics.jsonl (every launch's records): the loss, and beside it the lr."""
     rows = read_jsonl(run_dir / "logs" / METRICS_FILE)
     if rows:
-        from ..figures import plot_loss_curve
-        plot_loss_curve([r["step"] for r in rows], [r["loss"] for r in rows], run_dir / "loss.png")
+        from ..figures import plot_panels
+        steps = np.array([r["step"] for r in rows])
+        panels = {key: {"": (steps, np.array([r[key] for r in rows], dtype=float), None)} for key in ("loss", "lr")
+                  if all(key in r for r in rows)}
+        plot_panels(panels, run_dir / "loss.png")
