@@ -207,9 +207,7 @@ def tsallis_entropy(P: torch.Tensor, q: float = 2.0) -> torch.Tensor:
     """
     if not q > 0:
         raise UserError(f"the Tsallis entropy index q must be positive, got {q}")
-    K = P.shape[0]
-    mask = torch.tril(torch.ones(K, K, dtype=torch.bool, device=P.device))
-    rows = torch.where(mask, P, torch.zeros((), dtype=P.dtype, device=P.device))[1:]
+    rows = P.tril()[1:]  # (anything above the diagonal is no edge)
     if q == 1:
         entropy = -(rows * torch.log(rows.clamp_min(1e-30))).sum(dim=1)
     else:
