@@ -44,9 +44,8 @@ class DepthAttentionTopology(ResidualTopology):
         super().__init__(num_blocks)
         layers = 2 * num_blocks
         if group and layers % group:  # the option's range is checked by the registry; this needs the depth
-            what = "chunk" if grouping == "chunk" else "block"
-            raise UserError(f"{what} {group} does not divide the {layers} sublayers (2 per block); choose a divisor "
-                            f"of {layers}" + (" or 0 for full AttnRes" if grouping == "block" else ""))
+            raise UserError(f"{grouping} {group} does not divide the {layers} sublayers (2 per block); choose a "
+                            f"divisor of {layers}" + (" or 0 for full AttnRes" if grouping == "block" else ""))
         self.hidden_size, self.query, self.grouping = hidden_size, query, grouping
         self.group = group or 1  # full AttnRes = blocks of one sublayer (sums of one output)
         self.scale = 1.0 / math.sqrt(hidden_size) if grouping == "chunk" else 1.0
@@ -151,8 +150,8 @@ class DepthAttentionTopology(ResidualTopology):
         return W
 
     def extra_repr(self) -> str:
-        name, what = ("dar", "chunk") if self.grouping == "chunk" else ("attnres", "block")
-        return f"{name} query={self.query}, {what}={self.group}, sublayers={2 * self.num_blocks}"
+        name = "dar" if self.grouping == "chunk" else "attnres"
+        return f"{name} query={self.query}, {self.grouping}={self.group}, sublayers={2 * self.num_blocks}"
 
 
 QUERY = {"query": TopologyOption(Literal[QUERIES], "static", "the aggregators' queries: static (a learned "
