@@ -96,3 +96,33 @@ def test_sample_py_picks_an_ema_by_name(tmp_path):
 def test_ema_settings_that_cannot_work_are_refused(tmp_path, overrides, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(".", r"\.").replace("[", r"\[")):
         tiny_config(tmp_path, *overrides)
+
+
+@pytest.mark.slow
+def test_the_evaluation_scores_each_ema_named_and_draws_a_line_for_each(tmp_path, monkeypatch):
+    """In training and by evaluate.py --run: `ema`'s metrics as they are, another's as <metric>@<name>,
+    the same numbers either way; quality.png puts the EMAs of one metric in one panel."""
+    import ancre_dit.figures as figures
+    from ancre_dit.training.run_evaluation import evaluate_run, read_evals
+
+    drawn = {}
+    real_plot = figures.plot_panels
+    monkeypatch.setattr(figures, "plot_panels", lambda panels, path, **kw: (drawn.update(panels), real_plot(
+        panels, path, **kw))[1])
+    settings = ["train.ema_decays=[0.5]", "train.max_steps=2", "train.eval_every=2", "train.ckpt_every=2",
+                "eval.emas=[ema,ema-0.5]", "eval.num_samples=8", "eval.batch_size=8", "eval.steps=3",
+                "eval.heldout_draws=1", "eval.heldout_max=8", "log.figures=true"]
+    with accelerate_state():
+        train(tiny_config(tmp_path / "run", *settings))
+    (entry,) = read_evals(tmp_path / "run")
+    metrics = entry["metrics"]
+    assert {"heldout_loss", "heldout_loss@ema-0.5", "digits_acc/cfg1", "digits_acc/cfg1@ema-0.5"} <= set(metrics)
+    assert metrics["heldout_loss"] != metrics["heldout_loss@ema-0.5"]
+    assert set(drawn["heldout_loss"]) == {"ema", "ema-0.5"} and "heldout_loss@ema-0.5" not in drawn
+    (tmp_path / "run/logs/evals.jsonl").unlink()
+    with accelerate_state():
+        (again,) = evaluate_run(tmp_path / "run", cpu=True, log=lambda *a: None)
+    assert again["metrics"] == pytest.approx(metrics)
+    with pytest.raises(UserError, match="eval.emas names ema-0.7, which this run does not keep; choose from ema, "
+                                        "ema-0.5"):
+        tiny_config(tmp_path / "x", "train.ema_decays=[0.5]", "eval.emas=[ema-0.7]")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import random
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -44,6 +43,8 @@ def evaluation_identity(settings, data_kind: str) -> dict[str, Any]:
     identity = {k: getattr(settings, k) for k in keep}
     if any(METRICS[m].features == "dinov2" for m in settings.metrics or []):  # only then: older entries keep matching
         identity["dinov2_model"] = settings.dinov2_model
+    if list(settings.emas) != ["ema"]:  # only then: older entries keep matching
+        identity["emas"] = list(settings.emas)
     identity["metrics"] = resolve_metrics(settings, data_kind)
     identity["cfg_scales"] = [float(c) for c in settings.cfg_scales]
     return identity

@@ -55,6 +55,7 @@ def validate_config(config: Config, check_paths: bool = True) -> list[str]:
     _check_sparsify_step(config)
     check_lr_schedule(config.train)
     _check_ema_decays(config.train.ema_decay, config.train.ema_decays)
+    _check_eval_emas(config)
     check_phema_settings(config.train.phema.stds, config.train.phema.snapshot_every)
     check_data_path(config.data, paths.found)
     objective = build_objective(diffusion_spec(config))
@@ -109,6 +110,15 @@ def _check_ema_decays(decay: float, extra: list[float]) -> None:
         if d == decay or extra.count(d) > 1:
             what = "the decay of train.ema_decay" if d == decay else "given twice"
             raise UserError(f"train.ema_decays holds {d:g}, {what}; keep each EMA once")
+
+
+def _check_eval_emas(config: Config) -> None:
+    t = config.train
+    kept = ["ema", *(f"ema-{d:g}" for d in t.ema_decays), *(f"phema-{s:g}" for s in t.phema.stds)]
+    for name in config.eval.emas:
+        if name not in kept:
+            raise UserError(f"eval.emas names {name}, which this run does not keep; choose from {', '.join(kept)} "
+                            "(more with train.ema_decays or train.phema.stds)")
 
 
 def _check_sparsify_step(config: Config) -> None:

@@ -145,6 +145,9 @@ class EvalConfig:
     cfg_scales: FloatList = Field(default_factory=lambda: [1.0])
     seed: Int = Field(0, ge=0)
     metrics: StrList | None = None
+    # The EMAs sampled from: ema, ema-<decay> (train.ema_decays), phema-<std> (train.phema.stds); the
+    # metrics of any but `ema` are logged as <metric>@<name>, and quality.png draws one line per EMA.
+    emas: StrList = Field(default_factory=lambda: ["ema"])
     ref: Str | None = None            # ADM reference npz, or one from evaluate.py --save-ref-stats
     inception_weights: Str | None = None
     dinov2_weights: Str | None = None  # fd_dinov2: local timm weights file of dinov2_model

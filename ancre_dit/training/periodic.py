@@ -49,7 +49,7 @@ class RunContext:
     progress: TrainProgress
     save: Callable[[], Path]        # writes a checkpoint of the current step (collective)
     stop_requested: Callable[[], bool] = lambda: False  # a stop signal arrived (agreed by all processes)
-    emas: dict[str, Any] = field(default_factory=dict)  # every EMA by its weights file's name (ema, phema-<std>)
+    emas: dict[str, Any] = field(default_factory=dict)  # every training.ema.EMA by its weights file's name
 
     @cached_property
     def decoder(self):
@@ -147,11 +147,12 @@ class EvaluationTask(PeriodicTask):
 
     def run(self, ctx: RunContext) -> dict[str, Any] | None:
         from ..evaluation.evaluator import EvaluationAbandoned
-        from .run_evaluation import record_evaluation
+        from .run_evaluation import evaluate_emas, record_evaluation
 
         step = ctx.progress.step
         try:
-            result = self.evaluator.evaluate(ctx.ema_model, raw_model=ctx.raw_model, should_stop=ctx.stop_requested)
+            models = {name: ema.module for name, ema in ctx.emas.items()}
+            result = evaluate_emas(self.evaluator, models, ctx.raw_model, should_stop=ctx.stop_requested)
         except EvaluationAbandoned:
             ctx.log.info("step %d: stop requested during the evaluation: abandoned, it runs again on resume", step)
             return None

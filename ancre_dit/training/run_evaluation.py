@@ -44,6 +44,23 @@ def build_run_evaluator(config: Config, data, objective, decoder, state, log: Ca
     return evaluator
 
 
+def evaluate_emas(evaluator, emas: dict[str, Any], raw_model, should_stop=None) -> dict[str, Any] | None:
+    """The evaluation of every EMA eval.emas names, in one result: `ema`'s metrics as they are, another's
+    as <metric>@<name> (the raw model's held-out loss once, with the first)."""
+    merged = None
+    for k, name in enumerate(evaluator.settings.emas):
+        result = evaluator.evaluate(emas[name], raw_model=raw_model if k == 0 else None, should_stop=should_stop)
+        if result is None:  # not the main process
+            continue
+        metrics = {(key if name == "ema" else f"{key}@{name}"): v for key, v in result["metrics"].items()}
+        if merged is None:
+            merged = {**result, "metrics": metrics}
+        else:
+            merged["metrics"].update(metrics)
+            merged["seconds"] = round(merged["seconds"] + result["seconds"], 3)
+    return merged
+
+
 def record_evaluation(run_dir: Path, result: dict[str, Any], identity: dict[str, Any], *, step: int,
                       images_seen: int, train_seconds: float | None, source: str, log: Callable[[str], Any],
                       tracker=None) -> dict[str, Any]:
@@ -64,18 +81,21 @@ def plot_run_quality(run_dir: Path, identity: dict[str, Any]) -> Path | None:
     from ..evaluation.metric_registry import is_heldout_part
     from ..figures import plot_panels
 
-    series: dict[str, tuple[list, list]] = {}
+    series: dict[str, dict[str, tuple[list, list]]] = {}  # metric -> EMA -> (steps, values)
     entries = [e for e in read_evals(run_dir) if e.get("settings") == identity]
     for e in sorted(entries, key=lambda e: e["step"]):
         for k, v in e["metrics"].items():
-            if is_heldout_part(k):
+            metric, _, ema = k.partition("@")
+            if is_heldout_part(metric):
                 continue
-            steps, values = series.setdefault(k, ([], []))
+            steps, values = series.setdefault(metric, {}).setdefault(ema or "ema", ([], []))
             steps.append(e["step"])
             values.append(v)
     if not series:
         return None
-    panels = {k: {"": (np.asarray(steps), np.asarray(values), None)} for k, (steps, values) in series.items()}
+    several = any(len(lines) > 1 or "ema" not in lines for lines in series.values())
+    panels = {k: {(name if several else ""): (np.asarray(steps), np.asarray(values), None)
+                  for name, (steps, values) in lines.items()} for k, lines in series.items()}
     return plot_panels(panels, Path(run_dir) / QUALITY_PLOT, xlabel="step",
                        title="evaluation (digits_*: digits metric, not FID)")
 
@@ -126,9 +146,9 @@ def _evaluate(run_dir: Path, config: Config, selected: list[tuple[int, Path]], s
     log(f"evaluating {len(todo)} checkpoint(s) of {run_dir} ({len(selected) - len(todo)} already in evals.jsonl)")
     new = []
     for step, folder in todo:
-        ema, _ = load_trained_model(folder, "ema", state.device)
+        emas = {name: load_trained_model(folder, name, state.device)[0] for name in config.eval.emas}
         raw, _ = load_trained_model(folder, "model", state.device)
-        result = evaluator.evaluate(ema, raw_model=raw)
+        result = evaluate_emas(evaluator, emas, raw)
         state.wait_for_everyone()
         if result is None:
             continue
