@@ -109,11 +109,8 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Ten
     mismatch += [k for k in state_dict if k not in expected]
     if mismatch:
         ours, theirs = architecture_of(expected), architecture_of(state_dict)
-        diffs = [f"{field} {theirs[field]} vs {ours[field]}" for field in ours if ours[field] != theirs[field]]
-        if not diffs:
-            diffs = [f"parameter {mismatch[0]} differs"]
-        raise UserError(
-            f"{source} does not fit this model ({'; '.join(diffs)}; checkpoint vs model): "
-            f"build the model with the settings the checkpoint was trained with"
-        )
+        diffs = ([f"{field} {theirs[field]} vs {ours[field]}" for field in ours if ours[field] != theirs[field]]
+                 or [f"parameter {mismatch[0]} differs"])
+        raise UserError(f"{source} does not fit this model ({'; '.join(diffs)}; checkpoint vs model): "
+                        f"build the model with the settings the checkpoint was trained with")
     model.load_state_dict(state_dict, strict=True)

@@ -200,6 +200,5 @@ PATH = {"topology_path": TopologyOption(StrictStr | None, None, "topology.json o
 def build_frozen(num_blocks: int, hidden_size: int | None, topology_path: str, ancre_mode: str) -> ResidualTopology:
     weights = load_topology_json(topology_path)
     if weights.shape[0] != num_blocks:
-        raise UserError(f"{topology_path} holds a {weights.shape[0]}-block topology, "
-                        f"the model has {num_blocks} blocks")
+        raise UserError(f"{topology_path} holds a {weights.shape[0]}-block topology, the model has {num_blocks} blocks")
     return FixedTopology(weights, ancre_mode)

@@ -176,8 +176,8 @@ class FixedTopology(WeightedHistoryTopology):
         weights = torch.as_tensor(weights, dtype=torch.float32)
         K = weights.shape[0]
         if weights.shape != (K, K) or torch.triu(weights, diagonal=1).abs().sum() > 0:
-            raise UserError(f"a fixed topology needs a lower-triangular (K, K) matrix, "
-                        f"got shape {tuple(weights.shape)}")
+            raise UserError("a fixed topology needs a lower-triangular (K, K) matrix, "
+                            f"got shape {tuple(weights.shape)}")
         edges = [[i for i in range(j + 1) if weights[j, i] != 0] for j in range(K)]
         super().__init__(K, edges, mode)
         self.register_buffer("weights", weights.clone())

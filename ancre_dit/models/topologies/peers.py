@@ -79,16 +79,23 @@ class DenseFormerTopology(ResidualTopology):
 
 
 class _StreamTopology(ResidualTopology):
-    """Shared trunk of HC and mHC: n residual streams in fp32, started as n copies of h_0, wired around
-    every sublayer by `_sublayer(l, H, branch, modulation)`, summed at the end."""
+    """Shared trunk of HC and mHC: n residual streams in fp32, started as n copies of h_0, summed at the
+    end. Around sublayer l, `_mix(l, H)` gives the branch input, the mixed streams and the branch's write
+    weights; it and the write run in fp32 with autocast off (under bf16 autocast the einsums would round
+    every stream to bf16 at every sublayer), the branch under the caller's autocast."""
 
     streams: int
 
     def _wired_block(self, k: int, block: nn.Module, H: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """Block k with its wiring: the attention (sublayer 2k), then the MLP branch (2k+1)."""
         mod = block.modulation(c)
-        H = self._sublayer(2 * k, H, block.attention_branch, mod[:3])
-        return self._sublayer(2 * k + 1, H, block.mlp_branch, mod[3:])
+        for l, branch, modulation in ((2 * k, block.attention_branch, mod[:3]), (2 * k + 1, block.mlp_branch, mod[3:])):
+            with autocast_off(H.device):
+                x, mixed, write = self._mix(l, H)
+            out = branch(x, *modulation)
+            with autocast_off(H.device):
+                H = mixed + write.unsqueeze(-1) * out.to(mixed.dtype).unsqueeze(-2)
+        return H
 
     def forward(self, h0, blocks, c):
         self.check_blocks(blocks)
@@ -141,17 +148,10 @@ class HyperConnectionTopology(_StreamTopology):
             a_r = s_alpha * z[..., 2:] + a_r
         return a_m, a_r, b
 
-    def _sublayer(self, l, H, branch, mod):
-        # The coefficients and the stream mixing in fp32 with autocast off, as mHC's: under bf16
-        # autocast the einsums would round every stream to bf16 at every sublayer.
-        with autocast_off(H.device):
-            a_m, a_r, b = self.coefficients(l, H)
-            per = "..." if self.dynamic else ""  # dynamic coefficients are per token
-            x = torch.einsum(f"...sd,{per}s->...d", H, a_m)
-            mixed = torch.einsum(f"...sd,{per}sr->...rd", H, a_r)
-        out = branch(x, *mod)
-        with autocast_off(H.device):
-            return mixed + b.unsqueeze(-1) * out.to(mixed.dtype).unsqueeze(-2)
+    def _mix(self, l, H):
+        a_m, a_r, b = self.coefficients(l, H)
+        per = "..." if self.dynamic else ""  # dynamic coefficients are per token
+        return torch.einsum(f"...sd,{per}s->...d", H, a_m), torch.einsum(f"...sd,{per}sr->...rd", H, a_r), b
 
     def probabilities(self) -> torch.Tensor:
         raise TopologyNotDefined(
@@ -199,7 +199,6 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
         x     <- H_res x + H_post^T F(H_pre x)
 
     (`phi[l]` = [phi_pre | phi_post | phi_res], (n d, 2n + n^2); `alpha[l]` = [a_pre, a_post, a_res]).
-    Coefficients and stream mixing run in fp32 with autocast off; the branch under the caller's autocast.
 
     Init (ours; the paper fixes none): phi = 0, alpha = 0.01, H_post = 1, H_pre = 1 - p on stream
     l mod n and p / (n - 1) on the others, H_res = (1 - r) I + r / (n - 1) (1 1^T - I), already doubly
@@ -234,13 +233,9 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
             res = sinkhorn_knopp(res_logits, self.sinkhorn_iters)
         return pre, post, res
 
-    def _sublayer(self, l, H, branch, mod):
+    def _mix(self, l, H):
         pre, post, res = self.coefficients(l, H)
-        with autocast_off(H.device):
-            x = torch.einsum("...s,...sd->...d", pre, H)
-        out = branch(x, *mod)
-        with autocast_off(H.device):
-            return torch.einsum("...rs,...sd->...rd", res, H) + post.unsqueeze(-1) * out.float().unsqueeze(-2)
+        return torch.einsum("...s,...sd->...d", pre, H), torch.einsum("...rs,...sd->...rd", res, H), post
 
     def probabilities(self) -> torch.Tensor:
         raise TopologyNotDefined(f"mhc mixes {self.streams} residual streams with input-dependent doubly stochastic "
