@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Mapping
+from typing import Annotated, Any, Callable, Mapping
 
+import torch
 from pydantic import Field, StrictFloat, StrictInt, TypeAdapter, ValidationError
 
 from ...errors import UserError, invalid_value
+from .base import ResidualTopology
 
 # Option types, strict as the config's fields are (true is no number, 2.5 no int), with their ranges.
 Float = Annotated[StrictFloat, Field(allow_inf_nan=False)]
@@ -25,11 +27,6 @@ PositiveFloat = Annotated[Float, Field(gt=0)]
 NonNegativeFloat = Annotated[Float, Field(ge=0)]
 PositiveInt = Annotated[StrictInt, Field(ge=1)]
 NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
-
-if TYPE_CHECKING:
-    import torch
-
-    from .base import ResidualTopology
 
 
 @dataclass(frozen=True)
@@ -55,12 +52,12 @@ _adapter = functools.cache(TypeAdapter)  # one adapter per option type
 @dataclass(frozen=True)
 class TopologyEntry:
     name: str
-    build: Callable[..., "ResidualTopology"]  # build(num_blocks, hidden_size, **options)
+    build: Callable[..., ResidualTopology]  # build(num_blocks, hidden_size, **options)
     options: Mapping[str, TopologyOption] = field(default_factory=dict)
     check: Callable[[dict[str, Any]], None] | None = None  # raises UserError on bad option values
     # Rebuilds the module from its own state dict (keys without "topology.") and its options when the
     # options alone are not enough, e.g. a frozen topology whose JSON is gone.
-    restore: Callable[..., "ResidualTopology"] | None = None
+    restore: Callable[..., ResidualTopology] | None = None
     summary: str = ""
     # What tools need to know (the module declares `takes_time_embedding`, which can depend on its options):
     sparse: bool = False  # it can keep each block's model.topology_topk strongest edges (`enable_topk`, `sparsify`)
@@ -76,7 +73,7 @@ TOPOLOGIES: dict[str, TopologyEntry] = {}
 def register_topology(name: str, *, options: Mapping[str, TopologyOption] | None = None, **fields: Any) -> Callable:
     """Decorator: registers `build(num_blocks, hidden_size, **options)` under `name`; `fields` are the
     other `TopologyEntry` fields (check, restore, summary, sparse, matrix, ...)."""
-    def decorator(build: Callable[..., "ResidualTopology"]) -> Callable[..., "ResidualTopology"]:
+    def decorator(build: Callable[..., ResidualTopology]) -> Callable[..., ResidualTopology]:
         if name in TOPOLOGIES:
             raise ValueError(f"topology {name!r} is already registered")
         for key, option in (options or {}).items():
@@ -128,7 +125,7 @@ def resolve_options(name: str, given: Mapping[str, Any], prefix: str = "",
     return {**given, **options} if keep_others else options
 
 
-def build_topology(name: str, num_blocks: int, hidden_size: int | None = None, **options: Any) -> "ResidualTopology":
+def build_topology(name: str, num_blocks: int, hidden_size: int | None = None, **options: Any) -> ResidualTopology:
     """Name -> residual topology for `num_blocks` blocks of width `hidden_size`."""
     entry = topology_entry(name)
     if entry.width and hidden_size is None:
@@ -136,8 +133,8 @@ def build_topology(name: str, num_blocks: int, hidden_size: int | None = None, *
     return entry.build(num_blocks, hidden_size, **resolve_options(name, options))
 
 
-def restore_topology(name: str, state: Mapping[str, "torch.Tensor"],
-                     options: Mapping[str, Any] | None = None) -> "ResidualTopology | None":
+def restore_topology(name: str, state: Mapping[str, torch.Tensor],
+                     options: Mapping[str, Any] | None = None) -> ResidualTopology | None:
     """The topology rebuilt from a model state dict (keys `topology.*`) and its options, if `name` needs
     its weights to rebuild itself, else None (build it from its options as usual)."""
     entry = topology_entry(name)
