@@ -58,15 +58,11 @@ def plan_sampling(model: torch.nn.Module, objective: ObjectiveLike, *, sampler: 
 
 
 def sample_latents(model: torch.nn.Module, objective: ObjectiveLike, labels: Sequence[int] | np.ndarray | torch.Tensor,
-                   *, indices: Sequence[int] | np.ndarray | None = None, seed: int = 0, sampler: str | None = None,
-                   steps: int | None = None, guidance: Guidance = Guidance(), precision: str = "fp32",
-                   sde: SDEOptions = SDEOptions(), compile: bool = False,
-                   guide: torch.nn.Module | None = None) -> torch.Tensor:
+                   *, indices: Sequence[int] | np.ndarray | None = None, seed: int = 0, **settings) -> torch.Tensor:
     """x_0 (N, C, H, W) float32 for the given labels; sample j uses the random streams of (seed, indices[j])
     (indices default to 0..N-1), so it does not depend on its batch (dopri5 excepted: its steps adapt
-    to the whole batch)."""
-    plan = plan_sampling(model, objective, sampler=sampler, steps=steps, guidance=guidance, precision=precision,
-                         sde=sde, compile=compile, guide=guide)
+    to the whole batch). `settings`: `plan_sampling`'s (sampler, steps, guidance, precision, ...)."""
+    plan = plan_sampling(model, objective, **settings)
     labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
     if labels.ndim != 1 or len(labels) == 0:
         raise UserError("labels must be a non-empty 1-D list of class ids")

@@ -38,8 +38,7 @@ class SampleNoise:
     def next(self) -> torch.Tensor:
         """The next draw of every sample, stacked: (N, *shape) float32 on `device`; drawn on the CPU
         (cheap next to a network forward) so that a sample is identical on any device."""
-        noise = torch.stack([torch.randn(self.shape, generator=g) for g in self.generators])
-        return noise.to(self.device)
+        return torch.stack([torch.randn(self.shape, generator=g) for g in self.generators]).to(self.device)
 
 
 def check_classes(classes: Sequence[int], num_classes: int) -> list[int]:
