@@ -119,11 +119,10 @@ class GaussianDiffusion:
                 + self._extract("sqrt_one_minus_alphas_cumprod", t, x_start.ndim) * noise)
 
     def q_posterior(self, x_start: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor):
-        """Mean, variance and clipped log variance of q(x_{t-1} | x_t, x_0)."""
+        """Mean and clipped log variance of q(x_{t-1} | x_t, x_0)."""
         mean = (self._extract("posterior_mean_coef1", t, x_t.ndim) * x_start
                 + self._extract("posterior_mean_coef2", t, x_t.ndim) * x_t)
-        return (mean, self._extract("posterior_variance", t, x_t.ndim),
-                self._extract("posterior_log_variance_clipped", t, x_t.ndim))
+        return mean, self._extract("posterior_log_variance_clipped", t, x_t.ndim)
 
     def p_mean_variance(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor) -> MeanVariance:
         """p(x_{t-1} | x_t) from the network output (eps, and with learned sigma the variance
@@ -143,8 +142,7 @@ class GaussianDiffusion:
         pred_xstart = (self._extract("sqrt_recip_alphas_cumprod", t, x_t.ndim) * x_t
                        - self._extract("sqrt_recipm1_alphas_cumprod", t, x_t.ndim) * eps)
         # No clipping of pred_xstart: DiT's latents are not bounded to [-1, 1].
-        mean, _, _ = self.q_posterior(pred_xstart, x_t, t)
-        return MeanVariance(mean, torch.exp(log_variance), log_variance)
+        return MeanVariance(self.q_posterior(pred_xstart, x_t, t)[0], torch.exp(log_variance), log_variance)
 
     def p_sample(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
                  noise: torch.Tensor) -> torch.Tensor:
@@ -157,7 +155,7 @@ class GaussianDiffusion:
                      t: torch.Tensor) -> torch.Tensor:
         """Per-sample variational-bound term in bits per dim: KL(q || p) for t > 0, the
         discretized decoder NLL at t = 0."""
-        true_mean, _, true_log_variance = self.q_posterior(x_start, x_t, t)
+        true_mean, true_log_variance = self.q_posterior(x_start, x_t, t)
         out = self.p_mean_variance(model_output, x_t, t)
         kl = mean_flat(normal_kl(true_mean, true_log_variance, out.mean, out.log_variance)) / np.log(2.0)
         nll = mean_flat(-discretized_gaussian_log_likelihood(x_start, out.mean, 0.5 * out.log_variance)) / np.log(2.0)
