@@ -126,3 +126,43 @@ def test_the_evaluation_scores_each_ema_named_and_draws_a_line_for_each(tmp_path
     with pytest.raises(UserError, match="eval.emas names ema-0.7, which this run does not keep; choose from ema, "
                                         "ema-0.5"):
         tiny_config(tmp_path / "x", "train.ema_decays=[0.5]", "eval.emas=[ema-0.7]")
+
+
+@pytest.mark.slow
+def test_the_ema_sweep_scores_each_std_and_the_fixed_ema_on_two_seeds(tmp_path):
+    from ancre_dit.training.ema_sweep import SWEEP_FILE, sweep_ema
+    from ancre_dit.training.run_evaluation import evaluate_run
+
+    run = tmp_path / "run"
+    eval_settings = ["eval.num_samples=8", "eval.batch_size=8", "eval.steps=3", "eval.heldout_draws=1",
+                     "eval.heldout_max=8"]
+    with accelerate_state():
+        train(tiny_config(run, *PHEMA, "train.max_steps=4", "train.ckpt_every=4", *eval_settings))
+    with accelerate_state():
+        sweep = sweep_ema(run, [0.1, 0.07], cpu=True, log=lambda *a: None)
+    assert sweep["step"] == 4 and (run / SWEEP_FILE).is_file()
+    assert list(sweep["metrics"]) == ["ema", "std 0.1", "std 0.07"]
+    assert all(len(per_seed) == 2 for per_seed in sweep["metrics"].values())
+    assert sweep["metrics"]["ema"][0] != sweep["metrics"]["ema"][1]  # another evaluation seed, other samples
+    with accelerate_state():
+        (entry,) = evaluate_run(run, cpu=True, log=lambda *a: None)  # eval.seed 0: the sweep's first seed
+    ours = sweep["metrics"]["ema"][0]  # (the sweep scores no raw model: no heldout_*_raw)
+    assert ours == pytest.approx({k: entry["metrics"][k] for k in ours}) and "digits_fd/cfg1" in ours
+
+
+def test_the_sweeps_verdict_pairs_each_seeds_pick_with_its_fixed_ema():
+    from ancre_dit.training.ema_sweep import compare_sweeps
+
+    def sweep(ema: float, stds: dict[str, tuple[float, float]]) -> dict:
+        return {"metrics": {"ema": [{"digits_fd/cfg2": ema}, {"digits_fd/cfg2": ema}],
+                            **{k: [{"digits_fd/cfg2": a}, {"digits_fd/cfg2": b}] for k, (a, b) in stds.items()}}}
+
+    better = {f"s{i}": sweep(10.0, {"std 0.05": (9.0 + i, 9.0 - 0.1 * i), "std 0.1": (20.0, 1.0)}) for i in range(3)}
+    text = compare_sweeps(better, "digits_fd/cfg2")
+    # The pick is made on seed A (std 0.05: 9, 10, 11 beat 20), scored on seed B: 9.0, 8.9, 8.8 against 10.
+    assert "s0: best std 0.05 -> 9" in text and "difference -1.2" in text.splitlines()[3]
+    assert text.endswith("post-hoc EMA is better")
+    mixed = {f"s{i}": sweep(10.0, {"std 0.05": (1.0, 10.0 + d)}) for i, d in enumerate((-1.0, 1.0, 0.5))}
+    assert compare_sweeps(mixed, "digits_fd/cfg2").endswith("no measurable difference")
+    with pytest.raises(UserError, match="has no fid/cfg1; choose one of digits_fd/cfg2"):
+        compare_sweeps(mixed, "fid/cfg1")
