@@ -180,12 +180,10 @@ class DiT(nn.Module):
         reproduces the original DiT, which guides only the first 3 channels."""
         half = x[: len(x) // 2]
         out = self.forward(torch.cat([half, half], dim=0), t, y)
-        eps, rest = out[:, : self.in_channels], out[:, self.in_channels:]
         g = self.in_channels if guided_channels is None else guided_channels
-        cond_eps, uncond_eps = torch.split(eps[:, :g], len(eps) // 2, dim=0)
+        cond_eps, uncond_eps = torch.split(out[:, :g], len(out) // 2, dim=0)
         guided = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
-        eps = torch.cat([torch.cat([guided, guided], dim=0), eps[:, g:]], dim=1)
-        return torch.cat([eps, rest], dim=1)
+        return torch.cat([torch.cat([guided, guided], dim=0), out[:, g:]], dim=1)  # (the rest, variance included)
 
 
 # The architecture choices' defaults (the DiT constructor's): a run's model spec records a choice
