@@ -163,15 +163,10 @@ def first_previous_weights(num_blocks: int) -> torch.Tensor:
 
 # -- registry entries (in the order users see them listed) ---------------------------------------
 register_topology("cascaded", summary="plain DiT")(lambda num_blocks, hidden_size: CascadedTopology(num_blocks))
-
-
-@register_topology("ancre", options={**TAU, **MODE, **START}, sparse=True, incoming_softmax=True,
-                   summary="ANCRe: ingoing softmax over all earlier outputs, block 1's logit frozen")
-def build_ancre(num_blocks: int, hidden_size: int | None, tau: float, ancre_mode: str, topology_init: str,
-                topology_init_gap: float) -> ResidualTopology:
-    return ANCReTopology(num_blocks, tau, ancre_mode, topology_init, topology_init_gap)
-
-
+register_topology("ancre", options={**TAU, **MODE, **START}, sparse=True, incoming_softmax=True,
+                  summary="ANCRe: ingoing softmax over all earlier outputs, block 1's logit frozen")(
+    lambda num_blocks, hidden_size, tau, ancre_mode, topology_init, topology_init_gap: ANCReTopology(
+        num_blocks, tau, ancre_mode, topology_init, topology_init_gap))
 register_topology("ancre-outgoing", options=TAU, summary="ablation: softmax over each source's outgoing edges")(
     lambda num_blocks, hidden_size, tau: OutgoingANCReTopology(num_blocks, tau))
 register_topology("ancre-unnormalized", summary="ablation: free coefficients, initialised to 1/j")(
