@@ -105,3 +105,26 @@ def test_sample_py_guides_with_a_checkpoint_and_refuses_a_mismatched_one(tmp_pat
         _run_sample("--ckpt", str(main), "--num-samples", "4", "--protocol", "dit", "--guide-ckpt", str(weak),
                     "--out", str(tmp_path / "z.npz"))
     assert not any((tmp_path / f"{name}.npz").exists() for name in "xyz")
+
+
+@pytest.mark.slow
+def test_the_evaluation_during_training_can_autoguide_with_an_earlier_checkpoint(tmp_path):
+    from helpers import accelerate_state, tiny_config
+
+    from ancre_dit.training import train
+    from ancre_dit.training.run_evaluation import read_evals
+
+    evaluation = ["eval.num_samples=8", "eval.batch_size=8", "eval.steps=3", "eval.cfg_scales=[2.0]",
+                  "eval.heldout_loss=false", "train.ckpt_every=2"]
+    with accelerate_state():
+        train(tiny_config(tmp_path / "run", "train.max_steps=2", *evaluation))
+    early = tmp_path / "run/checkpoints/0000002"
+    runs = {}
+    for name, extra in (("cfg", []), ("auto", [f"eval.guide_ckpt={early}"])):
+        with accelerate_state():
+            train(tiny_config(tmp_path / name, "train.max_steps=4", "train.eval_every=4", *evaluation, *extra))
+        (runs[name],) = read_evals(tmp_path / name)
+    assert runs["auto"]["settings"]["guide_ckpt"] == str(early.resolve()) and "guide_ckpt" not in runs["cfg"]["settings"]
+    assert runs["auto"]["metrics"] != runs["cfg"]["metrics"]  # the same run's samples, guided otherwise
+    with pytest.raises(UserError, match="eval.guide_ckpt .* is no checkpoint folder"):
+        tiny_config(tmp_path / "x", f"eval.guide_ckpt={tmp_path}")

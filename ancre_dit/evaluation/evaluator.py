@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -45,6 +46,8 @@ def evaluation_identity(settings, data_kind: str) -> dict[str, Any]:
         identity["dinov2_model"] = settings.dinov2_model
     if list(settings.emas) != ["ema"]:  # only then: older entries keep matching
         identity["emas"] = list(settings.emas)
+    if settings.guide_ckpt:
+        identity["guide_ckpt"] = str(Path(settings.guide_ckpt).resolve())
     identity["metrics"] = resolve_metrics(settings, data_kind)
     identity["cfg_scales"] = [float(c) for c in settings.cfg_scales]
     return identity
@@ -78,8 +81,8 @@ class Evaluator:
     one gets the results."""
 
     def __init__(self, settings, *, data_kind: str, num_classes: int, objective: Objective,
-                 heldout: HeldOutSet | None, decoder, state, log=print):
-        self.settings, self.data_kind, self.num_classes = settings, data_kind, num_classes
+                 heldout: HeldOutSet | None, decoder, state, log=print, guide: torch.nn.Module | None = None):
+        self.settings, self.data_kind, self.num_classes, self.guide = settings, data_kind, num_classes, guide
         self.objective, self.heldout = objective, heldout
         self.sampler, self.steps = resolve_sampler(objective, settings.sampler, settings.steps)  # null: the default
         self.decoder, self.state, self.log = decoder, state, log
@@ -155,7 +158,7 @@ class Evaluator:
         # Every process draws at least this many parts: the stop check after each of them is collective.
         shared = len(_ranks_parts(len(labels), s.batch_size, 0, 1)) // state.num_processes
         plan = plan_sampling(model, self.objective, sampler=self.sampler, steps=self.steps,
-                             guidance=Guidance(float(cfg)))
+                             guidance=Guidance(float(cfg)), guide=self.guide)
         local = []
         for k, (start, _end, images) in enumerate(sample_parts(plan, labels, mine, decoder=self.decoder, seed=s.seed)):
             local.append((start, self._features(images)))

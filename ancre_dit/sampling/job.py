@@ -109,6 +109,9 @@ def check_settings(s: JobSettings) -> Guidance:
         raise UserError("--sde-last-step, --sde-last-step-size and --sde-diffusion-norm apply only to --sampler sde")
     check_guidance(("--cfg-scale", "--cfg-channels", "--guidance-interval"), float(s.cfg_scale), s.cfg_channels,
                    s.guidance_interval)
+    if s.guide_ckpt and float(s.cfg_scale) == 1:
+        raise UserError("--guide-ckpt guides at --cfg-scale w != 1 (D_weak + w (D - D_weak)); set --cfg-scale, "
+                        "e.g. 2, or drop --guide-ckpt")
     return Guidance(float(s.cfg_scale), s.cfg_channels, s.guidance_interval)
 
 
@@ -170,7 +173,8 @@ def run_job(s: JobSettings) -> Path:
     with job_processes(s.cpu, s.collective_timeout_s) as state:
         configure_precision(state.device, s.tf32)
         model, spec = load_trained_model(s.ckpt, s.weights, state.device)
-        guide = load_guide(s, spec, state.device) if s.guide_ckpt else None
+        guide = load_guide(s.guide_ckpt, spec, state.device, f"--guide-ckpt {s.guide_ckpt}",
+                           f"--ckpt {s.ckpt}") if s.guide_ckpt else None
         return _run_model(model, spec, s, guidance, state, guide)
 
 
@@ -178,13 +182,11 @@ def run_job(s: JobSettings) -> Path:
 TRAINING_ONLY = ("learn_sigma", "time_sampling", "logit_mean", "logit_std")
 
 
-def load_guide(s: JobSettings, spec: dict, device) -> torch.nn.Module:
-    """Autoguidance's weak model (its EMA weights), refused in one line unless it shares the sampled
-    model's data (latent space, normalisation, classes) and objective."""
-    if float(s.cfg_scale) == 1:
-        raise UserError("--guide-ckpt guides at --cfg-scale w != 1 (D_weak + w (D - D_weak)); set --cfg-scale, "
-                        "e.g. 2, or drop --guide-ckpt")
-    guide, guide_spec = load_trained_model(s.guide_ckpt, "ema", device)
+def load_guide(path: str, spec: dict, device, name: str, sampled: str) -> torch.nn.Module:
+    """Autoguidance's weak model (its EMA weights) from the checkpoint folder `path`, refused in one
+    line unless it shares the sampled model's data (latent space, normalisation, classes) and
+    objective. `name` and `sampled`: how the message calls the two."""
+    guide, guide_spec = load_trained_model(path, "ema", device)
     keys = ("kind", "image_size", "image_channels", "num_classes", "scaling_factor", "latent_norm", "channel_mean",
             "channel_std")
     differs = [f"data.{k} {guide_spec['data'].get(k)} there, {spec['data'].get(k)} here" for k in keys
@@ -193,7 +195,7 @@ def load_guide(s: JobSettings, spec: dict, device) -> torch.nn.Module:
     differs += [f"diffusion.{k} {theirs.get(k)} there, {ours.get(k)} here" for k in sorted(set(ours) | set(theirs))
                 if ours.get(k) != theirs.get(k)]
     if differs:
-        raise UserError(f"--guide-ckpt {s.guide_ckpt} does not fit --ckpt {s.ckpt} ({'; '.join(differs)}); "
+        raise UserError(f"{name} does not fit {sampled} ({'; '.join(differs)}); "
                         "autoguidance needs a model of the same latent space, classes and objective (a smaller "
                         "model or an earlier checkpoint of the same run)")
     return guide

@@ -56,6 +56,7 @@ def validate_config(config: Config, check_paths: bool = True) -> list[str]:
     check_lr_schedule(config.train)
     _check_ema_decays(config.train.ema_decay, config.train.ema_decays)
     _check_eval_emas(config)
+    _check_eval_guide(config.eval, paths)
     check_phema_settings(config.train.phema.stds, config.train.phema.snapshot_every)
     check_data_path(config.data, paths.found)
     objective = build_objective(diffusion_spec(config))
@@ -110,6 +111,14 @@ def _check_ema_decays(decay: float, extra: list[float]) -> None:
         if d == decay or extra.count(d) > 1:
             what = "the decay of train.ema_decay" if d == decay else "given twice"
             raise UserError(f"train.ema_decays holds {d:g}, {what}; keep each EMA once")
+
+
+def _check_eval_guide(e: EvalConfig, paths: _Paths) -> None:
+    from ..checkpoint import SPEC_FILE
+
+    if e.guide_ckpt and not paths.found("eval.guide_ckpt", str(Path(e.guide_ckpt) / SPEC_FILE)):
+        raise MissingFileError(f"eval.guide_ckpt {e.guide_ckpt} is no checkpoint folder ({SPEC_FILE} missing); "
+                               "point it at RUN/checkpoints/<step> of a model of the same data")
 
 
 def _check_eval_emas(config: Config) -> None:

@@ -148,6 +148,9 @@ class EvalConfig:
     # The EMAs sampled from: ema, ema-<decay> (train.ema_decays), phema-<std> (train.phema.stds); the
     # metrics of any but `ema` are logged as <metric>@<name>, and quality.png draws one line per EMA.
     emas: StrList = Field(default_factory=lambda: ["ema"])
+    # Autoguidance: samples guided at cfg_scales by this checkpoint folder's EMA (an earlier checkpoint
+    # of this run, or a smaller model of the same data) instead of the unconditional model.
+    guide_ckpt: Str | None = None
     ref: Str | None = None            # ADM reference npz, or one from evaluate.py --save-ref-stats
     inception_weights: Str | None = None
     dinov2_weights: Str | None = None  # fd_dinov2: local timm weights file of dinov2_model

@@ -36,8 +36,13 @@ def build_run_evaluator(config: Config, data, objective, decoder, state, log: Ca
     if e.heldout_loss and data.heldout is not None:
         heldout = build_heldout_set(data.heldout, data.kind, max_examples=e.heldout_max, draws=e.heldout_draws,
                                     seed=e.seed, objective=objective, latent_norm=data.latent_norm)
+    guide = None
+    if e.guide_ckpt:
+        from ..sampling.job import load_guide
+        spec = {"data": ckpt.data_spec(data), "diffusion": objective.spec()}
+        guide = load_guide(e.guide_ckpt, spec, state.device, f"eval.guide_ckpt {e.guide_ckpt}", "this run")
     evaluator = Evaluator(e, data_kind=data.kind, num_classes=data.num_classes, objective=objective, heldout=heldout,
-                          decoder=decoder, state=state, log=log)
+                          decoder=decoder, state=state, log=log, guide=guide)
     # The reference's features now, on the main process, while the others wait with nothing queued
     # (their wait is bounded by train.collective_timeout_s); a bad reference stops every process here.
     main_decides(state, evaluator.prepare_reference)
