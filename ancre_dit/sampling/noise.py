@@ -17,7 +17,6 @@ from ..errors import UserError
 # Stream ids, so that labels and noise drawn for the same (seed, i) are independent.
 NOISE_STREAM = 0
 LABEL_STREAM = 1
-LABEL_MODES = ("balanced", "random")
 
 
 def sample_seed(seed: int, index: int, stream: int = NOISE_STREAM) -> int:
@@ -66,4 +65,4 @@ def assign_labels(indices: Sequence[int] | np.ndarray, num_classes: int, *, seed
     if mode == "random":
         return np.array([np.random.default_rng(sample_seed(seed, i, LABEL_STREAM)).integers(num_classes)
                          for i in indices], dtype=np.int64)
-    raise UserError(f"unknown label mode {mode!r}; choose {' or '.join(LABEL_MODES)}")
+    raise UserError(f"unknown label mode {mode!r}; choose balanced or random")

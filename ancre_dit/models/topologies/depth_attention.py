@@ -33,7 +33,6 @@ from ...errors import UserError
 from .base import ResidualTopology, TopologyNotDefined
 from .registry import NonNegativeInt, PositiveInt, TopologyOption, register_topology
 
-QUERIES = ("static", "static-t", "dynamic")
 RMS_EPS = 1e-6
 
 
@@ -154,9 +153,9 @@ class DepthAttentionTopology(ResidualTopology):
         return f"{name} query={self.query}, {self.grouping}={self.group}, sublayers={2 * self.num_blocks}"
 
 
-QUERY = {"query": TopologyOption(Literal[QUERIES], "static", "the aggregators' queries: static (a learned "
-                                 "vector), static-t (plus a zero-initialised head of the timestep embedding) or "
-                                 "dynamic (a map of the previous output, per token)")}
+QUERY = {"query": TopologyOption(Literal["static", "static-t", "dynamic"], "static", "the aggregators' queries: "
+                                 "static (a learned vector), static-t (plus a zero-initialised head of the timestep "
+                                 "embedding) or dynamic (a map of the previous output, per token)")}
 # Their weights depend on the token and the timestep: no (K, K) matrix, mean weights per time instead.
 DEPTH_ROUTING = {"matrix": False, "weights_per_time": True, "width": True}
 
