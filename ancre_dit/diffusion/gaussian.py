@@ -105,13 +105,9 @@ class GaussianDiffusion:
     def respaced(self, section_counts: str | int) -> "GaussianDiffusion":
         """A diffusion over a subset of steps with betas chosen to keep alphas_cumprod (ADM's)."""
         use = space_timesteps(self.num_timesteps, section_counts)
-        new_betas, last, kept = [], 1.0, []
-        for i, alpha_cumprod in enumerate(self.alphas_cumprod):
-            if i in use:
-                new_betas.append(1.0 - alpha_cumprod / last)
-                last = alpha_cumprod
-                kept.append(int(self.timestep_map[i]))
-        return GaussianDiffusion(np.array(new_betas), self.learn_sigma, kept)
+        alphas_cumprod = self.alphas_cumprod[use]
+        betas = 1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1])
+        return GaussianDiffusion(betas, self.learn_sigma, self.timestep_map[use].tolist())
 
     def q_sample(self, x_start: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps."""
