@@ -116,7 +116,7 @@ class WeightedHistoryTopology(ResidualTopology):
         self._stacked_plan = StackedPlan(self.edges)
         # On the model's device, moved with it: the backward masks the weights' gradient with it
         # and would otherwise copy it from the host every step.
-        mask = self._stacked_plan.mask()
+        mask = self._stacked_plan.mask.clone()
         self.register_buffer("edge_mask", mask.to(self.edge_mask.device) if hasattr(self, "edge_mask") else mask,
                              persistent=False)
 
