@@ -25,13 +25,18 @@ def _classes(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of class ids, e.g. 1,2,3") from None
 
 
+def _ema_weights(name: str) -> str:
+    return name if name.startswith(("ema-", "phema-")) else f"ema-{name}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser(description=__doc__.split("\n")[0])
     p.add_argument("--ckpt", required=True, help="checkpoint folder RUN/checkpoints/<step>")
     weights = p.add_mutually_exclusive_group()
     weights.add_argument("--weights", choices=("ema", "model"), default="ema", help="EMA (default) or raw weights")
-    weights.add_argument("--ema", default=None, metavar="DECAY",
-                         help="another EMA the run kept (train.ema_decays), by its decay: ema-DECAY.safetensors")
+    weights.add_argument("--ema", default=None, metavar="NAME",
+                         help="another EMA the run kept: a decay of train.ema_decays (0.999: ema-0.999.safetensors) "
+                              "or a post-hoc EMA's file name (phema-0.05)")
     p.add_argument("--num-samples", type=int, default=16)
     p.add_argument("--out", default="samples.npz", help="merged ADM .npz (arr_0 uint8 NHWC images, arr_1 labels)")
     p.add_argument("--batch-size", type=int, default=32, help="samples per forward (per process)")
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.png_dir:
         output_folder(a.png_dir, "sample PNG folder", "000000.png", "--png-dir")
     run_job(apply_protocol(JobSettings(
-        ckpt=a.ckpt, out=a.out, num_samples=a.num_samples, weights=f"ema-{a.ema}" if a.ema else a.weights,
+        ckpt=a.ckpt, out=a.out, num_samples=a.num_samples, weights=_ema_weights(a.ema) if a.ema else a.weights,
         batch_size=a.batch_size,
         sampler=a.sampler, steps=a.steps, cfg_scale=a.cfg_scale, cfg_channels=a.cfg_channels,
         guidance_interval=parse_interval(a.guidance_interval), seed=a.seed, sde_last_step=a.sde_last_step,

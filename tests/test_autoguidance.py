@@ -128,3 +128,16 @@ def test_the_evaluation_during_training_can_autoguide_with_an_earlier_checkpoint
     assert runs["auto"]["metrics"] != runs["cfg"]["metrics"]  # the same run's samples, guided otherwise
     with pytest.raises(UserError, match="eval.guide_ckpt .* is no checkpoint folder"):
         tiny_config(tmp_path / "x", f"eval.guide_ckpt={tmp_path}")
+
+
+def test_flow_sampling_autoguides_too():
+    from ancre_dit.sampling import sample_latents
+
+    model, weak = random_model(seed=0, learn_sigma=False), random_model(seed=1, learn_sigma=False, depth=1)
+    flow = {"objective": "flow", "learn_sigma": False}
+    labels = [1, 2]
+    plain = sample_latents(model, flow, labels, steps=3, guidance=Guidance(1.0), guide=weak)  # scale 1: no guidance
+    assert torch.equal(plain, sample_latents(model, flow, labels, steps=3, guidance=Guidance(1.0)))
+    auto = sample_latents(model, flow, labels, steps=3, guidance=Guidance(2.0), guide=weak)
+    cfg = sample_latents(model, flow, labels, steps=3, guidance=Guidance(2.0))
+    assert not torch.equal(auto, plain) and not torch.equal(auto, cfg)

@@ -166,3 +166,15 @@ def test_the_sweeps_verdict_pairs_each_seeds_pick_with_its_fixed_ema():
     assert compare_sweeps(mixed, "digits_fd/cfg2").endswith("no measurable difference")
     with pytest.raises(UserError, match="has no fid/cfg1; choose one of digits_fd/cfg2"):
         compare_sweeps(mixed, "fid/cfg1")
+
+
+@pytest.mark.slow
+def test_sample_py_takes_a_post_hoc_ema_of_a_checkpoint_by_its_file_name(tmp_path):
+    with accelerate_state():
+        train(tiny_config(tmp_path / "run", *PHEMA, "train.max_steps=2"))
+    ckpt = tmp_path / "run/checkpoints/0000002"
+    load_script(ROOT / "sample.py").main(["--ckpt", str(ckpt), "--ema", "phema-0.05", "--num-samples", "2",
+                                          "--steps", "3", "--out", str(tmp_path / "a.npz")])
+    assert (tmp_path / "a.npz").is_file()
+    with pytest.raises(UserError, match=r"holds no ema-0\.5\.safetensors; its EMAs: phema-0\.05, phema-0\.1"):
+        load_script(ROOT / "sample.py").main(["--ckpt", str(ckpt), "--ema", "0.5", "--out", str(tmp_path / "b.npz")])

@@ -167,7 +167,7 @@ def run_job(s: JobSettings) -> Path:
     """Samples s.num_samples images into s.out (+ PNG folder, grid); returns s.out."""
     guidance = check_settings(s)
     if s.weights not in ("ema", "model") and not (Path(s.ckpt) / f"{s.weights}.safetensors").is_file():
-        held = sorted(p.stem.removeprefix("ema-") for p in Path(s.ckpt).glob("ema-*.safetensors"))
+        held = sorted(p.stem.removeprefix("ema-") for p in Path(s.ckpt).glob("*ema-*.safetensors"))
         raise UserError(f"--ema {s.weights.removeprefix('ema-')}: {s.ckpt} holds no {s.weights}.safetensors; its "
                         f"EMAs: {', '.join(held) or 'none besides ema.safetensors (train.ema_decays)'}")
     with job_processes(s.cpu, s.collective_timeout_s) as state:
