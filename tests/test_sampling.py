@@ -450,3 +450,12 @@ def test_guidance_errors_name_the_value_and_the_sampling_job_names_its_flags():
     with pytest.raises(UserError, match="no unconditional mode for guidance") as err:
         GuidedDenoiser(tiny_model("cascaded", class_dropout_prob=0.0), Guidance(2.0))
     assert "--" not in str(err.value)
+
+
+def test_one_ancestral_step_is_refused_in_one_line_and_ddim_takes_it(digits_ckpt, tmp_path):
+    with pytest.raises(UserError, match="--steps 1: the ddpm sampler needs at least 2 steps"):
+        run_sample("--ckpt", str(digits_ckpt), "--sampler", "ddpm", "--steps", "1", "--out", str(tmp_path / "a.npz"))
+    assert not (tmp_path / "a.npz").exists()
+    run_sample("--ckpt", str(digits_ckpt), "--sampler", "ddim", "--steps", "1", "--num-samples", "2",
+               "--out", str(tmp_path / "b.npz"))
+    assert np.load(tmp_path / "b.npz")["arr_0"].shape[0] == 2

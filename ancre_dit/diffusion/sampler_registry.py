@@ -12,7 +12,7 @@ import torch
 
 from ..errors import UserError
 from .base import Objective
-from .ddpm import DDPMObjective, ddpm_sampler, schedule_of, scheduler_sampler
+from .ddpm import DDPMObjective, check_ancestral_steps, ddpm_sampler, schedule_of, scheduler_sampler
 from .flow import FlowObjective
 from .flow_samplers import check_sde_steps, ode_sampler, sde_sampler
 
@@ -54,7 +54,8 @@ class SamplerEntry:
 
 
 SAMPLERS: dict[str, SamplerEntry] = {
-    "ddpm": SamplerEntry(ddpm_sampler, ("ddpm",), 250, "ADM's ancestral sampler, respaced ADM-style"),
+    "ddpm": SamplerEntry(ddpm_sampler, ("ddpm",), 250, "ADM's ancestral sampler, respaced ADM-style",
+                         check_steps=check_ancestral_steps),
     "ddim": SamplerEntry(partial(scheduler_sampler, kind="ddim"), ("ddpm",), 250, "diffusers' DDIM, eta 0"),
     "dpm-solver": SamplerEntry(partial(scheduler_sampler, kind="dpm-solver"), ("ddpm",), 250,
                                "diffusers' DPM-Solver++(2M)"),
