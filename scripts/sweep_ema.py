@@ -2,7 +2,7 @@
 """Sweeps the EMA length of trained runs without retraining (post-hoc EMA), and says whether it helps.
 
     python scripts/sweep_ema.py RUN --stds 0.02,0.05,0.1,0.15
-    python scripts/sweep_ema.py results/studies/digits-posthoc-ema/runs/phema-s* --stds 0.02,0.04,0.06,0.08,0.1,0.15,0.2
+    python scripts/sweep_ema.py results/studies/posthoc-ema/runs/phema-s* --stds 0.02,0.04,0.06,0.08,0.1,0.15,0.2
 
 Each run must have trained with train.phema. At its newest checkpoint every std is rebuilt from the
 snapshots and scored with the run's own evaluation settings (digits metric, FID, held-out loss) next
