@@ -34,8 +34,8 @@ def plot_panels(panels: dict[str, dict[str, Curve]], path: str | Path, xlabel: s
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
     if any(labels):
-        handles, texts = axes.flat[0].get_legend_handles_labels()
-        fig.legend(handles, texts, loc="lower center", ncol=min(4, len(labels)), fontsize=9)
+        found = {text: handle for ax in axes.flat for handle, text in zip(*ax.get_legend_handles_labels())}
+        fig.legend(list(found.values()), list(found), loc="lower center", ncol=min(4, len(labels)), fontsize=9)
     if title:
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.06 if any(labels) else 0, 1, 1))

@@ -93,12 +93,13 @@ def plot_run_quality(run_dir: Path, identity: dict[str, Any]) -> Path | None:
             metric, _, ema = k.partition("@")
             if is_heldout_part(metric):
                 continue
-            steps, values = series.setdefault(metric, {}).setdefault(ema or "ema", ([], []))
+            label = ema or ("raw weights" if metric.endswith("_raw") else "ema")
+            steps, values = series.setdefault(metric, {}).setdefault(label, ([], []))
             steps.append(e["step"])
             values.append(v)
     if not series:
         return None
-    several = any(len(lines) > 1 or "ema" not in lines for lines in series.values())
+    several = any(len(lines) > 1 or next(iter(lines)) not in ("ema", "raw weights") for lines in series.values())
     panels = {k: {(name if several else ""): (np.asarray(steps), np.asarray(values), None)
                   for name, (steps, values) in lines.items()} for k, lines in series.items()}
     return plot_panels(panels, Path(run_dir) / QUALITY_PLOT, xlabel="step",
