@@ -228,3 +228,41 @@ def test_one_and_two_processes_give_identical_flow_samples(tmp_path, capfd):
     with np.load(tmp_path / "one.npz") as one, np.load(tmp_path / "two.npz") as two:
         assert np.array_equal(one["arr_0"], two["arr_0"]) and np.array_equal(one["arr_1"], two["arr_1"])
         assert one["arr_0"].std() > 0
+
+
+def test_the_cosine_loss_is_lightningdits_beside_the_mse():
+    """LightningDiT's transport: 1 - cosine_similarity(v_pred, v, dim=1), averaged like the MSE, added
+    to it; here with a weight. Written again from the definition of the cosine."""
+    from ancre_dit.errors import UserError
+
+    torch.manual_seed(0)
+    x, noise, t, y = torch.randn(3, 4, 6, 6), torch.randn(3, 4, 6, 6), torch.rand(3), torch.tensor([0, 1, 2])
+    prediction = torch.randn(3, 4, 6, 6)
+    net = lambda x_t, t, y: prediction  # noqa: E731
+    plain = build_objective({"objective": "flow", "learn_sigma": False})
+    with_cos = build_objective({"objective": "flow", "learn_sigma": False, "cosine_loss_weight": 0.5})
+    target = x - noise
+    dot = (prediction * target).sum(1)
+    cosine = dot / (prediction.norm(dim=1).clamp_min(1e-8) * target.norm(dim=1).clamp_min(1e-8))
+    expected_cos = (1 - cosine).flatten(1).mean(1)
+    expected_mse = ((prediction - target) ** 2).flatten(1).mean(1)
+    terms = with_cos.losses(net, x, y, (t, noise))
+    torch.testing.assert_close(terms["cos"], expected_cos)
+    torch.testing.assert_close(terms["loss"], expected_mse + 0.5 * expected_cos)
+    assert set(plain.losses(net, x, y, (t, noise))) == {"mse", "loss"} and "cosine_loss_weight" not in plain.spec()
+    assert with_cos.spec()["cosine_loss_weight"] == 0.5
+    assert build_objective(with_cos.spec()).cosine_loss_weight == 0.5  # a checkpoint's spec rebuilds it
+    with pytest.raises(UserError, match="diffusion.cosine_loss_weight applies only to diffusion.objective=flow"):
+        build_objective({"objective": "ddpm", "cosine_loss_weight": 1.0})
+
+
+@pytest.mark.slow
+def test_a_flow_run_with_the_cosine_loss_learns_and_logs_it(tmp_path):
+    import json
+
+    common = ["diffusion.objective=flow", "model.learn_sigma=false", "diffusion.cosine_loss_weight=1.0",
+              "train.max_steps=30", "train.log_every=5", "train.lr=2e-3"]
+    with accelerate_state():
+        train(tiny_config(tmp_path / "run", *common))
+    rows = [json.loads(line) for line in (tmp_path / "run/logs/metrics.jsonl").read_text().splitlines()]
+    assert "cos" in rows[0] and rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["cos"] < rows[0]["cos"]

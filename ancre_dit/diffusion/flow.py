@@ -6,7 +6,9 @@ and t = 1 data; the network predicts the velocity x1 - x0, trained with the plai
 loss_weight None, learn_sigma off); t enters the timestep embedding as it is, a float in [0, 1];
 sampling integrates dx/dt = v(x, t) over all of [0, 1] (SiT's train_eps and sample_eps are 0 here).
 Training time is uniform (SiT) or logit-normal, t = sigmoid(m + s * n), n ~ N(0, 1) (SD3 /
-LightningDiT). Normalised time, the guidance interval's unit, is u = 1 - t.
+LightningDiT). LightningDiT also adds a cosine loss on the velocity, 1 - cos(v_pred, v) over the
+channels at each position, beside the MSE (here with a weight; 0 = off). Normalised time, the guidance
+interval's unit, is u = 1 - t.
 """
 from __future__ import annotations
 
@@ -22,22 +24,27 @@ TIME_SAMPLINGS = ("uniform", "logit-normal")
 
 
 class FlowObjective(Objective):
-    """Linear-interpolant flow matching; loss terms "mse" and "loss" (equal)."""
+    """Linear-interpolant flow matching; loss terms "mse", with a cosine weight "cos", and "loss"."""
 
     name = "flow"
     default_sampler = "heun"
 
-    def __init__(self, time_sampling: str = "uniform", logit_mean: float = 0.0, logit_std: float = 1.0):
+    def __init__(self, time_sampling: str = "uniform", logit_mean: float = 0.0, logit_std: float = 1.0,
+                 cosine_loss_weight: float = 0.0):
         if time_sampling not in TIME_SAMPLINGS:
             raise UserError(f"unknown diffusion.time_sampling {time_sampling!r}; choose {' or '.join(TIME_SAMPLINGS)}")
         if not logit_std > 0:
             raise UserError(f"diffusion.logit_std must be positive, got {logit_std}")
         self.time_sampling = time_sampling
         self.logit_mean, self.logit_std = float(logit_mean), float(logit_std)
+        self.cosine_loss_weight = float(cosine_loss_weight)
 
     def spec(self) -> dict[str, Any]:
-        return {"objective": self.name, "path": "linear", "prediction": "velocity", "time_sampling": self.time_sampling,
+        spec = {"objective": self.name, "path": "linear", "prediction": "velocity", "time_sampling": self.time_sampling,
                 "logit_mean": self.logit_mean, "logit_std": self.logit_std, "learn_sigma": False}
+        if self.cosine_loss_weight:  # only then: the specs of runs without it stay as they were (resume)
+            spec["cosine_loss_weight"] = self.cosine_loss_weight
+        return spec
 
     @staticmethod
     def interpolate(data: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +67,10 @@ class FlowObjective(Objective):
         x_t, target = self.interpolate(x, noise, t)
         velocity = model(x_t, t, y=y)[:, : x.shape[1]].float()
         mse = mean_flat((velocity - target.float()) ** 2)
-        return {"mse": mse, "loss": mse}
+        if not self.cosine_loss_weight:
+            return {"mse": mse, "loss": mse}
+        cos = mean_flat(1 - torch.nn.functional.cosine_similarity(velocity, target.float(), dim=1))
+        return {"mse": mse, "cos": cos, "loss": mse + self.cosine_loss_weight * cos}
 
     def normalized_time(self, t: float) -> float:
         return 1.0 - float(t)

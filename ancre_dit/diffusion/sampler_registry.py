@@ -28,13 +28,16 @@ def build_objective(spec: Mapping[str, Any] | Objective) -> Objective:
         if spec.get("time_sampling", "uniform") != "uniform":
             raise UserError(f"diffusion.time_sampling={spec['time_sampling']} applies only to diffusion.objective=flow "
                             "(DDPM draws integer timesteps uniformly)")
+        if spec.get("cosine_loss_weight"):
+            raise UserError("diffusion.cosine_loss_weight applies only to diffusion.objective=flow (LightningDiT's "
+                            "cosine loss on the velocity); set it to 0")
         return DDPMObjective(learn_sigma=bool(spec.get("learn_sigma", True)), **schedule_of(spec))
     if name == "flow":
         if spec.get("learn_sigma"):
             raise UserError("the flow objective predicts a velocity and has no learned variance; "
                             "set model.learn_sigma=false")
         return FlowObjective(str(spec.get("time_sampling", "uniform")), float(spec.get("logit_mean", 0.0)),
-                             float(spec.get("logit_std", 1.0)))
+                             float(spec.get("logit_std", 1.0)), float(spec.get("cosine_loss_weight", 0.0)))
     raise UserError(f"unknown diffusion objective {name!r}; choose {' or '.join(OBJECTIVES)}")
 
 

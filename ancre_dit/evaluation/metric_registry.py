@@ -202,9 +202,9 @@ def lower_is_better(metric: str) -> bool:
 
 
 def is_heldout_part(metric: str) -> bool:
-    """heldout_mse* / heldout_vb*: the terms of heldout_loss, shown in tables but left out of figures
-    and verdicts (heldout_loss stands for them)."""
-    return metric.startswith(("heldout_mse", "heldout_vb"))
+    """heldout_mse* / heldout_vb* / heldout_cos*: the terms of heldout_loss, shown in tables but left out
+    of figures and verdicts (heldout_loss stands for them)."""
+    return metric.startswith(("heldout_mse", "heldout_vb", "heldout_cos"))
 
 
 def value_label(name: str) -> str:

@@ -168,6 +168,8 @@ class DiffusionConfig:
     time_sampling: Literal[TIME_SAMPLINGS] = "uniform"  # flow: uniform (SiT) or logit-normal (SD3)
     logit_mean: Float = 0.0           # logit-normal location
     logit_std: Float = Field(1.0, gt=0)  # logit-normal scale
+    # flow: LightningDiT's cosine loss 1 - cos(v_pred, v) beside the MSE, with this weight (its recipe: 1)
+    cosine_loss_weight: Float = Field(0.0, ge=0)
 
 
 @section
