@@ -261,3 +261,24 @@ def test_topology_json_is_readable_by_people(tmp_path):
     save_topology_json(tmp_path / "t.json", torch.eye(2), step=10)
     payload = json.loads((tmp_path / "t.json").read_text())
     assert payload["num_blocks"] == 2 and payload["step"] == 10 and payload["probabilities"] == [[1.0, 0.0], [0.0, 1.0]]
+
+
+@pytest.mark.slow
+def test_model_patch_size_overrides_the_named_models_and_reaches_the_checkpoint(tmp_path):
+    """LightningDiT-XL/1's patch size 1 on a /2 size: the run trains, its spec rebuilds the patch-1
+    network, and a patch size that does not divide the input is one line before training."""
+    from helpers import accelerate_state, tiny_config
+
+    from ancre_dit.checkpoint import load_trained_model
+    from ancre_dit.errors import UserError
+    from ancre_dit.training import train
+
+    with accelerate_state():
+        train(tiny_config(tmp_path / "p1", "model.patch_size=1", "train.max_steps=2"))
+    model, spec = load_trained_model(tmp_path / "p1/checkpoints/0000002")
+    assert spec["model"]["kwargs"]["patch_size"] == 1 and model.patch_size == 1
+    assert model.x_embedder.num_patches == 64  # 8 x 8 digits, one token per pixel
+    with accelerate_state(), pytest.raises(UserError, match="data.image_size 8 is not divisible by the patch size 3 "
+                                                           "of model.patch_size"):
+        train(tiny_config(tmp_path / "p3", "model.patch_size=3", "train.max_steps=2"))
+    assert not (tmp_path / "p3").exists()

@@ -90,7 +90,7 @@ def _build_model(config: Config) -> None:
     if m.topology_entropy_weight and not topology_entry(m.topology).incoming_softmax:
         raise UserError(f"model.topology_entropy_weight needs the ancre topology (a learned softmax over each "
                         f"block's incoming edges), not {m.topology}; set it to 0 or use model.topology=ancre")
-    kwargs = model_kwargs(m, input_size=8, in_channels=4, num_classes=10)
+    kwargs = model_kwargs(m, input_size=8 * (m.patch_size or 1), in_channels=4, num_classes=10)  # a fitting stand-in
     if m.name in DIT_MODELS:  # the topology on the CPU (small; some read their values at build), the rest on meta
         depth, width, _ = DIT_SIZES[DIT_MODELS[m.name][0]]
         # its options were checked just above (resolve_options): the entry's builder trusts them

@@ -39,6 +39,7 @@ class ModelConfig:
     depth: Int | None = Field(None, ge=1)
     hidden_size: Int | None = Field(None, ge=1)
     num_heads: Int | None = Field(None, ge=1)
+    patch_size: Int | None = Field(None, ge=1)  # e.g. 1 for LightningDiT-XL/1 on f16 latents
     # The block's layers: the 2022 DiT by default; rmsnorm + swiglu + rope2d + qk_norm is LightningDiT's.
     norm: Str = ARCH["norm"]
     mlp: Str = ARCH["mlp"]

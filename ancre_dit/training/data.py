@@ -80,7 +80,7 @@ def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
     config.model.name) divides it."""
     d = config.data
     if patch_size is None:
-        patch_size = DIT_MODELS[config.model.name][1]
+        patch_size = config.model.patch_size or DIT_MODELS[config.model.name][1]
     if d.kind == "digits":
         from ..data.digits import DIGITS_NUM_CLASSES, DigitsDataset
         info = DataInfo(DigitsDataset("train"), "digits", 8, 1, DIGITS_NUM_CLASSES, 8, 1,
@@ -111,8 +111,9 @@ def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
                         "pixels (drop data.latent_norm)")
     if info.input_size % patch_size:
         what = "latent side" if info.kind == "latents" else "data.image_size"
-        raise UserError(f"{what} {info.input_size} is not divisible by the patch size {patch_size} of "
-                        f"{config.model.name}; pick a model with a patch size that divides it")
+        owner = "model.patch_size" if config.model.patch_size else config.model.name
+        raise UserError(f"{what} {info.input_size} is not divisible by the patch size {patch_size} of {owner}; pick "
+                        "a model or a model.patch_size that divides it")
     return info
 
 
