@@ -266,3 +266,16 @@ def test_a_flow_run_with_the_cosine_loss_learns_and_logs_it(tmp_path):
         train(tiny_config(tmp_path / "run", *common))
     rows = [json.loads(line) for line in (tmp_path / "run/logs/metrics.jsonl").read_text().splitlines()]
     assert "cos" in rows[0] and rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["cos"] < rows[0]["cos"]
+
+
+def test_repas_lognormal_weighting_is_the_logit_normal_time_at_mean_0_std_1():
+    """REPA's loss.py, weighting "lognormal" on the linear path: sigma = exp(n), n ~ N(0, 1), and
+    t_REPA = sigma / (1 + sigma) with t_REPA = 0 the data; in SiT's time (1 the data) that is
+    1 - t_REPA = sigmoid(-n), distributed as our logit-normal sigmoid(0 + 1 * n)."""
+    n = torch.randn(200_000, generator=torch.Generator().manual_seed(0))
+    sigma = n.exp()
+    repa_in_our_time = 1 - sigma / (1 + sigma)
+    ours, _ = build_objective({"objective": "flow", "learn_sigma": False, "time_sampling": "logit-normal",
+                               "logit_mean": 0.0, "logit_std": 1.0}).draw(torch.zeros(200_000, 1), torch.Generator())
+    levels = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95])
+    torch.testing.assert_close(torch.quantile(ours, levels), torch.quantile(repa_in_our_time, levels), atol=4e-3, rtol=0)
