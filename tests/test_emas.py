@@ -178,3 +178,10 @@ def test_sample_py_takes_a_post_hoc_ema_of_a_checkpoint_by_its_file_name(tmp_pat
     assert (tmp_path / "a.npz").is_file()
     with pytest.raises(UserError, match=r"holds no ema-0\.5\.safetensors; its EMAs: phema-0\.05, phema-0\.1"):
         load_script(ROOT / "sample.py").main(["--ckpt", str(ckpt), "--ema", "0.5", "--out", str(tmp_path / "b.npz")])
+
+
+def test_a_length_out_of_range_is_one_line_before_anything_is_written(tmp_path):
+    with pytest.raises(UserError, match=r"--std holds 0\.5; a power-function EMA's std lies in \(0, 0\.2887\)"):
+        load_script(ROOT / "scripts" / "reconstruct_ema.py").main([str(tmp_path), "--std", "0.5", "--out",
+                                                                  str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

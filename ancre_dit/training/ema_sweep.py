@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 from ..errors import UserError
 from ..files import write_atomic
 from . import checkpointing as ckpt
-from .phema import reconstruct
+from .phema import check_std, reconstruct
 from .run_evaluation import CONFIG_FILE, build_run_evaluator
 from .config import load_config
 
@@ -31,6 +31,8 @@ def sweep_ema(run_dir: Path, stds: Sequence[float], seeds: tuple[int, int] = (0,
     from .data import build_data
 
     run_dir = Path(run_dir)
+    for std in stds:  # all of them before anything is evaluated
+        check_std(std, "--stds")
     found = ckpt.list_checkpoints(run_dir)
     if not found:
         raise UserError(f"{run_dir} has no checkpoint; train it first (with train.phema)")
@@ -43,7 +45,7 @@ def sweep_ema(run_dir: Path, stds: Sequence[float], seeds: tuple[int, int] = (0,
         decoder = build_decoder(spec["data"], data.in_channels, configs[0].data.vae, state.device)
         models = {"ema": load_trained_model(folder, "ema", state.device)[0]}
         for std in stds:
-            weights, _, _ = reconstruct(run_dir, std, step)
+            weights, _, _ = reconstruct(run_dir, std, step, "--stds")
             model = build_model(spec, weights)
             model.load_state_dict(weights)
             models[f"std {std:g}"] = model.to(state.device).eval()

@@ -24,12 +24,21 @@ from ..files import write_atomic
 from .ema import EMA
 
 
+MAX_STD = 12 ** -0.5  # g = 0, the plain average, is the widest profile: std 1/sqrt(12)
+
+
+def check_std(std: float, name: str = "std") -> None:
+    """A power-function EMA's std lies in (0, MAX_STD); `name`: what the caller calls the value."""
+    if not 0 < std < MAX_STD:
+        raise UserError(f"{name} holds {std:g}; a power-function EMA's std lies in (0, {MAX_STD:.4f}) (EDM2 "
+                        "tracks 0.05 and 0.10)")
+
+
 @lru_cache(maxsize=None)  # read at every step by the tracking rule
 def exponent_of_std(std: float) -> float:
     """The exponent g whose profile has relative standard deviation `std`: the largest real root of
     std^2 (g + 2)^2 (g + 3) = g + 1, a cubic in g."""
-    if not 0 < std < 12 ** -0.5:  # g = 0 (the plain average) is the widest profile: std 1/sqrt(12)
-        raise ValueError(f"a power-function EMA's std lies in (0, {12 ** -0.5:.4f}), got {std}")
+    check_std(std)
     k = std ** -2
     roots = np.roots([1.0, 7.0, 16.0 - k, 12.0 - k])
     return float(roots[np.abs(roots.imag) < 1e-9].real.max())
@@ -65,13 +74,10 @@ def reconstruction_weights(snapshot_steps: Sequence[int], snapshot_stds: Sequenc
     return x / x.sum()
 
 
-
 def check_phema_settings(stds: Sequence[float], snapshot_every: int) -> None:
     """train.phema: stds inside a power-function profile's range, distinct, with a snapshot period."""
     for std in stds:
-        if not 0 < std < 12 ** -0.5:
-            raise UserError(f"train.phema.stds holds {std:g}; a power-function EMA's std lies in (0, "
-                            f"{12 ** -0.5:.4f}) (EDM2 tracks 0.05 and 0.10)")
+        check_std(std, "train.phema.stds")
     if len(set(stds)) != len(stds):
         raise UserError(f"train.phema.stds {list(stds)} repeats a std; give each once")
     if stds and not snapshot_every:
@@ -90,6 +96,7 @@ class PowerFunctionEMA(EMA):
 
     def decay(self, updates: int) -> float:
         return tracking_beta(self.std, updates + 1)
+
 
 # -- snapshots: RUN/phema/<step>.safetensors, every tracked std's weights at one step ---------------
 SNAPSHOT_DIR = "phema"
@@ -120,16 +127,18 @@ def read_snapshot(path: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
         return json.loads(f.metadata()["stds"]), {k: f.get_tensor(k) for k in f.keys()}
 
 
-def reconstruct(run_dir: Path, std: float, at: int | None = None) -> tuple[dict[str, torch.Tensor], int, list[int]]:
+def reconstruct(run_dir: Path, std: float, at: int | None = None, name: str = "--std"
+                ) -> tuple[dict[str, torch.Tensor], int, list[int]]:
     """The EMA of length `std` at step `at` (default: the last snapshot), rebuilt from the snapshots up
-    to it: (state dict, step, snapshot steps used). Non-float tensors are the last snapshot's."""
+    to it: (state dict, step, snapshot steps used). Non-float tensors are the last snapshot's. `name`:
+    what the caller calls `std`."""
+    check_std(std, name)
     steps = snapshot_steps(run_dir, at)
     if not steps:
         raise UserError(f"no post-hoc EMA snapshots in {Path(run_dir) / SNAPSHOT_DIR}"
                         f"{f' up to step {at}' if at is not None else ''}; train with train.phema.stds and "
                         "train.phema.snapshot_every")
     target = steps[-1] if at is None else at
-    exponent_of_std(std)  # its range, in one line
     snapshots = [read_snapshot(Path(run_dir) / SNAPSHOT_DIR / f"{s:07d}.safetensors") for s in steps]
     tracked = [(i, d) for i, (stds, _) in enumerate(snapshots) for d in stds]
     weights = reconstruction_weights([steps[i] for i, _ in tracked], [d for _, d in tracked], target, std)
@@ -152,11 +161,11 @@ def write_reconstruction(run_dir: Path, std: float, at: int | None, out: Path) -
     from ..checkpoint import SPEC_FILE, WEIGHT_FILES, load_model_spec, save_safetensors
     from .checkpointing import list_checkpoints
 
+    state, step, steps = reconstruct(run_dir, std, at)
     found = list_checkpoints(run_dir)
     if not found:
         raise UserError(f"{run_dir} has no checkpoint to take the model's spec from; train until its first "
                         "checkpoint (train.ckpt_every)")
-    state, step, steps = reconstruct(run_dir, std, at)
     spec = {**load_model_spec(found[-1][1]), "step": step,
             "posthoc_ema": {"std": std, "snapshots": len(steps), "first": steps[0], "last": steps[-1]}}
     out.mkdir(parents=True, exist_ok=True)
