@@ -141,3 +141,23 @@ def test_flow_sampling_autoguides_too():
     auto = sample_latents(model, flow, labels, steps=3, guidance=Guidance(2.0), guide=weak)
     cfg = sample_latents(model, flow, labels, steps=3, guidance=Guidance(2.0))
     assert not torch.equal(auto, plain) and not torch.equal(auto, cfg)
+
+
+def test_a_guide_fits_whatever_only_shapes_training_and_not_another_latent_scale(tmp_path):
+    """The cosine loss shapes training, not the denoising process; the scaling factor is compared as
+    the resume check compares it (through JSON, to 1e-6 relative)."""
+    from ancre_dit.checkpoint import make_model_spec
+    from ancre_dit.sampling.job import load_guide
+
+    flow = {"objective": "flow", "learn_sigma": False, "time_sampling": "uniform"}
+    latents = {**DIGITS, "kind": "latents", "scaling_factor": 0.18215}
+    weak = random_model(seed=1, learn_sigma=False)
+    spec = make_model_spec("DiT-T/2", {**TINY, "learn_sigma": False}, {**flow, "cosine_loss_weight": 1.0}, latents, 7)
+    write_model_files(tmp_path / "weak", make_model_spec("DiT-T/2", {**TINY, "learn_sigma": False}, flow,
+                                                         {**latents, "scaling_factor": 0.18215 * (1 + 1e-9)}, 3),
+                      weak.state_dict(), weak.state_dict())
+    load_guide(str(tmp_path / "weak"), spec, "cpu", "--guide-ckpt weak", "--ckpt main")
+    with pytest.raises(UserError, match=r"--guide-ckpt weak does not fit --ckpt main \(data.scaling_factor 0\.18215\d* "
+                                        r"there, 0\.25 here\)"):
+        load_guide(str(tmp_path / "weak"), {**spec, "data": {**latents, "scaling_factor": 0.25}}, "cpu",
+                   "--guide-ckpt weak", "--ckpt main")

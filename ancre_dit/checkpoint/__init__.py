@@ -7,7 +7,7 @@
 Training's own resume state (Accelerate's optimizer and RNG state) sits beside these files and is
 handled by `ancre_dit.training.checkpointing`.
 """
-from .model_spec import (SPEC_FILE, WEIGHT_FILES, build_model, load_model_spec, load_trained_model, make_model_spec,
-                     write_model_files)
+from .model_spec import (SPEC_FILE, WEIGHT_FILES, build_model, data_differences, load_model_spec, load_trained_model,
+                         make_model_spec, weights_file, write_model_files)
 from .importing import import_checkpoint, safe_torch_load
 from .weights import damaged, load_safetensors_checked, read_json_checked, save_safetensors

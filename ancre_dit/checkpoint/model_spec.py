@@ -9,6 +9,7 @@ RUN/checkpoints/<step>/ holds, next to Accelerate's state:
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -21,6 +22,35 @@ from .weights import load_safetensors_checked, read_json_checked, save_safetenso
 
 SPEC_FILE = "model_spec.json"
 WEIGHT_FILES = {"ema": "ema.safetensors", "model": "model.safetensors"}
+
+
+def weights_file(name: str) -> str:
+    """The file of a checkpoint's weights by name: ema, model, or another EMA (ema-<decay>, phema-<std>)."""
+    if name not in WEIGHT_FILES and not name.startswith(("ema-", "phema-")):
+        raise UserError(f"unknown weights {name!r}; choose ema or model (or an EMA such as ema-0.999)")
+    return WEIGHT_FILES.get(name, f"{name}.safetensors")
+
+
+# What the model sees of its data: a change makes the resumed run learn from other inputs (the
+# VAE's path and the data folder may move; their contents are what these record).
+DATA_KEYS = ("kind", "image_size", "image_channels", "num_classes", "scaling_factor", "latent_norm",
+             "channel_mean", "channel_std")
+
+
+def data_differences(saved: dict[str, Any], wanted: dict[str, Any],
+                     where: tuple[str, str] = ("in the checkpoint", "in the config")) -> list[str]:
+    """'data.key A in the checkpoint, B in the config' (`where` names the two) for each DATA_KEYS entry
+    that differs between two specs' "data" (floats compared to 1e-6 relative: they went through JSON)."""
+    saved, wanted = {"latent_norm": "scale", **saved}, {"latent_norm": "scale", **json.loads(json.dumps(wanted))}
+    return [f"data.{key} {saved.get(key)} {where[0]}, {wanted.get(key)} {where[1]}"
+            for key in DATA_KEYS if not _same_value(saved.get(key), wanted.get(key))]
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+    return math.isclose(a, b, rel_tol=1e-6) if numbers else a == b
 
 
 def make_model_spec(name: str, model_kwargs: dict[str, Any], diffusion: dict[str, Any], data: dict[str, Any],
@@ -58,11 +88,8 @@ def load_trained_model(folder: str | Path, weights: str = "ema", device: str | t
                        ) -> tuple[DiT, dict]:
     """Rebuilds the network of a checkpoint and loads its EMA (default), raw weights, or another EMA by
     its file's name (ema-<decay>, phema-<std>: train.ema_decays, train.phema), in eval mode."""
-    if weights not in WEIGHT_FILES and not weights.startswith(("ema-", "phema-")):
-        raise UserError(f"unknown weights {weights!r}; choose ema or model (or an EMA such as ema-0.999)")
-    folder = Path(folder)
+    path = Path(folder) / weights_file(weights)
     spec = load_model_spec(folder)
-    path = folder / WEIGHT_FILES.get(weights, f"{weights}.safetensors")
     state = load_safetensors_checked(path)
     model = build_model(spec, state)
     load_state_dict_checked(model, state, source=str(path))

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..checkpoint import load_trained_model
+from ..checkpoint import WEIGHT_FILES, data_differences, load_trained_model, weights_file
 from ..cli import COLLECTIVE_TIMEOUT_S, job_processes
 from ..data.adm_npz import load_adm_npz, save_adm_npz
 from ..diffusion import SAMPLERS, SDEOptions
@@ -166,9 +166,9 @@ def sample_parts(plan: SamplingPlan, labels: np.ndarray, ranges: list[tuple[int,
 def run_job(s: JobSettings) -> Path:
     """Samples s.num_samples images into s.out (+ PNG folder, grid); returns s.out."""
     guidance = check_settings(s)
-    if s.weights not in ("ema", "model") and not (Path(s.ckpt) / f"{s.weights}.safetensors").is_file():
+    if s.weights not in WEIGHT_FILES and not (Path(s.ckpt) / weights_file(s.weights)).is_file():
         held = sorted(p.stem.removeprefix("ema-") for p in Path(s.ckpt).glob("*ema-*.safetensors"))
-        raise UserError(f"--ema {s.weights.removeprefix('ema-')}: {s.ckpt} holds no {s.weights}.safetensors; its "
+        raise UserError(f"--ema {s.weights.removeprefix('ema-')}: {s.ckpt} holds no {weights_file(s.weights)}; its "
                         f"EMAs: {', '.join(held) or 'none besides ema.safetensors (train.ema_decays)'}")
     with job_processes(s.cpu, s.collective_timeout_s) as state:
         configure_precision(state.device, s.tf32)
@@ -179,7 +179,7 @@ def run_job(s: JobSettings) -> Path:
 
 
 # Settings that shape training only: two checkpoints that differ in them sample the same process.
-TRAINING_ONLY = ("learn_sigma", "time_sampling", "logit_mean", "logit_std")
+TRAINING_ONLY = ("learn_sigma", "time_sampling", "logit_mean", "logit_std", "cosine_loss_weight")
 
 
 def load_guide(path: str, spec: dict, device, name: str, sampled: str) -> torch.nn.Module:
@@ -187,10 +187,7 @@ def load_guide(path: str, spec: dict, device, name: str, sampled: str) -> torch.
     line unless it shares the sampled model's data (latent space, normalisation, classes) and
     objective. `name` and `sampled`: how the message calls the two."""
     guide, guide_spec = load_trained_model(path, "ema", device)
-    keys = ("kind", "image_size", "image_channels", "num_classes", "scaling_factor", "latent_norm", "channel_mean",
-            "channel_std")
-    differs = [f"data.{k} {guide_spec['data'].get(k)} there, {spec['data'].get(k)} here" for k in keys
-               if guide_spec["data"].get(k) != spec["data"].get(k)]
+    differs = data_differences(guide_spec["data"], spec["data"], where=("there", "here"))
     ours, theirs = ({k: v for k, v in d["diffusion"].items() if k not in TRAINING_ONLY} for d in (spec, guide_spec))
     differs += [f"diffusion.{k} {theirs.get(k)} there, {ours.get(k)} here" for k in sorted(set(ours) | set(theirs))
                 if ours.get(k) != theirs.get(k)]

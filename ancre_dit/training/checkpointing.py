@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -28,8 +27,8 @@ import torch
 from safetensors import SafetensorError
 
 from ..errors import UserError
-from ..checkpoint import (SPEC_FILE, WEIGHT_FILES, load_safetensors_checked, make_model_spec, read_json_checked,
-                          save_safetensors, write_model_files)
+from ..checkpoint import (SPEC_FILE, WEIGHT_FILES, data_differences, load_safetensors_checked, make_model_spec,
+                          read_json_checked, save_safetensors, weights_file, write_model_files)
 from ..files import file_problem, write_atomic
 from ..models import TopologyNotDefined, save_topology_json
 
@@ -129,27 +128,6 @@ def model_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str
         elif old != new:
             diffs.append(f"{old} in the checkpoint, {new} in the config")
     return diffs
-
-
-# What the model sees of its data: a change makes the resumed run learn from other inputs (the
-# VAE's path and the data folder may move; their contents are what these record).
-DATA_KEYS = ("kind", "image_size", "image_channels", "num_classes", "scaling_factor", "latent_norm",
-             "channel_mean", "channel_std")
-
-
-def data_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    """'data.key: A in the checkpoint, B in the config' for each DATA_KEYS entry that differs
-    (floats compared to 1e-6 relative: the statistics went through JSON)."""
-    saved, wanted = {"latent_norm": "scale", **saved}, {"latent_norm": "scale", **json.loads(json.dumps(wanted))}
-    return [f"data.{key} {saved.get(key)} in the checkpoint, {wanted.get(key)} in the config"
-            for key in DATA_KEYS if not _same_value(saved.get(key), wanted.get(key))]
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
-    return math.isclose(a, b, rel_tol=1e-6) if numbers else a == b
 
 
 def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
@@ -359,8 +337,8 @@ class CheckpointManager:
         write_model_files(folder, {**self.spec, "step": step}, self.raw_model.state_dict(),
                           self.ema.module.state_dict())
         for name, ema in self.emas.items():
-            if name != "ema":
-                save_safetensors(ema.module.state_dict(), folder / f"{name}.safetensors")
+            if name != "ema":  # (written with the model above)
+                save_safetensors(ema.module.state_dict(), folder / weights_file(name))
         write_topology_files(folder, self.run_dir, self.ema.module, self.raw_model, step, self.config.model.topology,
                              heatmap=self.config.log.figures)
         if self.repa is not None:  # resume reads it (sampling never does)
@@ -379,7 +357,7 @@ class CheckpointManager:
         # such as cpu:0 is no valid safetensors device).
         self.raw_model.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["model"], device="cpu"))
         for name, ema in self.emas.items():
-            path = folder / (WEIGHT_FILES["ema"] if name == "ema" else f"{name}.safetensors")
+            path = folder / weights_file(name)
             if not path.is_file():
                 raise UserError(f"--resume {folder} holds no {path.name}: train.ema_decays or train.phema.stds "
                                 "changed since; resume with the run's own settings, or start a new run_dir")
