@@ -185,3 +185,24 @@ def test_a_length_out_of_range_is_one_line_before_anything_is_written(tmp_path):
         load_script(ROOT / "scripts" / "reconstruct_ema.py").main([str(tmp_path), "--std", "0.5", "--out",
                                                                   str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_every_ema_takes_the_sparse_wiring_when_the_topology_is_sparsified(tmp_path):
+    """Each EMA, not only the one sampling reads, keeps the training weights' edges from the switch
+    step on, so an evaluation of any of them samples the sparse network."""
+    from ancre_dit.training import Trainer
+
+    with accelerate_state():
+        trainer = Trainer(tiny_config(tmp_path / "run", "model.depth=4", "model.topology_topk=1",
+                                      "train.topology_sparsify_step=2", "train.max_steps=3", "train.ema_decays=[0.5]",
+                                      *PHEMA))
+        try:
+            trainer.run()
+            kept = trainer.raw_model.topology.kept
+            for name, ema in trainer.emas.items():
+                topology = ema.module.topology
+                assert topology.is_sparse and torch.equal(topology.kept, kept), name
+                assert all(len(edges) == 1 for edges in topology.edges), name
+        finally:
+            trainer.accelerator.end_training()

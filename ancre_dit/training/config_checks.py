@@ -24,6 +24,7 @@ from ..models.topologies.aggregation import check_aggregation_kernel
 from ..sampling.guidance import check_guidance_scale
 from .config_sections import Config, EvalConfig, ModelConfig
 from .data import check_data_path
+from .ema import ema_names
 from .lr_schedule import check_lr_schedule
 from .phema import check_phema_settings
 from .model_setup import model_kwargs, topology_options_of
@@ -122,8 +123,7 @@ def _check_eval_guide(e: EvalConfig, paths: _Paths) -> None:
 
 
 def _check_eval_emas(config: Config) -> None:
-    t = config.train
-    kept = ["ema", *(f"ema-{d:g}" for d in t.ema_decays), *(f"phema-{s:g}" for s in t.phema.stds)]
+    kept = ema_names(config.train)
     for name in config.eval.emas:
         if name not in kept:
             raise UserError(f"eval.emas names {name}, which this run does not keep; choose from {', '.join(kept)} "

@@ -30,6 +30,12 @@ class EMA:
         return min(1 - (1 + updates) ** (-2 / 3), self.max_decay)
 
 
+def ema_names(train) -> list[str]:
+    """The weights-file names of a run's EMAs, in the order the trainer keeps them: ema (train.ema_decay),
+    ema-<decay> (train.ema_decays), phema-<std> (train.phema.stds)."""
+    return ["ema", *(f"ema-{d:g}" for d in train.ema_decays), *(f"phema-{s:g}" for s in train.phema.stds)]
+
+
 def ema_update_(emas: EMA | Sequence[EMA], model: torch.nn.Module, updates: int, skip: torch.Tensor | None) -> None:
     """Each ema <- ema + w (model - ema) for floating tensors (others copied), w = (1 - decay) (1 - skip):
     one foreach call over every EMA given (several decays, the post-hoc EMAs)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
@@ -43,13 +43,16 @@ class RunContext:
     data: DataInfo
     objective: Any                  # ancre_dit.diffusion.Objective
     raw_model: torch.nn.Module
-    ema_model: torch.nn.Module
+    emas: dict[str, Any]            # every training.ema.EMA by its weights file's name; "ema" is sampling's
     data_spec: dict[str, Any]       # the checkpoint spec's "data" entry (decoder choice)
     log: logging.Logger
     progress: TrainProgress
     save: Callable[[], Path]        # writes a checkpoint of the current step (collective)
     stop_requested: Callable[[], bool] = lambda: False  # a stop signal arrived (agreed by all processes)
-    emas: dict[str, Any] = field(default_factory=dict)  # every training.ema.EMA by its weights file's name
+
+    @property
+    def ema_model(self) -> torch.nn.Module:
+        return self.emas["ema"].module
 
     @cached_property
     def decoder(self):
@@ -250,7 +253,8 @@ class SparsifyTopologyTask(PeriodicTask):
     def run(self, ctx: RunContext) -> None:
         topology = ctx.raw_model.topology
         topology.sparsify()
-        ctx.ema_model.topology.sparsify(topology.kept)
+        for ema in ctx.emas.values():  # every EMA keeps the training weights' edges
+            ema.module.topology.sparsify(topology.kept)
         ctx.log.info("step %d: topology sparsified: each block keeps its %d strongest incoming edges (%d of %d)",
                      ctx.progress.step, topology.topk, int(topology.kept.sum()),
                      topology.num_blocks * (topology.num_blocks + 1) // 2)

@@ -38,7 +38,7 @@ from . import checkpointing as ckpt
 from .config import Config, flat_config, save_config
 from .config_checks import check_batch_layout, diffusion_spec
 from .rank_decisions import agree_on_resume
-from .ema import EMA, ema_update_
+from .ema import EMA, ema_names, ema_update_
 from .model_setup import model_kwargs, param_groups
 from .guards import NonFiniteGuard
 from .lr_schedule import lr_at
@@ -107,11 +107,11 @@ class Trainer:
         self.model_kwargs = model_kwargs(c.model, d.input_size, d.in_channels, d.num_classes)  # checked with the config
         self.raw_model = create_model(c.model.name, **self.model_kwargs).to(acc.device)
         self.raw_model.train()
-        self.ema = EMA(self.raw_model, c.train.ema_decay, warmup=c.train.ema_warmup)
-        # Every EMA by the name of its weights file: ema, ema-<decay> (train.ema_decays), phema-<std>.
-        self.emas = {"ema": self.ema,
-                     **{f"ema-{d:g}": EMA(self.raw_model, d, warmup=c.train.ema_warmup) for d in c.train.ema_decays},
-                     **{f"phema-{s:g}": PowerFunctionEMA(self.raw_model, s) for s in c.train.phema.stds}}
+        # Every EMA by the name of its weights file; "ema" (train.ema_decay) is the one sampling reads.
+        emas = [EMA(self.raw_model, d, warmup=c.train.ema_warmup) for d in (c.train.ema_decay, *c.train.ema_decays)]
+        emas += [PowerFunctionEMA(self.raw_model, s) for s in c.train.phema.stds]
+        self.emas = dict(zip(ema_names(c.train), emas))
+        self.ema = self.emas["ema"]
         self.raw_model.set_grad_checkpointing(c.train.grad_checkpointing)
         self.objective = build_objective(diffusion_spec(c))
         self.repa = build_repa(c.repa, self.raw_model, d.input_size, acc.device, bf16=c.train.mixed_precision == "bf16",
@@ -167,9 +167,9 @@ class Trainer:
         self.metrics = MetricsLog(acc, self.run_dir, c.train.global_batch_size, self.flops_per_image, self.peak_tflops,
                                   self.log, tracked, peak_source=self.peak_source)
         self.context = RunContext(run_dir=self.run_dir, config=c, accelerator=acc, data=d,
-                                  objective=self.objective, raw_model=self.raw_model, ema_model=self.ema.module,
+                                  objective=self.objective, raw_model=self.raw_model, emas=self.emas,
                                   data_spec=self.checkpoints.spec["data"], log=self.log, progress=self.progress,
-                                  save=self.checkpoints.save, stop_requested=self._stop_requested, emas=self.emas)
+                                  save=self.checkpoints.save, stop_requested=self._stop_requested)
         self.tasks = build_tasks(self.context)
 
     @property
