@@ -178,3 +178,15 @@ def test_an_unknown_name_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(UserError, match="unknown asset nope; choose from inception"):
         fetch_all(tmp_path / "assets", ["nope"])
     assert not (tmp_path / "assets").exists()
+
+
+def test_a_hub_file_with_a_published_checksum_is_fetched_and_checked_against_it(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    server.files["/org/w/resolve/main/model.safetensors"] = WEIGHTS
+    pinned = Asset("w", "x", (), repo="org/w", files=("model.safetensors",),
+                   sha256={"model.safetensors": hashlib.sha256(WEIGHTS).hexdigest()})
+    (path,) = fetch_all(tmp_path / "assets", assets={"w": pinned}, endpoint=server.url)["w"]
+    assert path.read_bytes() == WEIGHTS
+    wrong = Asset("v", "x", (), repo="org/w", files=("model.safetensors",), sha256={"model.safetensors": "0" * 64})
+    with pytest.raises(UserError, match="expected 0{64}: the download is damaged"):
+        fetch_all(tmp_path / "assets", assets={"v": wrong}, endpoint=server.url)

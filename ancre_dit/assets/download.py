@@ -76,9 +76,10 @@ def fetch(asset: Asset, out: Path, endpoint: str | None = None, log: Callable[[s
         if asset.url:
             if not path.is_file():
                 _download_url(asset.url, path, log)
-            expected = asset.sha256.get(name)
+            reported = None
         else:
-            expected = asset.sha256.get(name) or _hub_download(asset, name, folder, endpoint, log)
+            reported = _hub_download(asset, name, folder, endpoint, log)
+        expected = asset.sha256.get(name) or reported  # a published checksum first
         _verify(asset, path, expected, out)
         log(f"{asset.name}: {path} verified")
         paths.append(path)
