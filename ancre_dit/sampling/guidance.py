@@ -148,4 +148,3 @@ class GuidedDenoiser:
             out = self._forward_with_cfg(torch.cat([x, x]), torch.cat([t, t]), torch.cat([y, null]), g.scale,
                                          guided_channels=g.channels)
         return out[: len(x)].float()
-
