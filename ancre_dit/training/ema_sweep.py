@@ -14,7 +14,7 @@ from ..errors import UserError
 from ..files import write_atomic
 from . import checkpointing as ckpt
 from .phema import check_std, reconstruct
-from .run_evaluation import CONFIG_FILE, build_run_evaluator
+from .run_evaluation import CONFIG_FILE, build_run_evaluator, evaluation_inputs
 from .config import load_config
 
 SWEEP_FILE = "ema_sweep.json"
@@ -24,11 +24,8 @@ def sweep_ema(run_dir: Path, stds: Sequence[float], seeds: tuple[int, int] = (0,
               log: Callable[[str], Any] = print) -> dict[str, Any]:
     """RUN/ema_sweep.json: {"step", "seeds", "metrics": {name: [metrics on seed 0, on seed 1]}}, names
     `ema` and `std <s>`, at the newest checkpoint (which the snapshots must reach)."""
-    from ..checkpoint import build_model, load_model_spec, load_trained_model
+    from ..checkpoint import build_model, load_trained_model
     from ..cli import job_processes
-    from ..diffusion import build_objective
-    from ..sampling.decode import build_decoder
-    from .data import build_data
 
     run_dir = Path(run_dir)
     for std in stds:  # all of them before anything is evaluated
@@ -39,10 +36,7 @@ def sweep_ema(run_dir: Path, stds: Sequence[float], seeds: tuple[int, int] = (0,
     step, folder = found[-1]
     configs = [load_config(run_dir / CONFIG_FILE, [f"eval.seed={s}"]) for s in seeds]
     with job_processes(cpu, configs[0].train.collective_timeout_s) as state:
-        spec = load_model_spec(folder)
-        data = build_data(configs[0])
-        objective = build_objective(spec["diffusion"])
-        decoder = build_decoder(spec["data"], data.in_channels, configs[0].data.vae, state.device)
+        spec, data, objective, decoder = evaluation_inputs(configs[0], folder, state)
         models = {"ema": load_trained_model(folder, "ema", state.device)[0]}
         for std in stds:
             weights, _, _ = reconstruct(run_dir, std, step, "--stds")

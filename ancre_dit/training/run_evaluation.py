@@ -134,18 +134,26 @@ def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overri
         return _evaluate(run_dir, config, selected, state, log)
 
 
-def _evaluate(run_dir: Path, config: Config, selected: list[tuple[int, Path]], state, log) -> list[dict[str, Any]]:
-    from ..checkpoint import load_model_spec, load_trained_model
+def evaluation_inputs(config: Config, folder: Path, state) -> tuple[dict[str, Any], Any, Any, Any]:
+    """What evaluating a run's checkpoint after training needs, set up as its training evaluated:
+    (the checkpoint's spec, the run's data, the objective, the decoder), with the run's precision."""
+    from ..checkpoint import load_model_spec
     from ..diffusion import build_objective
     from ..sampling.decode import build_decoder
     from .data import build_data
 
-    log = log if state.is_main_process else (lambda *a, **k: None)
     configure_precision(state.device, config.train.tf32)  # as the run's in-training evaluations computed
-    spec = load_model_spec(selected[-1][1])
+    spec = load_model_spec(folder)
     data = build_data(config)
-    objective = build_objective(spec["diffusion"])
     decoder = build_decoder(spec["data"], data.in_channels, config.data.vae, state.device)
+    return spec, data, build_objective(spec["diffusion"]), decoder
+
+
+def _evaluate(run_dir: Path, config: Config, selected: list[tuple[int, Path]], state, log) -> list[dict[str, Any]]:
+    from ..checkpoint import load_trained_model
+
+    log = log if state.is_main_process else (lambda *a, **k: None)
+    _, data, objective, decoder = evaluation_inputs(config, selected[-1][1], state)
     evaluator = build_run_evaluator(config, data, objective, decoder, state, log)
     done = agree_on_evaluated(state, run_dir, evaluator.identity)
     todo = [(s, p) for s, p in selected if s not in done]
