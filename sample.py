@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sde-last-step-size", type=float, default=0.04, help="time covered by the last SDE step")
     p.add_argument("--sde-diffusion-norm", type=float, default=1.0,
                    help="scale of SiT's SDE diffusion coefficient w(t) = norm * (1 - t)")
+    p.add_argument("--time-shift", type=float, default=1.0,
+                   help="LightningDiT's timestep shift of the euler / heun grid, t' = s t / (1 + (s - 1) t) with t = 0 "
+                        "noise; s < 1 puts more steps near the noise (LightningDiT: 0.3; SD3's shift k is 1 / k); "
+                        "default 1 = none")
     p.add_argument("--cfg-scale", type=float, default=1.5, help="classifier-free guidance scale; 1 = none")
     p.add_argument("--cfg-channels", type=int, default=None,
                    help="guide only the first N latent channels (3 = original DiT); default all")
@@ -94,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         sampler=a.sampler, steps=a.steps, cfg_scale=a.cfg_scale, cfg_channels=a.cfg_channels,
         guidance_interval=parse_interval(a.guidance_interval), seed=a.seed, sde_last_step=a.sde_last_step,
         sde_last_step_size=a.sde_last_step_size, sde_diffusion_norm=a.sde_diffusion_norm,
+        time_shift=a.time_shift,
         label_mode="random" if a.random_classes else "balanced", classes=a.classes, precision=a.precision,
         vae=a.vae, png_dir=a.png_dir, grid=a.grid, grid_max=a.grid_max, keep_parts=a.keep_parts, cpu=a.cpu,
         compile=a.compile, tf32=a.tf32, collective_timeout_s=a.collective_timeout_s, guide_ckpt=a.guide_ckpt),

@@ -3,6 +3,7 @@ its loss against the closed form for Gaussian data, every flow sampler driven by
 field, exact resume, 1 vs 2 sampling processes, and the one-line refusals."""
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -279,3 +280,66 @@ def test_repas_lognormal_weighting_is_the_logit_normal_time_at_mean_0_std_1():
                                "logit_mean": 0.0, "logit_std": 1.0}).draw(torch.zeros(200_000, 1), torch.Generator())
     levels = torch.tensor([0.05, 0.25, 0.5, 0.75, 0.95])
     torch.testing.assert_close(torch.quantile(ours, levels), torch.quantile(repa_in_our_time, levels), atol=4e-3, rtol=0)
+
+
+# -- LightningDiT's timestep shift ------------------------------------------------------------------
+def lightningdit_shift(t: float, s: float) -> float:
+    """LightningDiT's transport/integrators.py: t_m = s t_n / (1 + (s - 1) t_n), on SiT's times."""
+    return s * t / (1 + (s - 1) * t)
+
+
+class RecordingField(torch.nn.Module):
+    """dv/dt = -x + t per dimension, recording the times it is asked at."""
+
+    num_classes, in_channels, input_size = 2, 1, 4
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.zeros(()))
+        self.seen_t: list[float] = []
+
+    def forward(self, x, t, y):
+        self.seen_t.append(float(t[0]))
+        return -x + t.reshape(-1, 1, 1, 1)
+
+
+def test_the_time_shift_is_lightningdits_on_the_euler_grid():
+    from ancre_dit.diffusion.flow_samplers import shifted_times
+
+    grid = torch.linspace(0, 1, 11, dtype=torch.float64)
+    expected = torch.tensor([lightningdit_shift(float(t), 0.3) for t in grid], dtype=torch.float64)
+    torch.testing.assert_close(shifted_times(grid, 0.3), expected)
+    assert torch.equal(shifted_times(grid, 1.0), grid)
+    # Euler on the shifted grid, written out, against the sampler with --time-shift.
+    field, steps, shift = RecordingField(), 8, 0.3
+    x = sample_latents(field, FLOW, [0, 1], sampler="euler", steps=steps, seed=3, time_shift=shift,
+                       guidance=Guidance(1.0))
+    times = [lightningdit_shift(k / steps, shift) for k in range(steps + 1)]
+    np.testing.assert_allclose(field.seen_t, times[:-1], atol=1e-6)
+    from ancre_dit.sampling.noise import SampleNoise
+    manual = SampleNoise(3, [0, 1], (1, 4, 4), torch.device("cpu")).next().double()
+    for t0, t1 in zip(times[:-1], times[1:]):
+        manual = manual + (t1 - t0) * (-manual + t0)
+    torch.testing.assert_close(x.double(), manual, atol=1e-5, rtol=1e-5)
+    # The shift moves most of the steps towards the noise (t = 0): half of them below t = 0.23.
+    assert times[steps // 2] < 0.25
+
+
+def test_a_time_shift_is_refused_where_no_fixed_grid_bends(tmp_path):
+    ckpt = write_flow_ckpt(tmp_path / "flow")
+    out = str(tmp_path / "x.npz")
+    with pytest.raises(UserError, match=r"^--time-shift 0.3 bends a fixed time grid, which sampler sde does not run on; "
+                                        r"choose euler or heun"):
+        run_sample("--ckpt", str(ckpt), "--sampler", "sde", "--time-shift", "0.3", "--out", out)
+    with pytest.raises(UserError, match=r"^--time-shift -1.0 must be a positive number"):
+        run_sample("--ckpt", str(ckpt), "--sampler", "euler", "--time-shift", "-1", "--out", out)
+    with pytest.raises(UserError, match=r"^eval.time_shift 0.3 bends a fixed time grid, which sampler dopri5"):
+        load_config(None, [f"run_dir={tmp_path / 'run'}", "data.kind=digits", "data.image_size=8",
+                           "model.learn_sigma=false", "diffusion.objective=flow", "eval.sampler=dopri5",
+                           "eval.time_shift=0.3"])
+    # A shifted job is another job: its parts are not resumed by an unshifted one.
+    run_sample("--ckpt", str(ckpt), "--sampler", "euler", "--steps", "4", "--time-shift", "0.3", "--num-samples", "2",
+               "--keep-parts", "--out", out)
+    assert json.loads((tmp_path / "x.parts" / "job.json").read_text())["time_shift"] == 0.3
+    with pytest.raises(UserError, match=r"holds parts of a different job \(time_shift changed\)"):
+        run_sample("--ckpt", str(ckpt), "--sampler", "euler", "--steps", "4", "--num-samples", "2", "--out", out)

@@ -1,8 +1,11 @@
 """Samplers of the linear-interpolant flow (time 0 = noise, 1 = data; see flow.py).
 
 ODE dx/dt = v(x, t) through torchdiffeq: "euler" and "heun" (heun2, two network calls per step) on
-`steps` equal intervals, "dopri5" adaptive with SiT's tolerances (its steps adapt to the whole batch,
+`steps` intervals, "dopri5" adaptive with SiT's tolerances (its steps adapt to the whole batch,
 so a sample depends on its batch; a fixed --batch-size still gives the same file on any process count).
+The fixed grid is equal intervals, or with a time shift s LightningDiT's t' = s t / (1 + (s - 1) t)
+of them (s < 1 spends more steps near the noise; LightningDiT samples with 0.3; SD3's shift k in its
+noise-level convention is s = 1 / k).
 
 SDE: SiT's Euler-Maruyama by hand (torchdiffeq has none), SiT's defaults: time points
 linspace(0, 1 - last_step_size, steps), so steps - 1 noisy steps x <- x + drift dt + sqrt(2 w dt) z
@@ -18,11 +21,17 @@ from ..errors import UserError
 from .base import Denoiser, NoiseSource, Objective, SDEOptions
 
 
+def shifted_times(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """LightningDiT's timestep shift of flow times t (0 = noise, 1 = data); 1 leaves them as they are."""
+    return t if shift == 1 else shift * t / (1 + (shift - 1) * t)
+
+
 @torch.no_grad()
 def ode_sampler(objective: Objective, denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: NoiseSource,
-                *, steps: int, sde: SDEOptions, method: str) -> torch.Tensor:
+                *, steps: int, sde: SDEOptions, method: str, time_shift: float = 1.0) -> torch.Tensor:
     """The sampler table's ODE entries: torchdiffeq's `method` from noise (t = 0) to data (t = 1), a
-    fixed-grid one ("euler", "heun2") on `steps` equal intervals or "dopri5" (adaptive, `steps` unused)."""
+    fixed-grid one ("euler", "heun2") on `steps` intervals of the shifted grid, or "dopri5" (adaptive,
+    `steps` and the shift unused)."""
     from torchdiffeq import odeint
 
     channels = x.shape[1]
@@ -33,7 +42,7 @@ def ode_sampler(objective: Objective, denoiser: Denoiser, x: torch.Tensor, y: to
 
     if method == "dopri5":
         return odeint(field, x, span, method="dopri5", atol=1e-6, rtol=1e-3)[-1]  # SiT's tolerances
-    grid = torch.linspace(0.0, 1.0, int(steps) + 1, device=x.device)
+    grid = shifted_times(torch.linspace(0.0, 1.0, int(steps) + 1, device=x.device), time_shift)
     return odeint(field, x, span, method=method, options={"grid_constructor": lambda f, y0, t: grid})[-1]
 
 

@@ -41,7 +41,8 @@ def build_objective(spec: Mapping[str, Any] | Objective) -> Objective:
     raise UserError(f"unknown diffusion objective {name!r}; choose {' or '.join(OBJECTIVES)}")
 
 
-SampleFn = Callable[..., torch.Tensor]  # run(objective, denoiser, x, y, noise, *, steps, sde) -> data, from noise x
+# run(objective, denoiser, x, y, noise, *, steps, sde[, time_shift]) -> data, from noise x
+SampleFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class SamplerEntry:
     # batch it is in (so a compiled job must not pad its last batch).
     adaptive: bool = False
     check_steps: Callable[[int, str], None] | None = None  # the sampler's own rule on the step count (steps, name)
+    shifts_time: bool = False  # runs on a fixed time grid that a time shift bends (run takes time_shift)
 
 
 SAMPLERS: dict[str, SamplerEntry] = {
@@ -62,9 +64,9 @@ SAMPLERS: dict[str, SamplerEntry] = {
     "ddim": SamplerEntry(partial(scheduler_sampler, kind="ddim"), ("ddpm",), 250, "diffusers' DDIM, eta 0"),
     "dpm-solver": SamplerEntry(partial(scheduler_sampler, kind="dpm-solver"), ("ddpm",), 250,
                                "diffusers' DPM-Solver++(2M)"),
-    "euler": SamplerEntry(partial(ode_sampler, method="euler"), ("flow",), 50, "Euler ODE steps"),
+    "euler": SamplerEntry(partial(ode_sampler, method="euler"), ("flow",), 50, "Euler ODE steps", shifts_time=True),
     "heun": SamplerEntry(partial(ode_sampler, method="heun2"), ("flow",), 25,
-                         "Heun ODE steps, 2 network calls each"),
+                         "Heun ODE steps, 2 network calls each", shifts_time=True),
     "dopri5": SamplerEntry(partial(ode_sampler, method="dopri5"), ("flow",), 0,
                            "adaptive Dormand-Prince ODE with SiT's tolerances", adaptive=True),
     "sde": SamplerEntry(sde_sampler, ("flow",), 250, "SiT's Euler-Maruyama; steps count time points",
@@ -94,6 +96,16 @@ def check_steps(objective: Objective, sampler: str, steps: int, name: str = "ste
     if entry.check_steps is not None:
         entry.check_steps(steps, name)
     objective.check_steps(steps, name)
+
+
+def check_time_shift(sampler: str, shift: float, name: str = "time_shift") -> None:
+    """A time shift is a positive number (1 = none), and only the fixed-grid ODE samplers take one."""
+    if not 0 < float(shift) < float("inf"):
+        raise UserError(f"{name} {shift} must be a positive number (1 = no shift; LightningDiT samples with 0.3)")
+    if float(shift) != 1 and not sampler_entry(sampler).shifts_time:
+        takes = [n for n, e in SAMPLERS.items() if e.shifts_time]
+        raise UserError(f"{name} {shift} bends a fixed time grid, which sampler {sampler} does not run on; choose "
+                        f"{' or '.join(takes)}, or drop the shift")
 
 
 def resolve_sampler(objective: Objective, sampler: str | None, steps: int | None,

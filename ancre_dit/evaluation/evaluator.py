@@ -48,6 +48,8 @@ def evaluation_identity(settings, data_kind: str) -> dict[str, Any]:
         identity["emas"] = list(settings.emas)
     if settings.guide_ckpt:
         identity["guide_ckpt"] = str(Path(settings.guide_ckpt).resolve())
+    if settings.time_shift != 1:
+        identity["time_shift"] = float(settings.time_shift)
     identity["metrics"] = resolve_metrics(settings, data_kind)
     identity["cfg_scales"] = [float(c) for c in settings.cfg_scales]
     return identity
@@ -158,7 +160,7 @@ class Evaluator:
         # Every process draws at least this many parts: the stop check after each of them is collective.
         shared = len(_ranks_parts(len(labels), s.batch_size, 0, 1)) // state.num_processes
         plan = plan_sampling(model, self.objective, sampler=self.sampler, steps=self.steps,
-                             guidance=Guidance(float(cfg)), guide=self.guide)
+                             time_shift=s.time_shift, guidance=Guidance(float(cfg)), guide=self.guide)
         local = []
         for k, (start, _end, images) in enumerate(sample_parts(plan, labels, mine, decoder=self.decoder, seed=s.seed)):
             local.append((start, self._features(images)))

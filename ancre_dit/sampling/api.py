@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..diffusion import SAMPLERS, Objective, SDEOptions, build_objective, resolve_sampler
+from ..diffusion import SAMPLERS, Objective, SDEOptions, build_objective, check_time_shift, resolve_sampler
 from ..errors import UserError
 from .decode import Decoder, decode_pixels
 from .guidance import Guidance, GuidedDenoiser
@@ -28,6 +28,7 @@ class SamplingPlan:
     steps: int
     denoiser: GuidedDenoiser
     sde: SDEOptions
+    time_shift: float = 1.0
 
     def latents(self, labels: torch.Tensor, indices: Sequence[int] | np.ndarray, seed: int) -> torch.Tensor:
         """x_0 (N, C, H, W) float32; sample j uses the random streams of (seed, indices[j])."""
@@ -36,25 +37,29 @@ class SamplingPlan:
         noise = SampleNoise(seed, indices, (net.in_channels, net.input_size, net.input_size), device)
         was_training = net.training
         net.eval()  # no label dropout while sampling
+        entry = SAMPLERS[self.sampler]
+        shift = {"time_shift": self.time_shift} if entry.shifts_time else {}
         try:
-            return SAMPLERS[self.sampler].run(self.objective, self.denoiser, noise.next(), labels.to(device), noise,
-                                              steps=self.steps, sde=self.sde)
+            return entry.run(self.objective, self.denoiser, noise.next(), labels.to(device), noise,
+                             steps=self.steps, sde=self.sde, **shift)
         finally:
             net.train(was_training)
 
 
 def plan_sampling(model: torch.nn.Module, objective: ObjectiveLike, *, sampler: str | None = None,
                   steps: int | None = None, guidance: Guidance = Guidance(), precision: str = "fp32",
-                  sde: SDEOptions = SDEOptions(), compile: bool = False,
-                  names: tuple[str, str] = ("sampler", "steps"), guide: torch.nn.Module | None = None
-                  ) -> SamplingPlan:
+                  sde: SDEOptions = SDEOptions(), time_shift: float = 1.0, compile: bool = False,
+                  names: tuple[str, str, str] = ("sampler", "steps", "time_shift"),
+                  guide: torch.nn.Module | None = None) -> SamplingPlan:
     """Checks the settings once; sampler and steps default to the objective's (DDPM: ddpm-250; flow:
-    heun-25), and errors call them `names` (sample.py: its flags). `compile`: torch.compile the
-    network with static shapes (feed it batches of one size). `guide`: autoguidance's weak model."""
+    heun-25), and errors call sampler, steps and time shift `names` (sample.py: its flags). `compile`:
+    torch.compile the network with static shapes (feed it batches of one size). `guide`:
+    autoguidance's weak model."""
     objective = build_objective(objective)
-    sampler, steps = resolve_sampler(objective, sampler, steps, names)
+    sampler, steps = resolve_sampler(objective, sampler, steps, names[:2])
+    check_time_shift(sampler, time_shift, names[2])
     denoiser = GuidedDenoiser(model, guidance, precision, objective.normalized_time, compile=compile, guide=guide)
-    return SamplingPlan(objective, sampler, steps, denoiser, sde)
+    return SamplingPlan(objective, sampler, steps, denoiser, sde, float(time_shift))
 
 
 def sample_latents(model: torch.nn.Module, objective: ObjectiveLike, labels: Sequence[int] | np.ndarray | torch.Tensor,

@@ -50,6 +50,7 @@ class JobSettings:
     sde_last_step: str = "mean"
     sde_last_step_size: float = 0.04
     sde_diffusion_norm: float = 1.0
+    time_shift: float = 1.0           # LightningDiT's timestep shift of the ODE grid (euler, heun); 1 = none
     label_mode: str = "balanced"
     classes: list[int] | None = None
     precision: str = "fp32"
@@ -86,6 +87,8 @@ def job_identity(settings: JobSettings, spec: dict) -> dict:
     identity["step"] = spec.get("step")
     if settings.guide_ckpt:  # only when set: the identities of earlier jobs stay as they were
         identity["guide_ckpt"] = str(Path(settings.guide_ckpt).resolve())
+    if settings.time_shift != 1:  # likewise
+        identity["time_shift"] = float(settings.time_shift)
     return identity
 
 
@@ -130,7 +133,8 @@ def _check_or_write_identity(folder: Path, identity: dict, is_main: bool) -> Non
     path = folder / "job.json"
     if path.is_file():
         old = json.loads(path.read_text())
-        changed = [k for k in identity if old.get(k) != identity[k]]
+        # Over both key sets: a key only one side records (guide_ckpt, time_shift) is a change too.
+        changed = [k for k in {**old, **identity} if old.get(k) != identity.get(k)]
         if changed:
             raise UserError(f"{folder} holds parts of a different job ({', '.join(changed)} changed); rerun with "
                             f"the same settings to resume, or delete {folder} / choose another --out")
@@ -205,8 +209,8 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
     num_classes = int(model.num_classes)
     check_protocol_fits(s.protocol, spec, int(model.in_channels))
     plan = plan_sampling(model, spec["diffusion"], sampler=s.sampler, steps=s.steps, guidance=guidance,
-                         precision=s.precision, sde=sde_options(s), compile=s.compile, names=("--sampler", "--steps"),
-                         guide=guide)
+                         precision=s.precision, sde=sde_options(s), time_shift=s.time_shift, compile=s.compile,
+                         names=("--sampler", "--steps", "--time-shift"), guide=guide)
     s = replace(s, sampler=plan.sampler, steps=plan.steps)  # the defaults resolved, for the log and the job identity
     if s.classes is not None:
         s = replace(s, classes=check_classes(s.classes, num_classes))
@@ -222,7 +226,7 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
     mine = ranges[rank::world]
     todo = [r for r in mine if not part_path(folder, *r).is_file()]
     log(f"sampling {s.num_samples} images from {s.ckpt} (step {spec.get('step')}, {s.weights} weights) with "
-        f"{plan.objective.name} {s.sampler}-{s.steps}, "
+        f"{plan.objective.name} {s.sampler}-{s.steps}{f' shifted {s.time_shift:g}' if s.time_shift != 1 else ''}, "
         f"{f'autoguidance {s.cfg_scale} by {s.guide_ckpt}' if guide is not None else f'cfg {s.cfg_scale}'}, "
         f"{world} process(es); parts in {folder}")
     finished = sum(part_path(folder, *r).is_file() for r in ranges)

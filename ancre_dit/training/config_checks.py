@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..diffusion import Objective, build_objective, samplers_for
-from ..diffusion.sampler_registry import SAMPLERS, check_steps
+from ..diffusion.sampler_registry import SAMPLERS, check_steps, check_time_shift
 from ..errors import MissingFileError, UserError, or_list
 from ..evaluation.evaluator import resolve_metrics
 from ..evaluation.inception import WEIGHTS_NAME, WEIGHTS_URL
@@ -171,6 +171,7 @@ def _check_eval_sampling(e: EvalConfig, objective: Objective) -> None:
                         f"choose {or_list(fits)}")
     steps = SAMPLERS[sampler].default_steps if e.steps is None else e.steps
     check_steps(objective, sampler, steps, "eval.steps")
+    check_time_shift(sampler, e.time_shift, "eval.time_shift")
 
 
 def _check_eval_metrics(config: Config, paths: _Paths) -> None:

@@ -143,6 +143,7 @@ class EvalConfig:
     # null: the objective's default sampler (DDPM: ddpm; flow: heun), and that sampler's default step count
     sampler: Str | None = None
     steps: Int | None = Field(None, ge=1)
+    time_shift: Float = Field(1.0, gt=0)  # euler / heun: LightningDiT's timestep shift (sample.py --time-shift)
     cfg_scales: FloatList = Field(default_factory=lambda: [1.0])
     seed: Int = Field(0, ge=0)
     metrics: StrList | None = None
