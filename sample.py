@@ -15,7 +15,7 @@ from ancre_dit.diffusion import LAST_STEPS, SAMPLERS
 from ancre_dit.diffusion.sampler_registry import sampler_help, steps_help
 from ancre_dit.sampling import JobSettings, run_job
 from ancre_dit.sampling.guidance import PRECISIONS, parse_interval
-from ancre_dit.sampling.protocols import PROTOCOL, apply_protocol
+from ancre_dit.sampling.protocols import PROTOCOLS, apply_protocol, describe, headline_cfg_scale
 
 
 def _classes(text: str) -> list[int]:
@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LightningDiT's timestep shift of the euler / heun grid, t' = s t / (1 + (s - 1) t) with t = 0 "
                         "noise; s < 1 puts more steps near the noise (LightningDiT: 0.3; SD3's shift k is 1 / k); "
                         "default 1 = none")
-    p.add_argument("--cfg-scale", type=float, default=1.5, help="classifier-free guidance scale; 1 = none")
+    p.add_argument("--cfg-scale", type=float, default=None,
+                   help="classifier-free guidance scale; 1 = none (default 1.5, or the --protocol's headline scale)")
     p.add_argument("--cfg-channels", type=int, default=None,
                    help="guide only the first N latent channels (3 = original DiT); default all")
     p.add_argument("--guidance-interval", default=None, metavar="LO,HI",
@@ -61,9 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "same run; same latent space, classes and objective) instead of the unconditional one: "
                         "D_weak + w (D - D_weak) with w = --cfg-scale, within --guidance-interval")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--protocol", choices=(PROTOCOL,), default=None,
-                   help="dit: the DiT / ANCRe papers' protocol (random labels, DDPM-250, guidance on the first 3 "
-                        "channels, fp32); flags that contradict it are refused")
+    p.add_argument("--protocol", choices=tuple(PROTOCOLS), default=None,
+                   help="a source's sampling protocol for its headline FID: " + "; ".join(
+                       f"{name}: {p.describes}" for name, p in PROTOCOLS.items()) +
+                   " (docs/sampling.md lists what each sets); flags that contradict it are refused")
     labels = p.add_mutually_exclusive_group()
     labels.add_argument("--classes", type=_classes, default=None, help="class ids cycled over the samples, e.g. 1,2,3")
     labels.add_argument("--random-classes", action="store_true",
@@ -92,17 +94,21 @@ def main(argv: list[str] | None = None) -> int:
         output_file(a.grid, (".png",), "--grid")
     if a.png_dir:
         output_folder(a.png_dir, "sample PNG folder", "000000.png", "--png-dir")
-    run_job(apply_protocol(JobSettings(
+    settings = apply_protocol(JobSettings(
         ckpt=a.ckpt, out=a.out, num_samples=a.num_samples, weights=_ema_weights(a.ema) if a.ema else a.weights,
         batch_size=a.batch_size,
-        sampler=a.sampler, steps=a.steps, cfg_scale=a.cfg_scale, cfg_channels=a.cfg_channels,
+        sampler=a.sampler, steps=a.steps, cfg_channels=a.cfg_channels,
+        cfg_scale=headline_cfg_scale(a.protocol, JobSettings.cfg_scale) if a.cfg_scale is None else a.cfg_scale,
         guidance_interval=parse_interval(a.guidance_interval), seed=a.seed, sde_last_step=a.sde_last_step,
         sde_last_step_size=a.sde_last_step_size, sde_diffusion_norm=a.sde_diffusion_norm,
         time_shift=a.time_shift,
         label_mode="random" if a.random_classes else "balanced", classes=a.classes, precision=a.precision,
         vae=a.vae, png_dir=a.png_dir, grid=a.grid, grid_max=a.grid_max, keep_parts=a.keep_parts, cpu=a.cpu,
         compile=a.compile, tf32=a.tf32, collective_timeout_s=a.collective_timeout_s, guide_ckpt=a.guide_ckpt),
-        a.protocol))
+        a.protocol)
+    if a.protocol:
+        print(describe(a.protocol))
+    run_job(settings)
     return 0
 
 

@@ -735,7 +735,8 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("extract unknown flag", "extract", lambda w: ["--bogus"], "unrecognized arguments: --bogus"),
     ("protocol dit on a flow checkpoint", "sample",
      lambda w: ["--ckpt", str(w / "ck_flow"), "--protocol", "dit", "--out", str(w / "o.npz")],
-     "--protocol dit is DiT's DDPM-250 protocol"),
+     "--protocol dit describes the DiT and ANCRe papers' DDPM-250 numbers, sampled from ddpm checkpoints; this "
+     "checkpoint was trained with the flow objective"),
     ("protocol dit on a pixel model", "sample", lambda w: ["--ckpt", _ck(w), "--protocol", "dit", "--out", str(w / "o.npz")],
      "this model has 1 channel(s)"),
     ("sample grid into a folder", "sample",

@@ -27,10 +27,14 @@ DIFFUSION = dict(objective="ddpm", num_timesteps=1000, beta_start=1e-4, beta_end
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _ckpt(folder: Path, channels: int) -> Path:
+FLOW = dict(objective="flow", path="linear", prediction="velocity", time_sampling="uniform", logit_mean=0.0,
+            logit_std=1.0, learn_sigma=False)
+
+
+def _ckpt(folder: Path, channels: int, diffusion: dict = DIFFUSION) -> Path:
     """A tiny random pixel-space DiT (channels >= 3 so DiT's 3-channel guidance applies)."""
     torch.manual_seed(0)
-    kwargs = {**TINY_DIT, "in_channels": channels, "learn_sigma": True}
+    kwargs = {**TINY_DIT, "in_channels": channels, "learn_sigma": diffusion["learn_sigma"]}
     model = create_model("DiT-T/2", **kwargs)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -38,7 +42,7 @@ def _ckpt(folder: Path, channels: int) -> Path:
                 p.normal_(0, 0.1)
     data = dict(kind="images" if channels == 3 else "digits", image_size=8, image_channels=channels, num_classes=10,
                 vae=None, scaling_factor=None)
-    write_model_files(folder, make_model_spec(TINY_NAME, kwargs, DIFFUSION, data, step=7), model.state_dict(),
+    write_model_files(folder, make_model_spec(TINY_NAME, kwargs, diffusion, data, step=7), model.state_dict(),
                       model.state_dict())
     return folder
 
@@ -108,3 +112,71 @@ def test_evaluate_json_records_the_sampling_settings(tmp_path, monkeypatch, caps
     with pytest.raises(SystemExit):
         run_cli(main)
     assert json.loads((tmp_path / "eval2.json").read_text())["sampling"] is None
+
+
+# Each source's sampling script, read off its code: the values its headline number was drawn with.
+SOURCES = {
+    # SiT sample_ddp.py SDE: num_sampling_steps 250 (time points, as our sde counts them), last_step
+    # Mean over last_step_size 0.04, diffusion_norm 1; forward_with_cfg guides channels :3; cfg 1.5.
+    "sit": {"sampler": "sde", "steps": 250, "sde_last_step": "mean", "sde_last_step_size": 0.04,
+            "sde_diffusion_norm": 1.0, "cfg_channels": 3, "guidance_interval": None, "cfg_scale": 1.5},
+    # REPA README: --mode sde --num_steps 250 --cfg-scale 1.8 --guidance_high 0.7; samplers.py guides
+    # all channels while t_cur <= guidance_high on a time axis with 0 = data, 1 = noise.
+    "repa": {"sampler": "sde", "steps": 250, "sde_last_step": "mean", "sde_last_step_size": 0.04,
+             "sde_diffusion_norm": 1.0, "cfg_channels": None, "guidance_interval": (0.0, 0.7), "cfg_scale": 1.8},
+    # LightningDiT configs/reproductions/*800ep_cfg.yaml: euler, num_sampling_steps 250 time points
+    # (linspace(0, 1, 250): 249 steps), timestep_shift 0.3, cfg_interval_start 0.125 on SiT's time
+    # (t >= 0.125 is guided: u = 1 - t <= 0.875), cfg_scale 6.7; forward_with_cfg guides channels :3.
+    "lightningdit": {"sampler": "euler", "steps": 250 - 1, "time_shift": 0.3, "cfg_channels": 3,
+                     "guidance_interval": (0.0, 1 - 0.125), "cfg_scale": 6.7},
+}
+
+
+@pytest.mark.parametrize("name", sorted(SOURCES))
+def test_each_flow_protocol_is_its_sources_sampling(name):
+    from ancre_dit.sampling.protocols import PROTOCOLS
+
+    p = PROTOCOLS[name]
+    wanted = dict(SOURCES[name])
+    assert p.cfg_scale == wanted.pop("cfg_scale")
+    assert {k: p.settings[k] for k in wanted} == wanted
+    assert p.objective == "flow" and p.settings["label_mode"] == "random" and p.settings["precision"] == "fp32"
+
+
+@pytest.mark.slow
+def test_a_flow_protocol_samples_as_its_settings_spelled_out(tmp_path, capsys):
+    ckpt = _ckpt(tmp_path / "ckpt", channels=3, diffusion=FLOW)
+    common = ["--ckpt", str(ckpt), "--num-samples", "3", "--batch-size", "3", "--seed", "2", "--steps", "4"]
+    with pytest.raises(UserError, match=r"--protocol lightningdit samples with steps 249, but --steps asks for 4"):
+        _sample(*common, "--protocol", "lightningdit", "--out", str(tmp_path / "l.npz"))
+    _sample(*common[:-2], "--protocol", "repa", "--out", str(tmp_path / "r.npz"))
+    assert "cfg scale 1.8 unless --cfg-scale is given" in capsys.readouterr().out
+    record = read_sampling_record(tmp_path / "r.npz")
+    assert record["cfg_scale"] == 1.8 and record["guidance_interval"] == [0.0, 0.7] and record["cfg_channels"] is None
+    _sample(*common[:-2], "--sampler", "sde", "--steps", "250", "--random-classes", "--cfg-scale", "1.8",
+            "--guidance-interval", "0,0.7", "--out", str(tmp_path / "flags.npz"))
+    assert np.array_equal(_npz(tmp_path / "flags.npz")[0], _npz(tmp_path / "r.npz")[0])
+    # The LightningDiT protocol spelled out, likewise (its shift and 3-channel guidance included).
+    _sample(*common[:-2], "--protocol", "lightningdit", "--out", str(tmp_path / "l.npz"))
+    _sample(*common[:-2], "--sampler", "euler", "--steps", "249", "--time-shift", "0.3", "--cfg-channels", "3",
+            "--random-classes", "--cfg-scale", "6.7", "--guidance-interval", "0,0.875", "--out", str(tmp_path / "lf.npz"))
+    assert np.array_equal(_npz(tmp_path / "lf.npz")[0], _npz(tmp_path / "l.npz")[0])
+    assert read_sampling_record(tmp_path / "l.npz")["time_shift"] == 0.3
+    # A ddpm protocol on a flow checkpoint names the ones that fit.
+    with pytest.raises(UserError, match=r"drop --protocol or choose one for flow \(sit, repa, lightningdit\)"):
+        _sample("--ckpt", str(ckpt), "--protocol", "dit", "--out", str(tmp_path / "d.npz"))
+
+
+def test_the_guidance_intervals_are_the_sources_rules():
+    """REPA guides while its t <= 0.7 (its t: 1 = noise); LightningDiT while SiT's t >= 0.125."""
+    from ancre_dit.diffusion import FlowObjective
+    from ancre_dit.sampling.guidance import Guidance
+    from ancre_dit.sampling.protocols import PROTOCOLS
+
+    flow = FlowObjective()
+    for t in np.linspace(0, 1, 41):  # our flow time: 0 = noise, 1 = data
+        u = flow.normalized_time(float(t))
+        repa = Guidance(1.8, interval=PROTOCOLS["repa"].settings["guidance_interval"])
+        lightningdit = Guidance(6.7, interval=PROTOCOLS["lightningdit"].settings["guidance_interval"])
+        assert repa.active_at(u) == (1 - t <= 0.7 + 1e-12)
+        assert lightningdit.active_at(u) == (t >= 0.125 - 1e-12)

@@ -1,27 +1,72 @@
-"""What a set of samples was drawn with: the published protocol's preset, and the record written
+"""What a set of samples was drawn with: the published protocols' presets, and the record written
 next to every sample file so that evaluations say which protocol their numbers follow.
 
-`dit`, the protocol of the DiT and ANCRe papers' numbers: class labels drawn at random (not
-balanced), 250 respaced DDPM steps, guidance on the first 3 latent channels only (a quirk of DiT's
-sampling script that the published numbers include), fp32; the guidance scale stays a flag (the
-papers report cfg 1.0 and 1.5)."""
+A protocol is how a source sampled its headline FID, one entry of PROTOCOLS: the sampler, its steps
+and options, which channels are guided and when, the time shift, the label draw and the precision.
+`--protocol NAME` sets all of them and refuses a flag that contradicts one; the guidance scale is
+the headline number's unless --cfg-scale is given (the sources report several). Every source draws
+class labels at random from per-process seeds, which no other process count reproduces; ours draws
+them per sample from --seed, so the labels follow the same distribution, not the same stream.
+"""
 from __future__ import annotations
 
 import json
-from dataclasses import fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from ..diffusion import build_objective
 from ..errors import UserError
 
-PROTOCOL = "dit"  # the one protocol; --protocol names it so that more can follow
-# setting -> (the protocol's value, the flag that sets it)
-DIT_SETTINGS: dict[str, tuple[Any, str]] = {
-    "sampler": ("ddpm", "--sampler"), "steps": (250, "--steps"), "cfg_channels": (3, "--cfg-channels"),
-    "label_mode": ("random", "--random-classes / --classes"), "precision": ("fp32", "--precision"),
-    "guidance_interval": (None, "--guidance-interval")}
-DIT_NEEDS = "DiT's DDPM-250 protocol for 4-channel latent models (guidance on the first 3 channels)"
+# A JobSettings field a protocol sets -> the flag that sets it (named when a flag contradicts it).
+FLAGS = {"sampler": "--sampler", "steps": "--steps", "cfg_channels": "--cfg-channels",
+         "guidance_interval": "--guidance-interval", "time_shift": "--time-shift",
+         "label_mode": "--random-classes / --classes", "precision": "--precision",
+         "sde_last_step": "--sde-last-step", "sde_last_step_size": "--sde-last-step-size",
+         "sde_diffusion_norm": "--sde-diffusion-norm"}
+_FIXED = {"label_mode": "random", "precision": "fp32"}  # every source below samples so
+_SIT_SDE = {"sampler": "sde", "steps": 250, "sde_last_step": "mean", "sde_last_step_size": 0.04,
+            "sde_diffusion_norm": 1.0, "time_shift": 1.0}  # SiT's Euler-Maruyama defaults, 250 time points
+
+
+@dataclass(frozen=True)
+class Protocol:
+    objective: str              # the objective of the checkpoints it describes
+    settings: dict[str, Any]    # JobSettings field -> value (keys of FLAGS)
+    cfg_scale: float            # the headline number's guidance scale (--cfg-scale overrides)
+    describes: str              # whose numbers, in a few words
+
+
+PROTOCOLS: dict[str, Protocol] = {
+    # DiT's sample_ddp.py: 250 respaced DDPM steps, DiT's forward_with_cfg guiding channels 0-2 only.
+    "dit": Protocol("ddpm", {**_FIXED, "sampler": "ddpm", "steps": 250, "cfg_channels": 3, "guidance_interval": None,
+                             "time_shift": 1.0}, 1.5, "the DiT and ANCRe papers' DDPM-250 numbers"),
+    # SiT's sample_ddp.py SDE mode with its defaults; SiT's forward_with_cfg keeps DiT's 3 channels.
+    "sit": Protocol("flow", {**_FIXED, **_SIT_SDE, "cfg_channels": 3, "guidance_interval": None}, 1.5,
+                    "SiT's SDE-250 numbers (SiT-XL/2, FID 2.06 at cfg 1.5)"),
+    # REPA's generate.py --mode sde --num-steps 250 --guidance-high 0.7: its Euler-Maruyama is SiT's
+    # (time points 1 -> 0.04, diffusion 2t, a mean last step), guiding every channel while t <= 0.7
+    # on its time axis, which runs from data (0) to noise (1) as our normalised time does.
+    "repa": Protocol("flow", {**_FIXED, **_SIT_SDE, "cfg_channels": None, "guidance_interval": (0.0, 0.7)}, 1.8,
+                     "REPA's SDE-250 numbers (SiT-XL/2 + REPA, FID 1.42 at cfg 1.8)"),
+    # LightningDiT's inference.py: Euler on 250 time points (249 steps), timestep_shift 0.3, guidance
+    # from cfg_interval_start 0.125 on (u <= 0.875) on the first 3 channels (its forward_with_cfg).
+    "lightningdit": Protocol("flow", {**_FIXED, "sampler": "euler", "steps": 249, "time_shift": 0.3,
+                                      "cfg_channels": 3, "guidance_interval": (0.0, 0.875)}, 6.7,
+                             "LightningDiT's Euler-250 numbers (XL/1 on VA-VAE, 800 epochs, FID 1.35 at cfg 6.7)"),
+}
+
+
+def headline_cfg_scale(name: str | None, default: float) -> float:
+    """The guidance scale when --cfg-scale is not given: the protocol's headline one, else `default`."""
+    return default if name is None else PROTOCOLS[name].cfg_scale
+
+
+def describe(name: str) -> str:
+    """One line of what --protocol NAME sets, for the job's log."""
+    p = PROTOCOLS[name]
+    shown = ", ".join(f"{key} {value}" for key, value in p.settings.items())
+    return f"--protocol {name} ({p.describes}): {shown}; cfg scale {p.cfg_scale} unless --cfg-scale is given"
 
 
 def apply_protocol(settings, name: str | None):
@@ -29,19 +74,20 @@ def apply_protocol(settings, name: str | None):
     default to something else than the protocol's is a one-line error, not silently overridden."""
     if name is None:
         return settings
-    if name != PROTOCOL:
-        raise UserError(f"unknown --protocol {name!r}; choose {PROTOCOL}")
+    if name not in PROTOCOLS:
+        raise UserError(f"unknown --protocol {name!r}; choose {', '.join(PROTOCOLS)}")
+    wanted = PROTOCOLS[name].settings
     defaults = {f.name: f.default for f in fields(settings)}
-    for key, (wanted, flag) in DIT_SETTINGS.items():
+    for key, value in wanted.items():
         given = getattr(settings, key)
-        if given != wanted and given != defaults[key]:
-            raise UserError(f"--protocol {name} samples with {key} {wanted}, but {flag} asks for {given}; "
+        if given != value and given != defaults[key]:
+            raise UserError(f"--protocol {name} samples with {key} {value}, but {FLAGS[key]} asks for {given}; "
                             f"drop that flag or drop --protocol")
     if settings.classes is not None:
         raise UserError(f"--protocol {name} draws class labels at random; drop --classes or drop --protocol")
     if settings.guide_ckpt:
         raise UserError(f"--protocol {name} guides classifier-free; drop --guide-ckpt or drop --protocol")
-    return replace(settings, **{key: wanted for key, (wanted, _) in DIT_SETTINGS.items()}, protocol=name)
+    return replace(settings, **wanted, protocol=name)
 
 
 def record_path(samples: str | Path) -> Path:
@@ -65,10 +111,13 @@ def check_protocol_fits(name: str | None, spec: dict[str, Any], in_channels: int
     what it needs, not an error about a flag the user never passed."""
     if name is None:
         return
+    p = PROTOCOLS[name]
     objective = build_objective(spec["diffusion"]).name
-    if objective != "ddpm":
-        raise UserError(f"--protocol {name} is {DIT_NEEDS}; this checkpoint was trained with the {objective} "
-                        f"objective: drop --protocol and choose a {objective} sampler with --sampler")
-    if in_channels < DIT_SETTINGS["cfg_channels"][0]:
-        raise UserError(f"--protocol {name} is {DIT_NEEDS}; this model has {in_channels} channel(s) "
-                        f"(a pixel-space model?): drop --protocol")
+    if objective != p.objective:
+        raise UserError(f"--protocol {name} describes {p.describes}, sampled from {p.objective} checkpoints; this "
+                        f"checkpoint was trained with the {objective} objective: drop --protocol or choose one for "
+                        f"{objective} ({', '.join(n for n, q in PROTOCOLS.items() if q.objective == objective)})")
+    channels = p.settings["cfg_channels"]
+    if channels is not None and in_channels < channels:
+        raise UserError(f"--protocol {name} guides the first {channels} latent channels; this model has "
+                        f"{in_channels} channel(s) (a pixel-space model?): drop --protocol")
