@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
-"""Imports a published .pt checkpoint (original DiT release, official ANCRe) as a checkpoint folder.
+"""Imports a published .pt checkpoint (DiT, official ANCRe, SiT, REPA) as a checkpoint folder.
 
     python scripts/import_checkpoint.py DiT-XL-2-256x256.pt --model DiT-XL/2 --image-size 256 --out ckpts/dit-xl2
     python scripts/import_checkpoint.py 0400000.pt --out ckpts/ancre-b2         # architecture from the file's args
+    python scripts/import_checkpoint.py SiT-XL-2-256x256.pt --source sit --model SiT-XL/2 --out ckpts/sit-xl2
+    python scripts/import_checkpoint.py repa-0400000.pt --out ckpts/repa-xl2    # REPA: recognised by its projectors
     python sample.py --ckpt ckpts/dit-xl2 --vae VAE_DIR --protocol dit --cfg-scale 1.5 --num-samples 50000 --out s.npz
 
 The folder (model_spec.json + safetensors) is read by sample.py and evaluate.py like any other.
@@ -13,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ancre_dit.checkpoint import SPEC_FILE, import_checkpoint
+from ancre_dit.checkpoint.importing import SOURCES
 from ancre_dit.cli import CommandParser, output_folder, run_cli
 from ancre_dit.models import TOPOLOGIES
 
@@ -20,7 +23,10 @@ from ancre_dit.models import TOPOLOGIES
 def main(argv: list[str] | None = None) -> int:
     p = CommandParser(description=__doc__.splitlines()[0])
     p.add_argument("src", type=Path, help="the .pt file: a bare state dict or a {model, ema, opt, args} checkpoint")
-    p.add_argument("--model", default=None, help="e.g. DiT-XL/2 (default: the file's args.model)")
+    p.add_argument("--source", choices=SOURCES, default=None,
+                   help="who trained the file (default: recognised: REPA by its projectors, ANCRe by its logits, SiT "
+                        "by its transport args, else DiT; SiT's bare release state dict needs --source sit)")
+    p.add_argument("--model", default=None, help="e.g. DiT-XL/2 or SiT-XL/2 (default: the file's args.model)")
     p.add_argument("--image-size", type=int, default=None, help="pixels (default: the file's args.image_size, else 256)")
     p.add_argument("--topology", choices=list(TOPOLOGIES), default=None,
                    help="default: ancre if the file has ANCRe logits (ancre-outgoing for the per-source layout), "
@@ -33,11 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     output_folder(a.out, "checkpoint folder", SPEC_FILE, replace_own=False, overwrite=a.overwrite)
     spec = import_checkpoint(a.src, a.out, model=a.model, image_size=a.image_size, topology=a.topology, tau=a.tau,
-                             weights=a.weights, overwrite=a.overwrite)
+                             weights=a.weights, source=a.source, overwrite=a.overwrite)
     kw = spec["model"]["kwargs"]
-    print(f"imported {spec['model']['name']} ({kw['topology']}, {spec['imported']['weights']} weights, "
-          f"{spec['data']['image_size']} px, {kw['num_classes']} classes) to {a.out}")
-    print(f"sample it with: python sample.py --ckpt {a.out} --vae VAE_DIR --protocol dit --out samples.npz")
+    source = spec["imported"]["from"]
+    print(f"imported {source}'s {spec['model']['name']} ({kw['topology']}, {spec['imported']['weights']} weights, "
+          f"{spec['data']['image_size']} px, {kw['num_classes']} classes, {spec['diffusion']['objective']} "
+          f"objective) to {a.out}")
+    protocol = "dit" if source == "ancre" else source
+    print(f"sample it with: python sample.py --ckpt {a.out} --vae VAE_DIR --protocol {protocol} --out samples.npz")
     return 0
 
 

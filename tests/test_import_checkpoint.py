@@ -146,3 +146,117 @@ def test_a_pickle_that_would_run_code_is_refused(tmp_path):
     with pytest.raises(UserError, match="not a readable PyTorch checkpoint") as refused:
         safe_torch_load(tmp_path / "junk.pt")
     assert "weights_only" not in str(refused.value)  # never the unsafe advice torch's own message gives
+
+
+# -- SiT and REPA: DiT's architecture and keys, trained as flows --------------------------------------
+def _flow_backbone(seed: int, learn_sigma: bool) -> torch.nn.Module:
+    """SiT's (and REPA's) network is DiT's, block for block and key for key: our DiT with random weights
+    stands in for the source's model, its forward for the source's forward."""
+    torch.manual_seed(seed)
+    return randomize(create_model(NAME, input_size=8, in_channels=4, num_classes=10, learn_sigma=learn_sigma), seed)
+
+
+def _flow_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(3, 4, 8, 8, generator=g), torch.tensor([1, 7, 10])
+
+
+def test_sit_checkpoints_import_as_flow_models_with_the_same_output(tmp_path):
+    source = _flow_backbone(5, learn_sigma=True)  # SiT's release keeps DiT's sigma channels; its forward drops them
+    torch.save(source.state_dict(), tmp_path / "SiT-T-4-64x64.pt")
+    spec = import_checkpoint(tmp_path / "SiT-T-4-64x64.pt", tmp_path / "release", source="sit", model="SiT-T/4",
+                             image_size=64)
+    assert spec["diffusion"]["objective"] == "flow" and spec["diffusion"]["prediction"] == "velocity"
+    assert spec["imported"]["from"] == "sit" and spec["model"]["name"] == NAME
+    imported, _ = load_trained_model(tmp_path / "release")
+    x, y = _flow_inputs()
+    for t in (0.0, 0.4, 1.0):  # SiT's time: 0 noise, 1 data, fed to the embedding as it is
+        tt = torch.full((3,), t)
+        with torch.no_grad():
+            assert torch.equal(imported(x, tt, y)[:, :4], source(x, tt, y)[:, :4])
+    # A SiT training checkpoint is recognised by its transport flags; other paths are refused.
+    args = argparse.Namespace(model="SiT-T/4", image_size=64, num_classes=10, path_type="Linear",
+                              prediction="velocity", loss_weight=None)
+    torch.save({"model": source.state_dict(), "ema": source.state_dict(), "opt": {}, "args": args},
+               tmp_path / "0100000.pt")
+    assert import_checkpoint(tmp_path / "0100000.pt", tmp_path / "train")["imported"]["from"] == "sit"
+    args.path_type = "GVP"
+    torch.save({"ema": source.state_dict(), "args": args}, tmp_path / "gvp.pt")
+    with pytest.raises(UserError, match=r"trained with sit's path 'GVP' and prediction 'velocity'; only the linear"):
+        import_checkpoint(tmp_path / "gvp.pt", tmp_path / "gvp")
+
+
+def _repa_file(tmp_path: Path, backbone: torch.nn.Module, **args) -> Path:
+    """REPA's train.py checkpoint: {model, ema, opt, args, steps}, the SiT weights plus one projector
+    (build_mlp: Linear, SiLU, Linear, SiLU, Linear) after encoder_depth blocks."""
+    torch.manual_seed(9)
+    projector = torch.nn.Sequential(torch.nn.Linear(192, 32), torch.nn.SiLU(), torch.nn.Linear(32, 32),
+                                    torch.nn.SiLU(), torch.nn.Linear(32, 16))
+    weights = {**backbone.state_dict(), **{f"projectors.0.{k}": v for k, v in projector.state_dict().items()}}
+    args = argparse.Namespace(**{"model": "SiT-T/4", "resolution": 64, "num_classes": 10, "path_type": "linear",
+                                 "prediction": "v", "weighting": "uniform", "enc_type": "dinov2-vit-b",
+                                 "proj_coeff": 0.5, "encoder_depth": 8, "qk_norm": False, **args})
+    path = tmp_path / "repa-0004000.pt"
+    torch.save({"model": weights, "ema": weights, "opt": {}, "args": args, "steps": 4000}, path)
+    return path
+
+
+def test_repa_checkpoints_import_into_sits_time_convention(tmp_path):
+    from ancre_dit.sampling import Guidance, sample_latents
+    from ancre_dit.sampling.noise import SampleNoise
+
+    repa = _flow_backbone(6, learn_sigma=False)  # REPA's network: t = 1 noise, output noise - data
+    spec = import_checkpoint(_repa_file(tmp_path, repa), tmp_path / "repa")
+    assert spec["imported"]["from"] == "repa" and spec["imported"]["dropped"] == "1 REPA projector(s)"
+    assert spec["step"] == 4000 and spec["data"]["image_size"] == 64 and spec["diffusion"]["objective"] == "flow"
+    imported, _ = load_trained_model(tmp_path / "repa")
+    assert not any(k.startswith("projectors") for k in imported.state_dict())
+    x, y = _flow_inputs()
+    with torch.no_grad():
+        for t in (0.0, 0.3, 0.9, 1.0):  # ours at t is REPA's at 1 - t, with the velocity's sign turned
+            tt = torch.full((3,), t)
+            torch.testing.assert_close(imported(x, tt, y), -repa(x, 1 - tt, y), atol=2e-5, rtol=1e-4)
+    # REPA's euler_sampler (samplers.py, cfg 1) written out: t from 1 to 0, x += (t_next - t_cur) * v.
+    steps, labels = 4, [1, 7]
+    z = SampleNoise(5, [0, 1], (4, 8, 8), torch.device("cpu")).next().double()
+    t_steps = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
+    with torch.no_grad():
+        for t_cur, t_next in zip(t_steps[:-1], t_steps[1:]):
+            v = repa(z.float(), torch.full((2,), float(t_cur)), torch.tensor(labels)).double()
+            z = z + (t_next - t_cur) * v
+    ours = sample_latents(imported, spec["diffusion"], labels, sampler="euler", steps=steps, seed=5,
+                          guidance=Guidance(1.0))
+    torch.testing.assert_close(ours.double(), z, atol=1e-4, rtol=1e-4)
+    # What does not import is said in one line: a cosine path, REPA's LayerNorm QK-norm, a wrong --source.
+    with pytest.raises(UserError, match="path 'cosine'"):
+        import_checkpoint(_repa_file(tmp_path, repa, path_type="cosine"), tmp_path / "cos")
+    with pytest.raises(UserError, match="import it with --source repa, not sit"):
+        import_checkpoint(_repa_file(tmp_path, repa), tmp_path / "sit", source="sit")
+
+
+@pytest.mark.slow
+def test_an_imported_repa_checkpoint_samples_with_its_protocol_and_evaluates(tmp_path):
+    import json
+
+    from helpers import tiny_vae
+    from ancre_dit.evaluation import WEIGHTS_NAME, write_random_inception_weights
+
+    import_checkpoint(_repa_file(tmp_path, _flow_backbone(7, learn_sigma=False)), tmp_path / "repa")
+    vae = tiny_vae(tmp_path / "vae")
+
+    def run(script: str, *args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
+                              env=subprocess_env(), cwd=ROOT, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done
+
+    common = ["--ckpt", str(tmp_path / "repa"), "--vae", str(vae), "--num-samples", "4"]
+    out = run("sample.py", *common, "--protocol", "repa", "--out", str(tmp_path / "s.npz"))
+    assert "--protocol repa" in out.stdout and "with flow sde-250" in out.stdout
+    run("sample.py", *common, "--seed", "1", "--steps", "20", "--sampler", "euler", "--out", str(tmp_path / "r.npz"))
+    weights = write_random_inception_weights(tmp_path / WEIGHTS_NAME, seed=0)
+    run("evaluate.py", "--samples", str(tmp_path / "s.npz"), "--ref", str(tmp_path / "r.npz"), "--metrics", "fid",
+        "--inception-weights", str(weights), "--json", str(tmp_path / "eval.json"))
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["sampling"]["protocol"] == "repa" and result["sampling"]["guidance_interval"] == [0.0, 0.7]
+    assert result["metrics"]["fid"] >= 0

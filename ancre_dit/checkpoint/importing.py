@@ -1,9 +1,15 @@
 """Published checkpoints (.pt) -> a checkpoint folder that sample.py and evaluate.py read.
 
-Handles the original DiT release (a bare state dict of EMA weights), official ANCRe training
-checkpoints ({"model", "ema", "opt", "args"}, keys possibly under `module.` / `_orig_mod.`) and the
-per-source logit layout of the outgoing-normalisation ablation. The architecture comes from the
-file's `args` where it has them, else from the caller, and is checked by a strict load.
+Handles, by source (SOURCES; recognised from the file, or named):
+- dit: the original DiT release (a bare state dict of EMA weights);
+- ancre: official ANCRe training checkpoints ({"model", "ema", "opt", "args"}, keys possibly under
+  `module.` / `_orig_mod.`), including the per-source logit layout of the outgoing ablation;
+- sit: SiT's release and training checkpoints (DiT's keys; linear path, velocity), flow objective;
+- repa: REPA's training checkpoints (SiT plus `projectors.*`, which sampling does not use and the
+  import drops). REPA runs time the other way (t = 1 noise, velocity noise - data); the import turns
+  the network into SiT's convention exactly, so it samples with our flow samplers unchanged.
+The architecture comes from the file's `args` where it has them, else from the caller, and is
+checked by a strict load; the folder's spec records the source's objective.
 
 Unpickling can run arbitrary code, so files are read with `torch.load(weights_only=True)` (tensors
 and plain containers), plus the one class these files really hold: argparse.Namespace.
@@ -20,11 +26,12 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from ..diffusion import FlowObjective
 from ..diffusion.gaussian import DDPM_SCHEDULE
 from ..errors import MissingFileError, UserError
 from ..files import sha256_file
 from ..models import create_model, load_state_dict_checked, official_logit_layout, save_topology_json
-from ..models.convert import convert_official_state_dict
+from ..models.convert import convert_official_state_dict, reverse_time_axis
 from ..models.topologies import topology_entry
 from .model_spec import SPEC_FILE, make_model_spec, write_model_files
 
@@ -33,6 +40,39 @@ VAE_DOWNSAMPLE = 8  # SD VAE: 256 px -> 32 x 32 latents
 SD_VAE_SCALING = 0.18215
 # Topology of an imported file by its logit layout, when the caller does not name one.
 DEFAULT_TOPOLOGY = {None: "cascaded", "per-target": "ancre", "per-source": "ancre-outgoing"}
+SOURCES = ("dit", "ancre", "sit", "repa")
+FLOW_SOURCES = ("sit", "repa")
+
+
+def recognise_source(state: Mapping[str, torch.Tensor], args: Mapping[str, Any], layout: str | None) -> str:
+    """The source a file comes from, by what only it holds: REPA's projectors, ANCRe's logits, SiT's
+    transport flags among its args; else DiT (whose release SiT's bare state dict shares: --source sit)."""
+    if any(k.startswith("projectors.") for k in state):
+        return "repa"
+    if layout is not None:
+        return "ancre"
+    return "sit" if "path_type" in args else "dit"
+
+
+def _flow_source(source: str, args: Mapping[str, Any], state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """SiT's or REPA's objective as our flow spec, after checking the file trained what we sample;
+    a REPA state is turned into SiT's time convention in place. Returns what the spec's "imported"
+    entry adds."""
+    path, prediction = args.get("path_type"), args.get("prediction")
+    linear = {"sit": ("Linear", "velocity"), "repa": ("linear", "v")}[source]
+    if path not in (None, linear[0]) or prediction not in (None, linear[1]):
+        raise UserError(f"the file was trained with {source}'s path {path!r} and prediction {prediction!r}; only the "
+                        f"linear path with velocity prediction ({linear[0]}, {linear[1]}) imports here")
+    if source == "sit":
+        return {}
+    if any(".q_norm." in k for k in state):
+        raise UserError("the file was trained with REPA's --qk-norm (timm's LayerNorm on q and k), which our "
+                        "QK-norm (RMSNorm) does not reproduce; it cannot be imported")
+    dropped = sorted({k.split(".")[1] for k in state if k.startswith("projectors.")})
+    for key in [k for k in state if k.startswith("projectors.")]:
+        del state[key]
+    reverse_time_axis(state)
+    return {"dropped": f"{len(dropped)} REPA projector(s)", "time_axis": "reversed (REPA) -> SiT's"}
 
 
 def _reason(path: Path, err: BaseException) -> str:
@@ -91,6 +131,11 @@ def _select_weights(raw: Mapping[str, Any], weights: str | None) -> tuple[Mappin
     return raw[choice], choice
 
 
+def _our_name(name: str | None) -> str | None:
+    """SiT's and REPA's model names are DiT's architectures: SiT-XL/2 is our DiT-XL/2."""
+    return name.replace("SiT-", "DiT-") if name else None
+
+
 def _pick(name: str, given: Any, from_file: Any, default: Any = None) -> Any:
     """A setting from the caller or the file's args; both given and different is an error. Floats are
     compared at float32, the precision files store them in (0.01 is stored as 0.0099999998)."""
@@ -104,10 +149,12 @@ def _pick(name: str, given: Any, from_file: Any, default: Any = None) -> Any:
 
 def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = None, image_size: int | None = None,
                       topology: str | None = None, tau: float | None = None, weights: str | None = None,
-                      overrides: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
+                      source: str | None = None, overrides: Mapping[str, Any] | None = None,
+                      overwrite: bool = False) -> dict[str, Any]:
     """Writes OUT/model_spec.json + ema/model.safetensors (both the imported weights; the spec's
-    "imported" entry says which) and OUT/topology.json for ANCRe; returns the spec. `overrides`: extra
-    create_model arguments for non-standard sizes; `overwrite`: replace an earlier import's checkpoint."""
+    "imported" entry says which) and OUT/topology.json for ANCRe; returns the spec. `source`: one of
+    SOURCES (default: recognised from the file); `overrides`: extra create_model arguments for
+    non-standard sizes; `overwrite`: replace an earlier import's checkpoint."""
     src, out = Path(src), Path(out)
     if (out / SPEC_FILE).exists() and not overwrite:
         raise UserError(f"{out} already holds a checkpoint; choose another --out, or pass --overwrite to replace it")
@@ -119,11 +166,20 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
     chosen, which = _select_weights(raw, weights)
     state = convert_official_state_dict(chosen)
     layout = official_logit_layout(chosen)
+    found = recognise_source(state, args, layout)
+    source = source or found
+    if source not in SOURCES:
+        raise UserError(f"--source {source} is unknown; choose {', '.join(SOURCES)}")
+    if found in ("repa", "ancre") and source != found:
+        raise UserError(f"{src} holds {found}'s weights ({'projectors' if found == 'repa' else 'ANCRe logits'}); "
+                        f"import it with --source {found}, not {source}")
+    imported = _flow_source(source, args, state) if source in FLOW_SOURCES else {}
 
-    name = _pick("model", model, args.get("model"))
+    name = _pick("model", _our_name(model), _our_name(args.get("model")))
     if name is None:
         raise UserError(f"{src} does not say which model it holds; pass --model (e.g. --model DiT-XL/2)")
-    image_size = int(_pick("image_size", image_size, args.get("image_size"), 256))
+    file_size = args.get("image_size", args.get("resolution"))  # REPA's train.py calls it resolution
+    image_size = int(_pick("image_size", image_size, file_size, 256))
     if image_size < VAE_DOWNSAMPLE or image_size % VAE_DOWNSAMPLE:
         raise UserError(f"--image-size {image_size} must be a positive multiple of {VAE_DOWNSAMPLE} (the VAE's "
                         f"downsampling), e.g. 256")
@@ -153,12 +209,15 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
     net = create_model(name, **kwargs)
     load_state_dict_checked(net, state, source=str(src))
 
-    spec = make_model_spec(name, kwargs, dict(objective="ddpm", **DDPM_SCHEDULE, learn_sigma=kwargs["learn_sigma"]),
+    # SiT's release keeps DiT's learned-sigma channels, which its forward drops: our flow ignores them too.
+    diffusion = FlowObjective().spec() if source in FLOW_SOURCES else dict(
+        objective="ddpm", **DDPM_SCHEDULE, learn_sigma=kwargs["learn_sigma"])
+    spec = make_model_spec(name, kwargs, diffusion,
                            {"kind": "latents", "image_size": image_size, "image_channels": 3,
                             "num_classes": num_classes, "vae": None, "scaling_factor": SD_VAE_SCALING},
-                           step=int(src.stem) if src.stem.isdigit() else 0)
+                           step=int(src.stem) if src.stem.isdigit() else int(raw.get("steps", 0) or 0))
     spec["imported"] = {"source": str(src.resolve()), "sha256": sha256_file(src), "weights": which,
-                        "logit_layout": layout}
+                        "logit_layout": layout, "from": source, **imported}
     weights_state = net.state_dict()
     (out / "topology.json").unlink(missing_ok=True)  # an overwritten import's, which may not apply any more
     write_model_files(out, spec, weights_state, weights_state)

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
+from .embeddings import TimestepEmbedder
 from .dit import DIT_SIZES
 
 _PREFIXES = ("module.", "_orig_mod.")
@@ -114,3 +115,23 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Ten
         raise UserError(f"{source} does not fit this model ({'; '.join(diffs)}; checkpoint vs model): "
                         f"build the model with the settings the checkpoint was trained with")
     model.load_state_dict(state_dict, strict=True)
+
+
+def reverse_time_axis(state: dict[str, torch.Tensor]) -> None:
+    """Turns a DiT trained on t' = 1 - t with output -v (REPA: t' = 1 noise, velocity noise - data)
+    into one on t with output v (SiT: t = 1 data), in place and exactly up to rounding. The sinusoidal
+    code of 1 - t is a fixed linear map of the code of t (cos f(1-t) = cos f cos ft + sin f sin ft,
+    sin f(1-t) = sin f cos ft - cos f sin ft), folded into the timestep MLP's first matrix; the
+    output's sign is folded into the final linear layer."""
+    first = state["t_embedder.mlp.0.weight"]
+    dim = first.shape[1]
+    code_at_one = TimestepEmbedder.timestep_embedding(torch.ones(1, dtype=torch.float64), dim)[0].double()
+    half = dim // 2
+    cos, sin = code_at_one[:half], code_at_one[half:2 * half]
+    w = first.double()
+    folded = w.clone()
+    folded[:, :half] = w[:, :half] * cos + w[:, half:2 * half] * sin
+    folded[:, half:2 * half] = w[:, :half] * sin - w[:, half:2 * half] * cos
+    state["t_embedder.mlp.0.weight"] = folded.to(first.dtype)
+    for key in ("final_layer.linear.weight", "final_layer.linear.bias"):
+        state[key] = -state[key]
