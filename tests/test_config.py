@@ -32,22 +32,9 @@ def test_shipped_configs_load(tmp_path):
             if raw["model"]["topology"] == "ancre":
                 assert raw["model"]["tau"] == 0.1 and "0.01" in path.read_text().split("run_dir:")[0], path.name
             (tmp_path / "lat").mkdir(exist_ok=True)
-            if path.stem.startswith("repa-"):  # REPA's recipe: SiT's, plus the alignment (its weights file is checked)
-                (tmp_path / "dinov2.pth").touch()
-                c = load_config(path, [f"data.path={tmp_path / 'lat'}", f"repa.encoder_weights={tmp_path / 'dinov2.pth'}"])
-                assert (c.repa.weight, c.repa.depth, c.repa.projector_dim, c.repa.encoder) == \
-                    (0.5, 8, 2048, "vit_base_patch14_dinov2.lvd142m")
-                assert c.diffusion.objective == "flow" and not c.model.learn_sigma and c.model.topology in path.stem
-                assert (c.train.global_batch_size, c.train.max_steps, c.train.lr, c.train.ema_decay, c.train.mixed_precision) \
-                    == (256, 400000, 1e-4, 0.9999, "bf16")
+            if path.stem.startswith(("repa-", "lightningdit-")):  # their recipes: test_recipes.py
                 continue
             c = load_config(path, [f"data.path={tmp_path / 'lat'}"])
-            if path.stem.startswith("lightningdit-"):  # LightningDiT's recipe and block
-                assert (c.train.lr, c.train.adam_beta2, c.train.grad_clip, c.diffusion.time_sampling) == \
-                    (2e-4, 0.95, 1.0, "logit-normal")
-                assert (c.model.norm, c.model.mlp, c.model.pos_embed, c.model.qk_norm) == ("rmsnorm", "swiglu", "rope2d", True)
-                assert c.diffusion.objective == "flow" and not c.model.learn_sigma and c.model.topology in path.stem
-                continue
             assert (c.train.global_batch_size, c.train.max_steps, c.train.lr, c.train.ema_decay) == (256, 400000, 1e-4, 0.9999)
             # learn_sigma: on for DiT's DDPM, off for SiT's flow objective (sit-*.yaml).
             assert (c.train.mixed_precision, c.train.ckpt_every, c.model.learn_sigma, c.model.class_dropout) == \

@@ -66,6 +66,13 @@ def test_rope_replaces_the_absolute_embedding():
     assert "blocks.0.rope" not in model.state_dict()  # rebuilt from the options, never stored
 
 
+def test_lightningdits_position_code_is_both_the_sincos_table_and_rope():
+    both, sincos = create_model("DiT-S/2", pos_embed="sincos+rope2d", **KW), create_model("DiT-S/2", **KW)
+    assert torch.equal(both.pos_embed, sincos.pos_embed) and both.pos_embed.abs().sum() > 0
+    rope_only = create_model("DiT-S/2", pos_embed="rope2d", **KW)
+    assert both.blocks[0].rope.shape == (16, 2 * 16) and torch.equal(both.blocks[0].rope, rope_only.blocks[0].rope)
+
+
 @pytest.mark.parametrize("dim", [384, 768, 1152])
 def test_swiglu_keeps_the_gelu_parameter_count(dim):
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731

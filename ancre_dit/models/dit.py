@@ -79,7 +79,8 @@ class DiT(nn.Module):
                  aggregation_kernel: str = "torch", **topology_options):
         """`topology` is a registered name (topologies/registry.py) or a built module, `topology_options`
         its options (e.g. tau=0.01). `norm`, `mlp`, `pos_embed` (sincos | rope2d: axial 2D RoPE on q and
-        k, the absolute embedding then zero) and `qk_norm` choose the block's layers; `history_dtype`,
+        k, the absolute embedding then zero | sincos+rope2d: both, as LightningDiT) and `qk_norm` choose
+        the block's layers; `history_dtype`,
         `topology_topk` (0 = dense) and `aggregation_kernel` tune the aggregation (topologies/base.py)."""
         super().__init__()
         check_choice("pos_embed", pos_embed, POS_EMBEDS)  # norm and mlp are checked where their layers are built
@@ -105,7 +106,7 @@ class DiT(nn.Module):
         # checkpoints load unchanged.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
         self.pos_embed_kind = pos_embed
-        rope = axial_rope(hidden_size // num_heads, input_size // patch_size) if pos_embed == "rope2d" else None
+        rope = axial_rope(hidden_size // num_heads, input_size // patch_size) if "rope2d" in pos_embed else None
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio, norm=norm, mlp=mlp,
                                               qk_norm=qk_norm, rope=rope) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm)
@@ -130,7 +131,7 @@ class DiT(nn.Module):
                 child.apply(_basic_init)
 
         grid_size = int(self.x_embedder.num_patches ** 0.5)
-        if self.pos_embed_kind == "sincos":  # with rope2d the positions enter through q and k: it stays zero
+        if "sincos" in self.pos_embed_kind:  # with rope2d alone the positions enter through q and k: it stays zero
             pos_embed = get_2d_sincos_pos_embed(self.pos_embed.shape[-1], grid_size)
             self.pos_embed.data.copy_(torch.from_numpy(pos_embed).float().unsqueeze(0))
 

@@ -13,7 +13,7 @@ from ..errors import UserError
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu")
-POS_EMBEDS = ("sincos", "rope2d")
+POS_EMBEDS = ("sincos", "rope2d", "sincos+rope2d")
 DEFAULTS = {"norm": "layernorm", "mlp": "gelu", "pos_embed": "sincos", "qk_norm": False}
 
 
