@@ -253,7 +253,7 @@ def test_the_cosine_loss_is_lightningdits_beside_the_mse():
     assert set(plain.losses(net, x, y, (t, noise))) == {"mse", "loss"} and "cosine_loss_weight" not in plain.spec()
     assert with_cos.spec()["cosine_loss_weight"] == 0.5
     assert build_objective(with_cos.spec()).cosine_loss_weight == 0.5  # a checkpoint's spec rebuilds it
-    with pytest.raises(UserError, match="diffusion.cosine_loss_weight applies only to diffusion.objective=flow"):
+    with pytest.raises(UserError, match="diffusion.cosine_loss_weight=1.0 applies only to diffusion.objective=flow"):
         build_objective({"objective": "ddpm", "cosine_loss_weight": 1.0})
 
 

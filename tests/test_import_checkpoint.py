@@ -180,10 +180,16 @@ def test_sit_checkpoints_import_as_flow_models_with_the_same_output(tmp_path):
     torch.save({"model": source.state_dict(), "ema": source.state_dict(), "opt": {}, "args": args},
                tmp_path / "0100000.pt")
     assert import_checkpoint(tmp_path / "0100000.pt", tmp_path / "train")["imported"]["from"] == "sit"
-    args.path_type = "GVP"
+    # SiT's other paths, predictions and loss weights become the spec's, so sampling needs no flag.
+    args.path_type, args.prediction, args.loss_weight = "GVP", "noise", "likelihood"
     torch.save({"ema": source.state_dict(), "args": args}, tmp_path / "gvp.pt")
-    with pytest.raises(UserError, match=r"trained with sit's path 'GVP' and prediction 'velocity'; only the linear"):
-        import_checkpoint(tmp_path / "gvp.pt", tmp_path / "gvp")
+    spec = import_checkpoint(tmp_path / "gvp.pt", tmp_path / "gvp")["diffusion"]
+    assert (spec["path"], spec["prediction"], spec["loss_weight"]) == ("gvp", "noise", "likelihood")
+    args.path_type = "EDM"
+    torch.save({"ema": source.state_dict(), "args": args}, tmp_path / "edm.pt")
+    with pytest.raises(UserError, match=r"trained with sit's path 'EDM' and prediction 'noise'; sit's paths Linear, "
+                                        r"GVP, VP and predictions velocity, score, noise import here"):
+        import_checkpoint(tmp_path / "edm.pt", tmp_path / "edm")
 
 
 def _repa_file(tmp_path: Path, backbone: torch.nn.Module, **args) -> Path:
@@ -227,9 +233,20 @@ def test_repa_checkpoints_import_into_sits_time_convention(tmp_path):
     ours = sample_latents(imported, spec["diffusion"], labels, sampler="euler", steps=steps, seed=5,
                           guidance=Guidance(1.0))
     torch.testing.assert_close(ours.double(), z, atol=1e-4, rtol=1e-4)
-    # What does not import is said in one line: a cosine path, REPA's LayerNorm QK-norm, a wrong --source.
-    with pytest.raises(UserError, match="path 'cosine'"):
-        import_checkpoint(_repa_file(tmp_path, repa, path_type="cosine"), tmp_path / "cos")
+    # REPA's cosine path is SiT's GVP on the reversed time axis: the same fold makes it ours.
+    cosine = import_checkpoint(_repa_file(tmp_path, repa, path_type="cosine"), tmp_path / "cos")
+    assert cosine["diffusion"]["path"] == "gvp" and cosine["diffusion"]["prediction"] == "velocity"
+    imported, _ = load_trained_model(tmp_path / "cos")
+    with torch.no_grad():
+        tt = torch.full((3,), 0.3)
+        torch.testing.assert_close(imported(x, tt, y), -repa(x, 1 - tt, y), atol=2e-5, rtol=1e-4)
+    # What does not import is said in one line: REPA's LayerNorm QK-norm, a wrong --source.
+    qk = _repa_file(tmp_path, repa)
+    raw = torch.load(qk, weights_only=False)
+    raw["ema"]["blocks.0.attn.q_norm.weight"] = torch.ones(96)
+    torch.save(raw, qk)
+    with pytest.raises(UserError, match="REPA's --qk-norm"):
+        import_checkpoint(qk, tmp_path / "qk")
     with pytest.raises(UserError, match="import it with --source repa, not sit"):
         import_checkpoint(_repa_file(tmp_path, repa), tmp_path / "sit", source="sit")
 

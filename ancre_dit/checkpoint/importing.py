@@ -4,7 +4,8 @@ Handles, by source (SOURCES; recognised from the file, or named):
 - dit: the original DiT release (a bare state dict of EMA weights);
 - ancre: official ANCRe training checkpoints ({"model", "ema", "opt", "args"}, keys possibly under
   `module.` / `_orig_mod.`), including the per-source logit layout of the outgoing ablation;
-- sit: SiT's release and training checkpoints (DiT's keys; linear path, velocity), flow objective;
+- sit: SiT's release and training checkpoints (DiT's keys), the flow objective of their path,
+  prediction and loss weight;
 - repa: REPA's training checkpoints (SiT plus `projectors.*`, which sampling does not use and the
   import drops). REPA runs time the other way (t = 1 noise, velocity noise - data); the import turns
   the network into SiT's convention exactly, so it samples with our flow samplers unchanged.
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from ..diffusion import FlowObjective
+from ..diffusion.paths import PREDICTIONS
 from ..diffusion.gaussian import DDPM_SCHEDULE
 from ..errors import MissingFileError, UserError
 from ..files import sha256_file
@@ -54,17 +56,28 @@ def recognise_source(state: Mapping[str, torch.Tensor], args: Mapping[str, Any],
     return "sit" if "path_type" in args else "dit"
 
 
-def _flow_source(source: str, args: Mapping[str, Any], state: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """SiT's or REPA's objective as our flow spec, after checking the file trained what we sample;
-    a REPA state is turned into SiT's time convention in place. Returns what the spec's "imported"
-    entry adds."""
-    path, prediction = args.get("path_type"), args.get("prediction")
-    linear = {"sit": ("Linear", "velocity"), "repa": ("linear", "v")}[source]
-    if path not in (None, linear[0]) or prediction not in (None, linear[1]):
-        raise UserError(f"the file was trained with {source}'s path {path!r} and prediction {prediction!r}; only the "
-                        f"linear path with velocity prediction ({linear[0]}, {linear[1]}) imports here")
+# What SiT's and REPA's --path-type / --prediction / --loss-weight values are here.
+SIT_PATHS = {"Linear": "linear", "GVP": "gvp", "VP": "vp"}
+REPA_PATHS = {"linear": "linear", "cosine": "gvp"}  # REPA's cosine path is SiT's GVP on the reversed time axis
+REPA_PREDICTIONS = {"v": "velocity"}
+
+
+def _flow_source(source: str, args: Mapping[str, Any], state: dict[str, torch.Tensor]
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """SiT's or REPA's objective as our flow spec, from the file's args (their defaults where absent);
+    a REPA state is turned into SiT's time convention in place. Returns (the diffusion spec, what the
+    spec's "imported" entry adds)."""
+    paths, predictions = (SIT_PATHS, {p: p for p in PREDICTIONS}) if source == "sit" else (REPA_PATHS, REPA_PREDICTIONS)
+    path = args.get("path_type") or next(iter(paths))
+    prediction = args.get("prediction") or next(iter(predictions))
+    if path not in paths or prediction not in predictions:
+        raise UserError(f"the file was trained with {source}'s path {path!r} and prediction {prediction!r}; "
+                        f"{source}'s paths {', '.join(paths)} and predictions {', '.join(predictions)} import here")
+    loss_weight = args.get("loss_weight") if source == "sit" else None
+    diffusion = FlowObjective(path=paths[path], prediction=predictions[prediction],
+                              loss_weight=loss_weight if loss_weight and prediction != "velocity" else "none").spec()
     if source == "sit":
-        return {}
+        return diffusion, {}
     if any(".q_norm." in k for k in state):
         raise UserError("the file was trained with REPA's --qk-norm (timm's LayerNorm on q and k), which our "
                         "QK-norm (RMSNorm) does not reproduce; it cannot be imported")
@@ -72,7 +85,7 @@ def _flow_source(source: str, args: Mapping[str, Any], state: dict[str, torch.Te
     for key in [k for k in state if k.startswith("projectors.")]:
         del state[key]
     reverse_time_axis(state)
-    return {"dropped": f"{len(dropped)} REPA projector(s)", "time_axis": "reversed (REPA) -> SiT's"}
+    return diffusion, {"dropped": f"{len(dropped)} REPA projector(s)", "time_axis": "reversed (REPA) -> SiT's"}
 
 
 def _reason(path: Path, err: BaseException) -> str:
@@ -173,7 +186,7 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
     if found in ("repa", "ancre") and source != found:
         raise UserError(f"{src} holds {found}'s weights ({'projectors' if found == 'repa' else 'ANCRe logits'}); "
                         f"import it with --source {found}, not {source}")
-    imported = _flow_source(source, args, state) if source in FLOW_SOURCES else {}
+    diffusion, imported = _flow_source(source, args, state) if source in FLOW_SOURCES else (None, {})
 
     name = _pick("model", _our_name(model), _our_name(args.get("model")))
     if name is None:
@@ -210,8 +223,7 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
     load_state_dict_checked(net, state, source=str(src))
 
     # SiT's release keeps DiT's learned-sigma channels, which its forward drops: our flow ignores them too.
-    diffusion = FlowObjective().spec() if source in FLOW_SOURCES else dict(
-        objective="ddpm", **DDPM_SCHEDULE, learn_sigma=kwargs["learn_sigma"])
+    diffusion = diffusion or dict(objective="ddpm", **DDPM_SCHEDULE, learn_sigma=kwargs["learn_sigma"])
     spec = make_model_spec(name, kwargs, diffusion,
                            {"kind": "latents", "image_size": image_size, "image_channels": 3,
                             "num_classes": num_classes, "vae": None, "scaling_factor": SD_VAE_SCALING},

@@ -1,4 +1,6 @@
-"""Samplers of the linear-interpolant flow (time 0 = noise, 1 = data; see flow.py).
+"""Samplers of the flow objective (time 0 = noise, 1 = data; see flow.py), on any of SiT's paths and
+predictions: the network's output becomes the ODE's drift, the score and the last step through the
+objective, over SiT's time interval for the path and prediction.
 
 ODE dx/dt = v(x, t) through torchdiffeq: "euler" and "heun" (heun2, two network calls per step) on
 `steps` intervals, "dopri5" adaptive with SiT's tolerances (its steps adapt to the whole batch,
@@ -8,10 +10,10 @@ of them (s < 1 spends more steps near the noise; LightningDiT samples with 0.3; 
 noise-level convention is s = 1 / k).
 
 SDE: SiT's Euler-Maruyama by hand (torchdiffeq has none), SiT's defaults: time points
-linspace(0, 1 - last_step_size, steps), so steps - 1 noisy steps x <- x + drift dt + sqrt(2 w dt) z
-with w(t) = norm * (1 - t), drift v + w * score and the linear path's score (t v - x) / (1 - t); then
-one last step without noise: "mean" (drift, SiT's default), "euler" (velocity only), "tweedie"
-(E[data | x_t] = x / t + (1 - t)^2 / t * score), or "none".
+linspace(t0, 1 - last_step_size, steps), so steps - 1 noisy steps x <- x + drift dt + sqrt(2 w dt) z
+with w(t) = norm * sigma(t) (on the linear path 1 - t) and drift v + w * score; then one last step
+without noise: "mean" (drift, SiT's default), "euler" (velocity only), "tweedie"
+(E[data | x_t] = x / alpha + sigma^2 / alpha * score), or "none".
 """
 from __future__ import annotations
 
@@ -35,14 +37,16 @@ def ode_sampler(objective: Objective, denoiser: Denoiser, x: torch.Tensor, y: to
     from torchdiffeq import odeint
 
     channels = x.shape[1]
-    span = torch.tensor([0.0, 1.0], device=x.device)
+    t0, t1 = objective.sampling_interval()
+    span = torch.tensor([t0, t1], device=x.device)
 
     def field(t: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        return denoiser(state, t.to(state.dtype).expand(len(state)), y)[:, :channels]
+        times = t.to(state.dtype).expand(len(state))
+        return objective.velocity(denoiser(state, times, y)[:, :channels], state, times)
 
     if method == "dopri5":
         return odeint(field, x, span, method="dopri5", atol=1e-6, rtol=1e-3)[-1]  # SiT's tolerances
-    grid = shifted_times(torch.linspace(0.0, 1.0, int(steps) + 1, device=x.device), time_shift)
+    grid = shifted_times(torch.linspace(t0, t1, int(steps) + 1, device=x.device), time_shift)
     return odeint(field, x, span, method=method, options={"grid_constructor": lambda f, y0, t: grid})[-1]
 
 
@@ -53,35 +57,29 @@ def check_sde_steps(steps: int, name: str = "steps") -> None:
                         "steps - 1 Euler-Maruyama steps plus the last step)")
 
 
-def _score_times_w(v: torch.Tensor, x: torch.Tensor, t: float, norm: float) -> torch.Tensor:
-    """w(t) * score for w = norm * (1 - t): the (1 - t) cancels, so this stays finite at any t."""
-    return norm * (t * v - x)
-
-
 @torch.no_grad()
 def sde_sampler(objective: Objective, denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: NoiseSource,
                 *, steps: int, sde: SDEOptions) -> torch.Tensor:
     """The sampler table's "sde": SiT's Euler-Maruyama (see the module docstring)."""
-    channels = x.shape[1]
+    channels, norm = x.shape[1], sde.diffusion_norm
 
-    def velocity(state: torch.Tensor, t: float) -> torch.Tensor:
-        return denoiser(state, torch.full((len(state),), t, device=state.device), y)[:, :channels]
+    def output(state: torch.Tensor, t: float) -> tuple[torch.Tensor, torch.Tensor]:
+        times = torch.full((len(state),), t, device=state.device)
+        return denoiser(state, times, y)[:, :channels], times
 
     size = 0.0 if sde.last_step == "none" else sde.last_step_size
-    times = torch.linspace(0.0, 1.0 - size, int(steps))  # float32 time points, as SiT
+    t0, t1 = objective.sampling_interval(sde=True, last_step_size=size)
+    times = torch.linspace(t0, t1, int(steps))  # float32 time points, as SiT
     dt = float(times[1] - times[0])
     for t in times[:-1].tolist():
-        v = velocity(x, t)
-        drift = v + _score_times_w(v, x, t, sde.diffusion_norm)
-        w = sde.diffusion_norm * (1.0 - t)
-        x = x + drift * dt + (2.0 * w * dt) ** 0.5 * noise.next()
+        out, tt = output(x, t)
+        drift = objective.velocity(out, x, tt) + objective.diffusion_times_score(out, x, tt, norm)
+        x = x + drift * dt + (2.0 * objective.diffusion(t, norm) * dt) ** 0.5 * noise.next()
     if sde.last_step == "none":
         return x
-    t1 = float(times[-1])
-    v = velocity(x, t1)
+    out, tt = output(x, float(times[-1]))
     if sde.last_step == "mean":
-        return x + (v + _score_times_w(v, x, t1, sde.diffusion_norm)) * size
+        return x + (objective.velocity(out, x, tt) + objective.diffusion_times_score(out, x, tt, norm)) * size
     if sde.last_step == "euler":
-        return x + v * size
-    score = (t1 * v - x) / (1.0 - t1)
-    return x / t1 + (1.0 - t1) ** 2 / t1 * score  # tweedie
+        return x + objective.velocity(out, x, tt) * size
+    return objective.tweedie(out, x, tt)

@@ -17,6 +17,8 @@ from .flow import FlowObjective
 from .flow_samplers import check_sde_steps, ode_sampler, sde_sampler
 
 OBJECTIVES = ("ddpm", "flow")
+# The flow objective's own settings and their defaults (a DDPM spec may hold them only at these).
+FLOW_ONLY = {"path": "linear", "prediction": "velocity", "loss_weight": "none", "cosine_loss_weight": 0.0}
 
 
 def build_objective(spec: Mapping[str, Any] | Objective) -> Objective:
@@ -28,16 +30,19 @@ def build_objective(spec: Mapping[str, Any] | Objective) -> Objective:
         if spec.get("time_sampling", "uniform") != "uniform":
             raise UserError(f"diffusion.time_sampling={spec['time_sampling']} applies only to diffusion.objective=flow "
                             "(DDPM draws integer timesteps uniformly)")
-        if spec.get("cosine_loss_weight"):
-            raise UserError("diffusion.cosine_loss_weight applies only to diffusion.objective=flow (LightningDiT's "
-                            "cosine loss on the velocity); set it to 0")
+        for key, default in FLOW_ONLY.items():
+            if spec.get(key, default) != default:
+                raise UserError(f"diffusion.{key}={spec[key]} applies only to diffusion.objective=flow (SiT's "
+                                f"interpolants); DDPM is DiT's epsilon prediction: drop it")
         return DDPMObjective(learn_sigma=bool(spec.get("learn_sigma", True)), **schedule_of(spec))
     if name == "flow":
         if spec.get("learn_sigma"):
             raise UserError("the flow objective predicts a velocity and has no learned variance; "
                             "set model.learn_sigma=false")
         return FlowObjective(str(spec.get("time_sampling", "uniform")), float(spec.get("logit_mean", 0.0)),
-                             float(spec.get("logit_std", 1.0)), float(spec.get("cosine_loss_weight", 0.0)))
+                             float(spec.get("logit_std", 1.0)), float(spec.get("cosine_loss_weight", 0.0)),
+                             path=str(spec.get("path", "linear")), prediction=str(spec.get("prediction", "velocity")),
+                             loss_weight=str(spec.get("loss_weight", "none")))
     raise UserError(f"unknown diffusion objective {name!r}; choose {' or '.join(OBJECTIVES)}")
 
 

@@ -183,7 +183,7 @@ def run_job(s: JobSettings) -> Path:
 
 
 # Settings that shape training only: two checkpoints that differ in them sample the same process.
-TRAINING_ONLY = ("learn_sigma", "time_sampling", "logit_mean", "logit_std", "cosine_loss_weight")
+TRAINING_ONLY = ("learn_sigma", "time_sampling", "logit_mean", "logit_std", "cosine_loss_weight", "loss_weight")
 
 
 def load_guide(path: str, spec: dict, device, name: str, sampled: str) -> torch.nn.Module:

@@ -11,6 +11,7 @@ from pydantic.dataclasses import dataclass
 
 from ..data.latent_norm import LATENT_NORMS
 from ..diffusion import OBJECTIVES, TIME_SAMPLINGS
+from ..diffusion.paths import LOSS_WEIGHTS, PATHS, PREDICTIONS
 from ..models.dit import ARCHITECTURE_DEFAULTS as ARCH
 from .guards import POLICIES
 
@@ -166,12 +167,17 @@ class EvalConfig:
 
 @section
 class DiffusionConfig:
-    objective: Literal[OBJECTIVES] = "ddpm"  # ddpm (DiT) or flow (SiT's linear interpolant)
+    objective: Literal[OBJECTIVES] = "ddpm"  # ddpm (DiT) or flow (SiT)
     time_sampling: Literal[TIME_SAMPLINGS] = "uniform"  # flow: uniform (SiT) or logit-normal (SD3)
     logit_mean: Float = 0.0           # logit-normal location
     logit_std: Float = Field(1.0, gt=0)  # logit-normal scale
     # flow: LightningDiT's cosine loss 1 - cos(v_pred, v) beside the MSE, with this weight (its recipe: 1)
     cosine_loss_weight: Float = Field(0.0, ge=0)
+    # flow: SiT's interpolant (linear, gvp = REPA's cosine path, vp), what the network predicts, and
+    # the loss weight of a score or noise prediction (diffusion/paths.py, flow.py)
+    path: Literal[tuple(PATHS)] = "linear"
+    prediction: Literal[PREDICTIONS] = "velocity"
+    loss_weight: Literal[LOSS_WEIGHTS] = "none"
 
 
 @section
