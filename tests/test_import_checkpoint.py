@@ -277,3 +277,28 @@ def test_an_imported_repa_checkpoint_samples_with_its_protocol_and_evaluates(tmp
     result = json.loads((tmp_path / "eval.json").read_text())
     assert result["sampling"]["protocol"] == "repa" and result["sampling"]["guidance_interval"] == [0.0, 0.7]
     assert result["metrics"]["fid"] >= 0
+
+
+def test_the_reference_codes_parameterizations_import_or_are_refused(tmp_path):
+    """--ancre-parameterization Softmax is ANCRe; Constant freezes zero logits, softmax(0) = 1/j, our
+    fixed-dense; Hadamard has no topology here and is refused in one line."""
+    ancre = _model("ancre", 8)
+    constant = {k: (torch.zeros_like(v) if k.startswith("topology.logits.") else v) for k, v in ancre.state_dict().items()}
+    for name, state in (("Softmax", ancre.state_dict()), ("Constant", constant), ("Hadamard", ancre.state_dict())):
+        args = argparse.Namespace(model=NAME, image_size=64, ancre_parameterization=name)
+        torch.save({"ema": _official(state, "module."), "args": args}, tmp_path / f"{name}.pt")
+    assert import_checkpoint(tmp_path / "Softmax.pt", tmp_path / "softmax")["model"]["kwargs"]["topology"] == "ancre"
+    _same_output(tmp_path / "softmax", ancre)
+    spec = import_checkpoint(tmp_path / "Constant.pt", tmp_path / "constant")
+    assert spec["model"]["kwargs"]["topology"] == "fixed-dense"
+    zero_logits = _model("ancre", 8)
+    zero_logits.load_state_dict(constant)
+    _same_output(tmp_path / "constant", zero_logits)  # the reference model with frozen zero logits, exactly
+    with pytest.raises(UserError, match="--ancre-parameterization Hadamard, which has no topology here"):
+        import_checkpoint(tmp_path / "Hadamard.pt", tmp_path / "hadamard")
+    bad = {**constant, "topology.logits.3": torch.ones_like(constant["topology.logits.3"])}
+    torch.save({"ema": _official(bad, ""), "args": argparse.Namespace(model=NAME, image_size=64,
+                                                                     ancre_parameterization="Constant")},
+               tmp_path / "bad.pt")
+    with pytest.raises(UserError, match="says --ancre-parameterization Constant but its logits are not all zero"):
+        import_checkpoint(tmp_path / "bad.pt", tmp_path / "bad")

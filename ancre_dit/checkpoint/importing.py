@@ -3,7 +3,8 @@
 Handles, by source (SOURCES; recognised from the file, or named):
 - dit: the original DiT release (a bare state dict of EMA weights);
 - ancre: official ANCRe training checkpoints ({"model", "ema", "opt", "args"}, keys possibly under
-  `module.` / `_orig_mod.`), including the per-source logit layout of the outgoing ablation;
+  `module.` / `_orig_mod.`), including the per-source logit layout of the outgoing ablation and the
+  --ancre-parameterization Constant ablation (frozen zero logits: our fixed-dense);
 - sit: SiT's release and training checkpoints (DiT's keys), the flow objective of their path,
   prediction and loss weight;
 - repa: REPA's training checkpoints (SiT plus `projectors.*`, which sampling does not use and the
@@ -196,11 +197,24 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
     if image_size < VAE_DOWNSAMPLE or image_size % VAE_DOWNSAMPLE:
         raise UserError(f"--image-size {image_size} must be a positive multiple of {VAE_DOWNSAMPLE} (the VAE's "
                         f"downsampling), e.g. 256")
+    parameterization = args.get("ancre_parameterization")  # the reference code's --ancre-parameterization
+    if parameterization not in (None, "Softmax", "Constant"):
+        raise UserError(f"{src} was trained with --ancre-parameterization {parameterization}, which has no topology "
+                        f"here; Softmax files import as ancre, Constant ones as fixed-dense")
+    if parameterization == "Constant":  # frozen zero logits: softmax(0) is fixed-dense's uniform 1/j
+        logits = [state.pop(k) for k in [k for k in state if k.startswith("topology.logits.")]]
+        state.pop("topology.tau", None)
+        if any(bool(v.abs().max() > 0) for v in logits):
+            raise UserError(f"{src} says --ancre-parameterization Constant but its logits are not all zero; the "
+                            f"file is not what its args say")
+        if topology not in (None, "fixed-dense"):
+            raise UserError(f"{src} holds a Constant (frozen uniform) topology: import it as fixed-dense, not {topology}")
+        topology, layout = "fixed-dense", None
     topology = topology or DEFAULT_TOPOLOGY[layout]
     if layout == "per-source" and topology != "ancre-outgoing":
         raise UserError(f"{src} stores its logits per source (the outgoing-normalisation ablation); import it with "
                         f"--topology ancre-outgoing, not {topology}")
-    if layout is None and topology != "cascaded":
+    if layout is None and topology != "cascaded" and parameterization != "Constant":
         raise UserError(f"{src} holds no ANCRe logits (ancre.shortcut_params.*): it is a plain DiT; drop --topology")
 
     proj = state.get("x_embedder.proj.weight")
@@ -220,6 +234,8 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
         kwargs["tau"] = float(_pick("tau", tau, file_tau, tau_option.default))
         state.setdefault("topology.tau", torch.tensor(kwargs["tau"]))
     net = create_model(name, **kwargs)
+    if topology == "fixed-dense":  # its frozen weights are the topology's own, not the file's
+        state.update({k: v for k, v in net.state_dict().items() if k.startswith("topology.")})
     load_state_dict_checked(net, state, source=str(src))
 
     # SiT's release keeps DiT's learned-sigma channels, which its forward drops: our flow ignores them too.
