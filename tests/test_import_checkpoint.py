@@ -4,6 +4,7 @@ whose model gives the saved model's output exactly; a pickle that would run code
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -302,3 +303,163 @@ def test_the_reference_codes_parameterizations_import_or_are_refused(tmp_path):
                tmp_path / "bad.pt")
     with pytest.raises(UserError, match="says --ancre-parameterization Constant but its logits are not all zero"):
         import_checkpoint(tmp_path / "bad.pt", tmp_path / "bad")
+
+
+# -- LightningDiT: its block, written out from models/lightningdit.py ------------------------------------
+LD = dict(depth=2, hidden=64, heads=4, channels=4, grid=4, classes=10)
+
+
+def _lightningdit_state(seed: int, *, wo_shift: bool, qk_norm: bool) -> dict[str, torch.Tensor]:
+    """Random weights under LightningDiT's key names and shapes (patch 1, RMSNorm, SwiGLU, RoPE)."""
+    g = torch.Generator().manual_seed(seed)
+    D, C, N, hd = LD["hidden"], LD["channels"], LD["grid"] ** 2, LD["hidden"] // LD["heads"]
+    H = int(2 / 3 * int(D * 4.0))  # LightningDiTBlock: SwiGLUFFN(hidden, int(2/3 * mlp_hidden_dim))
+    shapes = {"pos_embed": (1, N, D), "x_embedder.proj.weight": (D, C, 1, 1), "x_embedder.proj.bias": (D,),
+              "t_embedder.mlp.0.weight": (D, 256), "t_embedder.mlp.0.bias": (D,), "t_embedder.mlp.2.weight": (D, D),
+              "t_embedder.mlp.2.bias": (D,), "y_embedder.embedding_table.weight": (LD["classes"] + 1, D),
+              "final_layer.norm_final.weight": (D,), "final_layer.linear.weight": (C, D), "final_layer.linear.bias": (C,),
+              "final_layer.adaLN_modulation.1.weight": (2 * D, D), "final_layer.adaLN_modulation.1.bias": (2 * D,)}
+    for j in range(LD["depth"]):
+        b = f"blocks.{j}."
+        shapes.update({b + "norm1.weight": (D,), b + "norm2.weight": (D,), b + "attn.qkv.weight": (3 * D, D),
+                       b + "attn.qkv.bias": (3 * D,), b + "attn.proj.weight": (D, D), b + "attn.proj.bias": (D,),
+                       b + "mlp.w12.weight": (2 * H, D), b + "mlp.w12.bias": (2 * H,), b + "mlp.w3.weight": (D, H),
+                       b + "mlp.w3.bias": (D,), b + "adaLN_modulation.1.weight": ((4 if wo_shift else 6) * D, D),
+                       b + "adaLN_modulation.1.bias": ((4 if wo_shift else 6) * D,)})
+        if qk_norm:
+            shapes.update({b + "attn.q_norm.weight": (hd,), b + "attn.k_norm.weight": (hd,)})
+    state = {k: torch.randn(shape, generator=g) * 0.2 for k, shape in shapes.items()}
+    for k in state:
+        if "norm" in k:  # RMSNorm weights start at one
+            state[k] = 1 + state[k]
+    # VisionRotaryEmbeddingFast(dim=head_dim // 2, pt_seq_len=grid): EVA's 2D tables, stored as buffers
+    dim = hd // 2
+    freqs = 1.0 / (10000 ** (torch.arange(0, dim, 2)[: dim // 2].float() / dim))
+    f = torch.einsum("n,f->nf", torch.arange(LD["grid"]).float(), freqs).repeat_interleave(2, -1)
+    f = torch.cat([f[:, None, :].expand(-1, LD["grid"], -1), f[None, :, :].expand(LD["grid"], -1, -1)], -1)
+    state["feat_rope.freqs_cos"], state["feat_rope.freqs_sin"] = f.cos().reshape(N, -1), f.sin().reshape(N, -1)
+    return state
+
+
+def _lightningdit_forward(sd: dict, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, *, wo_shift: bool,
+                          qk_norm: bool) -> torch.Tensor:
+    """LightningDiT.forward (patch 1, use_rmsnorm, use_swiglu, use_rope), written out."""
+    F = torch.nn.functional
+    D, heads = LD["hidden"], LD["heads"]
+
+    def rms(v, w):  # RMSNorm: x * rsqrt(mean(x^2) + 1e-6) * weight
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    def rotate_half(v):
+        v1, v2 = v.reshape(*v.shape[:-1], -1, 2).unbind(-1)
+        return torch.stack((-v2, v1), -1).flatten(-2)
+
+    def rope(v):
+        return v * sd["feat_rope.freqs_cos"] + rotate_half(v) * sd["feat_rope.freqs_sin"]
+
+    def linear(v, name):
+        return F.linear(v, sd[name + ".weight"], sd[name + ".bias"])
+
+    h = F.conv2d(x, sd["x_embedder.proj.weight"], sd["x_embedder.proj.bias"]).flatten(2).transpose(1, 2)
+    h = h + sd["pos_embed"]
+    half = 128
+    freqs = torch.exp(-math.log(10000) * torch.arange(half, dtype=torch.float32) / half)
+    args = t[:, None].float() * freqs[None]
+    t_emb = linear(F.silu(linear(torch.cat([torch.cos(args), torch.sin(args)], -1), "t_embedder.mlp.0")),
+                   "t_embedder.mlp.2")
+    c = t_emb + sd["y_embedder.embedding_table.weight"][y]
+    for j in range(LD["depth"]):
+        b = f"blocks.{j}."
+        mod = linear(F.silu(c), b + "adaLN_modulation.1").chunk(4 if wo_shift else 6, dim=1)
+        if wo_shift:
+            (scale_msa, gate_msa, scale_mlp, gate_mlp), shift_msa, shift_mlp = mod, 0, 0
+        else:
+            shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mod
+            shift_msa, shift_mlp = shift_msa.unsqueeze(1), shift_mlp.unsqueeze(1)
+        a = rms(h, sd[b + "norm1.weight"]) * (1 + scale_msa.unsqueeze(1)) + shift_msa
+        B, N, _ = a.shape
+        q, k, v = linear(a, b + "attn.qkv").reshape(B, N, 3, heads, D // heads).permute(2, 0, 3, 1, 4).unbind(0)
+        if qk_norm:
+            q, k = rms(q, sd[b + "attn.q_norm.weight"]), rms(k, sd[b + "attn.k_norm.weight"])
+        q, k = rope(q), rope(k)
+        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, N, D)
+        h = h + gate_msa.unsqueeze(1) * linear(attn, b + "attn.proj")
+        m = rms(h, sd[b + "norm2.weight"]) * (1 + scale_mlp.unsqueeze(1)) + shift_mlp
+        x1, x2 = linear(m, b + "mlp.w12").chunk(2, dim=-1)
+        h = h + gate_mlp.unsqueeze(1) * linear(F.silu(x1) * x2, b + "mlp.w3")
+    shift, scale = linear(F.silu(c), "final_layer.adaLN_modulation.1").chunk(2, dim=1)
+    out = linear(rms(h, sd["final_layer.norm_final.weight"]) * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1),
+                 "final_layer.linear")  # (N, T, C) with patch 1
+    return out.transpose(1, 2).reshape(x.shape[0], -1, LD["grid"], LD["grid"])
+
+
+def _lightningdit_file(tmp_path: Path, state: dict, name: str = "ld.pt", **config) -> Path:
+    config = {"model": {"model_type": "LightningDiT-B/1", "use_qknorm": False, "use_swiglu": True, "use_rope": True,
+                        "use_rmsnorm": True, "wo_shift": False, "in_chans": LD["channels"]},
+              "data": {"image_size": 64, "num_classes": LD["classes"], "latent_norm": True, "latent_multiplier": 1.0},
+              "vae": {"model_name": "vavae_f16d32", "downsample_ratio": 16},
+              "transport": {"path_type": "Linear", "prediction": "velocity", "use_cosine_loss": True,
+                            "use_lognorm": True}, **config}
+    torch.save({"model": state, "ema": state, "opt": {}, "config": config}, tmp_path / name)
+    return tmp_path / name
+
+
+SMALL = {"depth": LD["depth"], "hidden_size": LD["hidden"], "num_heads": LD["heads"]}  # a LightningDiT-B/1 made small
+
+
+@pytest.mark.parametrize("wo_shift,qk_norm", [(False, False), (True, True)])
+def test_lightningdit_checkpoints_import_with_the_same_output(tmp_path, wo_shift, qk_norm):
+    import math  # noqa: F401 - used by the written-out forward
+
+    state = _lightningdit_state(3, wo_shift=wo_shift, qk_norm=qk_norm)
+    torch.save({"mean": torch.randn(1, 4, 1, 1), "std": torch.rand(1, 4, 1, 1) + 0.5}, tmp_path / "stats.pt")
+    spec = import_checkpoint(_lightningdit_file(tmp_path, state), tmp_path / "ckpt", overrides=SMALL,
+                             latent_stats=tmp_path / "stats.pt")
+    kwargs = spec["model"]["kwargs"]
+    assert spec["imported"]["from"] == "lightningdit" and spec["model"]["name"] == "DiT-B/2"
+    assert (kwargs["patch_size"], kwargs["norm"], kwargs["mlp"], kwargs["pos_embed"], kwargs["qk_norm"]) == (
+        1, "rmsnorm", "swiglu", "sincos+rope2d", qk_norm)
+    assert kwargs["input_size"] == 64 // 16 and spec["data"]["latent_norm"] == "channel"
+    assert spec["data"]["scaling_factor"] == 1.0 and len(spec["data"]["channel_mean"]) == 4
+    d = spec["diffusion"]
+    assert (d["path"], d["prediction"], d["time_sampling"], d["cosine_loss_weight"]) == (
+        "linear", "velocity", "logit-normal", 1.0)
+    imported, _ = load_trained_model(tmp_path / "ckpt")
+    g = torch.Generator().manual_seed(4)
+    x, t, y = torch.randn(3, 4, 4, 4, generator=g), torch.tensor([0.0, 0.35, 1.0]), torch.tensor([1, 7, 10])
+    with torch.no_grad():
+        torch.testing.assert_close(imported(x, t, y), _lightningdit_forward(state, x, t, y, wo_shift=wo_shift,
+                                                                            qk_norm=qk_norm), atol=2e-5, rtol=1e-4)
+
+
+def test_lightningdit_files_that_do_not_fit_are_refused(tmp_path):
+    state = _lightningdit_state(5, wo_shift=False, qk_norm=False)
+    with pytest.raises(UserError, match=r"--model LightningDiT-1p6B/1: pass --model LightningDiT-<B\|L\|XL>/<patch>"):
+        import_checkpoint(_lightningdit_file(tmp_path, state, model={"model_type": "LightningDiT-1p6B/1"}),
+                          tmp_path / "big", overrides=SMALL)
+    with pytest.raises(UserError, match="--latent-stats is LightningDiT's"):
+        import_checkpoint(_repa_file(tmp_path, _flow_backbone(6, learn_sigma=False)), tmp_path / "r",
+                          latent_stats=tmp_path / "stats.pt")
+    state["blocks.0.attn.q_norm.bias"] = torch.zeros(16)
+    with pytest.raises(UserError, match="QK-norm is a LayerNorm"):
+        import_checkpoint(_lightningdit_file(tmp_path, state), tmp_path / "ln", overrides=SMALL)
+
+
+@pytest.mark.slow
+def test_an_imported_lightningdit_checkpoint_samples_with_its_protocol(tmp_path):
+    import numpy as np
+
+    from helpers import tiny_vae
+
+    state = _lightningdit_state(7, wo_shift=False, qk_norm=False)
+    torch.save({"mean": torch.zeros(4), "std": torch.ones(4)}, tmp_path / "stats.pt")
+    import_checkpoint(_lightningdit_file(tmp_path, state), tmp_path / "ckpt", overrides=SMALL,
+                      latent_stats=tmp_path / "stats.pt")
+    out = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--ckpt", str(tmp_path / "ckpt"), "--vae",
+                          str(tiny_vae(tmp_path / "vae")), "--protocol", "lightningdit", "--num-samples", "2",
+                          "--out", str(tmp_path / "s.npz")],
+                         capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "with flow euler-249 shifted 0.3" in out.stdout
+    with np.load(tmp_path / "s.npz") as f:
+        assert f["arr_0"].shape[0] == 2

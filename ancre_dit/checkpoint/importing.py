@@ -7,6 +7,8 @@ Handles, by source (SOURCES; recognised from the file, or named):
   --ancre-parameterization Constant ablation (frozen zero logits: our fixed-dense);
 - sit: SiT's release and training checkpoints (DiT's keys), the flow objective of their path,
   prediction and loss weight;
+- lightningdit: LightningDiT's checkpoints (its block: RMSNorm, SwiGLU, RoPE; models/convert.py maps
+  it exactly onto ours), the flow objective, VA-VAE's 16x downsampling and its latent statistics;
 - repa: REPA's training checkpoints (SiT plus `projectors.*`, which sampling does not use and the
   import drops). REPA runs time the other way (t = 1 noise, velocity noise - data); the import turns
   the network into SiT's convention exactly, so it samples with our flow samplers unchanged.
@@ -34,7 +36,7 @@ from ..diffusion.gaussian import DDPM_SCHEDULE
 from ..errors import MissingFileError, UserError
 from ..files import sha256_file
 from ..models import create_model, load_state_dict_checked, official_logit_layout, save_topology_json
-from ..models.convert import convert_official_state_dict, reverse_time_axis
+from ..models.convert import convert_official_state_dict, lightningdit_to_ours, reverse_time_axis
 from ..models.topologies import topology_entry
 from .model_spec import SPEC_FILE, make_model_spec, write_model_files
 
@@ -43,15 +45,18 @@ VAE_DOWNSAMPLE = 8  # SD VAE: 256 px -> 32 x 32 latents
 SD_VAE_SCALING = 0.18215
 # Topology of an imported file by its logit layout, when the caller does not name one.
 DEFAULT_TOPOLOGY = {None: "cascaded", "per-target": "ancre", "per-source": "ancre-outgoing"}
-SOURCES = ("dit", "ancre", "sit", "repa")
+SOURCES = ("dit", "ancre", "sit", "repa", "lightningdit")
 FLOW_SOURCES = ("sit", "repa")
 
 
 def recognise_source(state: Mapping[str, torch.Tensor], args: Mapping[str, Any], layout: str | None) -> str:
-    """The source a file comes from, by what only it holds: REPA's projectors, ANCRe's logits, SiT's
-    transport flags among its args; else DiT (whose release SiT's bare state dict shares: --source sit)."""
+    """The source a file comes from, by what only it holds: REPA's projectors, LightningDiT's block
+    (SwiGLU w12, RMSNorm weights, RoPE tables), ANCRe's logits, SiT's transport flags among its args;
+    else DiT (whose release SiT's bare state dict shares: --source sit)."""
     if any(k.startswith("projectors.") for k in state):
         return "repa"
+    if any(".mlp.w12." in k or k.endswith("norm1.weight") or k.startswith("feat_rope.") for k in state):
+        return "lightningdit"
     if layout is not None:
         return "ancre"
     return "sit" if "path_type" in args else "dit"
@@ -87,6 +92,42 @@ def _flow_source(source: str, args: Mapping[str, Any], state: dict[str, torch.Te
         del state[key]
     reverse_time_axis(state)
     return diffusion, {"dropped": f"{len(dropped)} REPA projector(s)", "time_axis": "reversed (REPA) -> SiT's"}
+
+
+LIGHTNINGDIT_SIZES = {"B": "DiT-B/2", "L": "DiT-L/2", "XL": "DiT-XL/2"}  # LightningDiT-<size>/<patch>
+
+
+def _lightningdit_source(raw: Mapping[str, Any], model: str | None, latent_stats: str | Path | None
+                         ) -> dict[str, Any]:
+    """What a LightningDiT file says besides its weights, from its training `config` (its train.py
+    saves one) or the caller: our model name and patch size, the VAE's downsampling (VA-VAE's 16),
+    the objective, and the latent normalisation (LightningDiT's latent_norm: per channel, with the
+    statistics of its latents_stats.pt, multiplier 1)."""
+    config = raw.get("config") if isinstance(raw.get("config"), Mapping) else {}
+    section = lambda name: config.get(name) if isinstance(config.get(name), Mapping) else {}  # noqa: E731
+    model_type = _pick("model", model, section("model").get("model_type"))
+    size, _, patch = (model_type or "").removeprefix("LightningDiT-").partition("/")
+    if size not in LIGHTNINGDIT_SIZES or not patch.isdigit():
+        raise UserError(f"{'--model ' + model_type if model_type else 'the file names no model'}: pass --model "
+                        f"LightningDiT-<{'|'.join(LIGHTNINGDIT_SIZES)}>/<patch>, e.g. LightningDiT-XL/1")
+    transport = section("transport")
+    path = {"Linear": "linear", "GVP": "gvp", "VP": "vp"}.get(transport.get("path_type") or "Linear")
+    if path is None or (transport.get("prediction") or "velocity") != "velocity":
+        raise UserError(f"the file was trained with LightningDiT's path {transport.get('path_type')!r} and prediction "
+                        f"{transport.get('prediction')!r}; its Linear, GVP and VP paths with velocity import here")
+    diffusion = FlowObjective(time_sampling="logit-normal" if transport.get("use_lognorm") else "uniform",
+                              cosine_loss_weight=1.0 if transport.get("use_cosine_loss") else 0.0, path=path).spec()
+    data = section("data")
+    norm: dict[str, Any] = {"scaling_factor": float(data.get("latent_multiplier", 1.0))}
+    if latent_stats is not None:
+        stats = safe_torch_load(latent_stats)
+        if not isinstance(stats, Mapping) or not all(isinstance(stats.get(k), torch.Tensor) for k in ("mean", "std")):
+            raise UserError(f"--latent-stats {latent_stats} holds no 'mean' and 'std' tensors (LightningDiT's "
+                            f"latents_stats.pt)")
+        norm.update(latent_norm="channel", channel_mean=stats["mean"].flatten().tolist(),
+                    channel_std=stats["std"].flatten().tolist())
+    return {"name": LIGHTNINGDIT_SIZES[size], "patch_size": int(patch), "diffusion": diffusion, "data": norm,
+            "downsample": int(section("vae").get("downsample_ratio", 16)), "image_size": data.get("image_size")}
 
 
 def _reason(path: Path, err: BaseException) -> str:
@@ -163,12 +204,13 @@ def _pick(name: str, given: Any, from_file: Any, default: Any = None) -> Any:
 
 def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = None, image_size: int | None = None,
                       topology: str | None = None, tau: float | None = None, weights: str | None = None,
-                      source: str | None = None, overrides: Mapping[str, Any] | None = None,
-                      overwrite: bool = False) -> dict[str, Any]:
+                      source: str | None = None, latent_stats: str | Path | None = None,
+                      overrides: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Writes OUT/model_spec.json + ema/model.safetensors (both the imported weights; the spec's
     "imported" entry says which) and OUT/topology.json for ANCRe; returns the spec. `source`: one of
-    SOURCES (default: recognised from the file); `overrides`: extra create_model arguments for
-    non-standard sizes; `overwrite`: replace an earlier import's checkpoint."""
+    SOURCES (default: recognised from the file); `latent_stats`: LightningDiT's latents_stats.pt;
+    `overrides`: extra create_model arguments for non-standard sizes; `overwrite`: replace an
+    earlier import's checkpoint."""
     src, out = Path(src), Path(out)
     if (out / SPEC_FILE).exists() and not overwrite:
         raise UserError(f"{out} already holds a checkpoint; choose another --out, or pass --overwrite to replace it")
@@ -187,15 +229,25 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
     if found in ("repa", "ancre") and source != found:
         raise UserError(f"{src} holds {found}'s weights ({'projectors' if found == 'repa' else 'ANCRe logits'}); "
                         f"import it with --source {found}, not {source}")
+    if latent_stats is not None and source != "lightningdit":
+        raise UserError("--latent-stats is LightningDiT's latents_stats.pt; the other sources' latents are scaled only")
     diffusion, imported = _flow_source(source, args, state) if source in FLOW_SOURCES else (None, {})
+    block: dict[str, Any] = {}
+    facts = {"downsample": VAE_DOWNSAMPLE, "data": {"scaling_factor": SD_VAE_SCALING}}
+    if source == "lightningdit":
+        facts = _lightningdit_source(raw, model, latent_stats)
+        state, block = lightningdit_to_ours(state)
+        block["patch_size"] = facts["patch_size"]
+        diffusion, model, args = facts["diffusion"], facts["name"], {"image_size": facts["image_size"]}
 
     name = _pick("model", _our_name(model), _our_name(args.get("model")))
     if name is None:
         raise UserError(f"{src} does not say which model it holds; pass --model (e.g. --model DiT-XL/2)")
     file_size = args.get("image_size", args.get("resolution"))  # REPA's train.py calls it resolution
     image_size = int(_pick("image_size", image_size, file_size, 256))
-    if image_size < VAE_DOWNSAMPLE or image_size % VAE_DOWNSAMPLE:
-        raise UserError(f"--image-size {image_size} must be a positive multiple of {VAE_DOWNSAMPLE} (the VAE's "
+    downsample = facts["downsample"]
+    if image_size < downsample or image_size % downsample:
+        raise UserError(f"--image-size {image_size} must be a positive multiple of {downsample} (the VAE's "
                         f"downsampling), e.g. 256")
     parameterization = args.get("ancre_parameterization")  # the reference code's --ancre-parameterization
     if parameterization not in (None, "Softmax", "Constant"):
@@ -225,9 +277,9 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
     in_channels, patch = int(proj.shape[1]), int(proj.shape[2])
     num_classes = int(args.get("num_classes") or table.shape[0] - 1)
     kwargs: dict[str, Any] = dict(
-        topology=topology, input_size=image_size // VAE_DOWNSAMPLE, in_channels=in_channels, num_classes=num_classes,
+        topology=topology, input_size=image_size // downsample, in_channels=in_channels, num_classes=num_classes,
         learn_sigma=final.shape[0] == 2 * in_channels * patch * patch,
-        class_dropout_prob=0.1 if table.shape[0] == num_classes + 1 else 0.0, **(overrides or {}))
+        class_dropout_prob=0.1 if table.shape[0] == num_classes + 1 else 0.0, **block, **(overrides or {}))
     tau_option = topology_entry(topology).options.get("tau")
     if tau_option is not None:
         file_tau = float(state["topology.tau"]) if "topology.tau" in state else args.get("tau")
@@ -242,7 +294,7 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
     diffusion = diffusion or dict(objective="ddpm", **DDPM_SCHEDULE, learn_sigma=kwargs["learn_sigma"])
     spec = make_model_spec(name, kwargs, diffusion,
                            {"kind": "latents", "image_size": image_size, "image_channels": 3,
-                            "num_classes": num_classes, "vae": None, "scaling_factor": SD_VAE_SCALING},
+                            "num_classes": num_classes, "vae": None, **facts["data"]},
                            step=int(src.stem) if src.stem.isdigit() else int(raw.get("steps", 0) or 0))
     spec["imported"] = {"source": str(src.resolve()), "sha256": sha256_file(src), "weights": which,
                         "logit_layout": layout, "from": source, **imported}

@@ -135,3 +135,49 @@ def reverse_time_axis(state: dict[str, torch.Tensor]) -> None:
     state["t_embedder.mlp.0.weight"] = folded.to(first.dtype)
     for key in ("final_layer.linear.weight", "final_layer.linear.bias"):
         state[key] = -state[key]
+
+
+def lightningdit_to_ours(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """LightningDiT's state dict (hustvl/LightningDiT models/lightningdit.py) -> ours, exactly, and the
+    block options it was built with (read off its keys). Its RMSNorms carry a weight w that ours leave
+    to adaLN: x_hat w (1 + scale) + shift is x_hat (1 + scale') + shift with scale' = w scale + w - 1,
+    and scale is linear in the condition, so w folds into the scale rows of the modulation. Its SwiGLU
+    `w12` holds the gate and the value halves (timm's fc1_g, fc1_x), `w3` is fc2; a block without adaLN
+    shifts (wo_shift) gets zero shift rows; its RoPE tables are rebuilt (the same 2D bands as timm's)."""
+    if any(k.endswith("q_norm.bias") for k in state):
+        raise UserError("the file's QK-norm is a LayerNorm (LightningDiT with use_qknorm and without use_rmsnorm), "
+                        "which our QK-norm (RMSNorm) does not reproduce; it cannot be imported")
+    hidden = state["x_embedder.proj.weight"].shape[0]
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if key.startswith("feat_rope.") or key.endswith(("norm1.weight", "norm2.weight", "norm_final.weight")):
+            continue
+        if ".mlp.w12." in key:
+            out[key.replace(".w12.", ".fc1_g.")], out[key.replace(".w12.", ".fc1_x.")] = value.chunk(2)
+        else:
+            out[key.replace(".mlp.w3.", ".mlp.fc2.")] = value
+
+    def fold(prefix: str, scale_chunk: int, weight: torch.Tensor | None) -> None:
+        if weight is None:
+            return
+        rows = slice(scale_chunk * hidden, (scale_chunk + 1) * hidden)
+        w, b = out[f"{prefix}.weight"].clone(), out[f"{prefix}.bias"].clone()
+        b[rows] = weight * b[rows] + weight - 1
+        w[rows] = weight[:, None] * w[rows]
+        out[f"{prefix}.weight"], out[f"{prefix}.bias"] = w, b
+
+    for j in sorted({int(k.split(".")[1]) for k in state if k.startswith("blocks.")}):
+        prefix = f"blocks.{j}.adaLN_modulation.1"
+        if out[f"{prefix}.weight"].shape[0] == 4 * hidden:  # wo_shift: scale, gate, scale, gate
+            for part in ("weight", "bias"):
+                scale_msa, gate_msa, scale_mlp, gate_mlp = out[f"{prefix}.{part}"].chunk(4)
+                zero = torch.zeros_like(scale_msa)
+                out[f"{prefix}.{part}"] = torch.cat([zero, scale_msa, gate_msa, zero, scale_mlp, gate_mlp])
+        fold(prefix, 1, state.get(f"blocks.{j}.norm1.weight"))
+        fold(prefix, 4, state.get(f"blocks.{j}.norm2.weight"))
+    fold("final_layer.adaLN_modulation.1", 1, state.get("final_layer.norm_final.weight"))
+    block = {"norm": "rmsnorm" if "blocks.0.norm1.weight" in state else "layernorm",
+             "mlp": "swiglu" if "blocks.0.mlp.w12.weight" in state else "gelu",
+             "pos_embed": "sincos+rope2d" if "feat_rope.freqs_cos" in state else "sincos",
+             "qk_norm": "blocks.0.attn.q_norm.weight" in state}
+    return out, block
