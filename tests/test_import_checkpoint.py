@@ -193,6 +193,20 @@ def test_sit_checkpoints_import_as_flow_models_with_the_same_output(tmp_path):
         import_checkpoint(tmp_path / "edm.pt", tmp_path / "edm")
 
 
+@pytest.mark.slow
+def test_an_imported_sit_release_samples_with_its_protocol(tmp_path):
+    from helpers import tiny_vae
+
+    torch.save(_flow_backbone(5, learn_sigma=True).state_dict(), tmp_path / "SiT.pt")
+    import_checkpoint(tmp_path / "SiT.pt", tmp_path / "sit", source="sit", model="SiT-T/4", image_size=64)
+    out = subprocess.run([sys.executable, str(ROOT / "sample.py"), "--ckpt", str(tmp_path / "sit"), "--vae",
+                          str(tiny_vae(tmp_path / "vae")), "--protocol", "sit", "--num-samples", "2",
+                          "--out", str(tmp_path / "s.npz")],
+                         capture_output=True, text=True, env=subprocess_env(), cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "with flow sde-250, cfg 1.5" in out.stdout and (tmp_path / "s.npz").is_file()
+
+
 def _repa_file(tmp_path: Path, backbone: torch.nn.Module, **args) -> Path:
     """REPA's train.py checkpoint: {model, ema, opt, args, steps}, the SiT weights plus one projector
     (build_mlp: Linear, SiLU, Linear, SiLU, Linear) after encoder_depth blocks."""
