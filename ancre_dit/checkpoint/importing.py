@@ -111,7 +111,7 @@ def _lightningdit_source(raw: Mapping[str, Any], model: str | None, latent_stats
         raise UserError(f"{'--model ' + model_type if model_type else 'the file names no model'}: pass --model "
                         f"LightningDiT-<{'|'.join(LIGHTNINGDIT_SIZES)}>/<patch>, e.g. LightningDiT-XL/1")
     transport = section("transport")
-    path = {"Linear": "linear", "GVP": "gvp", "VP": "vp"}.get(transport.get("path_type") or "Linear")
+    path = SIT_PATHS.get(transport.get("path_type") or "Linear")  # LightningDiT's transport is SiT's
     if path is None or (transport.get("prediction") or "velocity") != "velocity":
         raise UserError(f"the file was trained with LightningDiT's path {transport.get('path_type')!r} and prediction "
                         f"{transport.get('prediction')!r}; its Linear, GVP and VP paths with velocity import here")
