@@ -361,7 +361,7 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("eval cfg scale negative", "train", lambda w: [*_cfg(w), _fresh(w), "eval.cfg_scales=[2,-1]"],
      "eval.cfg_scales -1.0 is negative"),
     ("eval sampler unknown", "train", lambda w: [*_cfg(w), _fresh(w), "eval.sampler=bogus"],
-     "unknown sampler 'bogus' in eval.sampler"),
+     "eval.sampler bogus is unknown for diffusion.objective=ddpm; choose"),
     ("eval steps beyond the schedule", "train", lambda w: [*_cfg(w), _fresh(w), "eval.sampler=ddpm", "eval.steps=5000"],
      "eval.steps 5000 must be between 1 and"),
     ("eval fid without a reference", "train", lambda w: [*_cfg(w), _fresh(w), "eval.metrics=[fid]"],

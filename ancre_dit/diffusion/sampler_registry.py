@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..errors import UserError
+from ..errors import UserError, or_list
 from .base import Objective
 from .ddpm import DDPMObjective, check_ancestral_steps, ddpm_sampler, schedule_of, scheduler_sampler
 from .flow import FlowObjective
@@ -114,15 +114,16 @@ def check_time_shift(sampler: str, shift: float, name: str = "time_shift") -> No
 
 
 def resolve_sampler(objective: Objective, sampler: str | None, steps: int | None,
-                    names: tuple[str, str] = ("sampler", "steps")) -> tuple[str, int]:
+                    names: tuple[str, str] = ("sampler", "steps"), owner: str | None = None) -> tuple[str, int]:
     """(sampler, steps) with the objective's and the sampler's defaults filled in; one UserError,
-    calling the two `names`, if the sampler does not fit the objective or the step count is out of range."""
+    calling the two `names`, if the sampler does not fit the objective (`owner`, default: this
+    checkpoint) or the step count is out of range."""
     sampler = sampler or objective.default_sampler
     fits = samplers_for(objective.name)
     if sampler not in fits:
         known = "does not fit" if sampler in SAMPLERS else "is unknown for"
-        raise UserError(f"{names[0]} {sampler} {known} this {objective.name} checkpoint; choose "
-                        f"{', '.join(fits[:-1])} or {fits[-1]}")
+        raise UserError(f"{names[0]} {sampler} {known} {owner or f'this {objective.name} checkpoint'}; "
+                        f"choose {or_list(fits)}")
     steps = SAMPLERS[sampler].default_steps if steps is None else int(steps)
     check_steps(objective, sampler, steps, names[1])
     return sampler, steps

@@ -199,11 +199,16 @@ DIT_MODELS = {f"DiT-{size}/{patch}": (size, patch) for size in DIT_SIZES for pat
               if size == "T" or patch != 1}
 
 
-def create_model(name: str, **kwargs) -> DiT:
-    """Builds a registered DiT, e.g. create_model("DiT-S/2", topology="ancre", tau=0.01); any DiT
-    constructor argument can be given (depth, hidden_size and num_heads override the size)."""
+def model_size(name: str) -> dict[str, int]:
+    """A registered name's depth, hidden_size, num_heads and patch_size."""
     if name not in DIT_MODELS:
         raise UserError(f"unknown model {name!r}; choose one of {', '.join(DIT_MODELS)}")
     size, patch = DIT_MODELS[name]
     depth, hidden_size, num_heads = DIT_SIZES[size]
-    return DiT(**{"depth": depth, "hidden_size": hidden_size, "num_heads": num_heads, "patch_size": patch, **kwargs})
+    return {"depth": depth, "hidden_size": hidden_size, "num_heads": num_heads, "patch_size": patch}
+
+
+def create_model(name: str, **kwargs) -> DiT:
+    """Builds a registered DiT, e.g. create_model("DiT-S/2", topology="ancre", tau=0.01); any DiT
+    constructor argument can be given (depth, hidden_size and num_heads override the size)."""
+    return DiT(**{**model_size(name), **kwargs})

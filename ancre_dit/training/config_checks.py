@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from ..diffusion import Objective, build_objective, samplers_for
-from ..diffusion.sampler_registry import SAMPLERS, check_steps, check_time_shift
+from ..diffusion import Objective, build_objective
+from ..diffusion.sampler_registry import check_time_shift, resolve_sampler
 from ..errors import MissingFileError, UserError, or_list
 from ..evaluation.evaluator import resolve_metrics
 from ..evaluation.inception import WEIGHTS_NAME, WEIGHTS_URL
 from ..evaluation.metric_registry import METRICS, TRAINING_METRICS, stored_stat_keys
-from ..models import DIT_MODELS, create_model
-from ..models.dit import DIT_SIZES
+from ..models import create_model
+from ..models.dit import model_size
 from ..models.topologies import all_topology_options, resolve_options, topology_entry
 from ..models.topologies.aggregation import check_aggregation_kernel
 from ..sampling.guidance import check_guidance_scale
@@ -92,11 +92,10 @@ def _build_model(config: Config) -> None:
         raise UserError(f"model.topology_entropy_weight needs the ancre topology (a learned softmax over each "
                         f"block's incoming edges), not {m.topology}; set it to 0 or use model.topology=ancre")
     kwargs = model_kwargs(m, input_size=8 * (m.patch_size or 1), in_channels=4, num_classes=10)  # a fitting stand-in
-    if m.name in DIT_MODELS:  # the topology on the CPU (small; some read their values at build), the rest on meta
-        depth, width, _ = DIT_SIZES[DIT_MODELS[m.name][0]]
-        # its options were checked just above (resolve_options): the entry's builder trusts them
-        kwargs["topology"] = topology_entry(m.topology).build(kwargs.get("depth", depth),
-                                                              kwargs.get("hidden_size", width), **topology_options_of(m))
+    # The topology on the CPU (small; some read their values at build), the rest on meta. Its options
+    # were checked just above (resolve_options): the entry's builder trusts them.
+    size = {**model_size(m.name), **kwargs}
+    kwargs["topology"] = topology_entry(m.topology).build(size["depth"], size["hidden_size"], **topology_options_of(m))
     with torch.device("meta"):
         model = create_model(m.name, **kwargs)
     check_aggregation_kernel(m.aggregation_kernel, cuda=torch.cuda.is_available())  # where the run will be
@@ -161,17 +160,9 @@ def _check_eval_data(config: Config, paths: _Paths) -> None:
 
 
 def _check_eval_sampling(e: EvalConfig, objective: Objective) -> None:
-    """eval.sampler must fit the objective and eval.steps its schedule (DDPM: at most its timesteps)."""
-    sampler = e.sampler or objective.default_sampler
-    fits = samplers_for(objective.name)
-    if sampler not in SAMPLERS:
-        raise UserError(f"unknown sampler {sampler!r} in eval.sampler; choose {or_list(fits)}")
-    if sampler not in fits:
-        raise UserError(f"eval.sampler={sampler} does not fit diffusion.objective={objective.name}; "
-                        f"choose {or_list(fits)}")
-    steps = SAMPLERS[sampler].default_steps if e.steps is None else e.steps
-    check_steps(objective, sampler, steps, "eval.steps")
-    check_time_shift(sampler, e.time_shift, "eval.time_shift")
+    resolve_sampler(objective, e.sampler, e.steps, ("eval.sampler", "eval.steps"),
+                    owner=f"diffusion.objective={objective.name}")
+    check_time_shift(e.sampler or objective.default_sampler, e.time_shift, "eval.time_shift")
 
 
 def _check_eval_metrics(config: Config, paths: _Paths) -> None:
