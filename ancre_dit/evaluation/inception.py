@@ -33,11 +33,11 @@ SPATIAL_CHANNELS = 7  # ADM keeps mixed_6/conv[..., :7]
 POOL_DIM, LOGITS_DIM = 2048, 1008
 
 
-def weights_hint(problem: str) -> str:
+def weights_hint(problem: str, flag: str = "--inception-weights ") -> str:
     """The one line shown for a missing or unusable weights file: what, where to get it, where to put it."""
     return (f"{problem}; the Inception metrics need {WEIGHTS_NAME} (torch-fidelity's port of TF's Inception, "
             f"~91 MB; nothing is downloaded for you: fetch it from {WEIGHTS_URL}), put it in ./weights/ "
-            f"and pass --inception-weights weights/{WEIGHTS_NAME}")
+            f"and pass {flag}weights/{WEIGHTS_NAME}")
 
 
 def default_device() -> torch.device:

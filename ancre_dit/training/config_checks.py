@@ -15,10 +15,11 @@ from ..diffusion import Objective, build_objective
 from ..diffusion.sampler_registry import check_time_shift, resolve_sampler
 from ..errors import MissingFileError, UserError, or_list
 from ..evaluation.evaluator import resolve_metrics
-from ..evaluation.inception import WEIGHTS_NAME, WEIGHTS_URL
+from ..evaluation.inception import weights_hint as inception_weights_hint
 from ..evaluation.metric_registry import METRICS, TRAINING_METRICS, stored_stat_keys
 from ..models import create_model
 from ..models.dit import model_size
+from ..models.timm_weights import weights_hint as timm_weights_hint
 from ..models.topologies import all_topology_options, resolve_options, topology_entry
 from ..models.topologies.aggregation import check_aggregation_kernel
 from ..sampling.guidance import check_guidance_scale
@@ -183,9 +184,8 @@ def _check_eval_metrics(config: Config, paths: _Paths) -> None:
             raise MissingFileError(f"eval.metrics {dinov2} needs eval.ref (an npz with images or {keys}, "
                                    f"or a folder of images); got {e.ref}")
         if not e.dinov2_weights or not paths.found("eval.dinov2_weights", e.dinov2_weights):
-            from ..models.timm_weights import weights_hint
             raise MissingFileError(f"eval.metrics {dinov2} needs eval.dinov2_weights (got {e.dinov2_weights}); "
-                                   f"{weights_hint(e.dinov2_model, 'eval.dinov2_weights=PATH')}")
+                                   f"{timm_weights_hint(e.dinov2_model, 'eval.dinov2_weights=PATH')}")
     inception = ", ".join(m for m in metrics if METRICS[m].features == "inception")
     if not inception:
         return
@@ -198,9 +198,7 @@ def _check_eval_metrics(config: Config, paths: _Paths) -> None:
     if not e.inception_weights or not paths.found("eval.inception_weights", e.inception_weights):
         problem = (f"eval.inception_weights {e.inception_weights} does not exist" if e.inception_weights
                    else "eval.inception_weights is not set")
-        raise MissingFileError(f"{problem}; eval.metrics {inception} need {WEIGHTS_NAME} (torch-fidelity's port of "
-                               f"TF's Inception; nothing is downloaded for you: fetch it from {WEIGHTS_URL}) and "
-                               f"eval.inception_weights=weights/{WEIGHTS_NAME}")
+        raise MissingFileError(inception_weights_hint(f"{problem} ({inception})", "eval.inception_weights="))
 
 
 def check_batch_layout(config: Config, num_processes: int) -> int:
