@@ -1,7 +1,5 @@
-"""The training configuration's schema: one pydantic dataclass per section, each field with its type,
-default and range (config.py turns pydantic's complaint into one line; config_checks.py checks what a
-value means by building the object that uses it).
-"""
+"""The training configuration's schema: a pydantic dataclass per section, each field with its type,
+default and range (what a value means is checked by building its user: config_checks.py)."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -41,15 +39,14 @@ class ModelConfig:
     hidden_size: Int | None = Field(None, ge=1)
     num_heads: Int | None = Field(None, ge=1)
     patch_size: Int | None = Field(None, ge=1)  # e.g. 1 for LightningDiT-XL/1 on f16 latents
-    # The block's layers: the 2022 DiT by default; rmsnorm + swiglu + rope2d + qk_norm is LightningDiT's.
+    # The block's layers: DiT's by default; rmsnorm + swiglu + rope2d + qk_norm is LightningDiT's.
     norm: Str = ARCH["norm"]
     mlp: Str = ARCH["mlp"]
     pos_embed: Str = ARCH["pos_embed"]
     qk_norm: Bool = ARCH["qk_norm"]
     # Tsallis-entropy (q = 2) penalty on ANCRe's incoming weights, toward sparse topologies; 0 = off.
     topology_entropy_weight: Float = Field(0.0, ge=0)
-    # The aggregation (see DiT): the history's dtype under bf16 autocast, the eager sums' kernels
-    # (auto | triton | torch), sparse ANCRe's edges per block from train.topology_sparsify_step (0 = dense).
+    # The aggregation (see DiT): history dtype under bf16, kernels, sparse ANCRe's edges per block (0 = dense).
     history_dtype: Str = ARCH["history_dtype"]
     aggregation_kernel: Str = ARCH["aggregation_kernel"]
     topology_topk: Int = Field(ARCH["topology_topk"], ge=0)
@@ -65,14 +62,14 @@ class DataConfig:
     num_workers: Int = Field(4, ge=0)   # 0 = load in the main process
     vae: Str | None = None            # local VAE folder for sample grids (latents; default: manifest's)
     in_memory: Bool = False           # latents: load every shard into RAM once (batches are then an index_select)
-    # latents: scale = as stored (VAE scaling/shift); channel = also (x - mean) / std per channel (manifest stats)
+    # latents: scale = the VAE's scaling/shift; channel = also (x - mean) / std per channel (manifest stats)
     latent_norm: Literal[tuple(LATENT_NORMS)] = "scale"
 
 
 @section
 class PhemaConfig:
-    """Post-hoc EMA (training/phema.py): power-function EMAs of these relative stds (EDM2: 0.05, 0.10),
-    their snapshots written every snapshot_every steps; scripts/reconstruct_ema.py rebuilds any std."""
+    """Post-hoc EMA (EDM2, training/phema.py): power-function EMAs of these relative stds, snapshots
+    every snapshot_every steps; scripts/reconstruct_ema.py rebuilds any std."""
     stds: list[Float] = Field(default_factory=list)
     snapshot_every: Int = Field(0, ge=0)
 
@@ -86,13 +83,11 @@ class TrainConfig:
     adam_beta1: Float = Field(0.9, ge=0, lt=1)
     adam_beta2: Float = Field(0.999, ge=0, lt=1)
     warmup_steps: Int = Field(0, ge=0)  # linear warm-up of the lr, before any schedule
-    # The lr after the warm-up (training/lr_schedule.py): constant, cosine or linear down to min_lr at
-    # max_steps, or EDM2's inverse square root after lr_decay_start steps.
+    # After the warm-up: constant, cosine / linear to min_lr at max_steps, or EDM2's 1/sqrt after lr_decay_start.
     lr_schedule: Literal["constant", "cosine", "linear", "inverse-sqrt"] = "constant"
     min_lr: Float = Field(0.0, ge=0)
     lr_decay_start: Int = Field(0, ge=0)
-    # The routing parameters (each topology declares them): lr x topology_lr_mult (0 = held; under
-    # Adam, tau is one more multiplier on the logits), held for topology_warmup_steps, own decay.
+    # The routing parameters: lr x topology_lr_mult (0 = held), held for topology_warmup_steps, own decay.
     topology_lr_mult: Float = Field(1.0, ge=0)
     topology_warmup_steps: Int = Field(0, ge=0)
     topology_weight_decay: Float = Field(0.0, ge=0)
@@ -110,7 +105,7 @@ class TrainConfig:
     ckpt_every: Int = Field(50_000, ge=1)
     keep_last: Int = Field(0, ge=0)   # keep the newest N checkpoints; 0 = keep all
     log_every: Int = Field(100, ge=1)
-    # Depth diagnostics of a fixed batch every log_every steps (logs/diagnostics.jsonl, diagnostics.png).
+    # Depth diagnostics of a fixed batch every log_every steps (logs/diagnostics.jsonl).
     diagnostics: Bool = True
     sample_every: Int = Field(10_000, ge=0)  # EMA sample grid every N steps; 0 = never
     num_sample_images: Int = Field(16, ge=0)
@@ -124,10 +119,9 @@ class TrainConfig:
     compile: Bool = False
     grad_checkpointing: Bool = False  # recompute each block's activations in backward (less memory, ~1 more forward)
     tf32: Bool = True
-    # Ranks agree on a stop signal every N steps (a host-side all-reduce, no GPU wait; docs/cluster.md).
+    # Ranks agree on a stop signal every N steps (a host-side all-reduce; docs/cluster.md).
     stop_check_every: Int = Field(10, ge=1)
-    # Seconds a rank waits in a collective before the job fails (NCCL's default 600 is short: the main
-    # rank may work alone for minutes on in-memory latents, reference features, a large checkpoint).
+    # Seconds a rank waits in a collective (NCCL's 600 is short for the main rank's lone work at start-up).
     collective_timeout_s: Float = Field(1800.0, gt=0)
     # Peak dense bf16 TFLOP/s of one device for the logged MFU; null = from the GPU's name (hardware.py).
     peak_tflops: Float | None = Field(None, gt=0)
@@ -135,24 +129,21 @@ class TrainConfig:
 
 @section
 class EvalConfig:
-    """What an evaluation measures (every train.eval_every steps, and `evaluate.py --run`): EMA samples
-    with a fixed seed, sampler and steps, once per cfg scale. `metrics`: digits (a classifier's
-    accuracy and Fréchet distance; NOT FID), fid, sfid, is, precision, recall, fd_dinov2 against
-    `ref`; null = digits on digits data, fid when `ref` is set, else none (held-out loss only)."""
+    """An evaluation (every train.eval_every steps, and `evaluate.py --run`): EMA samples with a fixed
+    seed, sampler and steps per cfg scale. `metrics` (evaluation/metric_registry.py) null: digits on
+    digits data, fid when `ref` is set, else none (held-out loss only)."""
     num_samples: Int = Field(1000, ge=1)
     batch_size: Int = Field(250, ge=1)  # images per sampling part (part j goes to process j % world)
-    # null: the objective's default sampler (DDPM: ddpm; flow: heun), and that sampler's default step count
+    # null: the objective's default sampler and that sampler's default steps
     sampler: Str | None = None
     steps: Int | None = Field(None, ge=1)
     time_shift: Float = Field(1.0, gt=0)  # euler / heun: LightningDiT's timestep shift (sample.py --time-shift)
     cfg_scales: FloatList = Field(default_factory=lambda: [1.0])
     seed: Int = Field(0, ge=0)
     metrics: StrList | None = None
-    # The EMAs sampled from: ema, ema-<decay> (train.ema_decays), phema-<std> (train.phema.stds); the
-    # metrics of any but `ema` are logged as <metric>@<name>, and quality.png draws one line per EMA.
+    # ema, ema-<decay> (train.ema_decays), phema-<std> (train.phema.stds); others log <metric>@<name>.
     emas: StrList = Field(default_factory=lambda: ["ema"])
-    # Autoguidance: samples guided at cfg_scales by this checkpoint folder's EMA (an earlier checkpoint
-    # of this run, or a smaller model of the same data) instead of the unconditional model.
+    # Autoguidance: guide at cfg_scales with this checkpoint folder's EMA instead of the unconditional model.
     guide_ckpt: Str | None = None
     ref: Str | None = None            # ADM reference npz, or one from evaluate.py --save-ref-stats
     inception_weights: Str | None = None
@@ -173,8 +164,7 @@ class DiffusionConfig:
     logit_std: Float = Field(1.0, gt=0)  # logit-normal scale
     # flow: LightningDiT's cosine loss 1 - cos(v_pred, v) beside the MSE, with this weight (its recipe: 1)
     cosine_loss_weight: Float = Field(0.0, ge=0)
-    # flow: SiT's interpolant (linear, gvp = REPA's cosine path, vp), what the network predicts, and
-    # the loss weight of a score or noise prediction (diffusion/paths.py, flow.py)
+    # flow: SiT's interpolant (gvp = REPA's cosine path), prediction and loss weight (diffusion/paths.py)
     path: Literal[tuple(PATHS)] = "linear"
     prediction: Literal[PREDICTIONS] = "velocity"
     loss_weight: Literal[LOSS_WEIGHTS] = "none"
@@ -182,9 +172,8 @@ class DiffusionConfig:
 
 @section
 class RepaConfig:
-    """Representation alignment (REPA, training/repa.py): a frozen pretrained encoder's patch tokens of
-    the clean image are matched, through a trained projector, by the DiT's state after block `depth`.
-    Off at weight 0 (REPA's recipe uses 0.5); the sampled model never holds the projector."""
+    """REPA (training/repa.py): the state after block `depth` is aligned, through a trained projector,
+    with a frozen encoder's patch tokens of the clean image. Off at weight 0 (REPA's recipe: 0.5)."""
     weight: Float = Field(0.0, ge=0)
     depth: Int = Field(8, ge=1)       # the block whose output is aligned, 1..model depth
     encoder: Str = "vit_base_patch14_dinov2.lvd142m"  # a timm model name
@@ -197,8 +186,7 @@ class RepaConfig:
 @section
 class LogConfig:
     tensorboard: Bool = True
-    # The PNG figures: topology heatmaps at checkpoints, loss.png, quality.png, diagnostics.png
-    # (their data, topology.json and the jsonl logs, is written either way).
+    # The PNG figures (their data, topology.json and the jsonl logs, is written either way).
     figures: Bool = True
     wandb: Bool = False
     project: Str = "ancre-dit"
