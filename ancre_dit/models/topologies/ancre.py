@@ -15,8 +15,8 @@ from .base import CascadedTopology, FixedTopology, ResidualTopology, WeightedHis
 from .registry import NonNegativeFloat, PositiveFloat, TopologyOption, register_topology
 
 
-# The ANCRe family's options, the only place their defaults and ranges are written (the training
-# config gets them from the registry). tau divides the logits: 0 would train NaN.
+# The ANCRe family's options, the one place their defaults and ranges are written. tau divides the
+# logits: 0 would train NaN.
 TAU = {"tau": TopologyOption(PositiveFloat, 0.01, "softmax temperature of the logits (0.01 in the paper)")}
 MODE = {"ancre_mode": TopologyOption(Literal[WeightedHistoryTopology.MODES], "add", "add: the skip sum on top of "
                                      "each block's own residual (the official form); replace: the convex mix in "
@@ -47,9 +47,8 @@ class _PerBlockLogits(WeightedHistoryTopology):
 class ANCReTopology(_PerBlockLogits):
     """ANCRe: p_{.j} = softmax_i(c_ij / tau) over the incoming edges of each block (rows sum to 1).
 
-    Logits start at zero (uniform 1/j) or with source 0 (`init` first) / j-1 (previous) favoured by
-    `init_gap` in units of tau. Block 1's single logit is frozen (its softmax is 1 whatever it holds);
-    tau is a buffer, so a checkpoint carries the value it was trained with.
+    Logits start at zero (uniform 1/j) or favour source 0 (`init` first) / j-1 (previous) by `init_gap`
+    taus. Block 1's single logit is frozen (its softmax is 1); tau is a buffer, so checkpoints carry it.
     """
 
     softmax_dim = 1  # over sources i: the incoming edges of each block
@@ -74,8 +73,8 @@ class ANCReTopology(_PerBlockLogits):
     topk = 0
 
     def enable_topk(self, topk: int) -> None:
-        """Makes the topology sparsifiable: `sparsify()` will keep each block's `topk` strongest incoming
-        edges, in the buffer `kept` (K, K), so that a checkpoint carries and restores the sparse wiring."""
+        """Makes `sparsify()` keep each block's `topk` strongest incoming edges, in the buffer `kept` (K, K),
+        which checkpoints carry and restore."""
         if self.softmax_dim != 1:
             raise UserError("topology_topk needs the ingoing softmax (topology ancre)")
         if not 1 <= topk < self.num_blocks:
@@ -125,8 +124,7 @@ class OutgoingANCReTopology(ANCReTopology):
 
 
 class UnnormalizedTopology(_PerBlockLogits):
-    """Ablation: free learnable coefficients, no softmax, initialised to the uniform 1/j.
-    The paper reports this diverges; it is here so that table can be rerun."""
+    """Ablation: free coefficients, no softmax, initialised to 1/j (the paper reports it diverges)."""
 
     def __init__(self, num_blocks: int):
         super().__init__(num_blocks)
