@@ -129,8 +129,7 @@ def _reason(path: Path, err: BaseException) -> str:
         return "a torch archive without its zip directory: truncated or damaged"
     if not zipfile.is_zipfile(path) and head[:1] != b"\x80":  # neither torch.save's zip nor a pickle
         return "neither a torch archive nor a pickle: a text, YAML or other file?"
-    text = " ".join(str(err).split())
-    text = text.split("WeightsUnpickler error:")[-1]
+    text = " ".join(str(err).split()).split("WeightsUnpickler error:")[-1]
     sentences = [x for x in re.split(r"(?<=\.)\s+", text) if "weights_only" not in x and "trust" not in x]
     return (sentences[0].strip() if sentences else type(err).__name__)[:160]
 
@@ -145,14 +144,12 @@ def safe_torch_load(path: str | Path) -> Any:
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        wanted = re.search(r"GLOBAL (\S+)", str(err)) or re.search(r"global[^`]*`?([\w.]+)", str(err))
-        if "global" in str(err).lower():
+    except Exception as err:  # noqa: BLE001 - a foreign file makes the legacy unpickler raise anything
+        if isinstance(err, pickle.UnpicklingError) and "global" in str(err).lower():
+            wanted = re.search(r"GLOBAL (\S+)", str(err)) or re.search(r"global[^`]*`?([\w.]+)", str(err))
             what = f" ({wanted.group(1)})" if wanted else ""
             raise UserError(f"{path} wants to run code when unpickled{what} and was not loaded; only tensors, "
                             f"plain containers and argparse.Namespace are accepted") from None
-        raise UserError(unreadable.format(_reason(path, err))) from None
-    except Exception as err:  # noqa: BLE001 - a foreign file makes the legacy unpickler raise anything
         raise UserError(unreadable.format(_reason(path, err))) from None
 
 

@@ -31,8 +31,7 @@ def weights_file(name: str) -> str:
     return WEIGHT_FILES.get(name, f"{name}.safetensors")
 
 
-# What the model sees of its data: a change makes the resumed run learn from other inputs (the
-# VAE's path and the data folder may move; their contents are what these record).
+# What the model sees of its data (the VAE's path and the data folder may move; these record their contents).
 DATA_KEYS = ("kind", "image_size", "image_channels", "num_classes", "scaling_factor", "latent_norm",
              "channel_mean", "channel_std")
 

@@ -81,23 +81,17 @@ def architecture_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     proj = shape("x_embedder.proj.weight")  # (hidden, C, p, p)
     final = shape("final_layer.linear.weight")  # (p*p*out_channels, hidden)
     table = shape("y_embedder.embedding_table.weight")
-    hidden = proj[0] if proj else None
-    patch = proj[2] if proj else None
+    hidden, patch = (proj[0], proj[2]) if proj else (None, None)
     topology_keys = sorted(k for k in state_dict if k.startswith("topology."))
     shapes = ", ".join(f"{k}{list(state_dict[k].shape)}" for k in topology_keys[:3])
     sizes = [size for size, (d, h, _) in DIT_SIZES.items() if (d, h) == (depth, hidden)]
-    return {
-        "model": f"DiT-{sizes[0]}/{patch}" if sizes else f"DiT(depth={depth}, hidden={hidden}, patch={patch})",
-        "depth": depth,
-        "hidden size": hidden,
-        "patch size": patch,
-        "input channels": proj[1] if proj else None,
-        "output channels": final[0] // (patch * patch) if final and patch else None,
-        "class table": table[0] if table else None,
-        "tokens": shape("pos_embed")[1] if shape("pos_embed") else None,
-        "topology": (f"{len(topology_keys)} topology tensors ({shapes}{', ...' if len(topology_keys) > 3 else ''})"
-                     if topology_keys else "cascaded (no topology parameters)"),
-    }
+    return {"model": f"DiT-{sizes[0]}/{patch}" if sizes else f"DiT(depth={depth}, hidden={hidden}, patch={patch})",
+            "depth": depth, "hidden size": hidden, "patch size": patch, "input channels": proj[1] if proj else None,
+            "output channels": final[0] // (patch * patch) if final and patch else None,
+            "class table": table[0] if table else None,
+            "tokens": shape("pos_embed")[1] if shape("pos_embed") else None,
+            "topology": (f"{len(topology_keys)} topology tensors ({shapes}{', ...' if len(topology_keys) > 3 else ''})"
+                         if topology_keys else "cascaded (no topology parameters)")}
 
 
 def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Tensor],

@@ -179,8 +179,7 @@ class DiT(nn.Module):
         return torch.cat([torch.cat([guided, guided], dim=0), out[:, g:]], dim=1)  # (the rest, variance included)
 
 
-# A run's model spec records an architecture choice only where it differs from these defaults, so
-# specs of runs from before the choice existed stay the same.
+# A model spec records an architecture choice only where it differs from these (older specs stay the same).
 ARCHITECTURE_DEFAULTS = {key: parameter.default for key, parameter in inspect.signature(DiT).parameters.items()
                          if key in ("norm", "mlp", "pos_embed", "qk_norm", "history_dtype", "topology_topk",
                                     "aggregation_kernel")}

@@ -27,8 +27,7 @@ def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tenso
     return int(counter.get_total_flops())
 
 
-# Below this many parameters x input pixels x images, real arithmetic on the CPU is cheaper than the
-# meta device's kernels (written in Python, op by op): small models are counted on the CPU.
+# Below this many parameters x input pixels x images, the CPU counts faster than the meta device's Python kernels.
 CPU_COUNT_LIMIT = 1e9
 
 

@@ -120,26 +120,16 @@ def topology_summary(P) -> dict:
         positive = row[row > 0]
         total = positive.sum()
         entropy = float(-(positive / total * np.log(positive / total)).sum()) if total > 0 else 0.0
-        blocks.append({
-            "block": j + 1,
-            "strongest_source": int(np.argmax(row)),
-            "strongest_weight": float(row.max()),
-            "anchor_weight": float(row[: min(2, j + 1)].sum()),
-            "previous_weight": float(row[j]),
-            "entropy": entropy,
-            "normalized_entropy": entropy / float(np.log(j + 1)) if j > 0 else 0.0,
-        })
+        blocks.append({"block": j + 1, "strongest_source": int(np.argmax(row)), "strongest_weight": float(row.max()),
+                       "anchor_weight": float(row[: min(2, j + 1)].sum()), "previous_weight": float(row[j]),
+                       "entropy": entropy, "normalized_entropy": entropy / float(np.log(j + 1)) if j > 0 else 0.0})
     deep = blocks[2:]  # blocks 1 and 2 see only anchors
-    return {
-        "num_blocks": K,
-        "blocks": blocks,
-        "mean_anchor_weight_deep": float(np.mean([b["anchor_weight"] for b in deep])) if deep else None,
-        "anchor_strongest_fraction_deep": (float(np.mean([b["strongest_source"] <= 1 for b in deep]))
-                                           if deep else None),
-        "mean_previous_weight": float(np.mean([b["previous_weight"] for b in blocks])),
-        "mean_normalized_entropy": (float(np.mean([b["normalized_entropy"] for b in blocks[1:]]))
-                                    if K > 1 else 0.0),
-    }
+    return {"num_blocks": K, "blocks": blocks,
+            "mean_anchor_weight_deep": float(np.mean([b["anchor_weight"] for b in deep])) if deep else None,
+            "anchor_strongest_fraction_deep": (float(np.mean([b["strongest_source"] <= 1 for b in deep]))
+                                               if deep else None),
+            "mean_previous_weight": float(np.mean([b["previous_weight"] for b in blocks])),
+            "mean_normalized_entropy": float(np.mean([b["normalized_entropy"] for b in blocks[1:]])) if K > 1 else 0.0}
 
 
 def format_topology_summary(summary: dict) -> str:

@@ -15,8 +15,7 @@ from .base import CascadedTopology, FixedTopology, ResidualTopology, WeightedHis
 from .registry import NonNegativeFloat, PositiveFloat, TopologyOption, register_topology
 
 
-# The ANCRe family's options, the one place their defaults and ranges are written. tau divides the
-# logits: 0 would train NaN.
+# The ANCRe family's options, the one place their defaults and ranges are written (tau 0 would train NaN).
 TAU = {"tau": TopologyOption(PositiveFloat, 0.01, "softmax temperature of the logits (0.01 in the paper)")}
 MODE = {"ancre_mode": TopologyOption(Literal[WeightedHistoryTopology.MODES], "add", "add: the skip sum on top of "
                                      "each block's own residual (the official form); replace: the convex mix in "

@@ -53,8 +53,7 @@ class TopologyEntry:
     build: Callable[..., ResidualTopology]  # build(num_blocks, hidden_size, **options)
     options: Mapping[str, TopologyOption] = field(default_factory=dict)
     check: Callable[[dict[str, Any]], None] | None = None  # raises UserError on bad option values
-    # Rebuilds the module from its own state dict (keys without "topology.") and its options when the
-    # options alone are not enough, e.g. a frozen topology whose JSON is gone.
+    # Rebuilds the module from its state dict (keys without "topology.") and options, e.g. a frozen one.
     restore: Callable[..., ResidualTopology] | None = None
     summary: str = ""
     # What tools need to know (the module declares `takes_time_embedding`, which can depend on its options):
