@@ -44,8 +44,7 @@ FLOW_SOURCES = ("sit", "repa")
 
 
 def recognise_source(state: Mapping[str, torch.Tensor], args: Mapping[str, Any], layout: str | None) -> str:
-    """The source a file comes from, by what only it holds: REPA's projectors, LightningDiT's block, ANCRe's
-    logits, SiT's transport args; else DiT (whose bare state dict SiT's release shares: --source sit)."""
+    """The source a file comes from, by what only it holds; else dit (SiT's bare release too: --source sit)."""
     if any(k.startswith("projectors.") for k in state):
         return "repa"
     if any(".mlp.w12." in k or k.endswith("norm1.weight") or k.startswith("feat_rope.") for k in state):
@@ -91,9 +90,8 @@ LIGHTNINGDIT_SIZES = {"B": "DiT-B/2", "L": "DiT-L/2", "XL": "DiT-XL/2"}  # Light
 
 def _lightningdit_source(raw: Mapping[str, Any], model: str | None, latent_stats: str | Path | None
                          ) -> dict[str, Any]:
-    """What a LightningDiT file says besides its weights, from its training `config` or the caller: our model
-    name and patch size, the VAE's downsampling, the objective and the latent normalisation (per channel,
-    with the statistics of its latents_stats.pt)."""
+    """What a LightningDiT file says besides its weights, from its training `config` or the caller: model,
+    patch size, VAE downsampling, objective and latent normalisation (per channel, from latents_stats.pt)."""
     config = raw.get("config") if isinstance(raw.get("config"), Mapping) else {}
     section = lambda name: config.get(name) if isinstance(config.get(name), Mapping) else {}  # noqa: E731
     model_type = _pick("model", model, section("model").get("model_type"))
@@ -193,9 +191,8 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
                       topology: str | None = None, tau: float | None = None, weights: str | None = None,
                       source: str | None = None, latent_stats: str | Path | None = None,
                       overrides: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
-    """Writes OUT/model_spec.json, ema/model.safetensors (both the imported weights, the spec's "imported"
-    entry says which) and topology.json for ANCRe; returns the spec. `source` defaults to the file's;
-    `overrides`: extra create_model arguments for non-standard sizes."""
+    """Writes OUT/model_spec.json, ema/model.safetensors (both the imported weights) and topology.json for
+    ANCRe; returns the spec. `overrides`: extra create_model arguments for non-standard sizes."""
     src, out = Path(src), Path(out)
     if (out / SPEC_FILE).exists() and not overwrite:
         raise UserError(f"{out} already holds a checkpoint; choose another --out, or pass --overwrite to replace it")

@@ -84,8 +84,7 @@ def load_model_spec(folder: str | Path) -> dict[str, Any]:
 
 def load_trained_model(folder: str | Path, weights: str = "ema", device: str | torch.device = "cpu"
                        ) -> tuple[DiT, dict]:
-    """A checkpoint's network in eval mode, with its EMA, raw (model) or another EMA's weights (ema-<decay>,
-    phema-<std>)."""
+    """A checkpoint's network in eval mode with its `weights` (ema, model, ema-<decay>, phema-<std>)."""
     path = Path(folder) / weights_file(weights)
     spec = load_model_spec(folder)
     state = load_safetensors_checked(path)

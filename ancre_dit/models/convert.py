@@ -58,8 +58,7 @@ def _logit_lengths(state_dict: Mapping[str, torch.Tensor]) -> list[int]:
 
 
 def official_logit_layout(checkpoint: Mapping[str, Any], prefer: str = "ema") -> str | None:
-    """How an official checkpoint stores its ANCRe logits: "per-target" (lengths 1..K), "per-source"
-    (lengths K..1) or None (no logits); a UserError if the lengths fit neither."""
+    """An official checkpoint's ANCRe logits: "per-target" (lengths 1..K), "per-source" (K..1) or None."""
     lengths = _logit_lengths(_renamed(checkpoint, prefer))
     K = len(lengths)
     if K == 0:

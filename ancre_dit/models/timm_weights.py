@@ -31,7 +31,7 @@ def weights_hint(encoder: str, flag: str = "repa.encoder_weights=PATH") -> str:
 def load_timm_weights(model: nn.Module, path: str | Path, name: str, flag: str = "repa.encoder_weights",
                       name_flag: str = "repa.encoder") -> None:
     """Loads a local weights file into `model` strictly, else one line naming the first key that does not
-    fit; `flag` / `name_flag` name the user's settings in it."""
+    fit and the user's settings `flag` / `name_flag`."""
     from timm.models import load_state_dict
 
     try:

@@ -67,8 +67,7 @@ def learned_edges(P) -> np.ndarray:
 
 
 def pearson(P, Q) -> float:
-    """Pearson correlation of the learned edges of two topologies of the same depth (NaN when one of
-    them is constant over them)."""
+    """Pearson correlation of two same-depth topologies' learned edges (NaN if one is constant on them)."""
     a, b = learned_edges(P), learned_edges(Q)
     if a.shape != b.shape:
         raise UserError(f"cannot compare topologies of different depths ({square_topology(P).shape[0]} and "
@@ -79,8 +78,7 @@ def pearson(P, Q) -> float:
 
 
 def strongest_edge_agreement(P, Q) -> float:
-    """Fraction of blocks 2..K whose strongest incoming edge comes from the same source in both (the
-    lowest source on a tie)."""
+    """Fraction of blocks 2..K whose strongest incoming source is the same in both (ties: the lowest)."""
     a, b = ([int(np.argmax(M[j, : j + 1])) for j in range(1, len(M))] for M in map(square_topology, (P, Q)))
     if len(a) != len(b):
         raise UserError(f"cannot compare topologies of different depths ({len(a) + 1} and {len(b) + 1} blocks)")

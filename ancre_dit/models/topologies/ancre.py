@@ -28,8 +28,7 @@ START = {"topology_init": TopologyOption(Literal["uniform", "first", "previous"]
 
 
 class _PerBlockLogits(WeightedHistoryTopology):
-    """Stores block j+1's j+1 incoming coefficients as `logits.j`: K(K+1)/2 scalars in all,
-    the layout of the official ANCRe code (`ancre.shortcut_params.j`)."""
+    """Block j+1's j+1 coefficients as `logits.j` (K(K+1)/2 in all), the official `ancre.shortcut_params.j`."""
 
     def __init__(self, num_blocks: int, frozen_block: int | None = None, mode: str = "add"):
         super().__init__(num_blocks, mode=mode)
@@ -72,8 +71,7 @@ class ANCReTopology(_PerBlockLogits):
     topk = 0
 
     def enable_topk(self, topk: int) -> None:
-        """Makes `sparsify()` keep each block's `topk` strongest incoming edges, in the buffer `kept` (K, K),
-        which checkpoints carry and restore."""
+        """Makes `sparsify()` keep each block's `topk` strongest edges, in the buffer `kept` checkpoints carry."""
         if self.softmax_dim != 1:
             raise UserError("topology_topk needs the ingoing softmax (topology ancre)")
         if not 1 <= topk < self.num_blocks:

@@ -58,8 +58,7 @@ class ResidualTopology(nn.Module):
 
     @contextlib.contextmanager
     def exact_state_gradients(self) -> Iterator[None]:
-        """While on, a gradient taken with respect to a state given to `state_hook` is its whole gradient
-        (the diagnostics' backward decay)."""
+        """While on, a gradient with respect to a state given to `state_hook` is its whole gradient."""
         yield
 
     def forward(self, h0: torch.Tensor, blocks: Sequence[nn.Module], c: torch.Tensor) -> torch.Tensor:

@@ -112,8 +112,7 @@ class DepthAttentionTopology(ResidualTopology):
 
     def _add_output(self, layer: int, v: torch.Tensor, key_maps: torch.Tensor | None, finished: list[tuple],
                     current: list[tuple]) -> list[tuple]:
-        """Files sublayer `layer`'s output v by the grouping rule: returns the open group's sources; a group
-        that closes adds its summary to `finished`."""
+        """Files sublayer `layer`'s output v: returns the open group's sources; a closing group joins `finished`."""
         if self.grouping == "block":  # a block's running partial sum is its one source until the block closes
             v = v if not current else current[0][0] + v
             current = []
@@ -129,9 +128,8 @@ class DepthAttentionTopology(ResidualTopology):
                                  "fixed (K, K) matrix; see routing_weights() on a probe batch")
 
     def routing_weights(self) -> torch.Tensor:
-        """(L+1, L+1) mean weights of the last forward run with `record_weights` on: row l = the
-        aggregator before sublayer l+1 (the last row: the final one), column i = source v_i (a chunk
-        or block summary is filed under the last sublayer it holds), averaged over samples and tokens."""
+        """(L+1, L+1) mean weights of the last forward with `record_weights` on: row l = the aggregator before
+        sublayer l+1 (the last: the final one), column i = v_i (a summary under its last sublayer)."""
         if not self._recorded:
             raise UserError("no weights recorded: set record_weights = True and run a forward pass first")
         L = 2 * self.num_blocks

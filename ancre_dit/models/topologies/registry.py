@@ -29,8 +29,7 @@ NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 
 @dataclass(frozen=True)
 class TopologyOption:
-    """A topology's hyperparameter: its pydantic type with ranges or choices (e.g. `PositiveFloat`,
-    `Literal["add", "replace"]`), default and help."""
+    """A topology's hyperparameter: pydantic type with its range or choices (`PositiveFloat`), default, help."""
     type: Any
     default: Any
     help: str = ""
@@ -131,8 +130,7 @@ def build_topology(name: str, num_blocks: int, hidden_size: int | None = None, *
 
 def restore_topology(name: str, state: Mapping[str, torch.Tensor],
                      options: Mapping[str, Any] | None = None) -> ResidualTopology | None:
-    """The topology rebuilt from a model state dict (keys `topology.*`) and its options if `name` needs its
-    weights for that, else None."""
+    """The topology rebuilt from a state dict's `topology.*` and options if `name` needs its weights, else None."""
     entry = topology_entry(name)
     if entry.restore is None:
         return None
