@@ -171,11 +171,6 @@ def _select_weights(raw: Mapping[str, Any], weights: str | None) -> tuple[Mappin
     return raw[choice], choice
 
 
-def _our_name(name: str | None) -> str | None:
-    """SiT's and REPA's model names are DiT's architectures: SiT-XL/2 is our DiT-XL/2."""
-    return name.replace("SiT-", "DiT-") if name else None
-
-
 def _pick(name: str, given: Any, from_file: Any, default: Any = None) -> Any:
     """A setting from the caller or the file's args; both given and different is an error. Floats compare
     at float32, the precision files store them in (0.01 is stored as 0.0099999998)."""
@@ -222,7 +217,8 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
         block["patch_size"] = facts["patch_size"]
         diffusion, model, args = facts["diffusion"], facts["name"], {"image_size": facts["image_size"]}
 
-    name = _pick("model", _our_name(model), _our_name(args.get("model")))
+    given, in_file = (n.replace("SiT-", "DiT-") if n else None for n in (model, args.get("model")))  # SiT-XL/2: DiT's
+    name = _pick("model", given, in_file)
     if name is None:
         raise UserError(f"{src} does not say which model it holds; pass --model (e.g. --model DiT-XL/2)")
     file_size = args.get("image_size", args.get("resolution"))  # REPA's train.py calls it resolution
