@@ -1,16 +1,10 @@
-"""Published checkpoints (.pt) -> a checkpoint folder that sample.py and evaluate.py read. SOURCES:
-- dit: the DiT release (a bare state dict of EMA weights);
-- ancre: official ANCRe training checkpoints ({"model", "ema", "opt", "args"}), the outgoing ablation's
-  per-source logits and the --ancre-parameterization Constant ablation (frozen zero logits: fixed-dense);
-- sit: SiT's checkpoints (DiT's keys) and the flow objective of their path, prediction and loss weight;
-- lightningdit: LightningDiT's (its block mapped exactly onto ours by models/convert.py), its objective,
-  VA-VAE's 16x downsampling and latent statistics;
-- repa: REPA's (SiT plus `projectors.*`, dropped). REPA's time runs the other way (t = 1 noise, velocity
-  noise - data); the import turns the network into SiT's convention exactly.
-The architecture comes from the file's `args`, else the caller, checked by a strict load.
-
-Unpickling can run code, so files are read with `torch.load(weights_only=True)` plus the one class these
-files really hold, argparse.Namespace.
+"""Published checkpoints (.pt) -> a checkpoint folder that sample.py and evaluate.py read, by source:
+- dit: the DiT release; ancre: official ANCRe training checkpoints (the outgoing ablation's per-source
+  logits and the Constant ablation's frozen zero logits, as fixed-dense, included);
+- sit, repa: with their flow objective (REPA's `projectors.*` dropped, its reversed time axis turned into
+  SiT's exactly); lightningdit: its block mapped exactly onto ours, its objective and VA-VAE latents.
+The architecture comes from the file's `args`, else the caller, checked by a strict load. Unpickling can
+run code: files are read with `torch.load(weights_only=True)`, plus argparse.Namespace.
 """
 from __future__ import annotations
 
