@@ -89,13 +89,12 @@ class ANCReTopology(_PerBlockLogits):
         or the edges of `kept` (another copy's mask, e.g. the training weights' for the EMA)."""
         if not self.topk:
             raise RuntimeError("sparsify() needs enable_topk() first")
-        if kept is None:
-            with torch.no_grad():
-                P = self.probabilities().detach().cpu()
-            # (the zeros above the diagonal sort after a row's own sources, which the tril drops anyway)
-            order = torch.argsort(-P.tril(), dim=1, stable=True)[:, : self.topk]
-            kept = torch.zeros_like(self.kept, device="cpu").scatter_(1, order, True).tril()
         with torch.no_grad():
+            if kept is None:
+                P = self.probabilities().detach().cpu()
+                # (the zeros above the diagonal sort after a row's own sources, which the tril drops anyway)
+                order = torch.argsort(-P.tril(), dim=1, stable=True)[:, : self.topk]
+                kept = torch.zeros_like(self.kept, device="cpu").scatter_(1, order, True).tril()
             self.kept.copy_(kept)
         self._edges_from_mask()
 
