@@ -1,22 +1,10 @@
-"""Published checkpoints (.pt) -> a checkpoint folder that sample.py and evaluate.py read.
-
-Handles, by source (SOURCES; recognised from the file, or named):
-- dit: the original DiT release (a bare state dict of EMA weights);
-- ancre: official ANCRe training checkpoints ({"model", "ema", "opt", "args"}, keys possibly under
-  `module.` / `_orig_mod.`), including the per-source logit layout of the outgoing ablation and the
-  --ancre-parameterization Constant ablation (frozen zero logits: our fixed-dense);
-- sit: SiT's release and training checkpoints (DiT's keys), the flow objective of their path,
-  prediction and loss weight;
-- lightningdit: LightningDiT's checkpoints (its block: RMSNorm, SwiGLU, RoPE; models/convert.py maps
-  it exactly onto ours), the flow objective, VA-VAE's 16x downsampling and its latent statistics;
-- repa: REPA's training checkpoints (SiT plus `projectors.*`, which sampling does not use and the
-  import drops). REPA runs time the other way (t = 1 noise, velocity noise - data); the import turns
-  the network into SiT's convention exactly, so it samples with our flow samplers unchanged.
-The architecture comes from the file's `args` where it has them, else from the caller, and is
-checked by a strict load; the folder's spec records the source's objective.
-
-Unpickling can run arbitrary code, so files are read with `torch.load(weights_only=True)` (tensors
-and plain containers), plus the one class these files really hold: argparse.Namespace.
+"""Published checkpoints (.pt) -> a checkpoint folder that sample.py and evaluate.py read, by source:
+- dit: the DiT release; ancre: official ANCRe training checkpoints (the outgoing ablation's per-source
+  logits and the Constant ablation's frozen zero logits, as fixed-dense, included);
+- sit, repa: with their flow objective (REPA's `projectors.*` dropped, its reversed time axis turned into
+  SiT's exactly); lightningdit: its block mapped exactly onto ours, its objective and VA-VAE latents.
+The architecture comes from the file's `args`, else the caller, checked by a strict load. Unpickling can
+run code: files are read with `torch.load(weights_only=True)`, plus argparse.Namespace.
 """
 from __future__ import annotations
 
@@ -50,9 +38,7 @@ FLOW_SOURCES = ("sit", "repa")
 
 
 def recognise_source(state: Mapping[str, torch.Tensor], args: Mapping[str, Any], layout: str | None) -> str:
-    """The source a file comes from, by what only it holds: REPA's projectors, LightningDiT's block
-    (SwiGLU w12, RMSNorm weights, RoPE tables), ANCRe's logits, SiT's transport flags among its args;
-    else DiT (whose release SiT's bare state dict shares: --source sit)."""
+    """The source a file comes from, by what only it holds; else dit (SiT's bare release too: --source sit)."""
     if any(k.startswith("projectors.") for k in state):
         return "repa"
     if any(".mlp.w12." in k or k.endswith("norm1.weight") or k.startswith("feat_rope.") for k in state):
@@ -70,9 +56,8 @@ REPA_PREDICTIONS = {"v": "velocity"}
 
 def _flow_source(source: str, args: Mapping[str, Any], state: dict[str, torch.Tensor]
                  ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """SiT's or REPA's objective as our flow spec, from the file's args (their defaults where absent);
-    a REPA state is turned into SiT's time convention in place. Returns (the diffusion spec, what the
-    spec's "imported" entry adds)."""
+    """(SiT's or REPA's objective as our flow spec, from the file's args or their defaults; what the spec's
+    "imported" entry adds). A REPA state is turned into SiT's time convention in place."""
     paths, predictions = (SIT_PATHS, {p: p for p in PREDICTIONS}) if source == "sit" else (REPA_PATHS, REPA_PREDICTIONS)
     path = args.get("path_type") or next(iter(paths))
     prediction = args.get("prediction") or next(iter(predictions))
@@ -99,10 +84,8 @@ LIGHTNINGDIT_SIZES = {"B": "DiT-B/2", "L": "DiT-L/2", "XL": "DiT-XL/2"}  # Light
 
 def _lightningdit_source(raw: Mapping[str, Any], model: str | None, latent_stats: str | Path | None
                          ) -> dict[str, Any]:
-    """What a LightningDiT file says besides its weights, from its training `config` (its train.py
-    saves one) or the caller: our model name and patch size, the VAE's downsampling (VA-VAE's 16),
-    the objective, and the latent normalisation (LightningDiT's latent_norm: per channel, with the
-    statistics of its latents_stats.pt, multiplier 1)."""
+    """What a LightningDiT file says besides its weights, from its training `config` or the caller: model,
+    patch size, VAE downsampling, objective and latent normalisation (per channel, from latents_stats.pt)."""
     config = raw.get("config") if isinstance(raw.get("config"), Mapping) else {}
     section = lambda name: config.get(name) if isinstance(config.get(name), Mapping) else {}  # noqa: E731
     model_type = _pick("model", model, section("model").get("model_type"))
@@ -131,16 +114,14 @@ def _lightningdit_source(raw: Mapping[str, Any], model: str | None, latent_stats
 
 
 def _reason(path: Path, err: BaseException) -> str:
-    """Why torch.load failed, in one short line; never its advice to retry with weights_only=False
-    (that would run code from an untrusted file)."""
+    """Why torch.load failed, in one line; never its advice to retry with weights_only=False (unsafe)."""
     with open(path, "rb") as f:
         head = f.read(2)
     if head == b"PK" and not zipfile.is_zipfile(path):
         return "a torch archive without its zip directory: truncated or damaged"
     if not zipfile.is_zipfile(path) and head[:1] != b"\x80":  # neither torch.save's zip nor a pickle
         return "neither a torch archive nor a pickle: a text, YAML or other file?"
-    text = " ".join(str(err).split())
-    text = text.split("WeightsUnpickler error:")[-1]
+    text = " ".join(str(err).split()).split("WeightsUnpickler error:")[-1]
     sentences = [x for x in re.split(r"(?<=\.)\s+", text) if "weights_only" not in x and "trust" not in x]
     return (sentences[0].strip() if sentences else type(err).__name__)[:160]
 
@@ -155,14 +136,12 @@ def safe_torch_load(path: str | Path) -> Any:
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as err:
-        wanted = re.search(r"GLOBAL (\S+)", str(err)) or re.search(r"global[^`]*`?([\w.]+)", str(err))
-        if "global" in str(err).lower():
+    except Exception as err:  # noqa: BLE001 - a foreign file makes the legacy unpickler raise anything
+        if isinstance(err, pickle.UnpicklingError) and "global" in str(err).lower():
+            wanted = re.search(r"GLOBAL (\S+)", str(err)) or re.search(r"global[^`]*`?([\w.]+)", str(err))
             what = f" ({wanted.group(1)})" if wanted else ""
             raise UserError(f"{path} wants to run code when unpickled{what} and was not loaded; only tensors, "
                             f"plain containers and argparse.Namespace are accepted") from None
-        raise UserError(unreadable.format(_reason(path, err))) from None
-    except Exception as err:  # noqa: BLE001 - a foreign file makes the legacy unpickler raise anything
         raise UserError(unreadable.format(_reason(path, err))) from None
 
 
@@ -186,14 +165,9 @@ def _select_weights(raw: Mapping[str, Any], weights: str | None) -> tuple[Mappin
     return raw[choice], choice
 
 
-def _our_name(name: str | None) -> str | None:
-    """SiT's and REPA's model names are DiT's architectures: SiT-XL/2 is our DiT-XL/2."""
-    return name.replace("SiT-", "DiT-") if name else None
-
-
 def _pick(name: str, given: Any, from_file: Any, default: Any = None) -> Any:
-    """A setting from the caller or the file's args; both given and different is an error. Floats are
-    compared at float32, the precision files store them in (0.01 is stored as 0.0099999998)."""
+    """A setting from the caller or the file's args; both given and different is an error. Floats compare
+    at float32, the precision files store them in (0.01 is stored as 0.0099999998)."""
     floats = isinstance(from_file, float) or isinstance(given, float)
     same = np.float32(given) == np.float32(from_file) if floats else given == from_file
     if given is not None and from_file is not None and not same:
@@ -206,11 +180,8 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
                       topology: str | None = None, tau: float | None = None, weights: str | None = None,
                       source: str | None = None, latent_stats: str | Path | None = None,
                       overrides: Mapping[str, Any] | None = None, overwrite: bool = False) -> dict[str, Any]:
-    """Writes OUT/model_spec.json + ema/model.safetensors (both the imported weights; the spec's
-    "imported" entry says which) and OUT/topology.json for ANCRe; returns the spec. `source`: one of
-    SOURCES (default: recognised from the file); `latent_stats`: LightningDiT's latents_stats.pt;
-    `overrides`: extra create_model arguments for non-standard sizes; `overwrite`: replace an
-    earlier import's checkpoint."""
+    """Writes OUT/model_spec.json, ema/model.safetensors (both the imported weights) and topology.json for
+    ANCRe; returns the spec. `overrides`: extra create_model arguments for non-standard sizes."""
     src, out = Path(src), Path(out)
     if (out / SPEC_FILE).exists() and not overwrite:
         raise UserError(f"{out} already holds a checkpoint; choose another --out, or pass --overwrite to replace it")
@@ -240,7 +211,8 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
         block["patch_size"] = facts["patch_size"]
         diffusion, model, args = facts["diffusion"], facts["name"], {"image_size": facts["image_size"]}
 
-    name = _pick("model", _our_name(model), _our_name(args.get("model")))
+    given, in_file = (n.replace("SiT-", "DiT-") if n else None for n in (model, args.get("model")))  # SiT-XL/2: DiT's
+    name = _pick("model", given, in_file)
     if name is None:
         raise UserError(f"{src} does not say which model it holds; pass --model (e.g. --model DiT-XL/2)")
     file_size = args.get("image_size", args.get("resolution"))  # REPA's train.py calls it resolution
@@ -260,7 +232,8 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
             raise UserError(f"{src} says --ancre-parameterization Constant but its logits are not all zero; the "
                             f"file is not what its args say")
         if topology not in (None, "fixed-dense"):
-            raise UserError(f"{src} holds a Constant (frozen uniform) topology: import it as fixed-dense, not {topology}")
+            raise UserError(f"{src} holds a Constant (frozen uniform) topology: import it as fixed-dense, "
+                            f"not {topology}")
         topology, layout = "fixed-dense", None
     topology = topology or DEFAULT_TOPOLOGY[layout]
     if layout == "per-source" and topology != "ancre-outgoing":

@@ -1,5 +1,5 @@
-"""What a checkpoint folder says about the model it holds, so that sample.py (and any user code)
-rebuilds the exact network without the training config or Accelerate.
+"""What a checkpoint folder says about its model, so sample.py (or user code) rebuilds the exact network
+without the training config or Accelerate.
 
 RUN/checkpoints/<step>/ holds, next to Accelerate's state:
     model_spec.json     {"model": {"name", "kwargs"}, "diffusion": {...}, "data": {...}, "step"}
@@ -31,16 +31,15 @@ def weights_file(name: str) -> str:
     return WEIGHT_FILES.get(name, f"{name}.safetensors")
 
 
-# What the model sees of its data: a change makes the resumed run learn from other inputs (the
-# VAE's path and the data folder may move; their contents are what these record).
+# What the model sees of its data (the VAE's path and the data folder may move; these record their contents).
 DATA_KEYS = ("kind", "image_size", "image_channels", "num_classes", "scaling_factor", "latent_norm",
              "channel_mean", "channel_std")
 
 
 def data_differences(saved: dict[str, Any], wanted: dict[str, Any],
                      where: tuple[str, str] = ("in the checkpoint", "in the config")) -> list[str]:
-    """'data.key A in the checkpoint, B in the config' (`where` names the two) for each DATA_KEYS entry
-    that differs between two specs' "data" (floats compared to 1e-6 relative: they went through JSON)."""
+    """'data.key A in the checkpoint, B in the config' for each DATA_KEYS entry that differs between two
+    specs' "data" (floats to 1e-6 relative: they went through JSON)."""
     saved, wanted = {"latent_norm": "scale", **saved}, {"latent_norm": "scale", **json.loads(json.dumps(wanted))}
     return [f"data.{key} {saved.get(key)} {where[0]}, {wanted.get(key)} {where[1]}"
             for key in DATA_KEYS if not _same_value(saved.get(key), wanted.get(key))]
@@ -55,8 +54,7 @@ def _same_value(a: Any, b: Any) -> bool:
 
 def make_model_spec(name: str, model_kwargs: dict[str, Any], diffusion: dict[str, Any], data: dict[str, Any],
                     step: int) -> dict[str, Any]:
-    """The spec of create_model(name, **model_kwargs), trained with the objective whose spec() is
-    `diffusion` on `data` (kind, image_size, image_channels, num_classes, vae, scaling_factor, ...)."""
+    """The spec of create_model(name, **model_kwargs) trained with the objective spec `diffusion` on `data`."""
     return {"model": {"name": name, "kwargs": dict(model_kwargs)}, "diffusion": dict(diffusion),
             "data": dict(data), "step": int(step)}
 
@@ -86,8 +84,7 @@ def load_model_spec(folder: str | Path) -> dict[str, Any]:
 
 def load_trained_model(folder: str | Path, weights: str = "ema", device: str | torch.device = "cpu"
                        ) -> tuple[DiT, dict]:
-    """Rebuilds the network of a checkpoint and loads its EMA (default), raw weights, or another EMA by
-    its file's name (ema-<decay>, phema-<std>: train.ema_decays, train.phema), in eval mode."""
+    """A checkpoint's network in eval mode with its `weights` (ema, model, ema-<decay>, phema-<std>)."""
     path = Path(folder) / weights_file(weights)
     spec = load_model_spec(folder)
     state = load_safetensors_checked(path)
@@ -97,9 +94,8 @@ def load_trained_model(folder: str | Path, weights: str = "ema", device: str | t
 
 
 def build_model(spec: dict[str, Any], state: Mapping[str, torch.Tensor] | None = None) -> DiT:
-    """The network a spec describes, weights not loaded. Given the checkpoint's state dict (its
-    `topology.*` tensors suffice), a topology that carries its own frozen weights rebuilds from it
-    (the JSON it came from may be gone), the others from their options."""
+    """The network a spec describes, weights not loaded. A topology that carries its frozen weights rebuilds
+    from `state` (its `topology.*` tensors suffice; the JSON it came from may be gone)."""
     kwargs = dict(spec["model"]["kwargs"])
     topology = None if state is None else restore_topology(kwargs.get("topology", "cascaded"), state, kwargs)
     if topology is not None:

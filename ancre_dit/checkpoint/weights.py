@@ -1,8 +1,5 @@
-"""Reading weight and metadata files so that a damaged one is one clear line naming it.
-
-safetensors' own errors ("header too large") and json's ("Expecting value: line 2 column 1") do not
-name the file; every reader of a checkpoint (sampling, resume, evaluation) goes through these instead.
-"""
+"""Readers of weight and metadata files that name a damaged file in one line (safetensors' and json's own
+errors do not name it); every reader of a checkpoint goes through these."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,4 @@
-"""Importing checkpoints: the original DiT release and the official ANCRe code -> our keys,
-and a load that names an architecture mismatch in one line instead of a wall of missing keys."""
+"""Other codes' state dicts -> our keys, and a load that names an architecture mismatch in one line."""
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -16,12 +15,11 @@ _LOGITS = "topology.logits"
 
 
 def convert_official_state_dict(checkpoint: Mapping[str, Any], prefer: str = "ema") -> dict[str, torch.Tensor]:
-    """Maps a DiT or official-ANCRe state dict (or a {"model":..., "ema":...} training wrapper) to our
-    names: `module.` (DDP) and `_orig_mod.` (torch.compile) prefixes stripped, `ancre.shortcut_params.N`
-    -> `topology.logits.N`, `ancre.softmax_temp` -> `topology.tau` (every other DiT key is already ours).
-    The logits come per target (`shortcut_params.j`: block j+1's over sources 0..j, as the official code
-    and we store them) or per source (source i's edges to blocks i+1..K, the outgoing ablation's official
-    layout as we define it), remapped as `logits.j[i] = shortcut_params.i[j - i]`."""
+    """A DiT or official-ANCRe state dict (or a {"model":..., "ema":...} wrapper) under our names: `module.`
+    (DDP) and `_orig_mod.` (torch.compile) stripped, `ancre.shortcut_params.N` -> `topology.logits.N`,
+    `ancre.softmax_temp` -> `topology.tau`. Logits per target (block j+1's over sources 0..j, as we store
+    them) stay; per source (source i's edges to blocks i+1..K, the outgoing ablation's layout) are
+    remapped as `logits.j[i] = shortcut_params.i[j - i]`."""
     converted = _renamed(checkpoint, prefer)
     if official_logit_layout(converted) == "per-source":  # (renaming our own names changes nothing)
         K = len(_logit_lengths(converted))
@@ -60,8 +58,7 @@ def _logit_lengths(state_dict: Mapping[str, torch.Tensor]) -> list[int]:
 
 
 def official_logit_layout(checkpoint: Mapping[str, Any], prefer: str = "ema") -> str | None:
-    """How an official checkpoint stores its ANCRe logits: "per-target" (lengths 1..K), "per-source"
-    (lengths K..1) or None (no logits); a UserError if the lengths fit neither."""
+    """An official checkpoint's ANCRe logits: "per-target" (lengths 1..K), "per-source" (K..1) or None."""
     lengths = _logit_lengths(_renamed(checkpoint, prefer))
     K = len(lengths)
     if K == 0:
@@ -83,23 +80,17 @@ def architecture_of(state_dict: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     proj = shape("x_embedder.proj.weight")  # (hidden, C, p, p)
     final = shape("final_layer.linear.weight")  # (p*p*out_channels, hidden)
     table = shape("y_embedder.embedding_table.weight")
-    hidden = proj[0] if proj else None
-    patch = proj[2] if proj else None
+    hidden, patch = (proj[0], proj[2]) if proj else (None, None)
     topology_keys = sorted(k for k in state_dict if k.startswith("topology."))
     shapes = ", ".join(f"{k}{list(state_dict[k].shape)}" for k in topology_keys[:3])
     sizes = [size for size, (d, h, _) in DIT_SIZES.items() if (d, h) == (depth, hidden)]
-    return {
-        "model": f"DiT-{sizes[0]}/{patch}" if sizes else f"DiT(depth={depth}, hidden={hidden}, patch={patch})",
-        "depth": depth,
-        "hidden size": hidden,
-        "patch size": patch,
-        "input channels": proj[1] if proj else None,
-        "output channels": final[0] // (patch * patch) if final and patch else None,
-        "class table": table[0] if table else None,
-        "tokens": shape("pos_embed")[1] if shape("pos_embed") else None,
-        "topology": (f"{len(topology_keys)} topology tensors ({shapes}{', ...' if len(topology_keys) > 3 else ''})"
-                     if topology_keys else "cascaded (no topology parameters)"),
-    }
+    return {"model": f"DiT-{sizes[0]}/{patch}" if sizes else f"DiT(depth={depth}, hidden={hidden}, patch={patch})",
+            "depth": depth, "hidden size": hidden, "patch size": patch, "input channels": proj[1] if proj else None,
+            "output channels": final[0] // (patch * patch) if final and patch else None,
+            "class table": table[0] if table else None,
+            "tokens": shape("pos_embed")[1] if shape("pos_embed") else None,
+            "topology": (f"{len(topology_keys)} topology tensors ({shapes}{', ...' if len(topology_keys) > 3 else ''})"
+                         if topology_keys else "cascaded (no topology parameters)")}
 
 
 def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
@@ -118,11 +109,10 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Ten
 
 
 def reverse_time_axis(state: dict[str, torch.Tensor]) -> None:
-    """Turns a DiT trained on t' = 1 - t with output -v (REPA: t' = 1 noise, velocity noise - data)
-    into one on t with output v (SiT: t = 1 data), in place and exactly up to rounding. The sinusoidal
-    code of 1 - t is a fixed linear map of the code of t (cos f(1-t) = cos f cos ft + sin f sin ft,
-    sin f(1-t) = sin f cos ft - cos f sin ft), folded into the timestep MLP's first matrix; the
-    output's sign is folded into the final linear layer."""
+    """Turns a DiT on t' = 1 - t with output -v (REPA: t' = 1 noise, velocity noise - data) into one on t
+    with output v (SiT: t = 1 data), in place, exact up to rounding. The sinusoidal code of 1 - t is a fixed
+    linear map of t's (cos f(1-t) = cos f cos ft + sin f sin ft, sin f(1-t) = sin f cos ft - cos f sin ft),
+    folded into the timestep MLP's first matrix; the sign goes into the final linear layer."""
     first = state["t_embedder.mlp.0.weight"]
     dim = first.shape[1]
     code_at_one = TimestepEmbedder.timestep_embedding(torch.ones(1, dtype=torch.float64), dim)[0].double()
@@ -138,12 +128,10 @@ def reverse_time_axis(state: dict[str, torch.Tensor]) -> None:
 
 
 def lightningdit_to_ours(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """LightningDiT's state dict (hustvl/LightningDiT models/lightningdit.py) -> ours, exactly, and the
-    block options it was built with (read off its keys). Its RMSNorms carry a weight w that ours leave
-    to adaLN: x_hat w (1 + scale) + shift is x_hat (1 + scale') + shift with scale' = w scale + w - 1,
-    and scale is linear in the condition, so w folds into the scale rows of the modulation. Its SwiGLU
-    `w12` holds the gate and the value halves (timm's fc1_g, fc1_x), `w3` is fc2; a block without adaLN
-    shifts (wo_shift) gets zero shift rows; its RoPE tables are rebuilt (the same 2D bands as timm's)."""
+    """LightningDiT's state dict (hustvl/LightningDiT models/lightningdit.py) -> ours, exactly, and the block
+    options read off its keys. Its RMSNorm weight w folds into adaLN's scale rows (x_hat w (1 + scale) +
+    shift = x_hat (1 + scale') + shift, scale' = w scale + w - 1, linear in the condition). SwiGLU `w12` is
+    timm's fc1_g and fc1_x, `w3` fc2; wo_shift blocks get zero shift rows; RoPE tables are rebuilt."""
     if any(k.endswith("q_norm.bias") for k in state):
         raise UserError("the file's QK-norm is a LayerNorm (LightningDiT with use_qknorm and without use_rmsnorm), "
                         "which our QK-norm (RMSNorm) does not reproduce; it cannot be imported")

@@ -1,8 +1,7 @@
 """Diffusion Transformer (Peebles & Xie, 2023) with a pluggable residual topology.
 
-Parameter names match the original DiT release, so its checkpoints load; the only new module is
-`topology`, which owns the loop over blocks (see topologies/). The block's layers are switches
-(layers.py): their defaults are the 2022 DiT, `norm`, `mlp`, `pos_embed` and `qk_norm` give LightningDiT's.
+Parameter names match the DiT release, so its checkpoints load; the one new module, `topology`, owns
+the loop over blocks. The block's layers (layers.py) default to DiT's; the switches give LightningDiT's.
 """
 from __future__ import annotations
 
@@ -77,11 +76,9 @@ class DiT(nn.Module):
                  norm: str = DEFAULTS["norm"], mlp: str = DEFAULTS["mlp"], pos_embed: str = DEFAULTS["pos_embed"],
                  qk_norm: bool = DEFAULTS["qk_norm"], history_dtype: str = "float32", topology_topk: int = 0,
                  aggregation_kernel: str = "torch", **topology_options):
-        """`topology` is a registered name (topologies/registry.py) or a built module, `topology_options`
-        its options (e.g. tau=0.01). `norm`, `mlp`, `pos_embed` (sincos | rope2d: axial 2D RoPE on q and
-        k, the absolute embedding then zero | sincos+rope2d: both, as LightningDiT) and `qk_norm` choose
-        the block's layers; `history_dtype`,
-        `topology_topk` (0 = dense) and `aggregation_kernel` tune the aggregation (topologies/base.py)."""
+        """`topology`: a registered name or a built module, `topology_options` its options (e.g. tau=0.01).
+        `pos_embed` rope2d puts axial 2D RoPE on q and k and leaves the absolute embedding zero;
+        `history_dtype`, `topology_topk` (0 = dense) and `aggregation_kernel` tune the aggregation."""
         super().__init__()
         check_choice("pos_embed", pos_embed, POS_EMBEDS)  # norm and mlp are checked where their layers are built
         if input_size % patch_size:
@@ -102,17 +99,15 @@ class DiT(nn.Module):
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
         num_patches = self.x_embedder.num_patches
-        # Fixed (not learned) sin-cos embedding, kept as a frozen parameter like DiT so its
-        # checkpoints load unchanged.
+        # Fixed sin-cos embedding, a frozen parameter as in DiT so its checkpoints load unchanged.
         self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
         self.pos_embed_kind = pos_embed
         rope = axial_rope(hidden_size // num_heads, input_size // patch_size) if "rope2d" in pos_embed else None
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio, norm=norm, mlp=mlp,
                                               qk_norm=qk_norm, rope=rope) for _ in range(depth)])
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels, norm=norm)
-        # Built on a fork of the random state, and registered last so that initialize_weights reaches
-        # its layers last: the backbone's weights are the same whatever the topology draws, and runs
-        # that differ only in topology start from the same network (paired seeds).
+        # On a fork of the random state, registered last: the backbone's weights are the same whatever
+        # the topology draws, so runs that differ only in topology start from one network (paired seeds).
         with torch.random.fork_rng(devices=[]):
             self.topology = (topology if isinstance(topology, ResidualTopology)
                              else build_topology(topology, depth, hidden_size, **topology_options))
@@ -150,8 +145,7 @@ class DiT(nn.Module):
             nn.init.zeros_(layer.bias)
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
-        """Activation checkpointing per block (the unit the topology wires): its internals are recomputed
-        in the backward, so only the topology's inputs per block stay in memory; gradients are unchanged."""
+        """Activation checkpointing per block (the unit the topology wires); gradients are unchanged."""
         self.topology.grad_checkpointing = bool(enable)
 
     def unpatchify(self, x: torch.Tensor) -> torch.Tensor:
@@ -161,9 +155,8 @@ class DiT(nn.Module):
 
     def embed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Tokens h_0, the conditioning vector c = t-embedding + y-embedding, and the t-embedding alone."""
-        # Contiguous: PatchEmbed returns a transposed view (N, T, D over an (N, D, T) buffer) and
-        # every residual add would keep that layout, so each flattening of a history tensor (the
-        # stacked aggregation's Gram product) would copy it. One copy here instead.
+        # Contiguous: PatchEmbed returns a transposed view, whose layout every residual add would keep,
+        # so each flattening of a history tensor (the Gram product) would copy it. One copy here instead.
         h0 = (self.x_embedder(x) + self.pos_embed).contiguous()
         t_emb = self.t_embedder(t)
         return h0, t_emb + self.y_embedder(y, self.training), t_emb
@@ -176,9 +169,8 @@ class DiT(nn.Module):
 
     def forward_with_cfg(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor, cfg_scale: float,
                          guided_channels: int | None = None) -> torch.Tensor:
-        """Classifier-free guidance in one batched forward: the first half of the batch carries the labels,
-        the second the null label; the guided epsilon is written to both halves. `guided_channels=3`
-        reproduces the original DiT, which guides only the first 3 channels."""
+        """Classifier-free guidance in one forward: labels in the first half of the batch, the null label in
+        the second, the guided epsilon in both. `guided_channels=3` is DiT's (it guides 3 channels only)."""
         half = x[: len(x) // 2]
         out = self.forward(torch.cat([half, half], dim=0), t, y)
         g = self.in_channels if guided_channels is None else guided_channels
@@ -187,8 +179,7 @@ class DiT(nn.Module):
         return torch.cat([torch.cat([guided, guided], dim=0), out[:, g:]], dim=1)  # (the rest, variance included)
 
 
-# The architecture choices' defaults (the DiT constructor's): a run's model spec records a choice
-# only where it differs from these, so that specs of runs from before it existed stay the same.
+# A model spec records an architecture choice only where it differs from these (older specs stay the same).
 ARCHITECTURE_DEFAULTS = {key: parameter.default for key, parameter in inspect.signature(DiT).parameters.items()
                          if key in ("norm", "mlp", "pos_embed", "qk_norm", "history_dtype", "topology_topk",
                                     "aggregation_kernel")}

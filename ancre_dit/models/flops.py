@@ -10,11 +10,9 @@ import torch
 
 def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
                          autocast_dtype: torch.dtype | None = torch.bfloat16) -> int:
-    """FLOPs of one forward + backward on the batch (x, t, y), as `FlopCounterMode` counts them (matrix
-    products, attention included); `autocast_dtype` None runs in fp32 (the same count, faster on a CPU).
-    The gradients it makes are dropped. Counted with SDPA's math backend, whose products are counted on
-    every device: the counter's formulas for fused attention kernels depend on the backend and the torch
-    version (the CPU flash kernel is not counted at all)."""
+    """FLOPs of one forward + backward on (x, t, y) by `FlopCounterMode`; `autocast_dtype` None runs in fp32
+    (the same count, faster on a CPU); the gradients are dropped. SDPA's math backend: the counter's
+    formulas for fused attention kernels depend on backend and torch version (CPU flash is not counted)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -29,16 +27,14 @@ def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tenso
     return int(counter.get_total_flops())
 
 
-# Below this many parameters x input pixels x images, real arithmetic on the CPU is cheaper than the
-# meta device's kernels (written in Python, op by op): small models are counted on the CPU.
+# Below this many parameters x input pixels x images, the CPU counts faster than the meta device's Python kernels.
 CPU_COUNT_LIMIT = 1e9
 
 
 def flops_per_training_image(build: Callable[[str], torch.nn.Module], in_channels: int, input_size: int,
                              batch: int = 1, device: str | None = None) -> float:
-    """Training FLOPs (forward + backward) of one image through the model `build(device)` makes.
-    `device` None: a large model is counted on the meta device (shapes only), a small one, or one with
-    a layer that has no meta kernel, on the CPU. The global random state is put back."""
+    """Training FLOPs of one image through `build(device)`'s model. `device` None: a large model is counted
+    on the meta device, a small one (or one without meta kernels) on the CPU. The random state is kept."""
     def built(device: str) -> torch.nn.Module:
         with torch.device(device):
             return build(device).train()

@@ -1,6 +1,5 @@
-"""The layers a DiT block is built from, by name, all timm's: the 2022 DiT block by default, the
-LightningDiT choices as switches (RMSNorm, a SwiGLU MLP, 2D rotary position embeddings, QK-norm).
-"""
+"""A DiT block's layers by name, all timm's: DiT's by default, LightningDiT's as switches (RMSNorm, a
+SwiGLU MLP, 2D rotary position embeddings, QK-norm)."""
 from __future__ import annotations
 
 from functools import partial
@@ -32,8 +31,7 @@ def make_norm(kind: str, dim: int) -> nn.Module:
 
 
 def swiglu_hidden(dim: int, mlp_ratio: float) -> int:
-    """SwiGLU's hidden width: 2/3 of the GELU MLP's, so its three matrices hold as many weights as the
-    GELU MLP's two, as in LightningDiT."""
+    """2/3 of the GELU MLP's width, so SwiGLU's three matrices hold as many weights (as LightningDiT)."""
     return int(2 * mlp_ratio * dim / 3)
 
 
@@ -46,8 +44,7 @@ def make_mlp(kind: str, dim: int, mlp_ratio: float) -> nn.Module:
 
 
 def make_attention(dim: int, num_heads: int, *, rope: bool, qk_norm: bool) -> nn.Module:
-    """DiT's attention; with rope, timm's variant that rotates q and k (called as attn(x, rope=...));
-    qk_norm RMS-normalises q and k per head."""
+    """DiT's attention; with rope timm's variant rotating q and k (attn(x, rope=...)); qk_norm: RMSNorm."""
     if rope:
         return AttentionRope(dim=dim, num_heads=num_heads, qkv_bias=True, num_prefix_tokens=0, qk_norm=qk_norm,
                              norm_layer=nn.RMSNorm if qk_norm else None)
@@ -55,6 +52,5 @@ def make_attention(dim: int, num_heads: int, *, rope: bool, qk_norm: bool) -> nn
 
 
 def axial_rope(head_dim: int, grid: int) -> torch.Tensor:
-    """2D rotary embedding of a grid x grid token grid (half the bands per axis, integer positions):
-    (grid * grid, 2 * head_dim), the sin and cos tables timm's AttentionRope applies to q and k."""
+    """2D rotary sin and cos tables (grid * grid, 2 * head_dim) for timm's AttentionRope (half the bands per axis)."""
     return RotaryEmbeddingCat(dim=head_dim, in_pixels=False, feat_shape=[grid, grid]).get_embed()

@@ -1,6 +1,5 @@
-"""Loading a timm model's weights from a local file (nothing is downloaded), strictly: the file must
-hold the weights of the architecture the name builds, after timm's own key conversions and
-position-embedding resampling. Shared by REPA's encoder and the FD-DINOv2 feature extractor."""
+"""A timm model's weights from a local file (nothing is downloaded), loaded strictly after timm's own
+conversions: for REPA's encoder and the FD-DINOv2 feature extractor."""
 from __future__ import annotations
 
 import sys
@@ -31,8 +30,8 @@ def weights_hint(encoder: str, flag: str = "repa.encoder_weights=PATH") -> str:
 
 def load_timm_weights(model: nn.Module, path: str | Path, name: str, flag: str = "repa.encoder_weights",
                       name_flag: str = "repa.encoder") -> None:
-    """Loads a local weights file into `model` strictly (after timm's own conversions), else one line
-    naming the first key that does not fit; `flag` / `name_flag` name the user's settings in it."""
+    """Loads a local weights file into `model` strictly, else one line naming the first key that does not
+    fit and the user's settings `flag` / `name_flag`."""
     from timm.models import load_state_dict
 
     try:

@@ -1,10 +1,9 @@
-"""ANCRe's aggregation in eager mode, the stacked form: the history in one store, one product per
-block forward and per source backward, the weights' gradient one Gram product.
+"""ANCRe's aggregation in eager mode, stacked: the history in one store, one product per block forward
+and per source backward, the weights' gradient one Gram product.
 
-Written by hand (no library offers a weighted history sum): autograd's backward of the plain `addcmul`
-chain allocates, per edge, grad * h_i, its sum and grad * w_i, then adds the source gradients up per
-history tensor. Used by `WeightedHistoryTopology` (base.py) outside torch.compile, which fuses the
-plain chain itself; on CUDA the sums and the Gram product can run as Triton kernels (aggregation_triton.py).
+By hand (no library offers a weighted history sum): autograd's backward of the plain `addcmul` chain
+allocates grad * h_i, its sum and grad * w_i per edge. torch.compile fuses that chain itself, so this
+runs outside it; on CUDA the sums and the Gram product can be Triton kernels (aggregation_triton.py).
 """
 from __future__ import annotations
 
@@ -18,10 +17,9 @@ from torch.autograd.function import once_differentiable
 
 from ...errors import UserError
 
-# model.aggregation_kernel: auto = the Triton kernels on CUDA tensors when triton is installed, else
-# the torch ops; triton = the same, but triton must be installed (and a training needs a CUDA device);
-# torch (the default) = never the kernels. Elsewhere (CPU, meta) and under torch.compile the torch path
-# runs, except that triton takes the kernels on CPU tensors under Triton's interpreter (as the tests do).
+# model.aggregation_kernel: auto = the Triton kernels on CUDA tensors if triton is installed; triton = the
+# same, triton required (and a CUDA device to train on); torch (default) = never. On CPU, meta and under
+# torch.compile the torch ops run, except triton under Triton's interpreter on CPU tensors (the tests).
 AGGREGATION_KERNELS = ("auto", "triton", "torch")
 
 
@@ -35,8 +33,8 @@ def triton_interpreting() -> bool:
 
 
 def check_aggregation_kernel(choice: str, cuda: bool | None = None) -> None:
-    """A UserError if `choice` is unknown, or is triton without the package, or (`cuda` False: the
-    run will have no CUDA device) where its kernels would never run."""
+    """A UserError if `choice` is unknown, or is triton without the package, or with `cuda` False (the run
+    has no CUDA device) outside Triton's interpreter."""
     if choice not in AGGREGATION_KERNELS:
         raise UserError(f"unknown aggregation_kernel {choice!r}; choose one of {', '.join(AGGREGATION_KERNELS)}")
     if choice != "triton":
@@ -59,11 +57,10 @@ def aggregation_kernels(choice: str, device: torch.device) -> ModuleType | None:
 
 
 class StackedPlan:
-    """What the stacked aggregation needs to know of `edges` (a block that reads no source passes its
-    output through). The history h_0..h_{K-1} lives in one (K, N) store, so a block's skip sum is one matrix-vector
-    product over its sources (each read once); the backward keeps every node's output gradient in one
-    (K, N) buffer, so each h_i's skip gradient is one product over the gradients of its readers, and
-    the weights' gradient one Gram product of those gradients with the history, at the end.
+    """What the stacked aggregation needs of `edges` (a block that reads no source passes its output
+    through). The history h_0..h_{K-1} is one (K, N) store, so a block's skip sum is one matrix-vector
+    product over its sources; the backward keeps the nodes' output gradients in one (K, N) buffer, so
+    h_i's skip gradient is one product over its readers', the weights' one Gram product at the end.
     """
 
     def __init__(self, edges: list[list[int]]):
@@ -104,9 +101,9 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
 
 def _accumulate(into: torch.Tensor, base: torch.Tensor | None, rows: torch.Tensor, indices: list[int],
                 weights: torch.Tensor) -> None:
-    """into = base + sum_i weights[i] * rows[i] over i in `indices` (flat tensors; no base: zero), each
-    row read once: one matrix-vector product per run of consecutive rows (one addcmul per row across
-    dtypes). Slices, not a gather by a Python list, which would copy the list to the device every call."""
+    """into = base + sum_i weights[i] * rows[i] over `indices` (flat; no base: zero): one matrix-vector
+    product per run of consecutive rows (one addcmul per row across dtypes). Slices, not a gather by a
+    Python list, which would copy the list to the device every call."""
     if indices and rows.dtype == into.dtype and (base is None or base.dtype == into.dtype):
         w = weights.to(into.dtype)
         for n, (a, b) in enumerate(_runs(indices)):
@@ -139,8 +136,7 @@ def _sum_rows(kernels: ModuleType | None, plan: StackedPlan, into: torch.Tensor,
 
 
 class StackedTrunk:
-    """One forward's history store (h_0 copied in as row 0) and, in the backward, the nodes'
-    output gradients."""
+    """One forward's history store (h_0 as row 0) and, in the backward, the nodes' output gradients."""
 
     def __init__(self, plan: StackedPlan, edge_mask: torch.Tensor, h0: torch.Tensor, dtype: torch.dtype,
                  kernels: ModuleType | None = None):
@@ -154,11 +150,10 @@ class StackedTrunk:
 
 
 class _StackedNode(torch.autograd.Function):
-    """h_{j+1} = out + sum_i w[j, i] h_i over node j's sources, with `StackedTrunk` holding the history.
+    """h_{j+1} = out + sum_i w[j, i] h_i over node j's sources, `StackedTrunk` holding the history.
 
-    Node j's backward returns its block's output gradient: what autograd brought plus the later nodes'
-    reads of h_{j+1}, from their stored gradients. Node 0, whose backward runs last (every later node
-    depends on it), also returns the whole weight matrix's gradient (the Gram product) and h_0's.
+    Node j's backward returns what autograd brought plus the later nodes' reads of h_{j+1}. Node 0, whose
+    backward runs last, also returns the weight matrix's gradient (the Gram product) and h_0's.
     """
 
     @staticmethod
@@ -212,8 +207,7 @@ class _StackedNode(torch.autograd.Function):
 
 
 def _gram(grads: torch.Tensor, store: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 20) -> torch.Tensor:
-    """(K, K) matrix of <grads[r], h_i>: every tensor read once (in chunks when the dtypes differ,
-    so no full-size upcast copy is made)."""
+    """(K, K) matrix of <grads[r], h_i> (in chunks when the dtypes differ: no full-size upcast copy)."""
     if store.dtype == grads.dtype:
         return (grads @ store.t()).to(dtype)
     out = torch.zeros(grads.shape[0], store.shape[0], dtype=grads.dtype, device=grads.device)

@@ -1,11 +1,9 @@
-"""Triton kernels for the stacked aggregation (aggregation.py, `_StackedNode`) on CUDA: the optional
-extra `triton`, chosen by model.aggregation_kernel and imported only then.
+"""Triton kernels for the stacked aggregation (`_StackedNode`) on CUDA, imported only when chosen.
 
-Why by hand: the torch ops read a bf16 history edge by edge (one read-modify-write of the fp32 sum per
-source) and a history copy needs a second pass; one kernel reads each source row once, adds in fp32 and
-writes the sum (and its bf16 history copy) once. The weights' gradient is one pass, each program summing
-its tiles' Gram product into its own partial, the partials then summed in a fixed order (no atomics:
-the same result run to run). Under Triton's interpreter (TRITON_INTERPRET=1) it runs on CPU tensors.
+The torch ops read a bf16 history edge by edge (a read-modify-write of the fp32 sum per source) and copy
+it in a second pass; one kernel reads each source row once, adds in fp32 and writes the sum (and its bf16
+copy) once. The weights' gradient is one pass, each program's Gram partial summed in a fixed order (no
+atomics: the same result run to run). Under TRITON_INTERPRET=1 it runs on CPU tensors.
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
-"""The paper's topology tools as plain functions: compare learned topologies across runs, summarise
-one per block, prune one to a sparse frozen topology, and the Tsallis-entropy regulariser.
+"""The paper's topology tools (scripts/topology.py is their command line): compare learned topologies
+across runs, summarise one per block, prune one to a sparse frozen topology, the Tsallis-entropy regulariser.
 
-A topology is the (K, K) matrix P of `model.topology.probabilities()` (row j: block j+1's incoming
-weights over sources 0..j). Block 1's single edge is fixed at 1 by every normalised topology, so the
-comparisons use the *learned* edges only: rows 2..K (K(K+1)/2 - 1 edges). `scripts/topology.py` is
-the command-line face.
+A topology is the (K, K) matrix P of `probabilities()`. Block 1's single edge is 1 in every normalised
+topology, so comparisons use the *learned* edges only: rows 2..K (K(K+1)/2 - 1 edges).
 """
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ from ...errors import MissingFileError, UserError
 from .base import ResidualTopology, load_topology_json, save_topology_json
 
 
-# -- reading topologies ---------------------------------------------------------------------
 def topology_file(path: str | Path) -> Path:
     """The topology.json a path names: the file itself, or a run directory's newest one."""
     path = Path(path)
@@ -34,8 +31,7 @@ def topology_file(path: str | Path) -> Path:
 
 
 def load_topology(path: str | Path) -> np.ndarray:
-    """P from a topology.json or a run directory's newest one; all zeros (a plain DiT) is refused, as
-    comparing and pruning mean nothing there."""
+    """P from a topology.json or a run directory's; all zeros (a plain DiT, nothing to compare) is refused."""
     path = topology_file(path)
     P = load_topology_json(path).double().numpy()
     if not np.any(P):
@@ -70,10 +66,8 @@ def learned_edges(P) -> np.ndarray:
     return P[rows[rows >= 1], cols[rows >= 1]]
 
 
-# -- comparing ---------------------------------------------------------------------------------
 def pearson(P, Q) -> float:
-    """Pearson correlation of the learned edges of two topologies of the same depth (NaN when one of
-    them is constant over them)."""
+    """Pearson correlation of two same-depth topologies' learned edges (NaN if one is constant on them)."""
     a, b = learned_edges(P), learned_edges(Q)
     if a.shape != b.shape:
         raise UserError(f"cannot compare topologies of different depths ({square_topology(P).shape[0]} and "
@@ -84,8 +78,7 @@ def pearson(P, Q) -> float:
 
 
 def strongest_edge_agreement(P, Q) -> float:
-    """Fraction of blocks 2..K whose strongest incoming edge comes from the same source in both (the
-    lowest source on a tie)."""
+    """Fraction of blocks 2..K whose strongest incoming source is the same in both (ties: the lowest)."""
     a, b = ([int(np.argmax(M[j, : j + 1])) for j in range(1, len(M))] for M in map(square_topology, (P, Q)))
     if len(a) != len(b):
         raise UserError(f"cannot compare topologies of different depths ({len(a) + 1} and {len(b) + 1} blocks)")
@@ -112,13 +105,11 @@ def format_comparison(result: dict) -> str:
     return "\n".join(lines)
 
 
-# -- summarising one topology ------------------------------------------------------------
 def topology_summary(P) -> dict:
-    """The paper's topology analysis of P (K, K). Per block: the strongest incoming source, the weight
-    on the anchors (sources 0 and 1, the paper's "first two nodes"), on the predecessor, and the entropy
-    of the incoming weights (nats). Aggregates: the mean anchor weight over blocks 3..K (where anchors
-    are not simply the only sources), the fraction of those whose strongest source is an anchor, and
-    the mean normalised entropy (entropy / log(j): 1 = uniform, 0 = one edge)."""
+    """The paper's analysis of P (K, K). Per block: the strongest incoming source, the weight on the anchors
+    (sources 0 and 1, the paper's "first two nodes"), on the predecessor, the incoming entropy (nats).
+    Over blocks 3..K (where anchors are not the only sources): the mean anchor weight and how often the
+    strongest source is an anchor; the mean normalised entropy (entropy / log(j): 1 = uniform)."""
     P = square_topology(P, min_blocks=1)
     K = P.shape[0]
     blocks = []
@@ -127,26 +118,16 @@ def topology_summary(P) -> dict:
         positive = row[row > 0]
         total = positive.sum()
         entropy = float(-(positive / total * np.log(positive / total)).sum()) if total > 0 else 0.0
-        blocks.append({
-            "block": j + 1,
-            "strongest_source": int(np.argmax(row)),
-            "strongest_weight": float(row.max()),
-            "anchor_weight": float(row[: min(2, j + 1)].sum()),
-            "previous_weight": float(row[j]),
-            "entropy": entropy,
-            "normalized_entropy": entropy / float(np.log(j + 1)) if j > 0 else 0.0,
-        })
+        blocks.append({"block": j + 1, "strongest_source": int(np.argmax(row)), "strongest_weight": float(row.max()),
+                       "anchor_weight": float(row[: min(2, j + 1)].sum()), "previous_weight": float(row[j]),
+                       "entropy": entropy, "normalized_entropy": entropy / float(np.log(j + 1)) if j > 0 else 0.0})
     deep = blocks[2:]  # blocks 1 and 2 see only anchors
-    return {
-        "num_blocks": K,
-        "blocks": blocks,
-        "mean_anchor_weight_deep": float(np.mean([b["anchor_weight"] for b in deep])) if deep else None,
-        "anchor_strongest_fraction_deep": (float(np.mean([b["strongest_source"] <= 1 for b in deep]))
-                                           if deep else None),
-        "mean_previous_weight": float(np.mean([b["previous_weight"] for b in blocks])),
-        "mean_normalized_entropy": (float(np.mean([b["normalized_entropy"] for b in blocks[1:]]))
-                                    if K > 1 else 0.0),
-    }
+    return {"num_blocks": K, "blocks": blocks,
+            "mean_anchor_weight_deep": float(np.mean([b["anchor_weight"] for b in deep])) if deep else None,
+            "anchor_strongest_fraction_deep": (float(np.mean([b["strongest_source"] <= 1 for b in deep]))
+                                               if deep else None),
+            "mean_previous_weight": float(np.mean([b["previous_weight"] for b in blocks])),
+            "mean_normalized_entropy": float(np.mean([b["normalized_entropy"] for b in blocks[1:]])) if K > 1 else 0.0}
 
 
 def format_topology_summary(summary: dict) -> str:
@@ -163,11 +144,9 @@ def format_topology_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-# -- pruning -----------------------------------------------------------------------------------
 def prune_topology(P, top_k: int | None = None, threshold: float | None = None) -> np.ndarray:
-    """Keeps each block's strongest incoming edges and rescales each row to its former sum (zero rows
-    stay zero). Exactly one of top_k (the k largest weights of each row, ties to the lower source) or
-    threshold (the weights >= threshold, or the row's strongest edge where none reaches it)."""
+    """Keeps each block's strongest incoming edges, each row rescaled to its former sum: exactly one of
+    top_k (ties to the lower source) or threshold (the weights >= it, else the row's strongest edge)."""
     if (top_k is None) == (threshold is None):
         raise UserError(f"prune needs exactly one of top_k or threshold, got top_k={top_k}, threshold={threshold}")
     if top_k is not None and top_k < 1:
@@ -196,14 +175,13 @@ def write_topology(path: str | Path, P, **extra) -> Path:
     return path
 
 
-# -- entropy regulariser -------------------------------------------------------------------------
 def tsallis_entropy(P: torch.Tensor, q: float = 2.0) -> torch.Tensor:
     """Mean Tsallis entropy of the incoming weights p = P[j, 0..j] of blocks 2..K (differentiable):
 
         S_q(p) = (1 - sum_i p_i^q) / (q - 1),    q > 0, q != 1;   S_1(p) = -sum_i p_i log p_i
 
-    0 for a one-hot row, largest for the uniform one; q = 2 (1 - sum_i p_i^2), unlike Shannon's entropy,
-    keeps a finite gradient as weights reach 0. Adding w * S_q to the loss pushes rows toward few edges.
+    q = 2, unlike Shannon's entropy, keeps a finite gradient as weights reach 0; adding w * S_q to the
+    loss pushes rows toward few edges.
     """
     if not q > 0:
         raise UserError(f"the Tsallis entropy index q must be positive, got {q}")
@@ -216,6 +194,5 @@ def tsallis_entropy(P: torch.Tensor, q: float = 2.0) -> torch.Tensor:
 
 
 def topology_entropy(topology: ResidualTopology, q: float = 2.0) -> torch.Tensor:
-    """`tsallis_entropy` of a topology's current incoming weights (gradients reach its logits); its rows
-    must be distributions (`incoming_softmax` in its registry entry, checked with the config)."""
+    """`tsallis_entropy` of a topology's incoming weights, whose rows must be distributions (`incoming_softmax`)."""
     return tsallis_entropy(topology.probabilities(), q)

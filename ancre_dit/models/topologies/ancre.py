@@ -15,8 +15,7 @@ from .base import CascadedTopology, FixedTopology, ResidualTopology, WeightedHis
 from .registry import NonNegativeFloat, PositiveFloat, TopologyOption, register_topology
 
 
-# The ANCRe family's options, the only place their defaults and ranges are written (the training
-# config gets them from the registry). tau divides the logits: 0 would train NaN.
+# The ANCRe family's options, the one place their defaults and ranges are written (tau 0 would train NaN).
 TAU = {"tau": TopologyOption(PositiveFloat, 0.01, "softmax temperature of the logits (0.01 in the paper)")}
 MODE = {"ancre_mode": TopologyOption(Literal[WeightedHistoryTopology.MODES], "add", "add: the skip sum on top of "
                                      "each block's own residual (the official form); replace: the convex mix in "
@@ -29,8 +28,7 @@ START = {"topology_init": TopologyOption(Literal["uniform", "first", "previous"]
 
 
 class _PerBlockLogits(WeightedHistoryTopology):
-    """Stores block j+1's j+1 incoming coefficients as `logits.j`: K(K+1)/2 scalars in all,
-    the layout of the official ANCRe code (`ancre.shortcut_params.j`)."""
+    """Block j+1's j+1 coefficients as `logits.j` (K(K+1)/2 in all), the official `ancre.shortcut_params.j`."""
 
     def __init__(self, num_blocks: int, frozen_block: int | None = None, mode: str = "add"):
         super().__init__(num_blocks, mode=mode)
@@ -47,9 +45,8 @@ class _PerBlockLogits(WeightedHistoryTopology):
 class ANCReTopology(_PerBlockLogits):
     """ANCRe: p_{.j} = softmax_i(c_ij / tau) over the incoming edges of each block (rows sum to 1).
 
-    Logits start at zero (uniform 1/j) or with source 0 (`init` first) / j-1 (previous) favoured by
-    `init_gap` in units of tau. Block 1's single logit is frozen (its softmax is 1 whatever it holds);
-    tau is a buffer, so a checkpoint carries the value it was trained with.
+    Logits start at zero (uniform 1/j) or favour source 0 (`init` first) / j-1 (previous) by `init_gap`
+    taus. Block 1's single logit is frozen (its softmax is 1); tau is a buffer, so checkpoints carry it.
     """
 
     softmax_dim = 1  # over sources i: the incoming edges of each block
@@ -74,8 +71,7 @@ class ANCReTopology(_PerBlockLogits):
     topk = 0
 
     def enable_topk(self, topk: int) -> None:
-        """Makes the topology sparsifiable: `sparsify()` will keep each block's `topk` strongest incoming
-        edges, in the buffer `kept` (K, K), so that a checkpoint carries and restores the sparse wiring."""
+        """Makes `sparsify()` keep each block's `topk` strongest edges, in the buffer `kept` checkpoints carry."""
         if self.softmax_dim != 1:
             raise UserError("topology_topk needs the ingoing softmax (topology ancre)")
         if not 1 <= topk < self.num_blocks:
@@ -93,13 +89,12 @@ class ANCReTopology(_PerBlockLogits):
         or the edges of `kept` (another copy's mask, e.g. the training weights' for the EMA)."""
         if not self.topk:
             raise RuntimeError("sparsify() needs enable_topk() first")
-        if kept is None:
-            with torch.no_grad():
-                P = self.probabilities().detach().cpu()
-            # (the zeros above the diagonal sort after a row's own sources, which the tril drops anyway)
-            order = torch.argsort(-P.tril(), dim=1, stable=True)[:, : self.topk]
-            kept = torch.zeros_like(self.kept, device="cpu").scatter_(1, order, True).tril()
         with torch.no_grad():
+            if kept is None:
+                P = self.probabilities().detach().cpu()
+                # (the zeros above the diagonal sort after a row's own sources, which the tril drops anyway)
+                order = torch.argsort(-P.tril(), dim=1, stable=True)[:, : self.topk]
+                kept = torch.zeros_like(self.kept, device="cpu").scatter_(1, order, True).tril()
             self.kept.copy_(kept)
         self._edges_from_mask()
 
@@ -125,8 +120,7 @@ class OutgoingANCReTopology(ANCReTopology):
 
 
 class UnnormalizedTopology(_PerBlockLogits):
-    """Ablation: free learnable coefficients, no softmax, initialised to the uniform 1/j.
-    The paper reports this diverges; it is here so that table can be rerun."""
+    """Ablation: free coefficients, no softmax, initialised to 1/j (the paper reports it diverges)."""
 
     def __init__(self, num_blocks: int):
         super().__init__(num_blocks)

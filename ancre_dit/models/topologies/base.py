@@ -1,13 +1,9 @@
-"""The residual-topology interface: who owns the loop over the transformer blocks.
+"""The residual-topology interface: the module that owns the loop over the transformer blocks.
 
-A topology's `forward(h0, blocks, c)` runs the trunk; `probabilities()` is the (K, K) matrix whose
-row j holds block j+1's incoming weights over sources i = 0..j (0 = the embedding h_0, i = block i's
-output), zeros above the diagonal: the skip sum added *on top of* each block's own two residual adds
-(the official form, `mode="add"`; a plain DiT is the zero matrix). With `mode="replace"` the mix takes
-the place of the block's own residual, h_j = (B_j(h_{j-1}) - h_{j-1}) + sum_i P[j-1, i] h_i.
-
-A topology also names its `routing_parameters()` (for the trainer's topology learning rate, warmup and
-weight decay) and reports the state it feeds each next block to an optional `state_hook`.
+`forward(h0, blocks, c)` runs the trunk; `probabilities()` is the (K, K) matrix whose row j holds block
+j+1's incoming weights over sources i = 0..j (h_0, then the blocks' outputs): the skip sum added *on top
+of* each block's own residual adds (`mode="add"`, the official form; a plain DiT is the zero matrix), or
+in place of the block's residual (`mode="replace"`: h_j = B_j(h_{j-1}) - h_{j-1} + sum_i P[j-1, i] h_i).
 """
 from __future__ import annotations
 
@@ -29,8 +25,8 @@ class TopologyNotDefined(ValueError):
 
 
 class ResidualTopology(nn.Module):
-    """Base class: subclasses override `forward` and `probabilities`, and call every block (or the
-    unit they wire around it) through `run_block`, so activation checkpointing works with all."""
+    """Subclasses override `forward` and `probabilities` and call every block (or the unit they wire
+    around it) through `run_block`, so activation checkpointing works with all."""
 
     def __init__(self, num_blocks: int):
         super().__init__()
@@ -43,7 +39,7 @@ class ResidualTopology(nn.Module):
         self.takes_time_embedding = False
 
     def routing_parameters(self) -> list[nn.Parameter]:
-        """The parameters that route information across depth (default: all of the topology's own)."""
+        """What the trainer's topology learning rate, warmup and weight decay apply to (default: all)."""
         return list(self.parameters())
 
     def emit_state(self, k: int, z: torch.Tensor) -> None:
@@ -62,8 +58,7 @@ class ResidualTopology(nn.Module):
 
     @contextlib.contextmanager
     def exact_state_gradients(self) -> Iterator[None]:
-        """While on, a gradient taken with respect to a state given to `state_hook` is its whole
-        gradient (the diagnostics' backward decay); only the stacked aggregation needs to act."""
+        """While on, a gradient with respect to a state given to `state_hook` is its whole gradient."""
         yield
 
     def forward(self, h0: torch.Tensor, blocks: Sequence[nn.Module], c: torch.Tensor) -> torch.Tensor:
@@ -89,16 +84,14 @@ class CascadedTopology(ResidualTopology):
 
 
 class WeightedHistoryTopology(ResidualTopology):
-    """h_j = B_j(h_{j-1}) + sum_{i<j} P[j-1, i] h_i, with P given by `probabilities()`.
+    """h_j = B_j(h_{j-1}) + sum_{i<j} P[j-1, i] h_i, P = `probabilities()`, over the sources `edges[j-1]`.
 
-    `edges[j]` lists the sources that can carry a non-zero weight into block j+1 (the others are
-    skipped). In eager mode each block's sum is one `_StackedNode` over a stacked history
-    (aggregation.py); under torch.compile it is the plain `addcmul` chain, which the compiler fuses.
+    In eager mode each block's sum is one `_StackedNode` over a stacked history (aggregation.py); under
+    torch.compile it is the plain `addcmul` chain, which the compiler fuses.
     """
 
     MODES = ("add", "replace")
-    # True: the plain addcmul chain (the form torch.compile sees) in eager mode too; on inside
-    # `exact_state_gradients`, and the reference the tests compare the stacked form with.
+    # True: the plain addcmul chain in eager mode too (inside `exact_state_gradients`; the tests' reference).
     use_chain = False
 
     def __init__(self, num_blocks: int, edges: list[list[int]] | None = None, mode: str = "add"):
@@ -114,8 +107,7 @@ class WeightedHistoryTopology(ResidualTopology):
             edges = [sorted(set(e) | {j}) for j, e in enumerate(edges)]
         self.edges = [list(e) for e in edges]
         self._stacked_plan = StackedPlan(self.edges)
-        # On the model's device, moved with it: the backward masks the weights' gradient with it
-        # and would otherwise copy it from the host every step.
+        # On the model's device: the backward masks the weights' gradient with it every step.
         mask = self._stacked_plan.mask.clone()
         self.register_buffer("edge_mask", mask.to(self.edge_mask.device) if hasattr(self, "edge_mask") else mask,
                              persistent=False)
@@ -130,8 +122,8 @@ class WeightedHistoryTopology(ResidualTopology):
 
     @contextlib.contextmanager
     def exact_state_gradients(self) -> Iterator[None]:
-        """The plain chain meanwhile: the stacked backward adds the later blocks' reads of each history
-        tensor to the gradient of the node that made it, so autograd never sees that part reach the state."""
+        """The plain chain meanwhile: the stacked backward adds the later blocks' reads of a history tensor
+        to the gradient of the node that made it, so autograd never sees that part reach the state."""
         chain, self.use_chain = self.use_chain, True
         try:
             yield
@@ -139,8 +131,7 @@ class WeightedHistoryTopology(ResidualTopology):
             self.use_chain = chain
 
     def mixing_weights(self) -> torch.Tensor:
-        """The weights the skip sums use: P (add), or P minus the identity (replace: the block's own
-        residual, its input h_{j-1} = source j of row j, is taken back out)."""
+        """P (add), or P minus the identity (replace: the block's own residual h_{j-1} is taken back out)."""
         weights = self.probabilities()
         if self.mode == "replace":
             weights = weights - torch.eye(self.num_blocks, dtype=weights.dtype, device=weights.device)
@@ -192,8 +183,7 @@ HISTORY_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def configure_aggregation(topology: ResidualTopology, history_dtype: str = "float32", topk: int = 0,
                           kernel: str = "torch") -> None:
-    """Applies model.history_dtype and model.aggregation_kernel (to the topologies that keep a weighted
-    history) and model.topology_topk (to the topologies that can sparsify)."""
+    """Applies model.history_dtype, model.aggregation_kernel (weighted histories) and model.topology_topk."""
     if history_dtype not in HISTORY_DTYPES:
         raise UserError(f"unknown history_dtype {history_dtype!r}; choose one of {', '.join(HISTORY_DTYPES)}")
     check_aggregation_kernel(kernel)

@@ -1,25 +1,19 @@
-"""Routing across depth with attention: DAR (timestep-adaptive, for DiTs) and AttnRes (Kimi's
-attention residuals), in one trunk, written by hand (no library offers attention over depth).
-
-Both route at the sublayer level: v_0 is the embedding and v_l the gated output of sublayer l = 1..2K
-(attention and MLP alternating, before any residual add). Sublayer l reads h_l = sum_i alpha_{i->l} v_i
-over its sources S_l, with, per token,
+"""Routing across depth with attention, by hand (no library has it): DAR (timestep-adaptive, for DiTs)
+and AttnRes (Kimi's attention residuals), in one trunk. v_0 is the embedding, v_l the gated output of
+sublayer l = 1..2K (attention and MLP alternating, before any residual add); sublayer l (and a final
+aggregator) reads h_l = sum_i alpha_{i->l} v_i over its sources S_l, per token
 
     alpha_{i->l} = softmax_i( q_l . RMSNorm_l(v_i) / s )       (s = sqrt(d) for DAR, 1 for AttnRes)
 
-and a final aggregator feeds the final layer. The queries start at zero, so at init (adaLN-Zero:
-v_l = 0) h_l = v_0 / |S_l|, which LayerNorm makes the plain DiT's input.
+Zero queries and adaLN-Zero (v_l = 0) make h_l = v_0 / |S_l| at init: after LayerNorm, the plain DiT.
+Queries: `static` (q_l = w_l), `static-t` (plus the timestep embedding through a zero-initialised head,
+so adaLN keeps its timestep conditioning at init), `dynamic` (q_l = W_l v_{l-1}, per token). Chunked DAR
+(chunk S): a chunk's summary is its last output; block AttnRes (block S): the SUM of its outputs. Sublayer
+l sees the earlier summaries plus its own group's outputs (partial sum) so far; S = 1 (block 0) is dense.
 
-Queries: `static` (q_l = w_l), `static-t` (q_l = w_l + e(t), the timestep embedding through a
-zero-initialised head of its own, so that adaLN keeps its timestep conditioning at init), `dynamic`
-(q_l = W_l v_{l-1}, per token). Chunked DAR (chunk S): a chunk's summary is its last output, and
-sublayer l sees the earlier summaries plus its own chunk's outputs so far. Block AttnRes (block S): a
-block's summary is the SUM of its outputs, and sublayer l sees the earlier block sums plus its own
-block's partial sum. S = 1 (and block 0) is the dense form.
-
-The key normalisation is folded into the dot product (q . (g * v / rms(v)) = ((q * g) . v) / rms(v)),
-so no normalised copy of a source is kept for the backward. With static queries each source's logits
-for every aggregator are one matrix product taken when it is made, so an aggregator reads it once.
+The key norm is folded into the dot product (q . (g * v / rms(v)) = ((q * g) . v) / rms(v)): no normalised
+copy of a source is kept for the backward; with static queries a source's logits for every aggregator are
+one matrix product taken when it is made.
 """
 from __future__ import annotations
 
@@ -62,10 +56,8 @@ class DepthAttentionTopology(ResidualTopology):
         self.record_weights = False  # True: keep each aggregator's mean weights (routing_weights())
         self._recorded: list[tuple[list[int], torch.Tensor]] = []
 
-    # -- the routing of one aggregator -----------------------------------------------------------
     def _reads(self, v: torch.Tensor, key_maps: torch.Tensor | None) -> torch.Tensor:
-        """What the aggregators need of a new source besides its value: its logits for every aggregator,
-        (N, T, A) (static queries), or its RMS, (N, T) (dynamic queries)."""
+        """A new source's logits for every aggregator, (N, T, A) (static queries), or its RMS (N, T) (dynamic)."""
         rms = v.float().pow(2).mean(-1).add(RMS_EPS).sqrt().to(v.dtype)
         if key_maps is None:
             return rms
@@ -90,12 +82,10 @@ class DepthAttentionTopology(ResidualTopology):
             h = torch.addcmul(h, alpha[..., i:i + 1], values[i])
         return h
 
-    # -- the trunk --------------------------------------------------------------------------------
     def forward(self, h0: torch.Tensor, blocks: Sequence[nn.Module], c: torch.Tensor,
                 time_embedding: torch.Tensor | None = None) -> torch.Tensor:
         self.check_blocks(blocks)
-        # Static queries: every aggregator's query folded with its key norm and the scale, (A, d) or, with
-        # static-t, (N, A, d); dynamic queries depend on the token.
+        # Static queries folded with their key norms and the scale: (A, d), or (N, A, d) with static-t.
         key_maps = None
         if self.query != "dynamic":
             q = self.queries if self.query == "static" else self.queries + self.time_head(time_embedding)[:, None, :]
@@ -119,8 +109,7 @@ class DepthAttentionTopology(ResidualTopology):
 
     def _add_output(self, layer: int, v: torch.Tensor, key_maps: torch.Tensor | None, finished: list[tuple],
                     current: list[tuple]) -> list[tuple]:
-        """Files sublayer `layer`'s output v under the grouping rule (see the module docstring): returns
-        the open group's sources; a group that closes adds its summary to `finished`."""
+        """Files sublayer `layer`'s output v: returns the open group's sources; a closing group joins `finished`."""
         if self.grouping == "block":  # a block's running partial sum is its one source until the block closes
             v = v if not current else current[0][0] + v
             current = []
@@ -131,15 +120,13 @@ class DepthAttentionTopology(ResidualTopology):
             return []
         return current
 
-    # -- inspection --------------------------------------------------------------------------------
     def probabilities(self) -> torch.Tensor:
         raise TopologyNotDefined("depth attention weighs each source per token (and per timestep), so it has no "
                                  "fixed (K, K) matrix; see routing_weights() on a probe batch")
 
     def routing_weights(self) -> torch.Tensor:
-        """(L+1, L+1) mean weights of the last forward run with `record_weights` on: row l = the
-        aggregator before sublayer l+1 (the last row: the final one), column i = source v_i (a chunk
-        or block summary is filed under the last sublayer it holds), averaged over samples and tokens."""
+        """(L+1, L+1) mean weights of the last forward with `record_weights` on: row l = the aggregator before
+        sublayer l+1 (the last: the final one), column i = v_i (a summary under its last sublayer)."""
         if not self._recorded:
             raise UserError("no weights recorded: set record_weights = True and run a forward pass first")
         L = 2 * self.num_blocks

@@ -1,10 +1,7 @@
-"""Peer residual schemes, written by hand from their papers' formulas (no library has them for a DiT):
-DenseFormer (Pagliardini et al., NeurIPS 2024, arXiv 2402.02622), Hyper-Connections, static and
-dynamic (Zhu et al., ICLR 2025, arXiv 2409.19606) and mHC (Xie et al., arXiv 2512.24880).
-
-HC and mHC wire the DiT block's two branches themselves (`DiTBlock.modulation`, `attention_branch`,
-`mlp_branch`): each branch keeps its adaLN shift/scale/gate, only the residual add around it is
-replaced. Their residual is n streams wide, so `probabilities()` raises `TopologyNotDefined`.
+"""Peer residual schemes, by hand from their papers' formulas (no library has them for a DiT):
+DenseFormer (arXiv 2402.02622), Hyper-Connections, static and dynamic (arXiv 2409.19606), mHC (arXiv
+2512.24880). HC and mHC wire the block's two branches themselves, each keeping its adaLN shift/scale/gate;
+their residual is n streams wide, so `probabilities()` raises `TopologyNotDefined`.
 """
 from __future__ import annotations
 
@@ -22,17 +19,15 @@ from .registry import PositiveInt, TopologyOption, register_topology
 
 
 def autocast_off(device: torch.device):
-    """A region in the tensors' own dtype under the caller's autocast (the meta device, where FLOPs
-    are counted, has no autocast to leave)."""
+    """Autocast off (the meta device, where FLOPs are counted, has none to leave)."""
     if torch.amp.is_autocast_available(device.type):
         return torch.autocast(device_type=device.type, enabled=False)
     return nullcontext()
 
 
-# mHC's paper does not fix an initialisation; ours puts this much weight off the HC-style choice
-# (stream l mod n as the branch input, identity stream mixing), see ManifoldHyperConnectionTopology.
-# The mixing leak is larger because Sinkhorn-Knopp converges slowly near a permutation matrix: with
-# 0.05, small perturbations leave row sums off by 1e-4..1e-3 after 20 iterations; with 0.25, < 1e-6.
+# mHC's paper fixes no initialisation; ours puts this much weight off HC's (stream l mod n as the branch
+# input, identity mixing). The mixing leak is larger as Sinkhorn-Knopp converges slowly near a permutation:
+# with 0.05, small perturbations leave row sums off by 1e-4..1e-3 after 20 iterations; with 0.25, < 1e-6.
 MHC_PRE_LEAK = 0.05
 MHC_RES_LEAK = 0.25
 # HC (dynamic): the paper initialises the tanh scales s_alpha, s_beta to 0.01 and W to 0.
@@ -44,10 +39,9 @@ class DenseFormerTopology(ResidualTopology):
 
         X_0 = h_0,   X_j = B_j(Y_{j-1}, c),   Y_j = sum_{i<=j} alpha_{j,i} X_i,   output Y_K
 
-    with free scalars alpha initialised to the identity (alpha_{j,j} = 1), so the initial network is
-    the cascaded DiT. X_j is the block's raw output (its own residual adds included); `alphas.{j-1}`
-    holds block j's weights over X_0..X_j, the newest last. `probabilities()` P[j, i] = alpha_{j+1, i}
-    (i <= j) are the skip weights; the weight on the block's own output is `output_scales()`.
+    alpha starts as the identity (the cascaded DiT); X_j includes the block's own residual adds.
+    `alphas.{j-1}` holds block j's weights over X_0..X_j, the newest last; `probabilities()` gives the skip
+    weights P[j, i] = alpha_{j+1, i} (i <= j), `output_scales()` the weights on the blocks' own outputs.
     """
 
     def __init__(self, num_blocks: int):
@@ -79,10 +73,9 @@ class DenseFormerTopology(ResidualTopology):
 
 
 class _StreamTopology(ResidualTopology):
-    """Shared trunk of HC and mHC: n residual streams in fp32, started as n copies of h_0, summed at the
-    end. Around sublayer l, `_mix(l, H)` gives the branch input, the mixed streams and the branch's write
-    weights; it and the write run in fp32 with autocast off (under bf16 autocast the einsums would round
-    every stream to bf16 at every sublayer), the branch under the caller's autocast."""
+    """HC's and mHC's trunk: n fp32 streams, started as copies of h_0, summed at the end. `_mix(l, H)` gives
+    sublayer l's branch input, the mixed streams and the write weights; it and the write run with autocast
+    off (bf16 would round every stream at every sublayer), the branch under the caller's autocast."""
 
     streams: int
 
@@ -110,19 +103,19 @@ class _StreamTopology(ResidualTopology):
 
 
 class HyperConnectionTopology(_StreamTopology):
-    """Hyper-Connections around the attention and the MLP branch of every block. The residual is
-    n streams, H (N, T, n, d); sublayer l (2K in all) with branch T_l computes
+    """Hyper-Connections around both branches of every block. On n streams H (N, T, n, d), sublayer l
+    (2K in all) with branch T_l computes
 
         x = A_m^T H                  width connection: the branch input, a mix of the streams
         H <- A_r^T H + B^T T_l(x)    stream mixing, and the depth connection writing the output
 
-    with A_m (n,), A_r (n, n), B (n,) learned per sublayer (static HC). Dynamic HC adds per-token terms,
-    with H' = LayerNorm(H) (no affine): B += s_beta tanh(H' W_beta)^T, A_m += s_alpha tanh(H' W_m) and
-    A_r += s_alpha tanh(H' W_r) (`dynamic_weights[l]` = [W_beta | W_m | W_r], `dynamic_scales[l]` = [s_alpha, s_beta]).
+    with A_m (n,), A_r (n, n), B (n,) learned per sublayer (static HC). Dynamic HC adds, with H' =
+    LayerNorm(H): B += s_beta tanh(H' W_beta)^T, A_m += s_alpha tanh(H' W_m), A_r += s_alpha tanh(H' W_r)
+    (`dynamic_weights[l]` = [W_beta | W_m | W_r], `dynamic_scales[l]` = [s_alpha, s_beta]).
 
-    Init (the paper's Pre-Norm-equivalent one): A_m = e_{l mod n}, A_r = I, B = 1, dynamic W = 0 and
-    s = 0.01. Every stream then equals the cascaded hidden state and the trunk returns n * h_K; the
-    final LayerNorm removes that factor, up to its eps acting as eps / n^2 (a relative change ~1e-7).
+    Init (the paper's Pre-Norm-equivalent): A_m = e_{l mod n}, A_r = I, B = 1, W = 0, s = 0.01. Every
+    stream is then the cascaded hidden state and the trunk returns n * h_K, which the final LayerNorm
+    removes up to its eps acting as eps / n^2 (a relative change ~1e-7).
     """
 
     def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, dynamic: bool = False):
@@ -160,9 +153,8 @@ class HyperConnectionTopology(_StreamTopology):
             + ", so it has no (K, K) block-to-block matrix")
 
     def sublayer_weights(self) -> torch.Tensor:
-        """Static HC only: (2K, 2K+1), row l = the exact weights of sublayer l's input over the sources
-        [h_0, out_1, ..., out_2K] (out_m = gated output of sublayer m). The cascaded DiT (and this at
-        init) is the lower-triangular ones matrix."""
+        """Static HC only: (2K, 2K+1), row l = sublayer l's input weights over [h_0, out_1, ..., out_2K]
+        (out_m = gated output of sublayer m); the cascaded DiT (and this at init) is lower-triangular ones."""
         if self.dynamic:
             raise TopologyNotDefined("hc-dynamic's weights depend on the input; no fixed sublayer matrix")
         L, n = self.alpha_m.shape
@@ -178,9 +170,8 @@ class HyperConnectionTopology(_StreamTopology):
 
 
 def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
-    """Doubly stochastic projection of exp(logits) over the last two dims: row then column
-    normalisation `iters` times (columns last, so they sum to 1 exactly; the rows only come close,
-    the gap mHC-lite, arXiv 2601.05732, notes)."""
+    """Doubly stochastic projection of exp(logits) over the last two dims: rows then columns `iters` times
+    (the columns sum to 1 exactly, the rows only come close: the gap mHC-lite, arXiv 2601.05732, notes)."""
     m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))  # SK ignores a global scale
     for _ in range(iters):
         m = m / m.sum(dim=-1, keepdim=True)
@@ -189,8 +180,7 @@ def sinkhorn_knopp(logits: torch.Tensor, iters: int = 20) -> torch.Tensor:
 
 
 class ManifoldHyperConnectionTopology(_StreamTopology):
-    """mHC: hyper-connections whose stream-mixing matrix is doubly stochastic. For sublayer l with
-    streams x (N, T, n, d), per token:
+    """mHC: hyper-connections with a doubly stochastic stream mixing. Sublayer l, streams x (N, T, n, d):
 
         x~     = RMSNorm(vec(x))                               (1, n d), no weight
         H_pre  = sigmoid(a_pre  * x~ phi_pre  + b_pre)          (n,)    branch input weights
@@ -200,10 +190,9 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
 
     (`phi[l]` = [phi_pre | phi_post | phi_res], (n d, 2n + n^2); `alpha[l]` = [a_pre, a_post, a_res]).
 
-    Init (ours; the paper fixes none): phi = 0, alpha = 0.01, H_post = 1, H_pre = 1 - p on stream
-    l mod n and p / (n - 1) on the others, H_res = (1 - r) I + r / (n - 1) (1 1^T - I), already doubly
-    stochastic (p, r = MHC_PRE_LEAK, MHC_RES_LEAK). The streams then equal the cascaded hidden state
-    (as in HC); favouring stream l mod n is what lets them become different during training.
+    Init (ours): phi = 0, alpha = 0.01, H_post = 1, H_pre = 1 - p on stream l mod n and p / (n - 1)
+    elsewhere, H_res = (1 - r) I + r / (n - 1) (1 1^T - I) (p, r = MHC_PRE_LEAK, MHC_RES_LEAK). The
+    streams equal the cascaded hidden state, as in HC; favouring stream l mod n lets them diverge.
     """
 
     def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, sinkhorn_iters: int = 20,
@@ -245,7 +234,6 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
         return f"num_blocks={self.num_blocks}, streams={self.streams}, sinkhorn_iters={self.sinkhorn_iters}"
 
 
-# -- registry entries ---------------------------------------------------------------------------
 STREAMS = {"hc_streams": TopologyOption(PositiveInt, 4, "residual streams n of hc / hc-dynamic / mhc")}
 
 register_topology("denseformer", summary="DenseFormer: weighted average of the embedding and all block outputs")(
@@ -263,9 +251,8 @@ def check_mhc(options: dict) -> None:
                         f"got {options['hc_streams']}")
 
 
-register_topology("mhc", summary="mHC: HC with a doubly stochastic (Sinkhorn-Knopp) stream mixing",
-                  options={**STREAMS, "sinkhorn_iters": TopologyOption(PositiveInt, 20,
-                                                                       "Sinkhorn-Knopp iterations of mhc")},
-                  check=check_mhc, matrix=False, width=True)(
+ITERS = {"sinkhorn_iters": TopologyOption(PositiveInt, 20, "Sinkhorn-Knopp iterations of mhc")}
+register_topology("mhc", options={**STREAMS, **ITERS}, check=check_mhc, matrix=False, width=True,
+                  summary="mHC: HC with a doubly stochastic (Sinkhorn-Knopp) stream mixing")(
     lambda num_blocks, hidden_size, hc_streams, sinkhorn_iters: ManifoldHyperConnectionTopology(
         num_blocks, hidden_size, hc_streams, sinkhorn_iters))

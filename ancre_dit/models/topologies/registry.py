@@ -1,13 +1,11 @@
 """Name -> residual topology: the one place a topology name is interpreted.
 
-A topology module registers a builder with the options (config keys) it takes:
-
     @register_topology("ancre", options={"tau": TopologyOption(PositiveFloat, 0.01, "softmax temperature")},
                        summary="ANCRe: ingoing softmax over all earlier outputs")
     def build_ancre(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology: ...
 
-The options are checked once, by `resolve_options`, so builders trust them. An entry also declares
-what tools need to know of the topology, so that no code outside this package tests names or classes.
+`resolve_options` checks the options (config keys) once, so builders trust them. An entry also declares
+what tools need to know of the topology, so no code outside this package tests names or classes.
 """
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 
 @dataclass(frozen=True)
 class TopologyOption:
-    """A hyperparameter a topology takes: its pydantic type, ranges and choices included (e.g.
-    `PositiveFloat`, `Literal["add", "replace"]`), its default and help."""
+    """A topology's hyperparameter: pydantic type with its range or choices (`PositiveFloat`), default, help."""
     type: Any
     default: Any
     help: str = ""
@@ -55,8 +52,7 @@ class TopologyEntry:
     build: Callable[..., ResidualTopology]  # build(num_blocks, hidden_size, **options)
     options: Mapping[str, TopologyOption] = field(default_factory=dict)
     check: Callable[[dict[str, Any]], None] | None = None  # raises UserError on bad option values
-    # Rebuilds the module from its own state dict (keys without "topology.") and its options when the
-    # options alone are not enough, e.g. a frozen topology whose JSON is gone.
+    # Rebuilds the module from its state dict (keys without "topology.") and options, e.g. a frozen one.
     restore: Callable[..., ResidualTopology] | None = None
     summary: str = ""
     # What tools need to know (the module declares `takes_time_embedding`, which can depend on its options):
@@ -108,10 +104,9 @@ def all_topology_options() -> dict[str, TopologyOption]:
 
 def resolve_options(name: str, given: Mapping[str, Any], prefix: str = "",
                     keep_others: bool = False) -> dict[str, Any]:
-    """The options topology `name` is built with: its defaults updated by `given`, checked (a UserError
-    names `prefix + key`, e.g. "model.tau"), then the entry's own check. Options of other topologies
-    are dropped once checked (a config always carries `tau`), or kept with `keep_others`; options no
-    topology knows are refused."""
+    """Topology `name`'s options: its defaults updated by `given`, checked (a UserError names `prefix + key`,
+    e.g. "model.tau"), then the entry's check. Other topologies' options are dropped once checked (a config
+    always carries `tau`), or kept with `keep_others`; options no topology knows are refused."""
     entry = topology_entry(name)
     registered = all_topology_options()
     unknown = sorted(set(given) - set(registered))
@@ -135,8 +130,7 @@ def build_topology(name: str, num_blocks: int, hidden_size: int | None = None, *
 
 def restore_topology(name: str, state: Mapping[str, torch.Tensor],
                      options: Mapping[str, Any] | None = None) -> ResidualTopology | None:
-    """The topology rebuilt from a model state dict (keys `topology.*`) and its options, if `name` needs
-    its weights to rebuild itself, else None (build it from its options as usual)."""
+    """The topology rebuilt from a state dict's `topology.*` and options if `name` needs its weights, else None."""
     entry = topology_entry(name)
     if entry.restore is None:
         return None
