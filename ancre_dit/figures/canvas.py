@@ -1,8 +1,6 @@
-"""The one place matplotlib is set up: figures drawn by Agg without pyplot, and saved to a path.
-
-pyplot is not imported: its import is slow, every training run draws at its first checkpoint, and a
-figure pyplot never saw needs no closing. matplotlib itself is imported at the first figure, so a
-command drawing only sample grids never loads it."""
+"""The one place matplotlib is set up: figures drawn by Agg without pyplot (slow to import, and every
+training run draws at its first checkpoint; a figure pyplot never saw needs no closing). matplotlib
+itself is imported at the first figure, so a command drawing only sample grids never loads it."""
 from __future__ import annotations
 
 from pathlib import Path

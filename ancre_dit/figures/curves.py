@@ -40,4 +40,3 @@ def plot_panels(panels: dict[str, dict[str, Curve]], path: str | Path, xlabel: s
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.06 if any(labels) else 0, 1, 1))
     return save_figure(fig, path, dpi=110)
-

@@ -63,11 +63,6 @@ class ClusterOptions:
             check_cluster_value(key, getattr(self, key), f"slurm.{key}")
 
 
-def _port(job_id: str) -> int:
-    """A rendezvous port that differs between jobs sharing a node."""
-    return 20000 + int(hashlib.sha256(job_id.encode()).hexdigest(), 16) % 20000
-
-
 def _ignore_submitit_signal() -> None:
     """In the training child, before exec: SLURM's early signal (submitit's USR2) reaches every process
     of the job step, and its default action would kill train.py, torchrun and the loader workers
@@ -97,9 +92,10 @@ class StudyRun(Checkpointable):
         nodes, gpus = env.num_nodes, max(1, self.gpus_per_node)
         if nodes == 1 and gpus == 1:
             return [sys.executable, script, *args]
+        port = 20000 + int(hashlib.sha256(str(env.job_id).encode()).hexdigest(), 16) % 20000  # per job on a node
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc_per_node={gpus}",
                 f"--node_rank={env.node}", f"--master_addr={env.hostnames[0]}",
-                f"--master_port={_port(str(env.job_id))}", f"--shutdown-timeout={math.ceil(self.grace_s)}",
+                f"--master_port={port}", f"--shutdown-timeout={math.ceil(self.grace_s)}",
                 script, *args]
 
     def __call__(self) -> dict[str, Any]:
@@ -138,7 +134,7 @@ class StudyRun(Checkpointable):
         return {"run": self.name, "exit_code": 0, "finished": True}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
-        """Time limit or preemption: train.py checkpoints on SIGTERM; then requeue a fresh copy."""
+        """Time limit or preemption: train.py checkpoints on SIGTERM; then requeue (pickled without the child)."""
         child = self._child
         if child is not None and child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -146,8 +142,7 @@ class StudyRun(Checkpointable):
             while child.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.5)
         record_event(Path(self.run_dir), "stopped", reason="time limit or preemption: requeued")
-        return DelayedSubmission(StudyRun(self.name, self.run_dir, self.train_args, self.gpus_per_node, self.threads,
-                                          self.grace_s, self.max_steps))
+        return DelayedSubmission(self)
 
 
 def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: ClusterOptions, cluster: str = "slurm",

@@ -1,14 +1,13 @@
-"""The comparison of training runs: steps to a target, the speedup with its interval, the verdict,
-and the curves figure; `scripts/compare_runs.py` and a study's report both use it.
+"""The comparison of training runs (`scripts/compare_runs.py` and a study's report): steps to a
+target, the speedup with its interval, the verdict, and the curves figure.
 
 Each group (the seeds of one setting) is compared with its baseline seed by seed: runs of one seed
 share their data order and noise, so most of what differs between two seeds cancels in a pair.
-The target of seed s is the baseline's final value for s (or one given target); steps_s is the
-first evaluated step at which a curve reaches it; speedup_s = baseline steps_s / group steps_s,
-summarised as the geometric mean with a Student-t interval on the log speedups (ratios compose by
-multiplication, so logarithms are where a mean and a symmetric interval make sense). A seed whose
-group never reaches the target is censored: no interval. Targets are per seed because a mean curve
-would mix seeds that never reach the target with seeds that do, and give no interval.
+The target of seed s is the baseline's final value for s (or one given target), not that of a mean
+curve, which would mix seeds that never reach it with seeds that do. speedup_s = baseline steps_s /
+group steps_s (the first evaluated step at which a curve reaches the target), summarised as the
+geometric mean with a Student-t interval on the log speedups (ratios compose by multiplication). A
+seed whose group never reaches the target is censored: no interval.
 """
 from __future__ import annotations
 
@@ -49,21 +48,12 @@ def interval_curve(group: Group, metric: str, axis: str = "step"
     return x, np.array([c.mean for c in columns]), np.array([c.high - c.mean for c in columns])
 
 
-def final_value(run: Run, metric: str) -> tuple[int, float] | None:
-    """(last step, value there) of a run's metric; None when the run lacks it."""
-    series = run.series.get(metric)
-    if series is None or not len(series.step):
-        return None
-    return int(series.step[-1]), float(series.value[-1])
-
-
 @dataclass
 class SeedSpeedup:
-    """One seed of a paired comparison: the target, the first evaluated step at which the baseline
-    and the arm reach it, and their ratio. When the arm never reaches it (arm_steps None) the speedup
-    is censored: below `bound` = baseline steps / the arm's last step (it would have reached the
-    target after its last step at the earliest). baseline_steps is None only for a given target the
-    baseline never reaches."""
+    """One seed of a paired comparison: the first evaluated step at which the baseline and the arm
+    reach the target, and their ratio. An arm that never reaches it (arm_steps None) has a censored
+    speedup, below `bound` = baseline steps / the arm's last step. baseline_steps is None only for a
+    given target the baseline never reaches."""
     seed: int
     target: float
     baseline_steps: int | None
@@ -116,9 +106,8 @@ def _pairs(baseline: Sequence[Run], arm: Sequence[Run], metric: str) -> list[tup
 
 def paired_speedup(baseline: Sequence[Run], arm: Sequence[Run], metric: str, target: float | None = None
                    ) -> PairedSpeedup | None:
-    """Steps to the target and their ratio, seed by seed (see the module docstring); the target of
-    each seed is the baseline's final value unless `target` is given. None when no seed has the
-    metric on both sides."""
+    """Steps to the target and their ratio, seed by seed (see the module docstring); None when no
+    seed has the metric on both sides."""
     lower = is_lower_better(metric)
     seeds: list[SeedSpeedup] = []
     for seed, base, other in _pairs(baseline, arm, metric):
@@ -152,10 +141,9 @@ def _x(v: float) -> str:
 
 
 def verdict(result: PairedSpeedup) -> str:
-    """One line: "faster by Gx [lo, hi]" when the interval of the geometric-mean speedup lies above
-    1, "slower by ..." when it lies below 1 (or when most seeds' arm never reaches the target; with a
-    given target, "faster" when most seeds' baseline never does), else "no difference detected at
-    this budget" (with the reason an interval is missing, if it is)."""
+    """One line: faster / slower when the interval of the geometric-mean speedup excludes 1 (or when
+    most seeds' arm, or baseline, never reaches the target), else "no difference detected at this
+    budget" (with why an interval is missing, if it is)."""
     what = "the baseline's final value" if result.target is None else f"the target {result.target:.4g}"
     n = len(result.seeds)
     arm_only = sum(s.arm_steps is None and s.baseline_steps is not None for s in result.seeds)
@@ -201,7 +189,8 @@ def metric_rows(groups: Sequence[Group], metric: str, baseline_of: Callable[[str
     by_label = {g.label: g for g in groups}
     rows = []
     for group in groups:
-        finals = [f for r in group.runs if (f := final_value(r, metric)) is not None]
+        finals = [(int(s.step[-1]), float(s.value[-1])) for r in group.runs
+                  if (s := r.series.get(metric)) is not None and len(s.step)]
         if not finals:
             continue
         row = MetricRow(group.label, len(finals), max(step for step, _ in finals),
@@ -222,8 +211,7 @@ def step_intervals(groups: Sequence[Group], metric: str
     """group -> step -> (mean, low, high) over the group's seeds (low/high None for one run)."""
     out = {}
     for group in groups:
-        curve = interval_curve(group, metric)
-        if curve is not None:
+        if (curve := interval_curve(group, metric)) is not None:
             x, mean, half = curve
             halves = half if half is not None else [None] * len(x)
             out[group.label] = {int(step): (float(m), None if h is None else float(m - h), None if h is None
@@ -254,14 +242,10 @@ def write_curves(groups: Sequence[Group], metrics: Sequence[str], folder: Path, 
         old.unlink()
     written = []
     for axis, label in {**AXES, **FLOPS_AXIS}.items():
-        panels = {}
-        for metric in metrics:
-            if is_heldout_part(metric):
-                continue
-            curves = {g.label: c for g in groups
-                      if (c := interval_curve(g, metric, axis)) is not None and np.isfinite(c[0]).all()}
-            if curves:
-                panels[metric] = curves
+        panels = {metric: {g.label: c for g in groups
+                           if (c := interval_curve(g, metric, axis)) is not None and np.isfinite(c[0]).all()}
+                  for metric in metrics if not is_heldout_part(metric)}
+        panels = {metric: curves for metric, curves in panels.items() if curves}
         if panels:
             name = f"curves_{axis}.png"
             plot_panels(panels, folder / name, xlabel=label, title=title)
@@ -273,11 +257,10 @@ def write_curves(groups: Sequence[Group], metrics: Sequence[str], folder: Path, 
 def summarize(groups: Sequence[Group], targets: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
     """metric -> {"target" (None: the baseline's final value per seed), "lower_is_better", "rows":
     [MetricRow per group that has the metric]}, every group against the first one."""
-    targets = dict(targets or {})
-    metrics = list(dict.fromkeys(m for g in groups for r in g.runs for m in r.series))
+    targets = targets or {}
     baseline = groups[0].label
     out: dict[str, dict[str, Any]] = {}
-    for metric in metrics:
+    for metric in dict.fromkeys(m for g in groups for r in g.runs for m in r.series):
         rows = metric_rows(groups, metric, lambda _label: baseline, targets.get(metric))
         if rows:
             out[metric] = {"target": targets.get(metric), "lower_is_better": is_lower_better(metric), "rows": rows}
@@ -298,15 +281,12 @@ def _steps_cell(result: PairedSpeedup | None) -> str:
 def _speedup_cell(result: PairedSpeedup | None) -> str:
     if result is None or result.geomean is None:
         return "-"
-    if result.low is None:
-        return f"{result.geomean:.2f}x"
-    return f"{result.geomean:.2f}x [{result.low:.2f}, {result.high:.2f}]"
+    return f"{result.geomean:.2f}x" + ("" if result.low is None else f" [{result.low:.2f}, {result.high:.2f}]")
 
 
 def markdown_report(groups: Sequence[Group], summary: dict[str, dict[str, Any]]) -> str:
     lines = ["# Run comparison", "", "Groups (final value: mean ± std over the runs of a group, ddof=1):", ""]
-    for g in groups:
-        lines.append(f"- **{g.label}**: {', '.join(r.name for r in g.runs)}")
+    lines += [f"- **{g.label}**: {', '.join(r.name for r in g.runs)}" for g in groups]
     lines += ["", f"Every group is compared with the first ({groups[0].label}) seed by seed (train.seed): the "
               "target of a seed is the baseline's final value for that seed unless given; steps to target = the "
               "first evaluated step at which a run reaches it; speedup = the baseline's steps / the group's, as "

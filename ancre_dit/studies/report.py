@@ -1,10 +1,6 @@
-"""A study's report: `<out>/report/report.md`, summary.json and curves_<axis>.png.
-
-Every run is listed with its state; the statistics use the finished runs (a run stopped half way
-would pass for a slow one), grouped by arm and compared by `ancre_dit.studies.comparison`: mean
-curves with Student-t intervals over seeds, and, against the baseline arm and paired by seed, the
-final-value difference, the steps to the baseline's final value, the speedup and its verdict.
-"""
+"""A study's report: `<out>/report/report.md`, summary.json and curves_<axis>.png. Every run is
+listed with its state; the statistics (`ancre_dit.studies.comparison`, arms against the baseline,
+paired by seed) use the finished runs only: a run stopped half way would pass for a slow one."""
 from __future__ import annotations
 
 import json
@@ -27,10 +23,8 @@ def _interval(mi: MeanInterval | None, signed: bool = False) -> str:
     if mi is None:
         return "-"
     fmt = "{:+.4g}" if signed else "{:.4g}"
-    text = fmt.format(mi.mean)
-    if mi.low is None:
-        return f"{text} (1 seed)"
-    return f"{text} [{fmt.format(mi.low)}, {fmt.format(mi.high)}]"
+    spread = "(1 seed)" if mi.low is None else f"[{fmt.format(mi.low)}, {fmt.format(mi.high)}]"
+    return f"{fmt.format(mi.mean)} {spread}"
 
 
 def _per_seed(result: PairedSpeedup | None) -> str:

@@ -1,6 +1,5 @@
-"""Where each run of a study stands, read from what is on disk (so any machine can tell, whichever
-executor ran it): the run's checkpoints and logs, and `<run>/study_status.jsonl`, the append-only
-record of its launches (started / submitted / finished / stopped / failed, with exit code and error).
+"""Where each run of a study stands, read from disk (so any machine can tell, whichever executor ran
+it): its checkpoints, its logs and `<run>/study_status.jsonl`, the append-only record of its launches.
 
 States: done (a complete checkpoint at train.max_steps), running (a launch started and has not
 ended; on another host it cannot be checked), submitted (queued on the cluster), failed (the last
@@ -47,18 +46,6 @@ class RunStatus:
         return self.state == "done"
 
 
-def _last_heldout(run_dir: Path) -> float | None:
-    evals = [e for e in read_evals(run_dir) if "heldout_loss" in e.get("metrics", {})]
-    return float(evals[-1]["metrics"]["heldout_loss"]) if evals else None
-
-
-def _step_reached(run_dir: Path) -> int:
-    """The last step the run logged or saved (metrics.jsonl is written more often than checkpoints)."""
-    rows = read_jsonl(run_dir / "logs" / "metrics.jsonl")
-    saved = list_checkpoints(run_dir)
-    return max([int(r.get("step", 0)) for r in rows[-1:]] + [saved[-1][0] if saved else 0])
-
-
 def finished_at(run_dir: Path, max_steps: int) -> int | None:
     """The step of the run's newest complete checkpoint when it reached max_steps (the run is done), else None."""
     saved = list_checkpoints(run_dir)
@@ -67,11 +54,15 @@ def finished_at(run_dir: Path, max_steps: int) -> int | None:
 
 def run_status(job: Job, max_steps: int) -> RunStatus:
     run_dir = job.run_dir
-    heldout = _last_heldout(run_dir)
+    evals = [e for e in read_evals(run_dir) if "heldout_loss" in e.get("metrics", {})]
+    heldout = float(evals[-1]["metrics"]["heldout_loss"]) if evals else None
     done_at = finished_at(run_dir, max_steps)
     if done_at is not None:
         return RunStatus(job, "done", done_at, max_steps, heldout)
-    step = _step_reached(run_dir)
+    # the last step logged or saved (metrics.jsonl is written more often than checkpoints)
+    saved = list_checkpoints(run_dir)
+    step = max([int(r.get("step", 0)) for r in read_jsonl(run_dir / "logs" / "metrics.jsonl")[-1:]]
+               + [saved[-1][0] if saved else 0])
     events = read_jsonl(run_dir / EVENTS)
     last = events[-1] if events else {}
     if last.get("event") == "failed":
