@@ -1,12 +1,9 @@
-"""Runs a study's training runs as cluster jobs through submitit (SLURM, or submitit's local
-executor, which runs the same code path on this machine).
+"""A study's runs as a submitit job array (SLURM, or submitit's local executor: the same code path).
 
-Each run is one job of a job array; its callable launches `python train.py ...` on one GPU, or
-torchrun over the job's GPUs and nodes (one task per node, with that node's rank; node 0 is the
-rendezvous host). On a time limit or a preemption submitit calls the callable's `checkpoint()`,
-which sends SIGTERM to the training (train.py saves a checkpoint and exits within GRACE_S) and
-requeues the callable; the requeued job resumes exactly with `--resume auto`. Launch events go to
-the run's study_status.jsonl, as with the local executor, so `status` works from the login node.
+Each job launches train.py on one GPU, or torchrun over its GPUs and nodes (node 0 hosts the
+rendezvous). On a time limit or preemption submitit calls `checkpoint()`: SIGTERM makes train.py
+checkpoint within GRACE_S, and the requeued job resumes with `--resume auto`. Launch events go to
+study_status.jsonl as with the local executor, so `status` works from the login node.
 """
 from __future__ import annotations
 
@@ -28,22 +25,18 @@ from .runner import train_command
 from .spec import Job, Study
 from .status import LOG, finished_at, last_error_line, record_event
 
-# Requeues after a time limit that a run may use (preemptions do not count): 400K steps at a few
-# days per run outlast most partitions' limits many times over.
-MAX_TIMEOUTS = 100
-# Before a time limit SLURM signals the job SIGNAL_DELAY_S early (submitit's --signal=USR2@N); the
-# job then gives the training GRACE_S to checkpoint (SIGTERM, then the step boundary, then the save),
-# torchrun included (its --shutdown-timeout, 30 s by default, would SIGKILL its workers sooner), and
-# keeps the rest for the requeue. See docs/cluster.md.
+MAX_TIMEOUTS = 100  # requeues after time limits (not preemptions): 400K-step runs outlast most limits
+# SLURM signals SIGNAL_DELAY_S before a time limit (submitit's --signal=USR2@N); the training gets GRACE_S
+# to checkpoint, torchrun included (its default 30 s --shutdown-timeout would SIGKILL its workers sooner),
+# the rest is for the requeue. See docs/cluster.md.
 SIGNAL_DELAY_S = 180
 GRACE_S = 120
-
 
 MINIMUM = {"gpus_per_node": 0, "nodes": 1, "time_min": 1, "array_parallelism": 1, "cpus_per_task": 1}
 
 
 def check_cluster_value(key: str, value: Any, name: str) -> None:
-    """The one rule for a count of the cluster settings, whether from a flag or the study's slurm: section."""
+    """The one rule for a cluster count, whether from a flag or the study's slurm: section."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < MINIMUM[key]):
         raise UserError(f"{name} must be a whole number >= {MINIMUM[key]}, got {value!r}")
 
@@ -65,16 +58,15 @@ class ClusterOptions:
 
 def _ignore_submitit_signal() -> None:
     """In the training child, before exec: SLURM's early signal (submitit's USR2) reaches every process
-    of the job step, and its default action would kill train.py, torchrun and the loader workers
-    before any checkpoint. They ignore it (an ignored signal stays ignored across exec); this job
-    answers it by sending SIGTERM (checkpoint())."""
+    of the job step and would kill train.py, torchrun and the loader workers before any checkpoint.
+    Ignored signals stay ignored across exec; the job answers it with SIGTERM (checkpoint())."""
     from submitit.core.job_environment import JobEnvironment
 
     signal.signal(getattr(signal, f"SIG{JobEnvironment.USR_SIG}"), signal.SIG_IGN)
 
 
 class StudyRun(Checkpointable):
-    """One run as a submitit job; picklable (the running child is not part of its state)."""
+    """One run as a submitit job; pickled without its running child."""
 
     _child: subprocess.Popen | None = None  # the class's None where an unpickled copy has none
 
@@ -87,7 +79,6 @@ class StudyRun(Checkpointable):
         return {k: v for k, v in self.__dict__.items() if k != "_child"}
 
     def command(self, env: Any) -> list[str]:
-        """train.py alone on one process, torchrun over the job's GPUs and nodes otherwise."""
         script, *args = self.train_args
         nodes, gpus = env.num_nodes, max(1, self.gpus_per_node)
         if nodes == 1 and gpus == 1:
@@ -134,7 +125,7 @@ class StudyRun(Checkpointable):
         return {"run": self.name, "exit_code": 0, "finished": True}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
-        """Time limit or preemption: train.py checkpoints on SIGTERM; then requeue (pickled without the child)."""
+        """Time limit or preemption: SIGTERM (train.py checkpoints), then requeue."""
         child = self._child
         if child is not None and child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -147,8 +138,8 @@ class StudyRun(Checkpointable):
 
 def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: ClusterOptions, cluster: str = "slurm",
            threads: int | None = None, max_steps: dict[str, int] | None = None) -> list[Any]:
-    """Submits the jobs as one array; returns submitit's Job handles (in the order of `jobs`).
-    `max_steps` (run name -> train.max_steps) lets a job tell a finished run from a stopped one."""
+    """Submits the jobs as one array; returns submitit's handles. `max_steps` (run name -> train.max_steps)
+    lets a job tell a finished run from a stopped one."""
     import submitit
 
     try:

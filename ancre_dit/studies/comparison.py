@@ -1,13 +1,11 @@
-"""The comparison of training runs (`scripts/compare_runs.py` and a study's report): steps to a
-target, the speedup with its interval, the verdict, and the curves figure.
+"""Comparing training runs (`scripts/compare_runs.py`, a study's report): steps to a target, speedup,
+verdict, curves figure.
 
-Each group (the seeds of one setting) is compared with its baseline seed by seed: runs of one seed
-share their data order and noise, so most of what differs between two seeds cancels in a pair.
-The target of seed s is the baseline's final value for s (or one given target), not that of a mean
-curve, which would mix seeds that never reach it with seeds that do. speedup_s = baseline steps_s /
-group steps_s (the first evaluated step at which a curve reaches the target), summarised as the
-geometric mean with a Student-t interval on the log speedups (ratios compose by multiplication). A
-seed whose group never reaches the target is censored: no interval.
+Groups are compared with their baseline seed by seed (runs of one seed share data order and noise).
+Seed s's target is the baseline's final value for s (or a given target), not a mean curve's, which
+would mix seeds that never reach it with seeds that do. speedup_s = baseline steps_s / group steps_s,
+summarised as the geometric mean with a Student-t interval on the log speedups. A seed whose group
+never reaches the target is censored: no interval.
 """
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ def steps_to_target(steps: np.ndarray, values: np.ndarray, target: float, lower_
 
 def interval_curve(group: Group, metric: str, axis: str = "step"
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
-    """(x, mean over the group's runs, half width of the Student-t interval of that mean, or None
-    for a single run) at every step all members have; None when a member lacks the metric."""
+    """(x, mean over the runs, half width of its t interval or None for one run); None when a run lacks the metric."""
     found = group.aligned(metric, axis)
     if found is None:
         return None
@@ -50,10 +47,8 @@ def interval_curve(group: Group, metric: str, axis: str = "step"
 
 @dataclass
 class SeedSpeedup:
-    """One seed of a paired comparison: the first evaluated step at which the baseline and the arm
-    reach the target, and their ratio. An arm that never reaches it (arm_steps None) has a censored
-    speedup, below `bound` = baseline steps / the arm's last step. baseline_steps is None only for a
-    given target the baseline never reaches."""
+    """One seed: steps to the target of both sides and their ratio. An arm that never reaches it has a
+    censored speedup below `bound` = baseline steps / the arm's last step."""
     seed: int
     target: float
     baseline_steps: int | None
@@ -65,9 +60,8 @@ class SeedSpeedup:
 
 @dataclass
 class PairedSpeedup:
-    """Speedups of an arm over the baseline, seed by seed, and their geometric mean with a t
-    interval on the log speedups (None unless every seed has a speedup and there are >= 2).
-    target: the one given for every seed, None when each seed's is the baseline's final value."""
+    """Per-seed speedups and their geometric mean with its interval (None unless every seed has a
+    speedup; low/high also need >= 2 seeds). target None: each seed's is the baseline's final value."""
     metric: str
     lower_is_better: bool
     seeds: list[SeedSpeedup]
@@ -83,7 +77,6 @@ class PairedSpeedup:
 
 
 def _pairs(baseline: Sequence[Run], arm: Sequence[Run], metric: str) -> list[tuple[int, Series, Series]]:
-    """(seed, baseline's series, arm's series) of every seed both sides have the metric for."""
     def by_seed(runs: Sequence[Run]) -> dict[int, Run]:
         out: dict[int, Run] = {}
         for run in runs:
@@ -106,8 +99,7 @@ def _pairs(baseline: Sequence[Run], arm: Sequence[Run], metric: str) -> list[tup
 
 def paired_speedup(baseline: Sequence[Run], arm: Sequence[Run], metric: str, target: float | None = None
                    ) -> PairedSpeedup | None:
-    """Steps to the target and their ratio, seed by seed (see the module docstring); None when no
-    seed has the metric on both sides."""
+    """Steps to the target and their ratio, seed by seed; None when no seed has the metric on both sides."""
     lower = is_lower_better(metric)
     seeds: list[SeedSpeedup] = []
     for seed, base, other in _pairs(baseline, arm, metric):
@@ -130,8 +122,7 @@ def paired_speedup(baseline: Sequence[Run], arm: Sequence[Run], metric: str, tar
 
 
 def paired_difference(baseline: Sequence[Run], arm: Sequence[Run], metric: str) -> MeanInterval | None:
-    """Final value of the arm minus the baseline's, seed by seed, with the t interval of its mean
-    (None when no seed has the metric on both sides)."""
+    """Arm's final value minus the baseline's, seed by seed, with the t interval of its mean."""
     diffs = [float(other.value[-1]) - float(base.value[-1]) for _, base, other in _pairs(baseline, arm, metric)]
     return mean_t_interval(diffs, LEVEL) if diffs else None
 
@@ -141,9 +132,8 @@ def _x(v: float) -> str:
 
 
 def verdict(result: PairedSpeedup) -> str:
-    """One line: faster / slower when the interval of the geometric-mean speedup excludes 1 (or when
-    most seeds' arm, or baseline, never reaches the target), else "no difference detected at this
-    budget" (with why an interval is missing, if it is)."""
+    """Faster / slower when the speedup's interval excludes 1 (or most seeds of one side never reach
+    the target), else "no difference detected at this budget"."""
     what = "the baseline's final value" if result.target is None else f"the target {result.target:.4g}"
     n = len(result.seeds)
     arm_only = sum(s.arm_steps is None and s.baseline_steps is not None for s in result.seeds)
@@ -168,11 +158,9 @@ def verdict(result: PairedSpeedup) -> str:
     return f"no difference detected at this budget (speedup {_x(result.geomean)} {span})"
 
 
-# -- a metric's rows: every group against its baseline -------------------------------------------
 @dataclass
 class MetricRow:
-    """One group's numbers for one metric: its final values over seeds (mean, std, t interval) and,
-    unless it is a baseline, the paired difference, speedup and verdict against its baseline."""
+    """One group's final values for one metric and, unless a baseline, its paired comparison."""
     group: str
     seeds: int  # runs of the group that have the metric
     final_step: int  # the latest last step of those runs
@@ -184,8 +172,7 @@ class MetricRow:
 
 def metric_rows(groups: Sequence[Group], metric: str, baseline_of: Callable[[str], str], target: float | None = None
                 ) -> list[MetricRow]:
-    """A row per group that has the metric; `baseline_of(label)` names the group it is compared
-    with (itself for a baseline), `target` replaces the baseline's final values when given."""
+    """A row per group that has the metric, against group `baseline_of(label)` (itself for a baseline)."""
     by_label = {g.label: g for g in groups}
     rows = []
     for group in groups:
@@ -220,7 +207,6 @@ def step_intervals(groups: Sequence[Group], metric: str
 
 
 def row_summary(row: MetricRow) -> dict[str, Any]:
-    """A row as summary.json records it (the per-seed steps and speedups included)."""
     def interval(mi: MeanInterval | None) -> dict[str, Any] | None:
         return None if mi is None else {"mean": mi.mean, "low": mi.low, "high": mi.high, "n": mi.n}
 
@@ -231,11 +217,9 @@ def row_summary(row: MetricRow) -> dict[str, Any]:
                                                      "high": speedup.high, "per_seed": [vars(s) for s in speedup.seeds]}}
 
 
-# -- the one figure writer -----------------------------------------------------------------------
 def write_curves(groups: Sequence[Group], metrics: Sequence[str], folder: Path, title: str) -> list[str]:
-    """folder/curves_<axis>.png on every axis some group has (step, images, seconds, FLOPs): one panel
-    per metric (held-out loss parts: tables only), the mean over each group's seeds with its t
-    interval as a band. Figures of axes no curve has any more are removed. Returns the names written."""
+    """folder/curves_<axis>.png per axis some group has: a panel per metric (not held-out loss parts),
+    mean over seeds with its t interval as a band; stale figures are removed. Returns the names."""
     from ..figures import plot_panels
 
     for old in folder.glob("curves_*.png"):
@@ -253,10 +237,8 @@ def write_curves(groups: Sequence[Group], metrics: Sequence[str], folder: Path, 
     return written
 
 
-# -- compare_runs' report --------------------------------------------------------------------------
 def summarize(groups: Sequence[Group], targets: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
-    """metric -> {"target" (None: the baseline's final value per seed), "lower_is_better", "rows":
-    [MetricRow per group that has the metric]}, every group against the first one."""
+    """metric -> {"target", "lower_is_better", "rows"}: every group against the first one."""
     targets = targets or {}
     baseline = groups[0].label
     out: dict[str, dict[str, Any]] = {}
@@ -314,11 +296,10 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path, patterns: Sequ
     missing = [str(p) for p in run_dirs if not Path(p).is_dir()]
     if missing:
         raise UserError(f"run directory {missing[0]} does not exist")
-    seen: dict[Path, str] = {}
-    for p in run_dirs:  # the same run twice would pass for a two-seed group with zero spread
-        if Path(p).resolve() in seen:
-            raise UserError(f"run {p} is given twice (also as {seen[Path(p).resolve()]}); pass each run once")
-        seen[Path(p).resolve()] = str(p)
+    resolved = [Path(p).resolve() for p in run_dirs]
+    for i, p in enumerate(run_dirs):  # the same run twice would pass for a two-seed group with zero spread
+        if (first := resolved.index(resolved[i])) < i:
+            raise UserError(f"run {p} is given twice (also as {run_dirs[first]}); pass each run once")
     runs = [load_run(p) for p in run_dirs]
     known = sorted({m for run in runs for m in run.series})
     unknown = sorted(set(targets or {}) - set(known))

@@ -1,12 +1,9 @@
-"""Training FLOPs per step of each arm, so that arms of different cost (width, depth, peer
-topologies) compare at equal compute, not only at equal steps, and a study is priced before it runs
-(`study.py run --dry-run`: GPU-hours at a stated MFU and GPU peak).
+"""Training FLOPs per step of each arm, so arms of different cost compare at equal compute, and a
+study is priced before it runs (`study.py run --dry-run`: GPU-hours at a stated MFU and peak).
 
-Counted once per model config (network forward + backward, matrix products only: models.flops), on
-a micro-batch of two images, from the model spec of one of the arm's checkpoints (the exact model the
-run trained, data shape included) or, before any, of its config; then x train.global_batch_size.
-Optimizer, EMA and gradient-checkpointing recomputation are not in it. The report's counts are
-cached in `<out>/flops.json`, keyed by the model spec.
+Counted once per model config (forward + backward matrix products: models.flops) on a micro-batch,
+from the model spec of an arm's checkpoint (the exact model trained) or, before any, its config;
+then x train.global_batch_size. The report's counts are cached in `<out>/flops.json`.
 """
 from __future__ import annotations
 
@@ -27,8 +24,8 @@ _COUNTED: dict[str, float] = {}  # per process: a study's arms and seeds share a
 
 
 def flops_per_image(model_spec: dict[str, Any], topology_state: dict[str, Any] | None = None) -> float:
-    """Training FLOPs of one image through the model a model spec describes; `topology_state`: the
-    `topology.*` tensors of its checkpoint (checkpoint.build_model)."""
+    """Training FLOPs of one image through a model spec's model (`topology_state`: its checkpoint's
+    `topology.*` tensors)."""
     from ..checkpoint import build_model
     from ..models.flops import flops_per_training_image
 
@@ -62,8 +59,7 @@ def _saved_model(run_dirs: Sequence[Path]) -> tuple[dict[str, Any], dict[str, An
 
 
 def arm_flops_per_step(out: Path, arms: dict[str, tuple[Sequence[Path], int]]) -> dict[str, float | None]:
-    """arm -> training FLOPs per step (None until one of its runs has a checkpoint). `arms` maps
-    each arm to (its run folders, its global batch size)."""
+    """arm -> training FLOPs per step (None before any checkpoint); `arms`: arm -> (run folders, batch)."""
     cache_path = out / CACHE
     try:
         cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
@@ -89,7 +85,6 @@ def arm_flops_per_step(out: Path, arms: dict[str, tuple[Sequence[Path], int]]) -
     return result
 
 
-# -- the bill before the run (scripts/study.py run --dry-run) ----------------------------------------
 DEFAULT_MFU = 0.40          # the GPU check's target for DiT-B/2 training, compiled, bf16
 DEFAULT_GPU = "H100"        # a key of ancre_dit.hardware.PEAK_BF16_TFLOPS
 IMAGENET_CLASSES = 1000     # latents whose manifest is not at hand are taken as ImageNet's
@@ -115,8 +110,7 @@ def _table_peak(gpu: str) -> float:
 
 def compute_rate(mfu: float | None = None, peak_tflops: float | None = None, gpu: str | None = None,
                  gpu_check: str | Path | None = None) -> ComputeRate:
-    """The rate the estimate assumes: flags first, then the trainer figures of a gpu_check.json
-    (its "trainer" section: mfu, peak_tflops), then DEFAULT_MFU of a DEFAULT_GPU."""
+    """Flags first, then a gpu_check.json's "trainer" figures, then DEFAULT_MFU of a DEFAULT_GPU."""
     if mfu is not None and not 0 < mfu <= 1:
         raise UserError(f"--mfu {mfu} must be a fraction in (0, 1], e.g. --mfu 0.4 for 40%")
     if peak_tflops is not None and not peak_tflops > 0:
@@ -151,8 +145,8 @@ def compute_rate(mfu: float | None = None, peak_tflops: float | None = None, gpu
 
 
 def data_shape(config) -> tuple[int, int, int, str]:
-    """(model input side, channels, classes, how they were found) of a config's data, without
-    opening the dataset (a dry run may happen where the data is not)."""
+    """(input side, channels, classes, how found) of a config's data, without opening the dataset
+    (a dry run may happen where the data is not)."""
     d = config.data
     if d.kind == "digits":
         from ..data.digits import DIGITS_NUM_CLASSES
@@ -170,7 +164,7 @@ def data_shape(config) -> tuple[int, int, int, str]:
 
 
 def config_flops_per_step(config) -> float:
-    """Training FLOPs of one step (per image x train.global_batch_size) of the network a config builds."""
+    """Training FLOPs of one step of the network a config builds."""
     from ..training.model_setup import model_kwargs
 
     size, channels, classes, _ = data_shape(config)

@@ -1,6 +1,5 @@
-"""A study's report: `<out>/report/report.md`, summary.json and curves_<axis>.png. Every run is
-listed with its state; the statistics (`ancre_dit.studies.comparison`, arms against the baseline,
-paired by seed) use the finished runs only: a run stopped half way would pass for a slow one."""
+"""A study's report: `<out>/report/` report.md, summary.json, curves_<axis>.png. Every run is listed;
+the paired statistics use finished runs only (a run stopped half way would pass for a slow one)."""
 from __future__ import annotations
 
 import json
@@ -47,8 +46,7 @@ def _speedup(result: PairedSpeedup | None) -> str:
 
 
 def _shown(path) -> str:
-    """A path as the report shows it: relative to the current folder when it lies below it, so a
-    report reads the same on every machine that ran the study from its checkout."""
+    """Relative to the current folder when below it: the report reads the same on every checkout."""
     try:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
@@ -61,7 +59,7 @@ def _cell(text: str | None) -> str:
 
 
 class StudyReport:
-    """The finished runs of a study, loaded and grouped by arm, with each arm's FLOPs per step."""
+    """A study's finished runs, grouped by arm, with each arm's FLOPs per step."""
 
     def __init__(self, study: Study, statuses: Sequence[RunStatus], batch_sizes: dict[str, int]):
         self.study, self.statuses = study, list(statuses)
@@ -84,7 +82,6 @@ class StudyReport:
         self.metrics = first + sorted(m for m in metrics if m not in first)
 
     def metric_rows(self, metric: str) -> list[MetricRow]:
-        """Every arm that has the metric, against its baseline arm."""
         return metric_rows(list(self.groups.values()), metric, self.study.baseline_of)
 
 
@@ -118,7 +115,6 @@ def _how_to_read(study: Study) -> list[str]:
 
 
 def _step_table(curves: dict[str, dict[int, tuple]]) -> list[str]:
-    """Mean [95% t interval] of every arm at every evaluated step (the steps all of an arm's seeds have)."""
     if not curves:
         return []
     def cell(point: tuple | None) -> str:
@@ -197,7 +193,7 @@ def _summary(report: StudyReport, tables: dict[str, tuple[list[MetricRow], dict]
 
 
 def write_study_report(study: Study, statuses: Sequence[RunStatus], batch_sizes: dict[str, int]) -> Path:
-    """Writes `<out>/report/` (report.md, summary.json, curves_*.png); returns report.md's path."""
+    """Writes `<out>/report/`; returns report.md's path."""
     report = StudyReport(study, statuses, batch_sizes)
     groups = list(report.groups.values())
     folder = study.report_dir

@@ -1,12 +1,9 @@
-"""Runs a study's training runs on this machine: each one `python train.py --config BASE --resume
-auto k=v ...` in a subprocess of its own (a crash or a user error in one run cannot take the others
-down, and every run resumes exactly from its newest checkpoint), N at a time.
+"""A study's runs on this machine, N at a time, each `python train.py --config BASE --resume auto k=v ...`
+in its own subprocess (a crash in one cannot take the others down; each resumes from its checkpoint).
 
-The machine is split between the N slots: each child gets cores // N threads (OMP_NUM_THREADS, which
-torch reads at start), and, where GPUs are visible, slot k gets GPU k % gpus. A run's output goes to
-`<run>/study.log` (appended: the log of every launch is kept) and its launches to
-`<run>/study_status.jsonl`. Ctrl-C stops the running children the way train.py stops (checkpoint,
-then exit), so a rerun continues where they were.
+Each slot gets cores // N threads (OMP_NUM_THREADS) and, where GPUs are visible, slot k gets GPU
+k % gpus. Output is appended to `<run>/study.log`, launches to `<run>/study_status.jsonl`. Ctrl-C
+stops the children the way train.py stops (checkpoint, then exit), so a rerun continues.
 """
 from __future__ import annotations
 
@@ -35,7 +32,7 @@ class Outcome:
 
 
 def train_command(study: Study, job: Job, train_script: Path) -> list[str]:
-    """The command line of one run (relative to nothing: every path in it is absolute)."""
+    """The command line of one run (every path in it is absolute)."""
     return [sys.executable, str(train_script), "--config", str(study.base), "--resume", "auto", *job.overrides]
 
 
@@ -47,7 +44,6 @@ def usable_cores() -> int:
 
 
 def slot_environment(slot: int, slots: int, gpus: int) -> dict[str, str]:
-    """The environment of a child in `slot` of `slots`: its share of the cores and its GPU."""
     threads = str(max(1, usable_cores() // slots))
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
     if gpus and slots > 1:  # one of the GPUs this process sees (of its own CUDA_VISIBLE_DEVICES, if set)
@@ -58,7 +54,7 @@ def slot_environment(slot: int, slots: int, gpus: int) -> dict[str, str]:
 
 
 class LocalRunner:
-    """Launches the jobs N at a time; `run` returns one Outcome per job it launched."""
+    """Launches the jobs N at a time; `run` returns an Outcome per job launched."""
 
     def __init__(self, study: Study, train_script: Path, slots: int, is_done: Callable[[Job], bool]):
         self.study, self.train_script, self.slots = study, Path(train_script), max(1, int(slots))

@@ -1,14 +1,11 @@
-"""A study file (format: docs/studies.md): a base config, common overrides, named arms and/or a
-grid of overrides, seeds and a baseline -> the list of runs.
+"""A study file (format: docs/studies.md): base config, common overrides, named arms and/or a grid,
+seeds and a baseline -> the list of runs.
 
-Grid arms are named from their values in the grid's key order, joined by "-": a text value as
-itself, any other as the key's last part followed by the value ({model.topology: ancre,
-model.tau: 0.01} is `ancre-tau0.01`); characters other than letters, digits and `._+-` become `_`.
-Run `<arm>-s<seed>` trains in `<out>/runs/<arm>-s<seed>` with `train.seed=<seed>`: every arm uses
-the same seeds, so runs of one seed compare in pairs.
-
-Every run's config is loaded before anything is written, so a mistake in any arm is one line naming
-it, not a failed run hours later.
+Grid arms are named from their values in key order, joined by "-": a text value as itself, any other
+as the key's last part then the value ({model.topology: ancre, model.tau: 0.01} is `ancre-tau0.01`);
+characters other than letters, digits and `._+-` become `_`. Run `<arm>-s<seed>` trains in
+`<out>/runs/<arm>-s<seed>` with `train.seed=<seed>`, so runs of one seed compare in pairs. Every
+run's config is loaded before anything is written: a mistake in any arm is one line, not a failed run.
 """
 from __future__ import annotations
 
@@ -43,7 +40,6 @@ class Job:
 
 @dataclass
 class Study:
-    """A parsed study file (see the module docstring)."""
     source: Path
     name: str
     description: str
@@ -52,14 +48,12 @@ class Study:
     overrides: dict[str, Any]
     arms: dict[str, dict[str, Any]]
     seeds: list[int]
-    # An arm's name, or overrides ({model.topology: cascaded}): each arm is then compared with the arm
-    # that sets these values and agrees with it on everything else that arm sets (a depth sweep:
-    # each depth against its own plain DiT).
+    # An arm's name, or overrides ({model.topology: cascaded}): each arm against the arm that sets these
+    # and agrees with it on everything else that arm sets (a depth sweep: each depth against its own DiT).
     baseline: str | dict[str, Any]
     slurm: dict[str, Any] = field(default_factory=dict)
 
     def baseline_of(self, arm: str) -> str:
-        """The arm `arm` is compared with (itself for a baseline arm)."""
         if isinstance(self.baseline, str):
             return self.baseline
         return baseline_candidates(self.arms, self.baseline, arm)[0]
@@ -92,7 +86,7 @@ class Study:
         return out
 
     def record(self) -> dict[str, Any]:
-        """What study.json holds: enough to tell this study from another one in the same folder."""
+        """What study.json holds: enough to tell this study from another one."""
         return {"name": self.name, "source": str(self.source), "base": str(self.base), "overrides": self.overrides,
                 "arms": self.arms, "seeds": self.seeds, "baseline": self.baseline}
 
@@ -118,9 +112,9 @@ def _flatten(mapping: Any, where: str, prefix: str = "") -> dict[str, Any]:
             out.update(_flatten(value, where, f"{full}."))
         else:
             out[full] = value
-    for key in out:
-        if key in RESERVED:
-            raise UserError(f"{where} sets {key}; the study sets it for every run (seeds: and <out>/runs/<arm>-s<seed>)")
+    if reserved := [key for key in out if key in RESERVED]:
+        raise UserError(f"{where} sets {reserved[0]}; the study sets it for every run "
+                        "(seeds: and <out>/runs/<arm>-s<seed>)")
     return out
 
 
@@ -130,7 +124,6 @@ def _token(key: str, value: Any) -> str:
 
 
 def grid_arms(grid: Any, where: str) -> dict[str, dict[str, Any]]:
-    """The product of the grid's values, each named by the rule in the module docstring."""
     flat = _flatten(grid, where)
     if not flat:
         return {}
@@ -223,8 +216,7 @@ def load_study(path: str | Path) -> Study:
 
 
 def job_config(study: Study, job: Job, check_paths: bool = True):
-    """The job's training Config (load_config of base + overrides); one UserError naming the arm.
-    Without `check_paths`, the paths it names need not exist here."""
+    """The job's training Config; a UserError names the arm. Without `check_paths`, paths need not exist."""
     from ..training.config import load_config
 
     try:
@@ -234,5 +226,5 @@ def job_config(study: Study, job: Job, check_paths: bool = True):
 
 
 def validate(study: Study, check_paths: bool = True) -> dict[str, Any]:
-    """Loads every run's config; returns {run name: Config}. The first problem is one UserError."""
+    """{run name: Config} of every run; the first problem is one UserError."""
     return {job.name: job_config(study, job, check_paths) for job in study.jobs}

@@ -1,10 +1,9 @@
-"""Where each run of a study stands, read from disk (so any machine can tell, whichever executor ran
-it): its checkpoints, its logs and `<run>/study_status.jsonl`, the append-only record of its launches.
+"""Where each run of a study stands, read from disk (any machine can tell, whichever executor ran it):
+checkpoints, logs and `<run>/study_status.jsonl`, the append-only record of its launches.
 
-States: done (a complete checkpoint at train.max_steps), running (a launch started and has not
-ended; on another host it cannot be checked), submitted (queued on the cluster), failed (the last
-launch exited with an error), stopped (interrupted or preempted before max_steps: a rerun resumes
-it), not started.
+States: done (a complete checkpoint at train.max_steps), running (a launch not ended; unchecked on
+another host), submitted, failed (the last launch exited with an error), stopped (before max_steps:
+a rerun resumes it), not started.
 """
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ STATES = ("done", "running", "submitted", "stopped", "failed", "not started")
 
 
 def record_event(run_dir: Path, event: str, **fields: Any) -> None:
-    """Appends one launch event to the run's status file (one write, safe beside other writers)."""
+    """Appends a launch event to the run's status file (one write, safe beside other writers)."""
     append_jsonl(Path(run_dir) / EVENTS, {"event": event, "time": round(time.time(), 3),
                                           "host": socket.gethostname(), **fields})
 
@@ -47,7 +46,7 @@ class RunStatus:
 
 
 def finished_at(run_dir: Path, max_steps: int) -> int | None:
-    """The step of the run's newest complete checkpoint when it reached max_steps (the run is done), else None."""
+    """The newest complete checkpoint's step when it reached max_steps, else None."""
     saved = list_checkpoints(run_dir)
     return saved[-1][0] if saved and saved[-1][0] >= max_steps else None
 
@@ -88,8 +87,8 @@ def _alive(pid: int) -> bool:
 
 
 def last_error_line(log: Path, limit: int = 1 << 16) -> str | None:
-    """The line that says why a run failed: the last `error:` line of its log (our one-line user
-    errors), else the last line naming an Error or exception, else the last non-empty line."""
+    """Why a run failed: its log's last `error:` line (our user errors), else the last naming an Error or
+    Exception, else the last non-empty line."""
     if not log.is_file():
         return None
     with open(log, "rb") as f:
