@@ -1,10 +1,8 @@
-"""Fetching the catalog's assets into one folder, OUT/<name>/<file>, each verified before it counts.
+"""Fetching assets into OUT/<name>/<file>, each verified before it counts.
 
-Plain URLs go through requests with a `Range` request to resume a cut download (OUT/<name>/<file>.part);
-hub files through huggingface_hub, which resumes on its own. A file is checked against its published
-checksum, else against the SHA-256 the hub reports for it; a file with neither (a plain URL without a
-published checksum) has its SHA-256 recorded in OUT/assets.json, and a later fetch checks it against
-that record. A file that fails its check is removed and the fetch stops in one line.
+Plain URLs resume a cut download (<file>.part) with a `Range` request; hub files resume on their own.
+A file is checked against its published checksum, else the SHA-256 the hub reports; else its SHA-256
+is recorded in OUT/assets.json and checked by later fetches. A failing file is removed.
 """
 from __future__ import annotations
 
@@ -37,7 +35,7 @@ def git_blob_sha1(path: Path) -> str:
 
 
 def format_listing(assets: Mapping[str, Asset] = ASSETS) -> str:
-    """Every asset with its source, files and checksum (nothing is downloaded)."""
+    """Every asset with its source, files and checksum."""
     lines = []
     for a in assets.values():
         lines.append(f"{a.name}: {a.what}\n  source: {a.source}")
@@ -67,7 +65,7 @@ def fetch_all(out: str | Path, only: Iterable[str] | None = None, assets: Mappin
 
 
 def fetch(asset: Asset, out: Path, endpoint: str | None = None, log: Callable[[str], None] = print) -> list[Path]:
-    """OUT/<name>/<file> for each of the asset's files, downloaded unless already there and verified."""
+    """OUT/<name>/<file> for each of the asset's files, downloaded unless there, and verified."""
     folder = out / asset.name
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -87,7 +85,7 @@ def fetch(asset: Asset, out: Path, endpoint: str | None = None, log: Callable[[s
 
 
 def _download_url(url: str, path: Path, log: Callable[[str], None]) -> None:
-    """Into path.part, resumed from its size with a Range request when one is there; renamed when complete."""
+    """Into path.part (resumed from its size), renamed when complete."""
     import requests
     from tqdm.auto import tqdm
 
@@ -118,7 +116,7 @@ def _download_url(url: str, path: Path, log: Callable[[str], None]) -> None:
 
 
 def _hub_download(asset: Asset, name: str, folder: Path, endpoint: str | None, log: Callable[[str], None]) -> str:
-    """Downloads one hub file into the folder (resumable) and returns the SHA-256 the hub reports."""
+    """Downloads one hub file into the folder; returns the SHA-256 the hub reports."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
 

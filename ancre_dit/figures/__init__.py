@@ -1,5 +1,4 @@
-"""Every figure ancre-dit draws, on matplotlib's Agg backend (no display needed): metric curves,
-depth profiles, sample grids and learned-topology heatmaps. Callers import this package inside the
+"""Every figure ancre-dit draws (Agg backend, no display). Callers import this package inside the
 function that draws: commands that draw nothing never pay matplotlib's import."""
 from .curves import plot_panels
 from .depth_profile import plot_diagnosis, plot_diagnostics

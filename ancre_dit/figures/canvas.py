@@ -1,6 +1,5 @@
-"""The one place matplotlib is set up: figures drawn by Agg without pyplot (slow to import, and every
-training run draws at its first checkpoint; a figure pyplot never saw needs no closing). matplotlib
-itself is imported at the first figure, so a command drawing only sample grids never loads it."""
+"""Figures drawn by Agg without pyplot (slow to import; a figure pyplot never saw needs no closing).
+matplotlib is imported at the first figure, so a command drawing only sample grids never loads it."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -16,7 +16,6 @@ ROUTING = (("routing_entropy", "routing: mean row entropy / log j"),
 
 
 def _plot_profiles(axes, profiles: list[tuple[str, dict[str, Any]]], colours, cosine_xlabel: str) -> None:
-    """One line per (label, profile) on each of the PROFILES axes (cosines start at k = 1)."""
     for ax, (key, title, log_y) in zip(axes, PROFILES):
         for colour, (label, profile) in zip(colours, profiles):
             start = 1 if key == "cosine" else 0
@@ -31,8 +30,8 @@ def _plot_profiles(axes, profiles: list[tuple[str, dict[str, Any]]], colours, co
 
 
 def plot_diagnostics(records: Sequence[dict[str, Any]], path: str | Path, snapshots: int = 4) -> Path | None:
-    """Top row: the depth profiles at a few steps spread over the run (darker = later); bottom
-    row, for learned routings: their statistics against step. None when there are no records."""
+    """Top row: depth profiles at a few steps (darker = later); bottom row, for learned routings, their
+    statistics against step. None without records."""
     records = sorted(records, key=lambda r: r["step"])
     if not records:
         return None
@@ -54,8 +53,7 @@ def plot_diagnostics(records: Sequence[dict[str, Any]], path: str | Path, snapsh
 
 
 def plot_diagnosis(result: dict[str, Any], path: str | Path) -> Path:
-    """`scripts/topology.py diagnose`: the depth profiles, one line per normalised time t, and the
-    time probe's R^2 against depth."""
+    """`scripts/topology.py diagnose`: depth profiles per normalised time t, and the time probe's R^2."""
     fig, axes = subplots(1, 4, figsize=(18, 3.8), squeeze=False)
     _plot_profiles(axes[0], [(f"t={t}", profile) for t, profile in result["profiles"].items()],
                    colormap("plasma")(np.linspace(0.0, 0.85, len(result["profiles"]))), "k (0 = embedding)")

@@ -1,5 +1,4 @@
-"""Sample grids: a batch of images as one PNG (torchvision's make_grid and save_image, as DiT
-writes its samples), small images enlarged so the grid is readable."""
+"""Sample grids: a batch of images as one PNG (torchvision's make_grid and save_image, as DiT does)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,8 +9,8 @@ from torchvision.utils import make_grid, save_image
 
 
 def save_image_grid(images, path: str | Path, nrow: int = 8, scale: int | None = None) -> Path:
-    """Saves a grid PNG of uint8 NHWC images (ADM sample layout) or float NCHW images in [-1, 1],
-    upscaled `scale` times (nearest neighbour; by default to at least 64 pixels a side)."""
+    """A grid PNG of uint8 NHWC (ADM layout) or float NCHW images in [-1, 1], upscaled `scale` times
+    (nearest; by default to at least 64 pixels a side)."""
     x = torch.as_tensor(np.asarray(images)) if not isinstance(images, torch.Tensor) else images.detach().cpu()
     if x.ndim != 4:
         raise ValueError(f"images must be a 4-D batch (NHWC uint8 or NCHW float), got shape {tuple(x.shape)}")

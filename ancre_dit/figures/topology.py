@@ -1,9 +1,5 @@
-"""Learned-topology heatmaps: one matrix, several side by side on one colour scale, or an animation.
-
-A topology matrix P is (K, K) with row j = block j+1's incoming weights over sources i = 0..j
-(0 = the embedding h_0, i = the output of block i), zeros above the diagonal, as
-`model.topology.probabilities()` returns it.
-"""
+"""Learned-topology heatmaps: one matrix, several on one colour scale, or an animation. P is (K, K):
+row j = block j+1's weights over sources i = 0..j (0 = the embedding), as `probabilities()` returns it."""
 from __future__ import annotations
 
 import textwrap
@@ -17,8 +13,7 @@ from .canvas import save_figure, subplots
 
 
 def plot_topology_heatmap(P, path: str | Path, title: str | None = None) -> Path:
-    """Lower-triangular heatmap of P: rows = target block, columns = source (0 = embedding); cells
-    are annotated with their weight when K <= 16."""
+    """Lower-triangular heatmap of P, cells annotated with their weight when K <= 16."""
     P = square_topology(P, min_blocks=1)
     K = P.shape[0]
     masked = np.ma.masked_where(np.triu(np.ones_like(P, dtype=bool), k=1), P)
@@ -56,8 +51,7 @@ def _draw_topology(ax, P: np.ndarray, vmax: float, title: str):
 
 def plot_topology_panels(topologies: Mapping[str, object], path: str | Path, title: str | None = None,
                          max_columns: int = 6) -> Path:
-    """Several topologies side by side (rows of at most `max_columns`) on one shared colour scale:
-    `scripts/topology.py compare` (one panel per run) and `evolution` (one per checkpoint)."""
+    """Topologies side by side on one colour scale (`scripts/topology.py compare` and `evolution`)."""
     mats = {name: square_topology(P, min_blocks=1) for name, P in topologies.items()}
     if not mats:
         raise ValueError("no topologies to draw")
