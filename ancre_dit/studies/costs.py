@@ -98,16 +98,6 @@ class ComputeRate(NamedTuple):
     source: str
 
 
-def _table_peak(gpu: str) -> float:
-    from ..hardware import PEAK_BF16_TFLOPS, table_peak
-
-    found = table_peak(gpu)
-    if found is not None:
-        return found[0]
-    raise UserError(f"--gpu {gpu}: no peak known for it (known: {', '.join(f for f, _ in PEAK_BF16_TFLOPS)}); "
-                    f"give its dense bf16 peak with --gpu-peak-tflops")
-
-
 def compute_rate(mfu: float | None = None, peak_tflops: float | None = None, gpu: str | None = None,
                  gpu_check: str | Path | None = None) -> ComputeRate:
     """Flags first, then a gpu_check.json's "trainer" figures, then DEFAULT_MFU of a DEFAULT_GPU."""
@@ -134,13 +124,19 @@ def compute_rate(mfu: float | None = None, peak_tflops: float | None = None, gpu
         mfu, mfu_source = DEFAULT_MFU, f"default MFU {DEFAULT_MFU:.0%}"
     if peak_tflops is not None:
         peak_source = "peak given"
-    elif gpu is not None:
-        peak_tflops, peak_source = _table_peak(gpu), f"peak of {gpu} from the device table"
-    elif measured.get("peak_tflops"):
+    elif gpu is None and measured.get("peak_tflops"):
         peak_tflops = float(measured["peak_tflops"])
         peak_source = f"peak of the GPU check's device {measured.get('device', '')}".rstrip()
     else:
-        peak_tflops, peak_source = _table_peak(DEFAULT_GPU), f"peak of an {DEFAULT_GPU}/H200 (default)"
+        from ..hardware import PEAK_BF16_TFLOPS, table_peak
+
+        found = table_peak(gpu or DEFAULT_GPU)
+        if found is None:
+            known = ", ".join(f for f, _ in PEAK_BF16_TFLOPS)
+            raise UserError(f"--gpu {gpu or DEFAULT_GPU}: no peak known for it (known: {known}); give its dense "
+                            f"bf16 peak with --gpu-peak-tflops")
+        peak_tflops = found[0]
+        peak_source = f"peak of {gpu} from the device table" if gpu else f"peak of an {DEFAULT_GPU}/H200 (default)"
     return ComputeRate(mfu, peak_tflops, f"{mfu_source}; {peak_source}")
 
 
