@@ -104,9 +104,7 @@ class LocalRunner:
             free.put(slot)
 
         def work(job: Job) -> Outcome | None:
-            if self._stopping.is_set():
-                return None
-            slot = free.get()
+            slot = free.get()  # never waits: there are as many workers as slots
             try:
                 if self._stopping.is_set():
                     return None

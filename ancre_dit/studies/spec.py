@@ -147,25 +147,6 @@ def baseline_candidates(arms: dict[str, dict[str, Any]], baseline: dict[str, Any
             and all(arms[arm].get(k) == v for k, v in values.items() if k not in baseline)]
 
 
-def _seeds(raw: Any, where: str) -> list[int]:
-    if not isinstance(raw, list) or not raw:
-        raise UserError(f"{where}: seeds must be a non-empty list of integers, e.g. seeds: [0, 1, 2]; got {raw!r}")
-    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in raw):
-        raise UserError(f"{where}: seeds must be integers >= 0, got {raw!r}")
-    if len(set(raw)) != len(raw):
-        raise UserError(f"{where}: seeds {raw} repeat a seed; give each once")
-    return list(raw)
-
-
-def _slurm(raw: Any, where: str) -> dict[str, Any]:
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict) or set(raw) - set(SLURM_KEYS):
-        unknown = sorted(set(raw) - set(SLURM_KEYS)) if isinstance(raw, dict) else raw
-        raise UserError(f"{where}: slurm must be a mapping of {', '.join(SLURM_KEYS)}; unknown: {unknown}")
-    return dict(raw)
-
-
 def load_study(path: str | Path) -> Study:
     """Reads and checks a study file (not the configs: see `validate`)."""
     from ..files import read_yaml_mapping
@@ -207,12 +188,21 @@ def load_study(path: str | Path) -> Study:
     elif baseline not in arms:
         raise UserError(f"{path}: baseline {baseline!r} is not among the arms ({', '.join(arms)}); name one of them, "
                         f"or give overrides such as {{model.topology: cascaded}} to compare each arm with its own")
+    overrides, seeds = _flatten(raw.get("overrides"), f"{path}: overrides"), raw.get("seeds")
+    if not isinstance(seeds, list) or not seeds:
+        raise UserError(f"{path}: seeds must be a non-empty list of integers, e.g. seeds: [0, 1, 2]; got {seeds!r}")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds):
+        raise UserError(f"{path}: seeds must be integers >= 0, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise UserError(f"{path}: seeds {seeds} repeat a seed; give each once")
+    slurm = {} if raw.get("slurm") is None else raw["slurm"]
+    if not isinstance(slurm, dict) or set(slurm) - set(SLURM_KEYS):
+        unknown = sorted(set(slurm) - set(SLURM_KEYS)) if isinstance(slurm, dict) else slurm
+        raise UserError(f"{path}: slurm must be a mapping of {', '.join(SLURM_KEYS)}; unknown: {unknown}")
     out = Path(str(raw.get("out") or Path("results") / "studies" / path.stem))
     return Study(source=path, name=str(raw.get("name") or path.stem), description=str(raw.get("description") or ""),
-                 out=out.absolute(), base=base.absolute(), overrides=_flatten(raw.get("overrides"), f"{path}: overrides"),
-                 arms=arms, seeds=_seeds(raw.get("seeds"), str(path)),
-                 baseline=baseline if isinstance(baseline, dict) else str(baseline),
-                 slurm=_slurm(raw.get("slurm"), str(path)))
+                 out=out.absolute(), base=base.absolute(), overrides=overrides, arms=arms, seeds=list(seeds),
+                 baseline=baseline if isinstance(baseline, dict) else str(baseline), slurm=dict(slurm))
 
 
 def job_config(study: Study, job: Job, check_paths: bool = True):
