@@ -43,8 +43,7 @@ def fetch_all(out: str | Path, only: Iterable[str] | None = None, assets: Mappin
               endpoint: str | None = None, log: Callable[[str], None] = print) -> dict[str, list[Path]]:
     """Fetches the named assets (all by default) into OUT and prints the settings that use them."""
     names = list(only) if only else list(assets)
-    unknown = [n for n in names if n not in assets]
-    if unknown:
+    if unknown := [n for n in names if n not in assets]:
         raise UserError(f"unknown asset {', '.join(unknown)}; choose from {', '.join(assets)} (--list shows them)")
     out = Path(out)
     fetched = {name: fetch(assets[name], out, endpoint=endpoint, log=log) for name in names}

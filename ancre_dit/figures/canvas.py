@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from matplotlib.colors import Colormap
     from matplotlib.figure import Figure
 
 
@@ -18,12 +17,6 @@ def subplots(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float] | N
     fig = Figure(figsize=figsize)
     FigureCanvasAgg(fig)
     return fig, fig.subplots(nrows, ncols, **kwargs)
-
-
-def colormap(name: str) -> Colormap:
-    from matplotlib import colormaps
-
-    return colormaps[name]
 
 
 def save_figure(fig: Figure, path: str | Path, dpi: int = 120) -> Path:

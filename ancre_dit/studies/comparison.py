@@ -27,8 +27,7 @@ LEVEL = 0.95
 
 def steps_to_target(steps: np.ndarray, values: np.ndarray, target: float, lower_is_better: bool) -> int | None:
     """The first step whose value reaches `target`; None if none does."""
-    reached = values <= target if lower_is_better else values >= target
-    hits = np.flatnonzero(reached)
+    hits = np.flatnonzero(values <= target if lower_is_better else values >= target)
     return int(steps[hits[0]]) if len(hits) else None
 
 
@@ -229,8 +228,7 @@ def write_curves(groups: Sequence[Group], metrics: Sequence[str], folder: Path, 
         panels = {metric: {g.label: c for g in groups
                            if (c := interval_curve(g, metric, axis)) is not None and np.isfinite(c[0]).all()}
                   for metric in metrics if not is_heldout_part(metric)}
-        panels = {metric: curves for metric, curves in panels.items() if curves}
-        if panels:
+        if panels := {metric: curves for metric, curves in panels.items() if curves}:
             name = f"curves_{axis}.png"
             plot_panels(panels, folder / name, xlabel=label, title=title)
             written.append(name)
@@ -243,8 +241,7 @@ def summarize(groups: Sequence[Group], targets: dict[str, float] | None = None) 
     baseline = groups[0].label
     out: dict[str, dict[str, Any]] = {}
     for metric in dict.fromkeys(m for g in groups for r in g.runs for m in r.series):
-        rows = metric_rows(groups, metric, lambda _label: baseline, targets.get(metric))
-        if rows:
+        if rows := metric_rows(groups, metric, lambda _label: baseline, targets.get(metric)):
             out[metric] = {"target": targets.get(metric), "lower_is_better": is_lower_better(metric), "rows": rows}
     return out
 
@@ -293,8 +290,7 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path, patterns: Sequ
     """Loads the runs, writes OUT/report.md, OUT/summary.json and OUT/curves_<axis>.png; returns the summary."""
     if not run_dirs:
         raise UserError("pass at least one run directory")
-    missing = [str(p) for p in run_dirs if not Path(p).is_dir()]
-    if missing:
+    if missing := [str(p) for p in run_dirs if not Path(p).is_dir()]:
         raise UserError(f"run directory {missing[0]} does not exist")
     resolved = [Path(p).resolve() for p in run_dirs]
     for i, p in enumerate(run_dirs):  # the same run twice would pass for a two-seed group with zero spread
@@ -302,8 +298,7 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path, patterns: Sequ
             raise UserError(f"run {p} is given twice (also as {run_dirs[first]}); pass each run once")
     runs = [load_run(p) for p in run_dirs]
     known = sorted({m for run in runs for m in run.series})
-    unknown = sorted(set(targets or {}) - set(known))
-    if unknown:
+    if unknown := sorted(set(targets or {}) - set(known)):
         raise UserError(f"--target {unknown[0]}: no run has that metric; the runs have {', '.join(known)}")
     groups = group_runs(runs, patterns)
     summary = summarize(groups, targets)

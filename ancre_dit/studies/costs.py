@@ -47,8 +47,7 @@ def _saved_model(run_dirs: Sequence[Path]) -> tuple[dict[str, Any], dict[str, An
     from safetensors import SafetensorError, safe_open
 
     for run_dir in run_dirs:
-        saved = list_checkpoints(run_dir)
-        if saved:
+        if saved := list_checkpoints(run_dir):
             try:
                 spec = load_model_spec(saved[-1][1])
                 with safe_open(str(saved[-1][1] / WEIGHT_FILES["model"]), "pt") as f:

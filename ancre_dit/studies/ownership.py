@@ -47,8 +47,7 @@ def check_folder(study: Study) -> None:
     old = recorded(study)
     if old is None:
         return
-    why = difference(old, study.record())
-    if why:
+    if why := difference(old, study.record()):
         raise UserError(f"{study.out} holds another study ({old.get('name')}, from {old.get('source')}): {why}; "
                         f"give this study another out:, or remove that folder")
 

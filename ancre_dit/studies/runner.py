@@ -68,8 +68,7 @@ class LocalRunner:
         job.run_dir.mkdir(parents=True, exist_ok=True)
         log_path = job.run_dir / LOG
         with open(log_path, "a") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} study {self.study.name}: "
-                      f"{' '.join(command)}\n")
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} study {self.study.name}: {' '.join(command)}\n")
             log.flush()
             child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
             with self._lock:

@@ -154,8 +154,7 @@ def load_study(path: str | Path) -> Study:
     path = Path(path)
     raw = read_yaml_mapping(path, "study", "pass a study YAML such as studies/digits-depth.yaml",
                             "base:, arms: and/or grid:, seeds:, baseline:")
-    unknown = sorted(set(raw) - set(KEYS))
-    if unknown:
+    if unknown := sorted(set(raw) - set(KEYS)):
         raise UserError(f"{path}: unknown key {unknown[0]!r}; a study file holds {', '.join(KEYS)}")
     if not raw.get("base"):
         raise UserError(f"{path}: base: is missing; name the config every run starts from, e.g. base: configs/quickstart.yaml")

@@ -96,8 +96,7 @@ def last_error_line(log: Path, limit: int = 1 << 16) -> str | None:
         text = f.read().decode("utf-8", "replace")
     lines = [part.strip() for line in text.splitlines() for part in line.split("\r")[-1:] if part.strip()]
     for test in (lambda s: s.startswith("error:"), lambda s: "Error" in s or "Exception" in s):
-        hits = [s for s in lines if test(s)]
-        if hits:
+        if hits := [s for s in lines if test(s)]:
             return hits[-1][:300]
     return lines[-1][:300] if lines else None
 
@@ -115,8 +114,7 @@ def status_table(statuses: Sequence[RunStatus]) -> str:
     rows = [(s.job.name, s.job.arm, s.job.seed, s.state, f"{s.step}/{s.max_steps}",
              None if s.heldout_loss is None else f"{s.heldout_loss:.4g}") for s in statuses]
     text = format_table(("run", "arm", "seed", "state", "step", "held-out loss"), rows)
-    failed = [s for s in statuses if s.state == "failed"]
-    if failed:
+    if failed := [s for s in statuses if s.state == "failed"]:
         text += "\n\nfailed:\n" + "\n".join(f"  {s.job.name}: exit code {s.exit_code}: {s.error or '(no message)'} "
                                             f"(log: {s.job.run_dir / LOG})" for s in failed)
     counts = {state: sum(s.state == state for s in statuses) for state in STATES}
