@@ -1,9 +1,6 @@
 """A study's runs as a submitit job array (SLURM, or submitit's local executor: the same code path).
-
-Each job launches train.py on one GPU, or torchrun over its GPUs and nodes (node 0 hosts the
-rendezvous). On a time limit or preemption submitit calls `checkpoint()`: SIGTERM makes train.py
-checkpoint within GRACE_S, and the requeued job resumes with `--resume auto`. Launch events go to
-study_status.jsonl as with the local executor, so `status` works from the login node.
+Each job runs train.py, or torchrun over its GPUs and nodes. On a time limit or preemption, `checkpoint()`
+sends SIGTERM (train.py checkpoints within GRACE_S) and the requeued job resumes with `--resume auto`.
 """
 from __future__ import annotations
 
@@ -85,9 +82,8 @@ class StudyRun(Checkpointable):
             return [sys.executable, script, *args]
         port = 20000 + int(hashlib.sha256(str(env.job_id).encode()).hexdigest(), 16) % 20000  # per job on a node
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc_per_node={gpus}",
-                f"--node_rank={env.node}", f"--master_addr={env.hostnames[0]}",
-                f"--master_port={port}", f"--shutdown-timeout={math.ceil(self.grace_s)}",
-                script, *args]
+                f"--node_rank={env.node}", f"--master_addr={env.hostnames[0]}", f"--master_port={port}",
+                f"--shutdown-timeout={math.ceil(self.grace_s)}", script, *args]
 
     def __call__(self) -> dict[str, Any]:
         import submitit

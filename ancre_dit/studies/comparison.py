@@ -1,12 +1,9 @@
-"""Comparing training runs (`scripts/compare_runs.py`, a study's report): steps to a target, speedup,
-verdict, curves figure.
+"""Comparing runs (`scripts/compare_runs.py`, a study's report): steps to a target, speedup, verdict, curves.
 
-Groups are compared with their baseline seed by seed (runs of one seed share data order and noise).
-Seed s's target is the baseline's final value for s (or a given target), not a mean curve's, which
-would mix seeds that never reach it with seeds that do. speedup_s = baseline steps_s / group steps_s,
-summarised as the geometric mean with a Student-t interval on the log speedups. A seed whose group
-never reaches the target is censored: no interval.
-"""
+Groups are compared with their baseline seed by seed (runs of one seed share data order and noise). Seed
+s's target is the baseline's final value for s (or a given one), not a mean curve's, which would mix seeds
+that never reach it with seeds that do. The geometric mean of speedup_s = baseline steps_s / group steps_s
+gets a Student-t interval on the log speedups; a seed whose group never reaches the target is censored."""
 from __future__ import annotations
 
 import json

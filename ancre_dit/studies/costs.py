@@ -1,9 +1,6 @@
-"""Training FLOPs per step of each arm, so arms of different cost compare at equal compute, and a
-study is priced before it runs (`study.py run --dry-run`: GPU-hours at a stated MFU and peak).
-
-Counted once per model config (forward + backward matrix products: models.flops) on a micro-batch,
-from the model spec of an arm's checkpoint (the exact model trained) or, before any, its config;
-then x train.global_batch_size. The report's counts are cached in `<out>/flops.json`.
+"""Training FLOPs per step of each arm, so arms of different cost compare at equal compute and a study
+is priced before it runs (`study.py run --dry-run`). Counted once per model (models.flops) from an arm's
+checkpoint (the exact model trained) or, before any, its config; cached in `<out>/flops.json`.
 """
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ class StudyReport:
         self.unreadable: dict[str, str] = {}
         runs: dict[str, list[Run]] = {arm: [] for arm in study.arms}
         for status in self.statuses:
-            if status.finished:
+            if status.state == "done":
                 try:
                     runs[status.job.arm].append(load_run(status.job.run_dir))
                 except UserError as err:
@@ -147,7 +147,7 @@ def markdown(report: StudyReport, tables: dict[str, tuple[list[MetricRow], dict]
         note += f" (logs unreadable: {_cell(report.unreadable[s.job.name])})" if s.job.name in report.unreadable else ""
         loss = "-" if s.heldout_loss is None else f"{s.heldout_loss:.4g}"
         lines.append(f"| {s.job.name} | {s.job.arm} | {s.job.seed} | {s.state}{note} | {s.step}/{s.max_steps} | {loss} |")
-    unfinished = [s.job.name for s in report.statuses if not s.finished]
+    unfinished = [s.job.name for s in report.statuses if s.state != "done"]
     lines += ["", f"Statistics below use the finished runs only ({states.count('done')} of {len(states)})"
               + (f"; not used: {', '.join(unfinished)}." if unfinished else "."), ""]
     lines += ["## Arms", "", "| arm | overrides | FLOPs / step |", "|---|---|---|"]

@@ -1,9 +1,6 @@
-"""A study's runs on this machine, N at a time, each `python train.py --config BASE --resume auto k=v ...`
-in its own subprocess (a crash in one cannot take the others down; each resumes from its checkpoint).
-
-Each slot gets cores // N threads (OMP_NUM_THREADS) and, where GPUs are visible, slot k gets GPU
-k % gpus. Output is appended to `<run>/study.log`, launches to `<run>/study_status.jsonl`. Ctrl-C
-stops the children the way train.py stops (checkpoint, then exit), so a rerun continues.
+"""A study's runs on this machine, N at a time, each train.py `--resume auto` in its own subprocess (a
+crash in one cannot take the others down). Slot k gets cores // N threads and GPU k % gpus. Output is
+appended to `<run>/study.log`. Ctrl-C stops the children as train.py stops (checkpoint, then exit).
 """
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
-"""A study file (format: docs/studies.md): base config, common overrides, named arms and/or a grid,
-seeds and a baseline -> the list of runs.
+"""A study file (docs/studies.md): base config, common overrides, arms and/or a grid, seeds, baseline -> runs.
 
-Grid arms are named from their values in key order, joined by "-": a text value as itself, any other
-as the key's last part then the value ({model.topology: ancre, model.tau: 0.01} is `ancre-tau0.01`);
-characters other than letters, digits and `._+-` become `_`. Run `<arm>-s<seed>` trains in
-`<out>/runs/<arm>-s<seed>` with `train.seed=<seed>`, so runs of one seed compare in pairs. Every
-run's config is loaded before anything is written: a mistake in any arm is one line, not a failed run.
+Grid arms are named from their values in key order, joined by "-": a text value as itself, any other as
+the key's last part then the value ({model.topology: ancre, model.tau: 0.01} is `ancre-tau0.01`); other
+characters than letters, digits and `._+-` become `_`. Run `<arm>-s<seed>` trains in `<out>/runs/<arm>-s<seed>`
+with `train.seed=<seed>`. Every config is loaded before anything is written: a mistake costs no run.
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Where each run of a study stands, read from disk (any machine can tell, whichever executor ran it):
-checkpoints, logs and `<run>/study_status.jsonl`, the append-only record of its launches.
-
-States: done (a complete checkpoint at train.max_steps), running (a launch not ended; unchecked on
-another host), submitted, failed (the last launch exited with an error), stopped (before max_steps:
-a rerun resumes it), not started.
+"""Where each run stands, read from disk (checkpoints, logs, the append-only `<run>/study_status.jsonl`),
+so any machine can tell. States: done (a complete checkpoint at max_steps), running (unchecked on another
+host), submitted, failed, stopped (before max_steps: a rerun resumes it), not started.
 """
 from __future__ import annotations
 
@@ -39,10 +36,6 @@ class RunStatus:
     heldout_loss: float | None
     exit_code: int | None = None
     error: str | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.state == "done"
 
 
 def finished_at(run_dir: Path, max_steps: int) -> int | None:
