@@ -23,8 +23,7 @@ def _plot_profiles(axes, profiles: list[tuple[str, dict[str, Any]]], colours, co
                     label=label)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(cosine_xlabel if key == "cosine" else "k (0 = embedding)")
-        if log_y:
-            ax.set_yscale("log")
+        ax.set_yscale("log" if log_y else "linear")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
 
