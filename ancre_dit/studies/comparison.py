@@ -85,12 +85,10 @@ def _pairs(baseline: Sequence[Run], arm: Sequence[Run], metric: str) -> list[tup
         return out
 
     base_runs, arm_runs = by_seed(baseline), by_seed(arm)
-    pairs = []
-    for seed in sorted(set(base_runs) & set(arm_runs)):
-        base, other = base_runs[seed].series.get(metric), arm_runs[seed].series.get(metric)
-        if base is not None and other is not None and len(base.step) and len(other.step):
-            pairs.append((seed, base, other))
-    return pairs
+    found = [(seed, base_runs[seed].series.get(metric), arm_runs[seed].series.get(metric))
+             for seed in sorted(set(base_runs) & set(arm_runs))]
+    return [(seed, base, other) for seed, base, other in found
+            if base is not None and other is not None and len(base.step) and len(other.step)]
 
 
 def paired_speedup(baseline: Sequence[Run], arm: Sequence[Run], metric: str, target: float | None = None
@@ -196,9 +194,8 @@ def step_intervals(groups: Sequence[Group], metric: str
     for group in groups:
         if (curve := interval_curve(group, metric)) is not None:
             x, mean, half = curve
-            halves = half if half is not None else [None] * len(x)
-            out[group.label] = {int(step): (float(m), None if h is None else float(m - h), None if h is None
-                                            else float(m + h)) for step, m, h in zip(x, mean, halves)}
+            bounds = [(None, None)] * len(x) if half is None else zip((mean - half).tolist(), (mean + half).tolist())
+            out[group.label] = {int(step): (float(m), low, high) for step, m, (low, high) in zip(x, mean, bounds)}
     return out
 
 
