@@ -64,14 +64,12 @@ def arm_flops_per_step(out: Path, arms: dict[str, tuple[Sequence[Path], int]]) -
     counted = dict(cache.get("per_image", {}))
     result: dict[str, float | None] = {}
     for arm, (run_dirs, batch) in arms.items():
-        saved = _saved_model(run_dirs)
-        if saved is None:
+        if (saved := _saved_model(run_dirs)) is None:
             result[arm] = None
             continue
-        spec, topology_state = saved
-        key = json.dumps(spec["model"], sort_keys=True)
+        key = json.dumps(saved[0]["model"], sort_keys=True)
         if key not in counted:
-            counted[key] = flops_per_image(spec, topology_state)
+            counted[key] = flops_per_image(*saved)  # (model spec, topology tensors)
         result[arm] = counted[key] * batch
     record = {"per_image": counted, "per_step": result,
               "note": "network forward + backward (matrix products), per image x train.global_batch_size"}

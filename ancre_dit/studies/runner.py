@@ -5,7 +5,6 @@ appended to `<run>/study.log`. Ctrl-C stops the children as train.py stops (chec
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -95,18 +94,16 @@ class LocalRunner:
         import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        free: queue.Queue[int] = queue.Queue()
-        for slot in range(self.slots):
-            free.put(slot)
+        free = list(range(self.slots))  # as many workers as slots: a worker always finds one
 
         def work(job: Job) -> Outcome | None:
-            slot = free.get()  # never waits: there are as many workers as slots
+            slot = free.pop(0)  # list.pop and list.append are atomic
             try:
                 if self._stopping.is_set():
                     return None
                 outcome = self.launch(job, slot_environment(slot, self.slots, gpus))
             finally:
-                free.put(slot)
+                free.append(slot)
             progress(outcome)
             return outcome
 
