@@ -61,14 +61,10 @@ def fetch(asset: Asset, out: Path, endpoint: str | None = None, log: Callable[[s
     paths = []
     for name in asset.file_names:
         path = folder / name
-        if asset.url:
-            if not path.is_file():
-                _download_url(asset.url, path, log)
-            reported = None
-        else:
-            reported = _hub_download(asset, name, folder, endpoint, log)
-        expected = asset.sha256.get(name) or reported  # a published checksum first
-        _verify(asset, path, expected, out)
+        reported = None if asset.url else _hub_download(asset, name, folder, endpoint, log)
+        if asset.url and not path.is_file():
+            _download_url(asset.url, path, log)
+        _verify(asset, path, asset.sha256.get(name) or reported, out)  # a published checksum first
         log(f"{asset.name}: {path} verified")
         paths.append(path)
     return paths

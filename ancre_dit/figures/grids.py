@@ -14,10 +14,7 @@ def save_image_grid(images, path: str | Path, nrow: int = 8, scale: int | None =
     x = torch.as_tensor(np.asarray(images)) if not isinstance(images, torch.Tensor) else images.detach().cpu()
     if x.ndim != 4:
         raise ValueError(f"images must be a 4-D batch (NHWC uint8 or NCHW float), got shape {tuple(x.shape)}")
-    if x.dtype == torch.uint8:
-        x = x.permute(0, 3, 1, 2).float() / 255.0
-    else:
-        x = ((x.float() + 1.0) / 2.0).clamp(0.0, 1.0)
+    x = x.permute(0, 3, 1, 2).float() / 255.0 if x.dtype == torch.uint8 else ((x.float() + 1.0) / 2.0).clamp(0.0, 1.0)
     if scale is None:
         scale = max(1, -(-64 // min(x.shape[-2:])))
     if scale > 1:
