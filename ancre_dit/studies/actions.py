@@ -25,7 +25,6 @@ def dry_run(study: Study, check_paths: bool = True, rate=None) -> str:
         unchecked.update(dict.fromkeys([] if check_paths else validate_config(c, check_paths=False)))
         rows.append((job.name, job.arm, job.seed, c.model.topology, c.train.max_steps,
                      ", ".join(f"{k}={v}" for k, v in study.arms[job.arm].items()) or "-"))
-        # arms x seeds: each seed of an arm is one more run of the same cost
         runs, per_step, _ = bill.get(job.arm) or (0, config_flops_per_step(c), None)
         bill[job.arm] = (runs + 1, per_step, c.train.max_steps)
     table = format_table(("run", "arm", "seed", "topology", "max_steps", "arm overrides"), rows)

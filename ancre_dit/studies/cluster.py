@@ -147,7 +147,6 @@ def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: Clust
     params: dict[str, Any] = dict(name=f"study-{study.name}", timeout_min=options.time_min, tasks_per_node=1)
     optional = {"gpus_per_node": options.gpus_per_node, "cpus_per_task": options.cpus_per_task}
     if cluster == "slurm":
-        # slurm_signal_delay_s: time for the checkpoint and the requeue before the kill
         params.update(nodes=options.nodes, slurm_array_parallelism=options.array_parallelism,
                       slurm_signal_delay_s=SIGNAL_DELAY_S)
         optional.update(slurm_partition=options.partition, slurm_account=options.account)

@@ -109,9 +109,8 @@ class Group:
         if not steps:
             return None
         rows = [np.searchsorted(s.step, steps) for s in members]
-        values = np.stack([s.value[i] for s, i in zip(members, rows)])
         x = np.stack([r.axis_values(s, i, axis) for r, s, i in zip(self.runs, members, rows)]).mean(axis=0)
-        return x, values
+        return x, np.stack([s.value[i] for s, i in zip(members, rows)])
 
 
 def group_runs(runs: Sequence[Run], patterns: Sequence[str] = ()) -> list[Group]:
