@@ -44,10 +44,7 @@ def difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
 def check_folder(study: Study) -> None:
     """A UserError when `out` is a file, a non-empty folder of something else, or another study's."""
     output_folder(study.out, "study", RECORD, flag="out:")
-    old = recorded(study)
-    if old is None:
-        return
-    if why := difference(old, study.record()):
+    if (old := recorded(study)) is not None and (why := difference(old, study.record())):
         raise UserError(f"{study.out} holds another study ({old.get('name')}, from {old.get('source')}): {why}; "
                         f"give this study another out:, or remove that folder")
 

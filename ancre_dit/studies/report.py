@@ -88,30 +88,29 @@ class StudyReport:
 def _how_to_read(study: Study) -> list[str]:
     return [
         "## How to read this report", "",
-        f"- **Intervals** are {LEVEL:.0%} Student-t intervals of a mean over seeds: mean ± t(0.975, n-1) · s / √n "
-        "(s: standard deviation over the seeds, ddof 1); one seed gives no interval. The bands in the figures are "
-        "the same interval at every evaluated step.",
-        "- **Paired by seed**: every arm trains with the same seeds, and runs of one seed share their data order "
-        f"and noise, so each arm is compared with the baseline ({study.baseline_label}) seed by seed.",
+        f"- **Intervals** are {LEVEL:.0%} Student-t intervals of a mean over seeds: mean ± t(0.975, n-1) · s / √n (s: "
+        "standard deviation over the seeds, ddof 1); one seed gives no interval. The bands in the figures are the "
+        "same interval at every evaluated step.",
+        "- **Paired by seed**: every arm trains with the same seeds, and runs of one seed share their data order and "
+        f"noise, so each arm is compared with the baseline ({study.baseline_label}) seed by seed.",
         "- **final - baseline**: the arm's final value minus the baseline's, per seed, then the mean and its t "
         "interval.",
         "- **Steps to the baseline's final value**: for seed s, the target is the baseline's final value for s; "
         "steps_s is the first evaluated step at which the curve reaches it (<= for lower-is-better metrics, >= "
-        "otherwise); the baseline's own steps_s is the first step it reaches its final value. `> N`: not reached "
-        "by the arm's last step N.",
-        "- **Speedup** per seed = baseline steps_s / arm steps_s; reported as the geometric mean over seeds with a "
-        "t interval on the log speedups. A seed whose arm never reaches the target is censored (its speedup is "
-        "below baseline steps_s / the arm's last step); then no interval is given.",
+        "otherwise); the baseline's own steps_s is the first step it reaches its final value. `> N`: not reached by "
+        "the arm's last step N.",
+        "- **Speedup** per seed = baseline steps_s / arm steps_s; reported as the geometric mean over seeds with a t "
+        "interval on the log speedups. A seed whose arm never reaches the target is censored (its speedup is below "
+        "baseline steps_s / the arm's last step); then no interval is given.",
         "- **Verdict**: *faster by Gx [lo, hi]* when the whole interval lies above 1; *slower by ...* when it lies "
-        "below 1, or when most seeds never reach the target; otherwise *no difference detected at this budget* "
-        "(the interval includes 1, or it could not be computed: a single seed, or some seeds not reaching the "
-        "target). No difference detected is not evidence of no difference: more seeds or steps narrow the "
-        "interval.",
-        "- Metrics named digits_* are the digits metric (an SVC's accuracy, Fréchet distance on pixels), "
-        "NOT FID. heldout_mse* / heldout_vb* are parts of heldout_loss: tables only.",
+        "below 1, or when most seeds never reach the target; otherwise *no difference detected at this budget* (the "
+        "interval includes 1, or it could not be computed: a single seed, or some seeds not reaching the target). No "
+        "difference detected is not evidence of no difference: more seeds or steps narrow the interval.",
+        "- Metrics named digits_* are the digits metric (an SVC's accuracy, Fréchet distance on pixels), NOT FID. "
+        "heldout_mse* / heldout_vb* are parts of heldout_loss: tables only.",
         "- **FLOPs** per step: network forward + backward (matrix products, attention included) counted once per "
-        "model config on a micro-batch, x global batch size; optimizer, EMA and gradient-checkpointing "
-        "recomputation are not included. Training seconds exclude evaluation.", ""]
+        "model config on a micro-batch, x global batch size; optimizer, EMA and gradient-checkpointing recomputation "
+        "are not included. Training seconds exclude evaluation.", ""]
 
 
 def _step_table(curves: dict[str, dict[int, tuple]]) -> list[str]:
