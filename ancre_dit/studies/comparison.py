@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import UserError
 from ..evaluation.metric_registry import is_heldout_part, lower_is_better as is_lower_better
 from ..evaluation.stats import MeanInterval, mean_t_interval
-from .run_curves import AXES, FLOPS_AXIS, Group, Run, Series, group_runs, load_run
+from .run_curves import AXES, Group, Run, Series, group_runs, load_run
 
 LEVEL = 0.95
 
@@ -218,7 +218,7 @@ def write_curves(groups: Sequence[Group], metrics: Sequence[str], folder: Path, 
     for old in folder.glob("curves_*.png"):
         old.unlink()
     written = []
-    for axis, label in {**AXES, **FLOPS_AXIS}.items():
+    for axis, label in AXES.items():
         panels = {metric: {g.label: c for g in groups
                            if (c := interval_curve(g, metric, axis)) is not None and np.isfinite(c[0]).all()}
                   for metric in metrics if not is_heldout_part(metric)}

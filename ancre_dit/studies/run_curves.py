@@ -16,9 +16,8 @@ from ..errors import UserError
 from ..files import read_jsonl
 from ..training.run_evaluation import read_evals
 
-AXES = {"step": "step", "images": "images seen", "seconds": "training seconds (evaluation excluded)"}
-# step x FLOPs per training step (ancre_dit.models.flops): only runs that know their FLOPs per step
-FLOPS_AXIS = {"flops": "training FLOPs (forward + backward)"}
+AXES = {"step": "step", "images": "images seen", "seconds": "training seconds (evaluation excluded)",
+        "flops": "training FLOPs (forward + backward)"}  # step x FLOPs per step, where a run knows it
 
 
 @dataclass
@@ -44,7 +43,7 @@ class Run:
         return None if seed is None else int(seed)
 
     def axis_values(self, series: Series, rows: np.ndarray, axis: str) -> np.ndarray:
-        """x values of `series` at `rows` on an axis of AXES or FLOPS_AXIS (NaN where unknown)."""
+        """x values of `series` at `rows` on an axis of AXES (NaN where unknown)."""
         if axis not in ("step", "flops"):
             return getattr(series, axis)[rows]
         steps = series.step[rows].astype(np.float64)
