@@ -138,6 +138,7 @@ def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: Clust
     lets a job tell a finished run from a stopped one."""
     import submitit
 
+    max_steps = max_steps or {}
     try:
         executor = submitit.AutoExecutor(folder=study.out / "submitit", cluster=cluster,
                                          slurm_max_num_timeout=MAX_TIMEOUTS, local_max_num_timeout=MAX_TIMEOUTS)
@@ -153,13 +154,11 @@ def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: Clust
     executor.update_parameters(**params, **{key: value for key, value in optional.items() if value})
     for job in jobs:  # before submitting: a job that starts at once must not be followed by this record
         record_event(job.run_dir, "submitted", executor=cluster)
-    handles = []
     try:
-        with executor.batch():
-            for job in jobs:
-                args = [str(a) for a in train_command(study, job, train_script)[1:]]
-                handles.append(executor.submit(StudyRun(job.name, str(job.run_dir), args, options.gpus_per_node,
-                                                        threads, max_steps=(max_steps or {}).get(job.name))))
+        with executor.batch():  # StudyRun gets the train.py arguments: the command but its interpreter
+            handles = [executor.submit(StudyRun(job.name, str(job.run_dir), train_command(study, job, train_script)[1:],
+                                                options.gpus_per_node, threads, max_steps=max_steps.get(job.name)))
+                       for job in jobs]
     except Exception as err:  # noqa: BLE001 - sbatch refused (partition, account, limits): say so per run
         problem = " ".join(str(err).split())[:300]
         for job in jobs:
