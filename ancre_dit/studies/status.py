@@ -110,6 +110,5 @@ def status_table(statuses: Sequence[RunStatus]) -> str:
     if failed := [s for s in statuses if s.state == "failed"]:
         text += "\n\nfailed:\n" + "\n".join(f"  {s.job.name}: exit code {s.exit_code}: {s.error or '(no message)'} "
                                             f"(log: {s.job.run_dir / LOG})" for s in failed)
-    counts = {state: sum(s.state == state for s in statuses) for state in STATES}
-    text += "\n\n" + ", ".join(f"{n} {state}" for state, n in counts.items() if n)
-    return text
+    counts = ", ".join(f"{n} {state}" for state in STATES if (n := sum(s.state == state for s in statuses)))
+    return f"{text}\n\n{counts}"
