@@ -6,10 +6,9 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Asset:
-    """`url`: a plain download of one file; `repo` + `files`: files of a Hugging Face hub repository.
-    `sha256`: a published checksum per file, or `hash_prefix` (the first digits, as torch.hub names
-    files); a hub file without either is checked against the SHA-256 the hub reports for it (its
-    LFS ETag). `settings`: how configs and commands point at it, `{path}` standing for where it lands."""
+    """`url`: one plain file; `repo` + `files`: files of a hub repository. `sha256`: published checksums,
+    or `hash_prefix` (as torch.hub names files); else the hub's LFS ETag. `settings`: how configs point
+    at it, `{path}` standing for where it lands."""
 
     name: str
     what: str

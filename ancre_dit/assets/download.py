@@ -1,10 +1,8 @@
-"""Fetching the catalog's assets into one folder, OUT/<name>/<file>, each verified before it counts.
+"""Fetching assets into OUT/<name>/<file>, each verified before it counts.
 
-Plain URLs go through requests with a `Range` request to resume a cut download (OUT/<name>/<file>.part);
-hub files through huggingface_hub, which resumes on its own. A file is checked against its published
-checksum, else against the SHA-256 the hub reports for it; a file with neither (a plain URL without a
-published checksum) has its SHA-256 recorded in OUT/assets.json, and a later fetch checks it against
-that record. A file that fails its check is removed and the fetch stops in one line.
+Plain URLs resume a cut download (<file>.part) with a `Range` request; hub files resume on their own.
+A file is checked against its published checksum, else the SHA-256 the hub reports; else its SHA-256
+is recorded in OUT/assets.json and checked by later fetches. A failing file is removed.
 """
 from __future__ import annotations
 
@@ -15,19 +13,10 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
 from ..errors import UserError
-from ..files import write_atomic
+from ..files import sha256_file, write_atomic
 from .catalog import ASSETS, Asset
 
 RECORD_FILE = "assets.json"
-CHUNK = 1 << 20
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def git_blob_sha1(path: Path) -> str:
@@ -37,7 +26,7 @@ def git_blob_sha1(path: Path) -> str:
 
 
 def format_listing(assets: Mapping[str, Asset] = ASSETS) -> str:
-    """Every asset with its source, files and checksum (nothing is downloaded)."""
+    """Every asset with its source, files and checksum."""
     lines = []
     for a in assets.values():
         lines.append(f"{a.name}: {a.what}\n  source: {a.source}")
@@ -54,8 +43,7 @@ def fetch_all(out: str | Path, only: Iterable[str] | None = None, assets: Mappin
               endpoint: str | None = None, log: Callable[[str], None] = print) -> dict[str, list[Path]]:
     """Fetches the named assets (all by default) into OUT and prints the settings that use them."""
     names = list(only) if only else list(assets)
-    unknown = [n for n in names if n not in assets]
-    if unknown:
+    if unknown := [n for n in names if n not in assets]:
         raise UserError(f"unknown asset {', '.join(unknown)}; choose from {', '.join(assets)} (--list shows them)")
     out = Path(out)
     fetched = {name: fetch(assets[name], out, endpoint=endpoint, log=log) for name in names}
@@ -67,27 +55,23 @@ def fetch_all(out: str | Path, only: Iterable[str] | None = None, assets: Mappin
 
 
 def fetch(asset: Asset, out: Path, endpoint: str | None = None, log: Callable[[str], None] = print) -> list[Path]:
-    """OUT/<name>/<file> for each of the asset's files, downloaded unless already there and verified."""
+    """OUT/<name>/<file> for each of the asset's files, downloaded unless there, and verified."""
     folder = out / asset.name
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name in asset.file_names:
         path = folder / name
-        if asset.url:
-            if not path.is_file():
-                _download_url(asset.url, path, log)
-            reported = None
-        else:
-            reported = _hub_download(asset, name, folder, endpoint, log)
-        expected = asset.sha256.get(name) or reported  # a published checksum first
-        _verify(asset, path, expected, out)
+        reported = None if asset.url else _hub_download(asset, name, folder, endpoint, log)
+        if asset.url and not path.is_file():
+            _download_url(asset.url, path, log)
+        _verify(asset, path, asset.sha256.get(name) or reported, out)  # a published checksum first
         log(f"{asset.name}: {path} verified")
         paths.append(path)
     return paths
 
 
 def _download_url(url: str, path: Path, log: Callable[[str], None]) -> None:
-    """Into path.part, resumed from its size with a Range request when one is there; renamed when complete."""
+    """Into path.part (resumed from its size), renamed when complete."""
     import requests
     from tqdm.auto import tqdm
 
@@ -118,7 +102,7 @@ def _download_url(url: str, path: Path, log: Callable[[str], None]) -> None:
 
 
 def _hub_download(asset: Asset, name: str, folder: Path, endpoint: str | None, log: Callable[[str], None]) -> str:
-    """Downloads one hub file into the folder (resumable) and returns the SHA-256 the hub reports."""
+    """Downloads one hub file into the folder; returns the SHA-256 the hub reports."""
     from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -138,14 +122,14 @@ def _hub_download(asset: Asset, name: str, folder: Path, endpoint: str | None, l
 
 def _verify(asset: Asset, path: Path, expected: str | None, out: Path) -> None:
     """Checks the file's SHA-256; without an expected value, against (or into) OUT/assets.json."""
-    actual = sha256_of(path)
+    actual = sha256_file(path)
     record_path = out / RECORD_FILE
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     key = f"{asset.name}/{path.name}"
     if expected is None and asset.hash_prefix:
         ok, wanted = actual.startswith(asset.hash_prefix), f"{asset.hash_prefix}..."
     elif expected and len(expected) == 40:  # a small hub file kept in git: its ETag is git's blob hash
-        ok, wanted, actual = git_blob_sha1(path) == expected, f"git blob {expected}", actual
+        ok, wanted = git_blob_sha1(path) == expected, f"git blob {expected}"
     else:
         wanted = expected if expected and len(expected) == 64 else record.get(key)
         ok = wanted is None or actual == wanted

@@ -1,12 +1,5 @@
-"""Every figure ancre-dit draws, on matplotlib's Agg backend (no display needed).
-
-    curves         metric curves (one panel per metric, a band per group)
-    depth_profile  the depth profile of a run (forward inflation, backward decay, redundancy, routing)
-    grids          sample grids (ADM uint8 NHWC or float NCHW images)
-    topology       learned-topology heatmaps: one, side by side, or animated
-
-Callers import this package inside the function that draws: commands that draw nothing never pay
-matplotlib's import."""
+"""Every figure ancre-dit draws (Agg backend, no display). Callers import this package inside the
+function that draws: commands that draw nothing never pay matplotlib's import."""
 from .curves import plot_panels
 from .depth_profile import plot_diagnosis, plot_diagnostics
 from .grids import save_image_grid

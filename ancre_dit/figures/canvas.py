@@ -1,15 +1,11 @@
-"""The one place matplotlib is set up: figures drawn by Agg without pyplot, and saved to a path.
-
-pyplot is not imported: its import is slow, every training run draws at its first checkpoint, and a
-figure pyplot never saw needs no closing. matplotlib itself is imported at the first figure, so a
-command drawing only sample grids never loads it."""
+"""Figures drawn by Agg without pyplot (slow to import; a figure pyplot never saw needs no closing).
+matplotlib is imported at the first figure, so a command drawing only sample grids never loads it."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from matplotlib.colors import Colormap
     from matplotlib.figure import Figure
 
 
@@ -21,12 +17,6 @@ def subplots(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float] | N
     fig = Figure(figsize=figsize)
     FigureCanvasAgg(fig)
     return fig, fig.subplots(nrows, ncols, **kwargs)
-
-
-def colormap(name: str) -> Colormap:
-    from matplotlib import colormaps
-
-    return colormaps[name]
 
 
 def save_figure(fig: Figure, path: str | Path, dpi: int = 120) -> Path:

@@ -11,7 +11,7 @@ Curve = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # x, mean, std (None: 
 
 
 def plot_panels(panels: dict[str, dict[str, Curve]], path: str | Path, xlabel: str = "step",
-                title: str | None = None, log_x: bool = False, log_y: bool = False) -> Path:
+                title: str | None = None) -> Path:
     """panels: metric -> {label -> (x, mean, std | None)}; lines share colours across panels by label."""
     names = list(panels)
     cols = min(3, len(names))
@@ -26,10 +26,6 @@ def plot_panels(panels: dict[str, dict[str, Curve]], path: str | Path, xlabel: s
                 ax.fill_between(x, mean - std, mean + std, color=colours[label], alpha=0.2)
         ax.set_title(name, fontsize=10)
         ax.set_xlabel(xlabel)
-        if log_x:
-            ax.set_xscale("log")
-        if log_y:
-            ax.set_yscale("log")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
@@ -40,4 +36,3 @@ def plot_panels(panels: dict[str, dict[str, Curve]], path: str | Path, xlabel: s
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.06 if any(labels) else 0, 1, 1))
     return save_figure(fig, path, dpi=110)
-

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .canvas import colormap, save_figure, subplots
+from .canvas import save_figure, subplots
 
 PROFILES = (("rms", "forward: RMS of z_k", True), ("grad_rms", "backward: RMS of dL/dz_k", True),
             ("cosine", "redundancy: cos(z_k, z_k+1)", False))
@@ -16,7 +16,6 @@ ROUTING = (("routing_entropy", "routing: mean row entropy / log j"),
 
 
 def _plot_profiles(axes, profiles: list[tuple[str, dict[str, Any]]], colours, cosine_xlabel: str) -> None:
-    """One line per (label, profile) on each of the PROFILES axes (cosines start at k = 1)."""
     for ax, (key, title, log_y) in zip(axes, PROFILES):
         for colour, (label, profile) in zip(colours, profiles):
             start = 1 if key == "cosine" else 0
@@ -24,15 +23,16 @@ def _plot_profiles(axes, profiles: list[tuple[str, dict[str, Any]]], colours, co
                     label=label)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(cosine_xlabel if key == "cosine" else "k (0 = embedding)")
-        if log_y:
-            ax.set_yscale("log")
+        ax.set_yscale("log" if log_y else "linear")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
 
 
 def plot_diagnostics(records: Sequence[dict[str, Any]], path: str | Path, snapshots: int = 4) -> Path | None:
-    """Top row: the depth profiles at a few steps spread over the run (darker = later); bottom
-    row, for learned routings: their statistics against step. None when there are no records."""
+    """Top row: depth profiles at a few steps (darker = later); bottom row, for learned routings, their
+    statistics against step. None without records."""
+    from matplotlib import colormaps
+
     records = sorted(records, key=lambda r: r["step"])
     if not records:
         return None
@@ -41,7 +41,7 @@ def plot_diagnostics(records: Sequence[dict[str, Any]], path: str | Path, snapsh
     fig, axes = subplots(rows, 3, figsize=(13.5, 3.6 * rows), squeeze=False)
     picks = sorted({int(i) for i in np.linspace(0, len(records) - 1, min(snapshots, len(records)))})
     _plot_profiles(axes[0], [(f"step {records[i]['step']}", records[i]) for i in picks],
-                   colormap("viridis")(np.linspace(0.85, 0.0, len(picks))), "k (cosine: between k-1 and k)")
+                   colormaps["viridis"](np.linspace(0.85, 0.0, len(picks))), "k (cosine: between k-1 and k)")
     if routed:
         steps = [r["step"] for r in records]
         for ax, (key, title) in zip(axes[1], ROUTING):
@@ -54,11 +54,12 @@ def plot_diagnostics(records: Sequence[dict[str, Any]], path: str | Path, snapsh
 
 
 def plot_diagnosis(result: dict[str, Any], path: str | Path) -> Path:
-    """`scripts/topology.py diagnose`: the depth profiles, one line per normalised time t, and the
-    time probe's R^2 against depth."""
+    """`scripts/topology.py diagnose`: depth profiles per normalised time t, and the time probe's R^2."""
+    from matplotlib import colormaps
+
     fig, axes = subplots(1, 4, figsize=(18, 3.8), squeeze=False)
     _plot_profiles(axes[0], [(f"t={t}", profile) for t, profile in result["profiles"].items()],
-                   colormap("plasma")(np.linspace(0.0, 0.85, len(result["profiles"]))), "k (0 = embedding)")
+                   colormaps["plasma"](np.linspace(0.0, 0.85, len(result["profiles"]))), "k (0 = embedding)")
     probe = axes[0, 3]
     if result.get("time_probe_r2") is not None:
         probe.plot(range(len(result["time_probe_r2"])), result["time_probe_r2"], marker="o", markersize=3)

@@ -1,5 +1,4 @@
-"""Sample grids: a batch of images as one PNG (torchvision's make_grid and save_image, as DiT
-writes its samples), small images enlarged so the grid is readable."""
+"""Sample grids: a batch of images as one PNG (torchvision's make_grid and save_image, as DiT does)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,15 +9,12 @@ from torchvision.utils import make_grid, save_image
 
 
 def save_image_grid(images, path: str | Path, nrow: int = 8, scale: int | None = None) -> Path:
-    """Saves a grid PNG of uint8 NHWC images (ADM sample layout) or float NCHW images in [-1, 1],
-    upscaled `scale` times (nearest neighbour; by default to at least 64 pixels a side)."""
+    """A grid PNG of uint8 NHWC (ADM layout) or float NCHW images in [-1, 1], upscaled `scale` times
+    (nearest; by default to at least 64 pixels a side)."""
     x = torch.as_tensor(np.asarray(images)) if not isinstance(images, torch.Tensor) else images.detach().cpu()
     if x.ndim != 4:
         raise ValueError(f"images must be a 4-D batch (NHWC uint8 or NCHW float), got shape {tuple(x.shape)}")
-    if x.dtype == torch.uint8:
-        x = x.permute(0, 3, 1, 2).float() / 255.0
-    else:
-        x = ((x.float() + 1.0) / 2.0).clamp(0.0, 1.0)
+    x = x.permute(0, 3, 1, 2).float() / 255.0 if x.dtype == torch.uint8 else ((x.float() + 1.0) / 2.0).clamp(0.0, 1.0)
     if scale is None:
         scale = max(1, -(-64 // min(x.shape[-2:])))
     if scale > 1:

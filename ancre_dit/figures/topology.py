@@ -1,9 +1,5 @@
-"""Learned-topology heatmaps: one matrix, several side by side on one colour scale, or an animation.
-
-A topology matrix P is (K, K) with row j = block j+1's incoming weights over sources i = 0..j
-(0 = the embedding h_0, i = the output of block i), zeros above the diagonal, as
-`model.topology.probabilities()` returns it.
-"""
+"""Learned-topology heatmaps: one matrix, several on one colour scale, or an animation. P is (K, K):
+row j = block j+1's weights over sources i = 0..j (0 = the embedding), as `probabilities()` returns it."""
 from __future__ import annotations
 
 import textwrap
@@ -16,20 +12,28 @@ from ..models.topologies.analysis import square_topology
 from .canvas import save_figure, subplots
 
 
+def _draw_topology(ax, P: np.ndarray, vmax: float, title: str | None, dense: int = 12, spacing: int = 6,
+                   **tick_style):
+    """P below its diagonal; a tick per block up to `dense` blocks, else every K // spacing blocks."""
+    masked = np.ma.masked_where(np.triu(np.ones_like(P, dtype=bool), k=1), P)
+    image = ax.imshow(masked, cmap="viridis", vmin=0.0, vmax=vmax, interpolation="nearest")
+    K = P.shape[0]
+    step = 1 if K <= dense else max(1, K // spacing)
+    ax.set_xticks(np.arange(K)[::step], [str(i) for i in range(K)][::step], **tick_style)
+    ax.set_yticks(np.arange(K)[::step], [str(j + 1) for j in range(K)][::step], **tick_style)
+    if title is not None:
+        ax.set_title("\n".join(textwrap.wrap(title, 22)), fontsize=8)  # long run names wrap instead of overlapping
+    return image
+
+
 def plot_topology_heatmap(P, path: str | Path, title: str | None = None) -> Path:
-    """Lower-triangular heatmap of P: rows = target block, columns = source (0 = embedding); cells
-    are annotated with their weight when K <= 16."""
+    """Lower-triangular heatmap of P, cells annotated with their weight when K <= 16."""
     P = square_topology(P, min_blocks=1)
     K = P.shape[0]
-    masked = np.ma.masked_where(np.triu(np.ones_like(P, dtype=bool), k=1), P)
     size = max(4.0, 0.45 * K + 2.0)
     fig, ax = subplots(figsize=(size + 1.0, size))
-    image = ax.imshow(masked, cmap="viridis", vmin=0.0, vmax=max(1e-12, float(np.nanmax(P))), interpolation="nearest")
+    image = _draw_topology(ax, P, max(1e-12, float(np.nanmax(P))), None, dense=16, spacing=12)
     fig.colorbar(image, ax=ax, label="p_ij")
-    ticks = np.arange(K)
-    step = 1 if K <= 16 else max(1, K // 12)
-    ax.set_xticks(ticks[::step], [str(i) for i in ticks[::step]])
-    ax.set_yticks(ticks[::step], [str(j + 1) for j in ticks[::step]])
     ax.set_xlabel("source i (0 = embedding)")
     ax.set_ylabel("target block j")
     if K <= 16:
@@ -43,32 +47,19 @@ def plot_topology_heatmap(P, path: str | Path, title: str | None = None) -> Path
     return save_figure(fig, path, dpi=120)
 
 
-def _draw_topology(ax, P: np.ndarray, vmax: float, title: str):
-    masked = np.ma.masked_where(np.triu(np.ones_like(P, dtype=bool), k=1), P)
-    image = ax.imshow(masked, cmap="viridis", vmin=0.0, vmax=vmax, interpolation="nearest")
-    K = P.shape[0]
-    step = 1 if K <= 12 else max(1, K // 6)
-    ax.set_xticks(np.arange(K)[::step], [str(i) for i in range(K)][::step], fontsize=7)
-    ax.set_yticks(np.arange(K)[::step], [str(j + 1) for j in range(K)][::step], fontsize=7)
-    ax.set_title("\n".join(textwrap.wrap(title, 22)), fontsize=8)  # long run names wrap instead of overlapping
-    return image
-
-
 def plot_topology_panels(topologies: Mapping[str, object], path: str | Path, title: str | None = None,
                          max_columns: int = 6) -> Path:
-    """Several topologies side by side (rows of at most `max_columns`) on one shared colour scale:
-    `scripts/topology.py compare` (one panel per run) and `evolution` (one per checkpoint)."""
+    """Topologies side by side on one colour scale (`scripts/topology.py compare` and `evolution`)."""
     mats = {name: square_topology(P, min_blocks=1) for name, P in topologies.items()}
     if not mats:
         raise ValueError("no topologies to draw")
     vmax = max(1e-12, max(float(np.nanmax(P)) for P in mats.values()))
     cols = min(max_columns, len(mats))
     rows = -(-len(mats) // cols)
-    fig, axes = subplots(rows, cols, figsize=(2.6 * cols + 0.8, 2.6 * rows + (0.4 if title else 0.0)),
-                         squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(2.6 * cols + 0.8, 2.6 * rows + (0.4 if title else 0.0)), squeeze=False)
     image = None
     for ax, (name, P) in zip(axes.flat, mats.items()):
-        image = _draw_topology(ax, P, vmax, name)
+        image = _draw_topology(ax, P, vmax, name, fontsize=7)
     for ax in list(axes.flat)[len(mats):]:
         ax.axis("off")
     fig.colorbar(image, ax=axes.ravel().tolist(), label="p_ij", shrink=0.8)
@@ -88,7 +79,7 @@ def save_topology_gif(topologies: Mapping[str, object], path: str | Path, second
     frames = []
     for name, P in mats.items():
         fig, ax = subplots(figsize=(4.2, 3.6))
-        fig.colorbar(_draw_topology(ax, P, vmax, name), ax=ax, label="p_ij")
+        fig.colorbar(_draw_topology(ax, P, vmax, name, fontsize=7), ax=ax, label="p_ij")
         fig.canvas.draw()
         frames.append(Image.fromarray(np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()))
     path = Path(path)

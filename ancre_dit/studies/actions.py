@@ -1,5 +1,4 @@
-"""What `scripts/study.py run|status|report` do, put together from spec, ownership, runner, cluster,
-status and report; each validates every run's config first, so a mistake costs no run."""
+"""What `scripts/study.py run|status|report` do; each validates every run's config first."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,8 +12,8 @@ from .status import RunStatus, format_table, run_status, status_table
 
 
 def dry_run(study: Study, check_paths: bool = True, rate=None) -> str:
-    """Validates every run's config and the folder, writes nothing; returns the job table and the
-    training bill of each arm at `rate` (costs.ComputeRate; default: costs.compute_rate())."""
+    """Validates every config and the folder, writes nothing; returns the job table and each arm's
+    training bill at `rate` (default: costs.compute_rate())."""
     from ..training.config_checks import validate_config
     from .costs import compute_rate, config_flops_per_step, format_bill
 
@@ -26,7 +25,6 @@ def dry_run(study: Study, check_paths: bool = True, rate=None) -> str:
         unchecked.update(dict.fromkeys([] if check_paths else validate_config(c, check_paths=False)))
         rows.append((job.name, job.arm, job.seed, c.model.topology, c.train.max_steps,
                      ", ".join(f"{k}={v}" for k, v in study.arms[job.arm].items()) or "-"))
-        # arms x seeds: each seed of an arm is one more run of the same cost
         runs, per_step, _ = bill.get(job.arm) or (0, config_flops_per_step(c), None)
         bill[job.arm] = (runs + 1, per_step, c.train.max_steps)
     table = format_table(("run", "arm", "seed", "topology", "max_steps", "arm overrides"), rows)
@@ -37,7 +35,7 @@ def dry_run(study: Study, check_paths: bool = True, rate=None) -> str:
 
 
 def statuses(study: Study, configs: dict | None = None) -> list[RunStatus]:
-    """Every run's state; the configs (for max_steps) are validated without path checks unless given."""
+    """Every run's state; configs (for max_steps) are validated without path checks unless given."""
     configs = configs or validate(study, check_paths=False)
     return [run_status(job, configs[job.name].train.max_steps) for job in study.jobs]
 
@@ -60,9 +58,8 @@ def write_report(study: Study) -> Path:
 
 
 def _to_run(study: Study, check_paths: bool, force: bool) -> tuple[dict[str, int], list[Job]]:
-    """Validates the configs and claims the folder; returns (run name -> max_steps, the runs not
-    finished yet). A UserError for a run that is running or queued elsewhere (two trainings in one
-    run folder would overwrite each other's checkpoints), unless `force`."""
+    """Validates and claims the folder; returns (run name -> max_steps, the unfinished runs). A run
+    running or queued elsewhere is a UserError unless `force` (two trainings would overwrite checkpoints)."""
     configs = validate(study, check_paths)
     claim_folder(study)
     max_steps = {job.name: configs[job.name].train.max_steps for job in study.jobs}
@@ -79,7 +76,7 @@ def _to_run(study: Study, check_paths: bool, force: bool) -> tuple[dict[str, int
 
 def run_local(study: Study, train_script: Path, slots: int, check_paths: bool = True, force: bool = False,
               say: Callable[[str], None] = print) -> int:
-    """Runs every unfinished run, `slots` at a time; 0 when all finished, 1 when any failed or stopped."""
+    """Runs every unfinished run, `slots` at a time; 0 when all finished, else 1."""
     from tqdm.auto import tqdm
 
     max_steps, todo = _to_run(study, check_paths, force)
@@ -111,7 +108,7 @@ def run_local(study: Study, train_script: Path, slots: int, check_paths: bool = 
 
 def run_cluster(study: Study, train_script: Path, options, cluster: str, wait: bool, check_paths: bool = True,
                 force: bool = False, say: Callable[[str], None] = print) -> int:
-    """Submits every unfinished run through submitit; with `wait`, waits for them (0 = all finished)."""
+    """Submits every unfinished run through submitit; with `wait`, waits (0 = all finished)."""
     from .cluster import submit
 
     max_steps, todo = _to_run(study, check_paths, force)

@@ -1,12 +1,6 @@
-"""Runs a study's training runs as cluster jobs through submitit (SLURM, or submitit's local
-executor, which runs the same code path on this machine).
-
-Each run is one job of a job array; its callable launches `python train.py ...` on one GPU, or
-torchrun over the job's GPUs and nodes (one task per node, with that node's rank; node 0 is the
-rendezvous host). On a time limit or a preemption submitit calls the callable's `checkpoint()`,
-which sends SIGTERM to the training (train.py saves a checkpoint and exits within GRACE_S) and
-requeues the callable; the requeued job resumes exactly with `--resume auto`. Launch events go to
-the run's study_status.jsonl, as with the local executor, so `status` works from the login node.
+"""A study's runs as a submitit job array (SLURM, or submitit's local executor: the same code path).
+Each job runs train.py, or torchrun over its GPUs and nodes. On a time limit or preemption, `checkpoint()`
+sends SIGTERM (train.py checkpoints within GRACE_S) and the requeued job resumes with `--resume auto`.
 """
 from __future__ import annotations
 
@@ -28,22 +22,18 @@ from .runner import train_command
 from .spec import Job, Study
 from .status import LOG, finished_at, last_error_line, record_event
 
-# Requeues after a time limit that a run may use (preemptions do not count): 400K steps at a few
-# days per run outlast most partitions' limits many times over.
-MAX_TIMEOUTS = 100
-# Before a time limit SLURM signals the job SIGNAL_DELAY_S early (submitit's --signal=USR2@N); the
-# job then gives the training GRACE_S to checkpoint (SIGTERM, then the step boundary, then the save),
-# torchrun included (its --shutdown-timeout, 30 s by default, would SIGKILL its workers sooner), and
-# keeps the rest for the requeue. See docs/cluster.md.
+MAX_TIMEOUTS = 100  # requeues after time limits (not preemptions): 400K-step runs outlast most limits
+# SLURM signals SIGNAL_DELAY_S before a time limit (submitit's --signal=USR2@N); the training gets GRACE_S
+# to checkpoint, torchrun included (its default 30 s --shutdown-timeout would SIGKILL its workers sooner),
+# the rest is for the requeue. See docs/cluster.md.
 SIGNAL_DELAY_S = 180
 GRACE_S = 120
-
 
 MINIMUM = {"gpus_per_node": 0, "nodes": 1, "time_min": 1, "array_parallelism": 1, "cpus_per_task": 1}
 
 
 def check_cluster_value(key: str, value: Any, name: str) -> None:
-    """The one rule for a count of the cluster settings, whether from a flag or the study's slurm: section."""
+    """The one rule for a cluster count, whether from a flag or the study's slurm: section."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < MINIMUM[key]):
         raise UserError(f"{name} must be a whole number >= {MINIMUM[key]}, got {value!r}")
 
@@ -63,23 +53,17 @@ class ClusterOptions:
             check_cluster_value(key, getattr(self, key), f"slurm.{key}")
 
 
-def _port(job_id: str) -> int:
-    """A rendezvous port that differs between jobs sharing a node."""
-    return 20000 + int(hashlib.sha256(job_id.encode()).hexdigest(), 16) % 20000
-
-
 def _ignore_submitit_signal() -> None:
     """In the training child, before exec: SLURM's early signal (submitit's USR2) reaches every process
-    of the job step, and its default action would kill train.py, torchrun and the loader workers
-    before any checkpoint. They ignore it (an ignored signal stays ignored across exec); this job
-    answers it by sending SIGTERM (checkpoint())."""
+    of the job step and would kill train.py, torchrun and the loader workers before any checkpoint.
+    Ignored signals stay ignored across exec; the job answers it with SIGTERM (checkpoint())."""
     from submitit.core.job_environment import JobEnvironment
 
     signal.signal(getattr(signal, f"SIG{JobEnvironment.USR_SIG}"), signal.SIG_IGN)
 
 
 class StudyRun(Checkpointable):
-    """One run as a submitit job; picklable (the running child is not part of its state)."""
+    """One run as a submitit job; pickled without its running child."""
 
     _child: subprocess.Popen | None = None  # the class's None where an unpickled copy has none
 
@@ -92,15 +76,14 @@ class StudyRun(Checkpointable):
         return {k: v for k, v in self.__dict__.items() if k != "_child"}
 
     def command(self, env: Any) -> list[str]:
-        """train.py alone on one process, torchrun over the job's GPUs and nodes otherwise."""
         script, *args = self.train_args
         nodes, gpus = env.num_nodes, max(1, self.gpus_per_node)
         if nodes == 1 and gpus == 1:
             return [sys.executable, script, *args]
+        port = 20000 + int(hashlib.sha256(str(env.job_id).encode()).hexdigest(), 16) % 20000  # per job on a node
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc_per_node={gpus}",
-                f"--node_rank={env.node}", f"--master_addr={env.hostnames[0]}",
-                f"--master_port={_port(str(env.job_id))}", f"--shutdown-timeout={math.ceil(self.grace_s)}",
-                script, *args]
+                f"--node_rank={env.node}", f"--master_addr={env.hostnames[0]}", f"--master_port={port}",
+                f"--shutdown-timeout={math.ceil(self.grace_s)}", script, *args]
 
     def __call__(self) -> dict[str, Any]:
         import submitit
@@ -138,7 +121,7 @@ class StudyRun(Checkpointable):
         return {"run": self.name, "exit_code": 0, "finished": True}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
-        """Time limit or preemption: train.py checkpoints on SIGTERM; then requeue a fresh copy."""
+        """Time limit or preemption: SIGTERM (train.py checkpoints), then requeue."""
         child = self._child
         if child is not None and child.poll() is None:
             child.send_signal(signal.SIGTERM)
@@ -146,16 +129,16 @@ class StudyRun(Checkpointable):
             while child.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.5)
         record_event(Path(self.run_dir), "stopped", reason="time limit or preemption: requeued")
-        return DelayedSubmission(StudyRun(self.name, self.run_dir, self.train_args, self.gpus_per_node, self.threads,
-                                          self.grace_s, self.max_steps))
+        return DelayedSubmission(self)
 
 
 def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: ClusterOptions, cluster: str = "slurm",
            threads: int | None = None, max_steps: dict[str, int] | None = None) -> list[Any]:
-    """Submits the jobs as one array; returns submitit's Job handles (in the order of `jobs`).
-    `max_steps` (run name -> train.max_steps) lets a job tell a finished run from a stopped one."""
+    """Submits the jobs as one array; returns submitit's handles. `max_steps` (run name -> train.max_steps)
+    lets a job tell a finished run from a stopped one."""
     import submitit
 
+    max_steps = max_steps or {}
     try:
         executor = submitit.AutoExecutor(folder=study.out / "submitit", cluster=cluster,
                                          slurm_max_num_timeout=MAX_TIMEOUTS, local_max_num_timeout=MAX_TIMEOUTS)
@@ -165,20 +148,17 @@ def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: Clust
     params: dict[str, Any] = dict(name=f"study-{study.name}", timeout_min=options.time_min, tasks_per_node=1)
     optional = {"gpus_per_node": options.gpus_per_node, "cpus_per_task": options.cpus_per_task}
     if cluster == "slurm":
-        # slurm_signal_delay_s: time for the checkpoint and the requeue before the kill
         params.update(nodes=options.nodes, slurm_array_parallelism=options.array_parallelism,
                       slurm_signal_delay_s=SIGNAL_DELAY_S)
         optional.update(slurm_partition=options.partition, slurm_account=options.account)
     executor.update_parameters(**params, **{key: value for key, value in optional.items() if value})
     for job in jobs:  # before submitting: a job that starts at once must not be followed by this record
         record_event(job.run_dir, "submitted", executor=cluster)
-    handles = []
     try:
-        with executor.batch():
-            for job in jobs:
-                args = [str(a) for a in train_command(study, job, train_script)[1:]]
-                handles.append(executor.submit(StudyRun(job.name, str(job.run_dir), args, options.gpus_per_node,
-                                                        threads, max_steps=(max_steps or {}).get(job.name))))
+        with executor.batch():  # StudyRun gets the train.py arguments: the command but its interpreter
+            handles = [executor.submit(StudyRun(job.name, str(job.run_dir), train_command(study, job, train_script)[1:],
+                                                options.gpus_per_node, threads, max_steps=max_steps.get(job.name)))
+                       for job in jobs]
     except Exception as err:  # noqa: BLE001 - sbatch refused (partition, account, limits): say so per run
         problem = " ".join(str(err).split())[:300]
         for job in jobs:

@@ -1,15 +1,9 @@
-"""The comparison of training runs: steps to a target, the speedup with its interval, the verdict,
-and the curves figure; `scripts/compare_runs.py` and a study's report both use it.
+"""Comparing runs (`scripts/compare_runs.py`, a study's report): steps to a target, speedup, verdict, curves.
 
-Each group (the seeds of one setting) is compared with its baseline seed by seed: runs of one seed
-share their data order and noise, so most of what differs between two seeds cancels in a pair.
-The target of seed s is the baseline's final value for s (or one given target); steps_s is the
-first evaluated step at which a curve reaches it; speedup_s = baseline steps_s / group steps_s,
-summarised as the geometric mean with a Student-t interval on the log speedups (ratios compose by
-multiplication, so logarithms are where a mean and a symmetric interval make sense). A seed whose
-group never reaches the target is censored: no interval. Targets are per seed because a mean curve
-would mix seeds that never reach the target with seeds that do, and give no interval.
-"""
+Groups are compared with their baseline seed by seed (runs of one seed share data order and noise). Seed
+s's target is the baseline's final value for s (or a given one), not a mean curve's, which would mix seeds
+that never reach it with seeds that do. The geometric mean of speedup_s = baseline steps_s / group steps_s
+gets a Student-t interval on the log speedups; a seed whose group never reaches the target is censored."""
 from __future__ import annotations
 
 import json
@@ -23,22 +17,20 @@ import numpy as np
 from ..errors import UserError
 from ..evaluation.metric_registry import is_heldout_part, lower_is_better as is_lower_better
 from ..evaluation.stats import MeanInterval, mean_t_interval
-from .run_curves import AXES, FLOPS_AXIS, Group, Run, Series, group_runs, load_run
+from .run_curves import AXES, Group, Run, Series, group_runs, load_run
 
 LEVEL = 0.95
 
 
 def steps_to_target(steps: np.ndarray, values: np.ndarray, target: float, lower_is_better: bool) -> int | None:
     """The first step whose value reaches `target`; None if none does."""
-    reached = values <= target if lower_is_better else values >= target
-    hits = np.flatnonzero(reached)
+    hits = np.flatnonzero(values <= target if lower_is_better else values >= target)
     return int(steps[hits[0]]) if len(hits) else None
 
 
 def interval_curve(group: Group, metric: str, axis: str = "step"
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
-    """(x, mean over the group's runs, half width of the Student-t interval of that mean, or None
-    for a single run) at every step all members have; None when a member lacks the metric."""
+    """(x, mean over the runs, half width of its t interval or None for one run); None when a run lacks the metric."""
     found = group.aligned(metric, axis)
     if found is None:
         return None
@@ -49,21 +41,10 @@ def interval_curve(group: Group, metric: str, axis: str = "step"
     return x, np.array([c.mean for c in columns]), np.array([c.high - c.mean for c in columns])
 
 
-def final_value(run: Run, metric: str) -> tuple[int, float] | None:
-    """(last step, value there) of a run's metric; None when the run lacks it."""
-    series = run.series.get(metric)
-    if series is None or not len(series.step):
-        return None
-    return int(series.step[-1]), float(series.value[-1])
-
-
 @dataclass
 class SeedSpeedup:
-    """One seed of a paired comparison: the target, the first evaluated step at which the baseline
-    and the arm reach it, and their ratio. When the arm never reaches it (arm_steps None) the speedup
-    is censored: below `bound` = baseline steps / the arm's last step (it would have reached the
-    target after its last step at the earliest). baseline_steps is None only for a given target the
-    baseline never reaches."""
+    """One seed: steps to the target of both sides and their ratio. An arm that never reaches it has a
+    censored speedup below `bound` = baseline steps / the arm's last step."""
     seed: int
     target: float
     baseline_steps: int | None
@@ -75,9 +56,8 @@ class SeedSpeedup:
 
 @dataclass
 class PairedSpeedup:
-    """Speedups of an arm over the baseline, seed by seed, and their geometric mean with a t
-    interval on the log speedups (None unless every seed has a speedup and there are >= 2).
-    target: the one given for every seed, None when each seed's is the baseline's final value."""
+    """Per-seed speedups and their geometric mean with its interval (None unless every seed has a
+    speedup; low/high also need >= 2 seeds). target None: each seed's is the baseline's final value."""
     metric: str
     lower_is_better: bool
     seeds: list[SeedSpeedup]
@@ -93,7 +73,6 @@ class PairedSpeedup:
 
 
 def _pairs(baseline: Sequence[Run], arm: Sequence[Run], metric: str) -> list[tuple[int, Series, Series]]:
-    """(seed, baseline's series, arm's series) of every seed both sides have the metric for."""
     def by_seed(runs: Sequence[Run]) -> dict[int, Run]:
         out: dict[int, Run] = {}
         for run in runs:
@@ -106,19 +85,15 @@ def _pairs(baseline: Sequence[Run], arm: Sequence[Run], metric: str) -> list[tup
         return out
 
     base_runs, arm_runs = by_seed(baseline), by_seed(arm)
-    pairs = []
-    for seed in sorted(set(base_runs) & set(arm_runs)):
-        base, other = base_runs[seed].series.get(metric), arm_runs[seed].series.get(metric)
-        if base is not None and other is not None and len(base.step) and len(other.step):
-            pairs.append((seed, base, other))
-    return pairs
+    found = [(seed, base_runs[seed].series.get(metric), arm_runs[seed].series.get(metric))
+             for seed in sorted(set(base_runs) & set(arm_runs))]
+    return [(seed, base, other) for seed, base, other in found
+            if base is not None and other is not None and len(base.step) and len(other.step)]
 
 
 def paired_speedup(baseline: Sequence[Run], arm: Sequence[Run], metric: str, target: float | None = None
                    ) -> PairedSpeedup | None:
-    """Steps to the target and their ratio, seed by seed (see the module docstring); the target of
-    each seed is the baseline's final value unless `target` is given. None when no seed has the
-    metric on both sides."""
+    """Steps to the target and their ratio, seed by seed; None when no seed has the metric on both sides."""
     lower = is_lower_better(metric)
     seeds: list[SeedSpeedup] = []
     for seed, base, other in _pairs(baseline, arm, metric):
@@ -141,8 +116,7 @@ def paired_speedup(baseline: Sequence[Run], arm: Sequence[Run], metric: str, tar
 
 
 def paired_difference(baseline: Sequence[Run], arm: Sequence[Run], metric: str) -> MeanInterval | None:
-    """Final value of the arm minus the baseline's, seed by seed, with the t interval of its mean
-    (None when no seed has the metric on both sides)."""
+    """Arm's final value minus the baseline's, seed by seed, with the t interval of its mean."""
     diffs = [float(other.value[-1]) - float(base.value[-1]) for _, base, other in _pairs(baseline, arm, metric)]
     return mean_t_interval(diffs, LEVEL) if diffs else None
 
@@ -152,10 +126,8 @@ def _x(v: float) -> str:
 
 
 def verdict(result: PairedSpeedup) -> str:
-    """One line: "faster by Gx [lo, hi]" when the interval of the geometric-mean speedup lies above
-    1, "slower by ..." when it lies below 1 (or when most seeds' arm never reaches the target; with a
-    given target, "faster" when most seeds' baseline never does), else "no difference detected at
-    this budget" (with the reason an interval is missing, if it is)."""
+    """Faster / slower when the speedup's interval excludes 1 (or most seeds of one side never reach
+    the target), else "no difference detected at this budget"."""
     what = "the baseline's final value" if result.target is None else f"the target {result.target:.4g}"
     n = len(result.seeds)
     arm_only = sum(s.arm_steps is None and s.baseline_steps is not None for s in result.seeds)
@@ -180,11 +152,9 @@ def verdict(result: PairedSpeedup) -> str:
     return f"no difference detected at this budget (speedup {_x(result.geomean)} {span})"
 
 
-# -- a metric's rows: every group against its baseline -------------------------------------------
 @dataclass
 class MetricRow:
-    """One group's numbers for one metric: its final values over seeds (mean, std, t interval) and,
-    unless it is a baseline, the paired difference, speedup and verdict against its baseline."""
+    """One group's final values for one metric and, unless a baseline, its paired comparison."""
     group: str
     seeds: int  # runs of the group that have the metric
     final_step: int  # the latest last step of those runs
@@ -196,12 +166,12 @@ class MetricRow:
 
 def metric_rows(groups: Sequence[Group], metric: str, baseline_of: Callable[[str], str], target: float | None = None
                 ) -> list[MetricRow]:
-    """A row per group that has the metric; `baseline_of(label)` names the group it is compared
-    with (itself for a baseline), `target` replaces the baseline's final values when given."""
+    """A row per group that has the metric, against group `baseline_of(label)` (itself for a baseline)."""
     by_label = {g.label: g for g in groups}
     rows = []
     for group in groups:
-        finals = [f for r in group.runs if (f := final_value(r, metric)) is not None]
+        finals = [(int(s.step[-1]), float(s.value[-1])) for r in group.runs
+                  if (s := r.series.get(metric)) is not None and len(s.step)]
         if not finals:
             continue
         row = MetricRow(group.label, len(finals), max(step for step, _ in finals),
@@ -222,17 +192,14 @@ def step_intervals(groups: Sequence[Group], metric: str
     """group -> step -> (mean, low, high) over the group's seeds (low/high None for one run)."""
     out = {}
     for group in groups:
-        curve = interval_curve(group, metric)
-        if curve is not None:
+        if (curve := interval_curve(group, metric)) is not None:
             x, mean, half = curve
-            halves = half if half is not None else [None] * len(x)
-            out[group.label] = {int(step): (float(m), None if h is None else float(m - h), None if h is None
-                                            else float(m + h)) for step, m, h in zip(x, mean, halves)}
+            bounds = [(None, None)] * len(x) if half is None else zip((mean - half).tolist(), (mean + half).tolist())
+            out[group.label] = {int(step): (float(m), low, high) for step, m, (low, high) in zip(x, mean, bounds)}
     return out
 
 
 def row_summary(row: MetricRow) -> dict[str, Any]:
-    """A row as summary.json records it (the per-seed steps and speedups included)."""
     def interval(mi: MeanInterval | None) -> dict[str, Any] | None:
         return None if mi is None else {"mean": mi.mean, "low": mi.low, "high": mi.high, "n": mi.n}
 
@@ -243,43 +210,32 @@ def row_summary(row: MetricRow) -> dict[str, Any]:
                                                      "high": speedup.high, "per_seed": [vars(s) for s in speedup.seeds]}}
 
 
-# -- the one figure writer -----------------------------------------------------------------------
 def write_curves(groups: Sequence[Group], metrics: Sequence[str], folder: Path, title: str) -> list[str]:
-    """folder/curves_<axis>.png on every axis some group has (step, images, seconds, FLOPs): one panel
-    per metric (held-out loss parts: tables only), the mean over each group's seeds with its t
-    interval as a band. Figures of axes no curve has any more are removed. Returns the names written."""
+    """folder/curves_<axis>.png per axis some group has: a panel per metric (not held-out loss parts),
+    mean over seeds with its t interval as a band; stale figures are removed. Returns the names."""
     from ..figures import plot_panels
 
     for old in folder.glob("curves_*.png"):
         old.unlink()
     written = []
-    for axis, label in {**AXES, **FLOPS_AXIS}.items():
-        panels = {}
-        for metric in metrics:
-            if is_heldout_part(metric):
-                continue
-            curves = {g.label: c for g in groups
-                      if (c := interval_curve(g, metric, axis)) is not None and np.isfinite(c[0]).all()}
-            if curves:
-                panels[metric] = curves
-        if panels:
+    for axis, label in AXES.items():
+        panels = {metric: {g.label: c for g in groups
+                           if (c := interval_curve(g, metric, axis)) is not None and np.isfinite(c[0]).all()}
+                  for metric in metrics if not is_heldout_part(metric)}
+        if panels := {metric: curves for metric, curves in panels.items() if curves}:
             name = f"curves_{axis}.png"
             plot_panels(panels, folder / name, xlabel=label, title=title)
             written.append(name)
     return written
 
 
-# -- compare_runs' report --------------------------------------------------------------------------
 def summarize(groups: Sequence[Group], targets: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
-    """metric -> {"target" (None: the baseline's final value per seed), "lower_is_better", "rows":
-    [MetricRow per group that has the metric]}, every group against the first one."""
-    targets = dict(targets or {})
-    metrics = list(dict.fromkeys(m for g in groups for r in g.runs for m in r.series))
+    """metric -> {"target", "lower_is_better", "rows"}: every group against the first one."""
+    targets = targets or {}
     baseline = groups[0].label
     out: dict[str, dict[str, Any]] = {}
-    for metric in metrics:
-        rows = metric_rows(groups, metric, lambda _label: baseline, targets.get(metric))
-        if rows:
+    for metric in dict.fromkeys(m for g in groups for r in g.runs for m in r.series):
+        if rows := metric_rows(groups, metric, lambda _label: baseline, targets.get(metric)):
             out[metric] = {"target": targets.get(metric), "lower_is_better": is_lower_better(metric), "rows": rows}
     return out
 
@@ -298,15 +254,12 @@ def _steps_cell(result: PairedSpeedup | None) -> str:
 def _speedup_cell(result: PairedSpeedup | None) -> str:
     if result is None or result.geomean is None:
         return "-"
-    if result.low is None:
-        return f"{result.geomean:.2f}x"
-    return f"{result.geomean:.2f}x [{result.low:.2f}, {result.high:.2f}]"
+    return f"{result.geomean:.2f}x" + ("" if result.low is None else f" [{result.low:.2f}, {result.high:.2f}]")
 
 
 def markdown_report(groups: Sequence[Group], summary: dict[str, dict[str, Any]]) -> str:
     lines = ["# Run comparison", "", "Groups (final value: mean ± std over the runs of a group, ddof=1):", ""]
-    for g in groups:
-        lines.append(f"- **{g.label}**: {', '.join(r.name for r in g.runs)}")
+    lines += [f"- **{g.label}**: {', '.join(r.name for r in g.runs)}" for g in groups]
     lines += ["", f"Every group is compared with the first ({groups[0].label}) seed by seed (train.seed): the "
               "target of a seed is the baseline's final value for that seed unless given; steps to target = the "
               "first evaluated step at which a run reaches it; speedup = the baseline's steps / the group's, as "
@@ -331,18 +284,15 @@ def write_report(run_dirs: Sequence[str | Path], out: str | Path, patterns: Sequ
     """Loads the runs, writes OUT/report.md, OUT/summary.json and OUT/curves_<axis>.png; returns the summary."""
     if not run_dirs:
         raise UserError("pass at least one run directory")
-    missing = [str(p) for p in run_dirs if not Path(p).is_dir()]
-    if missing:
+    if missing := [str(p) for p in run_dirs if not Path(p).is_dir()]:
         raise UserError(f"run directory {missing[0]} does not exist")
-    seen: dict[Path, str] = {}
-    for p in run_dirs:  # the same run twice would pass for a two-seed group with zero spread
-        if Path(p).resolve() in seen:
-            raise UserError(f"run {p} is given twice (also as {seen[Path(p).resolve()]}); pass each run once")
-        seen[Path(p).resolve()] = str(p)
+    resolved = [Path(p).resolve() for p in run_dirs]
+    for i, p in enumerate(run_dirs):  # the same run twice would pass for a two-seed group with zero spread
+        if (first := resolved.index(resolved[i])) < i:
+            raise UserError(f"run {p} is given twice (also as {run_dirs[first]}); pass each run once")
     runs = [load_run(p) for p in run_dirs]
     known = sorted({m for run in runs for m in run.series})
-    unknown = sorted(set(targets or {}) - set(known))
-    if unknown:
+    if unknown := sorted(set(targets or {}) - set(known)):
         raise UserError(f"--target {unknown[0]}: no run has that metric; the runs have {', '.join(known)}")
     groups = group_runs(runs, patterns)
     summary = summarize(groups, targets)

@@ -1,12 +1,6 @@
-"""Training FLOPs per step of each arm, so that arms of different cost (width, depth, peer
-topologies) compare at equal compute, not only at equal steps, and a study is priced before it runs
-(`study.py run --dry-run`: GPU-hours at a stated MFU and GPU peak).
-
-Counted once per model config (network forward + backward, matrix products only: models.flops), on
-a micro-batch of two images, from the model spec of one of the arm's checkpoints (the exact model the
-run trained, data shape included) or, before any, of its config; then x train.global_batch_size.
-Optimizer, EMA and gradient-checkpointing recomputation are not in it. The report's counts are
-cached in `<out>/flops.json`, keyed by the model spec.
+"""Training FLOPs per step of each arm, so arms of different cost compare at equal compute and a study
+is priced before it runs (`study.py run --dry-run`). Counted once per model (models.flops) from an arm's
+checkpoint (the exact model trained) or, before any, its config; cached in `<out>/flops.json`.
 """
 from __future__ import annotations
 
@@ -27,8 +21,8 @@ _COUNTED: dict[str, float] = {}  # per process: a study's arms and seeds share a
 
 
 def flops_per_image(model_spec: dict[str, Any], topology_state: dict[str, Any] | None = None) -> float:
-    """Training FLOPs of one image through the model a model spec describes; `topology_state`: the
-    `topology.*` tensors of its checkpoint (checkpoint.build_model)."""
+    """Training FLOPs of one image through a model spec's model (`topology_state`: its checkpoint's
+    `topology.*` tensors)."""
     from ..checkpoint import build_model
     from ..models.flops import flops_per_training_image
 
@@ -50,8 +44,7 @@ def _saved_model(run_dirs: Sequence[Path]) -> tuple[dict[str, Any], dict[str, An
     from safetensors import SafetensorError, safe_open
 
     for run_dir in run_dirs:
-        saved = list_checkpoints(run_dir)
-        if saved:
+        if saved := list_checkpoints(run_dir):
             try:
                 spec = load_model_spec(saved[-1][1])
                 with safe_open(str(saved[-1][1] / WEIGHT_FILES["model"]), "pt") as f:
@@ -62,8 +55,7 @@ def _saved_model(run_dirs: Sequence[Path]) -> tuple[dict[str, Any], dict[str, An
 
 
 def arm_flops_per_step(out: Path, arms: dict[str, tuple[Sequence[Path], int]]) -> dict[str, float | None]:
-    """arm -> training FLOPs per step (None until one of its runs has a checkpoint). `arms` maps
-    each arm to (its run folders, its global batch size)."""
+    """arm -> training FLOPs per step (None before any checkpoint); `arms`: arm -> (run folders, batch)."""
     cache_path = out / CACHE
     try:
         cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
@@ -72,14 +64,12 @@ def arm_flops_per_step(out: Path, arms: dict[str, tuple[Sequence[Path], int]]) -
     counted = dict(cache.get("per_image", {}))
     result: dict[str, float | None] = {}
     for arm, (run_dirs, batch) in arms.items():
-        saved = _saved_model(run_dirs)
-        if saved is None:
+        if (saved := _saved_model(run_dirs)) is None:
             result[arm] = None
             continue
-        spec, topology_state = saved
-        key = json.dumps(spec["model"], sort_keys=True)
+        key = json.dumps(saved[0]["model"], sort_keys=True)
         if key not in counted:
-            counted[key] = flops_per_image(spec, topology_state)
+            counted[key] = flops_per_image(*saved)  # (model spec, topology tensors)
         result[arm] = counted[key] * batch
     record = {"per_image": counted, "per_step": result,
               "note": "network forward + backward (matrix products), per image x train.global_batch_size"}
@@ -89,7 +79,6 @@ def arm_flops_per_step(out: Path, arms: dict[str, tuple[Sequence[Path], int]]) -
     return result
 
 
-# -- the bill before the run (scripts/study.py run --dry-run) ----------------------------------------
 DEFAULT_MFU = 0.40          # the GPU check's target for DiT-B/2 training, compiled, bf16
 DEFAULT_GPU = "H100"        # a key of ancre_dit.hardware.PEAK_BF16_TFLOPS
 IMAGENET_CLASSES = 1000     # latents whose manifest is not at hand are taken as ImageNet's
@@ -103,20 +92,9 @@ class ComputeRate(NamedTuple):
     source: str
 
 
-def _table_peak(gpu: str) -> float:
-    from ..hardware import PEAK_BF16_TFLOPS, table_peak
-
-    found = table_peak(gpu)
-    if found is not None:
-        return found[0]
-    raise UserError(f"--gpu {gpu}: no peak known for it (known: {', '.join(f for f, _ in PEAK_BF16_TFLOPS)}); "
-                    f"give its dense bf16 peak with --gpu-peak-tflops")
-
-
 def compute_rate(mfu: float | None = None, peak_tflops: float | None = None, gpu: str | None = None,
                  gpu_check: str | Path | None = None) -> ComputeRate:
-    """The rate the estimate assumes: flags first, then the trainer figures of a gpu_check.json
-    (its "trainer" section: mfu, peak_tflops), then DEFAULT_MFU of a DEFAULT_GPU."""
+    """Flags first, then a gpu_check.json's "trainer" figures, then DEFAULT_MFU of a DEFAULT_GPU."""
     if mfu is not None and not 0 < mfu <= 1:
         raise UserError(f"--mfu {mfu} must be a fraction in (0, 1], e.g. --mfu 0.4 for 40%")
     if peak_tflops is not None and not peak_tflops > 0:
@@ -140,19 +118,25 @@ def compute_rate(mfu: float | None = None, peak_tflops: float | None = None, gpu
         mfu, mfu_source = DEFAULT_MFU, f"default MFU {DEFAULT_MFU:.0%}"
     if peak_tflops is not None:
         peak_source = "peak given"
-    elif gpu is not None:
-        peak_tflops, peak_source = _table_peak(gpu), f"peak of {gpu} from the device table"
-    elif measured.get("peak_tflops"):
+    elif gpu is None and measured.get("peak_tflops"):
         peak_tflops = float(measured["peak_tflops"])
         peak_source = f"peak of the GPU check's device {measured.get('device', '')}".rstrip()
     else:
-        peak_tflops, peak_source = _table_peak(DEFAULT_GPU), f"peak of an {DEFAULT_GPU}/H200 (default)"
+        from ..hardware import PEAK_BF16_TFLOPS, table_peak
+
+        found = table_peak(gpu or DEFAULT_GPU)
+        if found is None:
+            known = ", ".join(f for f, _ in PEAK_BF16_TFLOPS)
+            raise UserError(f"--gpu {gpu or DEFAULT_GPU}: no peak known for it (known: {known}); give its dense "
+                            f"bf16 peak with --gpu-peak-tflops")
+        peak_tflops = found[0]
+        peak_source = f"peak of {gpu} from the device table" if gpu else f"peak of an {DEFAULT_GPU}/H200 (default)"
     return ComputeRate(mfu, peak_tflops, f"{mfu_source}; {peak_source}")
 
 
 def data_shape(config) -> tuple[int, int, int, str]:
-    """(model input side, channels, classes, how they were found) of a config's data, without
-    opening the dataset (a dry run may happen where the data is not)."""
+    """(input side, channels, classes, how found) of a config's data, without opening the dataset
+    (a dry run may happen where the data is not)."""
     d = config.data
     if d.kind == "digits":
         from ..data.digits import DIGITS_NUM_CLASSES
@@ -170,7 +154,7 @@ def data_shape(config) -> tuple[int, int, int, str]:
 
 
 def config_flops_per_step(config) -> float:
-    """Training FLOPs of one step (per image x train.global_batch_size) of the network a config builds."""
+    """Training FLOPs of one step of the network a config builds."""
     from ..training.model_setup import model_kwargs
 
     size, channels, classes, _ = data_shape(config)

@@ -1,9 +1,6 @@
-"""The study folder's identity: `<out>/study.json` records the study that owns the folder, so that a
-rerun of the same study continues its runs and another study is refused before it mixes its runs in.
-
-The same study = the same base config file and common overrides, and the same overrides for every
-arm both know; arms and seeds may be added (a study that grows), and the baseline may change (it
-only changes the report).
+"""`<out>/study.json` records the study owning the folder: a rerun continues its runs, another study is
+refused before it mixes its runs in. The same study = same base config and common overrides, same
+overrides for every arm both know; arms and seeds may be added and the baseline may change.
 """
 from __future__ import annotations
 
@@ -20,7 +17,6 @@ RECORD = "study.json"
 
 
 def recorded(study: Study) -> dict[str, Any] | None:
-    """The record in the study's folder, None when there is none yet."""
     path = study.out / RECORD
     if not path.is_file():
         return None
@@ -34,7 +30,7 @@ def recorded(study: Study) -> dict[str, Any] | None:
 
 
 def difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
-    """Why the study `new` is not the study recorded as `old` (None when it is the same one)."""
+    """Why the study `new` is not the one recorded as `old` (None when it is)."""
     if old.get("base") != new["base"]:
         return f"its base config is {old.get('base')}, not {new['base']}"
     if old.get("overrides") != new["overrides"]:
@@ -48,17 +44,13 @@ def difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
 def check_folder(study: Study) -> None:
     """A UserError when `out` is a file, a non-empty folder of something else, or another study's."""
     output_folder(study.out, "study", RECORD, flag="out:")
-    old = recorded(study)
-    if old is None:
-        return
-    why = difference(old, study.record())
-    if why:
+    if (old := recorded(study)) is not None and (why := difference(old, study.record())):
         raise UserError(f"{study.out} holds another study ({old.get('name')}, from {old.get('source')}): {why}; "
                         f"give this study another out:, or remove that folder")
 
 
 def claim_folder(study: Study) -> None:
-    """Checks the folder, then writes (or updates) its record; arms and seeds seen before are kept."""
+    """Checks the folder, then writes its record; arms and seeds seen before are kept."""
     check_folder(study)
     old = recorded(study) or {}
     record = study.record()

@@ -1,10 +1,5 @@
-"""A study's report: `<out>/report/report.md`, summary.json and curves_<axis>.png.
-
-Every run is listed with its state; the statistics use the finished runs (a run stopped half way
-would pass for a slow one), grouped by arm and compared by `ancre_dit.studies.comparison`: mean
-curves with Student-t intervals over seeds, and, against the baseline arm and paired by seed, the
-final-value difference, the steps to the baseline's final value, the speedup and its verdict.
-"""
+"""A study's report: `<out>/report/` report.md, summary.json, curves_<axis>.png. Every run is listed;
+the paired statistics use finished runs only (a run stopped half way would pass for a slow one)."""
 from __future__ import annotations
 
 import json
@@ -27,10 +22,8 @@ def _interval(mi: MeanInterval | None, signed: bool = False) -> str:
     if mi is None:
         return "-"
     fmt = "{:+.4g}" if signed else "{:.4g}"
-    text = fmt.format(mi.mean)
-    if mi.low is None:
-        return f"{text} (1 seed)"
-    return f"{text} [{fmt.format(mi.low)}, {fmt.format(mi.high)}]"
+    spread = "(1 seed)" if mi.low is None else f"[{fmt.format(mi.low)}, {fmt.format(mi.high)}]"
+    return f"{fmt.format(mi.mean)} {spread}"
 
 
 def _per_seed(result: PairedSpeedup | None) -> str:
@@ -53,8 +46,7 @@ def _speedup(result: PairedSpeedup | None) -> str:
 
 
 def _shown(path) -> str:
-    """A path as the report shows it: relative to the current folder when it lies below it, so a
-    report reads the same on every machine that ran the study from its checkout."""
+    """Relative to the current folder when below it: the report reads the same on every checkout."""
     try:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
@@ -67,14 +59,14 @@ def _cell(text: str | None) -> str:
 
 
 class StudyReport:
-    """The finished runs of a study, loaded and grouped by arm, with each arm's FLOPs per step."""
+    """A study's finished runs, grouped by arm, with each arm's FLOPs per step."""
 
     def __init__(self, study: Study, statuses: Sequence[RunStatus], batch_sizes: dict[str, int]):
         self.study, self.statuses = study, list(statuses)
         self.unreadable: dict[str, str] = {}
         runs: dict[str, list[Run]] = {arm: [] for arm in study.arms}
         for status in self.statuses:
-            if status.finished:
+            if status.state == "done":
                 try:
                     runs[status.job.arm].append(load_run(status.job.run_dir))
                 except UserError as err:
@@ -90,41 +82,38 @@ class StudyReport:
         self.metrics = first + sorted(m for m in metrics if m not in first)
 
     def metric_rows(self, metric: str) -> list[MetricRow]:
-        """Every arm that has the metric, against its baseline arm."""
         return metric_rows(list(self.groups.values()), metric, self.study.baseline_of)
 
 
 def _how_to_read(study: Study) -> list[str]:
     return [
         "## How to read this report", "",
-        f"- **Intervals** are {LEVEL:.0%} Student-t intervals of a mean over seeds: mean ± t(0.975, n-1) · s / √n "
-        "(s: standard deviation over the seeds, ddof 1); one seed gives no interval. The bands in the figures are "
-        "the same interval at every evaluated step.",
-        "- **Paired by seed**: every arm trains with the same seeds, and runs of one seed share their data order "
-        f"and noise, so each arm is compared with the baseline ({study.baseline_label}) seed by seed.",
+        f"- **Intervals** are {LEVEL:.0%} Student-t intervals of a mean over seeds: mean ± t(0.975, n-1) · s / √n (s: "
+        "standard deviation over the seeds, ddof 1); one seed gives no interval. The bands in the figures are the "
+        "same interval at every evaluated step.",
+        "- **Paired by seed**: every arm trains with the same seeds, and runs of one seed share their data order and "
+        f"noise, so each arm is compared with the baseline ({study.baseline_label}) seed by seed.",
         "- **final - baseline**: the arm's final value minus the baseline's, per seed, then the mean and its t "
         "interval.",
         "- **Steps to the baseline's final value**: for seed s, the target is the baseline's final value for s; "
         "steps_s is the first evaluated step at which the curve reaches it (<= for lower-is-better metrics, >= "
-        "otherwise); the baseline's own steps_s is the first step it reaches its final value. `> N`: not reached "
-        "by the arm's last step N.",
-        "- **Speedup** per seed = baseline steps_s / arm steps_s; reported as the geometric mean over seeds with a "
-        "t interval on the log speedups. A seed whose arm never reaches the target is censored (its speedup is "
-        "below baseline steps_s / the arm's last step); then no interval is given.",
+        "otherwise); the baseline's own steps_s is the first step it reaches its final value. `> N`: not reached by "
+        "the arm's last step N.",
+        "- **Speedup** per seed = baseline steps_s / arm steps_s; reported as the geometric mean over seeds with a t "
+        "interval on the log speedups. A seed whose arm never reaches the target is censored (its speedup is below "
+        "baseline steps_s / the arm's last step); then no interval is given.",
         "- **Verdict**: *faster by Gx [lo, hi]* when the whole interval lies above 1; *slower by ...* when it lies "
-        "below 1, or when most seeds never reach the target; otherwise *no difference detected at this budget* "
-        "(the interval includes 1, or it could not be computed: a single seed, or some seeds not reaching the "
-        "target). No difference detected is not evidence of no difference: more seeds or steps narrow the "
-        "interval.",
-        "- Metrics named digits_* are the digits metric (an SVC's accuracy, Fréchet distance on pixels), "
-        "NOT FID. heldout_mse* / heldout_vb* are parts of heldout_loss: tables only.",
+        "below 1, or when most seeds never reach the target; otherwise *no difference detected at this budget* (the "
+        "interval includes 1, or it could not be computed: a single seed, or some seeds not reaching the target). No "
+        "difference detected is not evidence of no difference: more seeds or steps narrow the interval.",
+        "- Metrics named digits_* are the digits metric (an SVC's accuracy, Fréchet distance on pixels), NOT FID. "
+        "heldout_mse* / heldout_vb* are parts of heldout_loss: tables only.",
         "- **FLOPs** per step: network forward + backward (matrix products, attention included) counted once per "
-        "model config on a micro-batch, x global batch size; optimizer, EMA and gradient-checkpointing "
-        "recomputation are not included. Training seconds exclude evaluation.", ""]
+        "model config on a micro-batch, x global batch size; optimizer, EMA and gradient-checkpointing recomputation "
+        "are not included. Training seconds exclude evaluation.", ""]
 
 
 def _step_table(curves: dict[str, dict[int, tuple]]) -> list[str]:
-    """Mean [95% t interval] of every arm at every evaluated step (the steps all of an arm's seeds have)."""
     if not curves:
         return []
     def cell(point: tuple | None) -> str:
@@ -157,7 +146,7 @@ def markdown(report: StudyReport, tables: dict[str, tuple[list[MetricRow], dict]
         note += f" (logs unreadable: {_cell(report.unreadable[s.job.name])})" if s.job.name in report.unreadable else ""
         loss = "-" if s.heldout_loss is None else f"{s.heldout_loss:.4g}"
         lines.append(f"| {s.job.name} | {s.job.arm} | {s.job.seed} | {s.state}{note} | {s.step}/{s.max_steps} | {loss} |")
-    unfinished = [s.job.name for s in report.statuses if not s.finished]
+    unfinished = [s.job.name for s in report.statuses if s.state != "done"]
     lines += ["", f"Statistics below use the finished runs only ({states.count('done')} of {len(states)})"
               + (f"; not used: {', '.join(unfinished)}." if unfinished else "."), ""]
     lines += ["## Arms", "", "| arm | overrides | FLOPs / step |", "|---|---|---|"]
@@ -203,7 +192,7 @@ def _summary(report: StudyReport, tables: dict[str, tuple[list[MetricRow], dict]
 
 
 def write_study_report(study: Study, statuses: Sequence[RunStatus], batch_sizes: dict[str, int]) -> Path:
-    """Writes `<out>/report/` (report.md, summary.json, curves_*.png); returns report.md's path."""
+    """Writes `<out>/report/`; returns report.md's path."""
     report = StudyReport(study, statuses, batch_sizes)
     groups = list(report.groups.values())
     folder = study.report_dir

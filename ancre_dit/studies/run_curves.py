@@ -1,10 +1,5 @@
-"""The curves training runs logged, loaded and grouped for comparison.
-
-Reads only what any run writes (config.yaml, logs/metrics.jsonl, logs/evals.jsonl), whatever its
-topology or objective. Metrics: `train_loss` (metrics.jsonl's loss) and every key of the evals'
-"metrics" (held-out loss, digits_* or fid/... per cfg scale). A group is the runs of one setting
-(its seeds); `ancre_dit.studies.comparison` compares groups.
-"""
+"""The curves training runs logged (config.yaml, logs/metrics.jsonl, logs/evals.jsonl), loaded and
+grouped (a group: the seeds of one setting). Metrics: `train_loss` and every key of the evals' "metrics"."""
 from __future__ import annotations
 
 import fnmatch
@@ -21,10 +16,8 @@ from ..errors import UserError
 from ..files import read_jsonl
 from ..training.run_evaluation import read_evals
 
-AXES = {"step": "step", "images": "images seen", "seconds": "training seconds (evaluation excluded)"}
-# Training compute: step x FLOPs of one training step (network forward + backward, counted once per
-# config; see ancre_dit.models.flops). Only runs that know their FLOPs per step have this axis.
-FLOPS_AXIS = {"flops": "training FLOPs (forward + backward)"}
+AXES = {"step": "step", "images": "images seen", "seconds": "training seconds (evaluation excluded)",
+        "flops": "training FLOPs (forward + backward)"}  # step x FLOPs per step, where a run knows it
 
 
 @dataclass
@@ -46,18 +39,15 @@ class Run:
 
     @property
     def seed(self) -> int | None:
-        """train.seed from the run's config.yaml (None when it does not say)."""
         seed = (self.config.get("train") or {}).get("seed")
         return None if seed is None else int(seed)
 
     def axis_values(self, series: Series, rows: np.ndarray, axis: str) -> np.ndarray:
-        """x values of `series` at `rows` on an axis of AXES or FLOPS_AXIS (NaN where unknown)."""
-        if axis == "step":
-            return series.step[rows].astype(np.float64)
-        if axis == "flops":
-            per_step = np.nan if self.flops_per_step is None else float(self.flops_per_step)
-            return series.step[rows].astype(np.float64) * per_step
-        return getattr(series, axis)[rows]
+        """x values of `series` at `rows` on an axis of AXES (NaN where unknown)."""
+        if axis not in ("step", "flops"):
+            return getattr(series, axis)[rows]
+        steps = series.step[rows].astype(np.float64)
+        return steps if axis == "step" else steps * (np.nan if self.flops_per_step is None else self.flops_per_step)
 
 
 def _series(points: dict[int, tuple[float, float, float]]) -> Series:
@@ -109,9 +99,8 @@ class Group:
     runs: list[Run]
 
     def aligned(self, metric: str, axis: str = "step") -> tuple[np.ndarray, np.ndarray] | None:
-        """(x, values of shape (runs, points)) over the steps every member has; None when a member
-        lacks the metric. x is the members' mean on the axis: NaN where any member lacks it (e.g.
-        runs from before train_seconds was logged)."""
+        """(x, values (runs, points)) over the steps every member has; None when a member lacks the
+        metric. x: the members' mean on the axis, NaN where any lacks it (runs without train_seconds)."""
         members = [r.series.get(metric) for r in self.runs]
         if any(s is None for s in members):
             return None
@@ -119,15 +108,13 @@ class Group:
         if not steps:
             return None
         rows = [np.searchsorted(s.step, steps) for s in members]
-        values = np.stack([s.value[i] for s, i in zip(members, rows)])
         x = np.stack([r.axis_values(s, i, axis) for r, s, i in zip(self.runs, members, rows)]).mean(axis=0)
-        return x, values
+        return x, np.stack([s.value[i] for s, i in zip(members, rows)])
 
 
 def group_runs(runs: Sequence[Run], patterns: Sequence[str] = ()) -> list[Group]:
-    """Groups in the order of their first run. With patterns: runs whose directory name matches
-    a pattern (fnmatch) form its group, others stay alone. Without: runs whose configs are equal
-    once run_dir and train.seed are removed form a group."""
+    """Groups in the order of their first run: runs whose name matches one of `patterns` (fnmatch), or
+    without patterns, runs whose configs agree but for run_dir and train.seed."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
         if patterns:

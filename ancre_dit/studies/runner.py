@@ -1,17 +1,10 @@
-"""Runs a study's training runs on this machine: each one `python train.py --config BASE --resume
-auto k=v ...` in a subprocess of its own (a crash or a user error in one run cannot take the others
-down, and every run resumes exactly from its newest checkpoint), N at a time.
-
-The machine is split between the N slots: each child gets cores // N threads (OMP_NUM_THREADS, which
-torch reads at start), and, where GPUs are visible, slot k gets GPU k % gpus. A run's output goes to
-`<run>/study.log` (appended: the log of every launch is kept) and its launches to
-`<run>/study_status.jsonl`. Ctrl-C stops the running children the way train.py stops (checkpoint,
-then exit), so a rerun continues where they were.
+"""A study's runs on this machine, N at a time, each train.py `--resume auto` in its own subprocess (a
+crash in one cannot take the others down). Slot k gets cores // N threads and GPU k % gpus. Output is
+appended to `<run>/study.log`. Ctrl-C stops the children as train.py stops (checkpoint, then exit).
 """
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -35,7 +28,7 @@ class Outcome:
 
 
 def train_command(study: Study, job: Job, train_script: Path) -> list[str]:
-    """The command line of one run (relative to nothing: every path in it is absolute)."""
+    """The command line of one run (every path in it is absolute)."""
     return [sys.executable, str(train_script), "--config", str(study.base), "--resume", "auto", *job.overrides]
 
 
@@ -47,7 +40,6 @@ def usable_cores() -> int:
 
 
 def slot_environment(slot: int, slots: int, gpus: int) -> dict[str, str]:
-    """The environment of a child in `slot` of `slots`: its share of the cores and its GPU."""
     threads = str(max(1, usable_cores() // slots))
     env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, PYTHONUNBUFFERED="1")
     if gpus and slots > 1:  # one of the GPUs this process sees (of its own CUDA_VISIBLE_DEVICES, if set)
@@ -58,7 +50,7 @@ def slot_environment(slot: int, slots: int, gpus: int) -> dict[str, str]:
 
 
 class LocalRunner:
-    """Launches the jobs N at a time; `run` returns one Outcome per job it launched."""
+    """Launches the jobs N at a time; `run` returns an Outcome per job launched."""
 
     def __init__(self, study: Study, train_script: Path, slots: int, is_done: Callable[[Job], bool]):
         self.study, self.train_script, self.slots = study, Path(train_script), max(1, int(slots))
@@ -72,8 +64,7 @@ class LocalRunner:
         job.run_dir.mkdir(parents=True, exist_ok=True)
         log_path = job.run_dir / LOG
         with open(log_path, "a") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} study {self.study.name}: "
-                      f"{' '.join(command)}\n")
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} study {self.study.name}: {' '.join(command)}\n")
             log.flush()
             child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
             with self._lock:
@@ -103,20 +94,16 @@ class LocalRunner:
         import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        free: queue.Queue[int] = queue.Queue()
-        for slot in range(self.slots):
-            free.put(slot)
+        free = list(range(self.slots))  # as many workers as slots: a worker always finds one
 
         def work(job: Job) -> Outcome | None:
-            if self._stopping.is_set():
-                return None
-            slot = free.get()
+            slot = free.pop(0)  # list.pop and list.append are atomic
             try:
                 if self._stopping.is_set():
                     return None
                 outcome = self.launch(job, slot_environment(slot, self.slots, gpus))
             finally:
-                free.put(slot)
+                free.append(slot)
             progress(outcome)
             return outcome
 

@@ -1,14 +1,9 @@
-"""A study file (format: docs/studies.md): a base config, common overrides, named arms and/or a
-grid of overrides, seeds and a baseline -> the list of runs.
+"""A study file (docs/studies.md): base config, common overrides, arms and/or a grid, seeds, baseline -> runs.
 
-Grid arms are named from their values in the grid's key order, joined by "-": a text value as
-itself, any other as the key's last part followed by the value ({model.topology: ancre,
-model.tau: 0.01} is `ancre-tau0.01`); characters other than letters, digits and `._+-` become `_`.
-Run `<arm>-s<seed>` trains in `<out>/runs/<arm>-s<seed>` with `train.seed=<seed>`: every arm uses
-the same seeds, so runs of one seed compare in pairs.
-
-Every run's config is loaded before anything is written, so a mistake in any arm is one line naming
-it, not a failed run hours later.
+Grid arms are named from their values in key order, joined by "-": a text value as itself, any other as
+the key's last part then the value ({model.topology: ancre, model.tau: 0.01} is `ancre-tau0.01`); other
+characters than letters, digits and `._+-` become `_`. Run `<arm>-s<seed>` trains in `<out>/runs/<arm>-s<seed>`
+with `train.seed=<seed>`. Every config is loaded before anything is written: a mistake costs no run.
 """
 from __future__ import annotations
 
@@ -43,7 +38,6 @@ class Job:
 
 @dataclass
 class Study:
-    """A parsed study file (see the module docstring)."""
     source: Path
     name: str
     description: str
@@ -52,14 +46,12 @@ class Study:
     overrides: dict[str, Any]
     arms: dict[str, dict[str, Any]]
     seeds: list[int]
-    # An arm's name, or overrides ({model.topology: cascaded}): each arm is then compared with the arm
-    # that sets these values and agrees with it on everything else that arm sets (a depth sweep:
-    # each depth against its own plain DiT).
+    # An arm's name, or overrides ({model.topology: cascaded}): each arm against the arm that sets these
+    # and agrees with it on everything else that arm sets (a depth sweep: each depth against its own DiT).
     baseline: str | dict[str, Any]
     slurm: dict[str, Any] = field(default_factory=dict)
 
     def baseline_of(self, arm: str) -> str:
-        """The arm `arm` is compared with (itself for a baseline arm)."""
         if isinstance(self.baseline, str):
             return self.baseline
         return baseline_candidates(self.arms, self.baseline, arm)[0]
@@ -92,7 +84,7 @@ class Study:
         return out
 
     def record(self) -> dict[str, Any]:
-        """What study.json holds: enough to tell this study from another one in the same folder."""
+        """What study.json holds: enough to tell this study from another one."""
         return {"name": self.name, "source": str(self.source), "base": str(self.base), "overrides": self.overrides,
                 "arms": self.arms, "seeds": self.seeds, "baseline": self.baseline}
 
@@ -118,9 +110,9 @@ def _flatten(mapping: Any, where: str, prefix: str = "") -> dict[str, Any]:
             out.update(_flatten(value, where, f"{full}."))
         else:
             out[full] = value
-    for key in out:
-        if key in RESERVED:
-            raise UserError(f"{where} sets {key}; the study sets it for every run (seeds: and <out>/runs/<arm>-s<seed>)")
+    if reserved := [key for key in out if key in RESERVED]:
+        raise UserError(f"{where} sets {reserved[0]}; the study sets it for every run "
+                        "(seeds: and <out>/runs/<arm>-s<seed>)")
     return out
 
 
@@ -130,7 +122,6 @@ def _token(key: str, value: Any) -> str:
 
 
 def grid_arms(grid: Any, where: str) -> dict[str, dict[str, Any]]:
-    """The product of the grid's values, each named by the rule in the module docstring."""
     flat = _flatten(grid, where)
     if not flat:
         return {}
@@ -154,25 +145,6 @@ def baseline_candidates(arms: dict[str, dict[str, Any]], baseline: dict[str, Any
             and all(arms[arm].get(k) == v for k, v in values.items() if k not in baseline)]
 
 
-def _seeds(raw: Any, where: str) -> list[int]:
-    if not isinstance(raw, list) or not raw:
-        raise UserError(f"{where}: seeds must be a non-empty list of integers, e.g. seeds: [0, 1, 2]; got {raw!r}")
-    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in raw):
-        raise UserError(f"{where}: seeds must be integers >= 0, got {raw!r}")
-    if len(set(raw)) != len(raw):
-        raise UserError(f"{where}: seeds {raw} repeat a seed; give each once")
-    return list(raw)
-
-
-def _slurm(raw: Any, where: str) -> dict[str, Any]:
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict) or set(raw) - set(SLURM_KEYS):
-        unknown = sorted(set(raw) - set(SLURM_KEYS)) if isinstance(raw, dict) else raw
-        raise UserError(f"{where}: slurm must be a mapping of {', '.join(SLURM_KEYS)}; unknown: {unknown}")
-    return dict(raw)
-
-
 def load_study(path: str | Path) -> Study:
     """Reads and checks a study file (not the configs: see `validate`)."""
     from ..files import read_yaml_mapping
@@ -180,8 +152,7 @@ def load_study(path: str | Path) -> Study:
     path = Path(path)
     raw = read_yaml_mapping(path, "study", "pass a study YAML such as studies/digits-depth.yaml",
                             "base:, arms: and/or grid:, seeds:, baseline:")
-    unknown = sorted(set(raw) - set(KEYS))
-    if unknown:
+    if unknown := sorted(set(raw) - set(KEYS)):
         raise UserError(f"{path}: unknown key {unknown[0]!r}; a study file holds {', '.join(KEYS)}")
     if not raw.get("base"):
         raise UserError(f"{path}: base: is missing; name the config every run starts from, e.g. base: configs/quickstart.yaml")
@@ -214,17 +185,25 @@ def load_study(path: str | Path) -> Study:
     elif baseline not in arms:
         raise UserError(f"{path}: baseline {baseline!r} is not among the arms ({', '.join(arms)}); name one of them, "
                         f"or give overrides such as {{model.topology: cascaded}} to compare each arm with its own")
+    overrides, seeds = _flatten(raw.get("overrides"), f"{path}: overrides"), raw.get("seeds")
+    if not isinstance(seeds, list) or not seeds:
+        raise UserError(f"{path}: seeds must be a non-empty list of integers, e.g. seeds: [0, 1, 2]; got {seeds!r}")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds):
+        raise UserError(f"{path}: seeds must be integers >= 0, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise UserError(f"{path}: seeds {seeds} repeat a seed; give each once")
+    slurm = {} if raw.get("slurm") is None else raw["slurm"]
+    if not isinstance(slurm, dict) or set(slurm) - set(SLURM_KEYS):
+        unknown = sorted(set(slurm) - set(SLURM_KEYS)) if isinstance(slurm, dict) else slurm
+        raise UserError(f"{path}: slurm must be a mapping of {', '.join(SLURM_KEYS)}; unknown: {unknown}")
     out = Path(str(raw.get("out") or Path("results") / "studies" / path.stem))
     return Study(source=path, name=str(raw.get("name") or path.stem), description=str(raw.get("description") or ""),
-                 out=out.absolute(), base=base.absolute(), overrides=_flatten(raw.get("overrides"), f"{path}: overrides"),
-                 arms=arms, seeds=_seeds(raw.get("seeds"), str(path)),
-                 baseline=baseline if isinstance(baseline, dict) else str(baseline),
-                 slurm=_slurm(raw.get("slurm"), str(path)))
+                 out=out.absolute(), base=base.absolute(), overrides=overrides, arms=arms, seeds=list(seeds),
+                 baseline=baseline if isinstance(baseline, dict) else str(baseline), slurm=dict(slurm))
 
 
 def job_config(study: Study, job: Job, check_paths: bool = True):
-    """The job's training Config (load_config of base + overrides); one UserError naming the arm.
-    Without `check_paths`, the paths it names need not exist here."""
+    """The job's training Config; a UserError names the arm. Without `check_paths`, paths need not exist."""
     from ..training.config import load_config
 
     try:
@@ -234,5 +213,5 @@ def job_config(study: Study, job: Job, check_paths: bool = True):
 
 
 def validate(study: Study, check_paths: bool = True) -> dict[str, Any]:
-    """Loads every run's config; returns {run name: Config}. The first problem is one UserError."""
+    """{run name: Config} of every run; the first problem is one UserError."""
     return {job.name: job_config(study, job, check_paths) for job in study.jobs}

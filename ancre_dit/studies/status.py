@@ -1,11 +1,6 @@
-"""Where each run of a study stands, read from what is on disk (so any machine can tell, whichever
-executor ran it): the run's checkpoints and logs, and `<run>/study_status.jsonl`, the append-only
-record of its launches (started / submitted / finished / stopped / failed, with exit code and error).
-
-States: done (a complete checkpoint at train.max_steps), running (a launch started and has not
-ended; on another host it cannot be checked), submitted (queued on the cluster), failed (the last
-launch exited with an error), stopped (interrupted or preempted before max_steps: a rerun resumes
-it), not started.
+"""Where each run stands, read from disk (checkpoints, logs, the append-only `<run>/study_status.jsonl`),
+so any machine can tell. States: done (a complete checkpoint at max_steps), running (unchecked on another
+host), submitted, failed, stopped (before max_steps: a rerun resumes it), not started.
 """
 from __future__ import annotations
 
@@ -27,7 +22,7 @@ STATES = ("done", "running", "submitted", "stopped", "failed", "not started")
 
 
 def record_event(run_dir: Path, event: str, **fields: Any) -> None:
-    """Appends one launch event to the run's status file (one write, safe beside other writers)."""
+    """Appends a launch event to the run's status file (one write, safe beside other writers)."""
     append_jsonl(Path(run_dir) / EVENTS, {"event": event, "time": round(time.time(), 3),
                                           "host": socket.gethostname(), **fields})
 
@@ -42,36 +37,24 @@ class RunStatus:
     exit_code: int | None = None
     error: str | None = None
 
-    @property
-    def finished(self) -> bool:
-        return self.state == "done"
-
-
-def _last_heldout(run_dir: Path) -> float | None:
-    evals = [e for e in read_evals(run_dir) if "heldout_loss" in e.get("metrics", {})]
-    return float(evals[-1]["metrics"]["heldout_loss"]) if evals else None
-
-
-def _step_reached(run_dir: Path) -> int:
-    """The last step the run logged or saved (metrics.jsonl is written more often than checkpoints)."""
-    rows = read_jsonl(run_dir / "logs" / "metrics.jsonl")
-    saved = list_checkpoints(run_dir)
-    return max([int(r.get("step", 0)) for r in rows[-1:]] + [saved[-1][0] if saved else 0])
-
 
 def finished_at(run_dir: Path, max_steps: int) -> int | None:
-    """The step of the run's newest complete checkpoint when it reached max_steps (the run is done), else None."""
+    """The newest complete checkpoint's step when it reached max_steps, else None."""
     saved = list_checkpoints(run_dir)
     return saved[-1][0] if saved and saved[-1][0] >= max_steps else None
 
 
 def run_status(job: Job, max_steps: int) -> RunStatus:
     run_dir = job.run_dir
-    heldout = _last_heldout(run_dir)
+    evals = [e for e in read_evals(run_dir) if "heldout_loss" in e.get("metrics", {})]
+    heldout = float(evals[-1]["metrics"]["heldout_loss"]) if evals else None
     done_at = finished_at(run_dir, max_steps)
     if done_at is not None:
         return RunStatus(job, "done", done_at, max_steps, heldout)
-    step = _step_reached(run_dir)
+    # the last step logged or saved (metrics.jsonl is written more often than checkpoints)
+    saved = list_checkpoints(run_dir)
+    step = max([int(r.get("step", 0)) for r in read_jsonl(run_dir / "logs" / "metrics.jsonl")[-1:]]
+               + [saved[-1][0] if saved else 0])
     events = read_jsonl(run_dir / EVENTS)
     last = events[-1] if events else {}
     if last.get("event") == "failed":
@@ -97,8 +80,8 @@ def _alive(pid: int) -> bool:
 
 
 def last_error_line(log: Path, limit: int = 1 << 16) -> str | None:
-    """The line that says why a run failed: the last `error:` line of its log (our one-line user
-    errors), else the last line naming an Error or exception, else the last non-empty line."""
+    """Why a run failed: its log's last `error:` line (our user errors), else the last naming an Error or
+    Exception, else the last non-empty line."""
     if not log.is_file():
         return None
     with open(log, "rb") as f:
@@ -106,8 +89,7 @@ def last_error_line(log: Path, limit: int = 1 << 16) -> str | None:
         text = f.read().decode("utf-8", "replace")
     lines = [part.strip() for line in text.splitlines() for part in line.split("\r")[-1:] if part.strip()]
     for test in (lambda s: s.startswith("error:"), lambda s: "Error" in s or "Exception" in s):
-        hits = [s for s in lines if test(s)]
-        if hits:
+        if hits := [s for s in lines if test(s)]:
             return hits[-1][:300]
     return lines[-1][:300] if lines else None
 
@@ -125,10 +107,8 @@ def status_table(statuses: Sequence[RunStatus]) -> str:
     rows = [(s.job.name, s.job.arm, s.job.seed, s.state, f"{s.step}/{s.max_steps}",
              None if s.heldout_loss is None else f"{s.heldout_loss:.4g}") for s in statuses]
     text = format_table(("run", "arm", "seed", "state", "step", "held-out loss"), rows)
-    failed = [s for s in statuses if s.state == "failed"]
-    if failed:
+    if failed := [s for s in statuses if s.state == "failed"]:
         text += "\n\nfailed:\n" + "\n".join(f"  {s.job.name}: exit code {s.exit_code}: {s.error or '(no message)'} "
                                             f"(log: {s.job.run_dir / LOG})" for s in failed)
-    counts = {state: sum(s.state == state for s in statuses) for state in STATES}
-    text += "\n\n" + ", ".join(f"{n} {state}" for state, n in counts.items() if n)
-    return text
+    counts = ", ".join(f"{n} {state}" for state in STATES if (n := sum(s.state == state for s in statuses)))
+    return f"{text}\n\n{counts}"
