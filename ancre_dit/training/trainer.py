@@ -57,7 +57,8 @@ def _make_accelerator(c: Config, run_dir: Path) -> Accelerator:
         try:
             import wandb  # noqa: F401
         except ImportError:
-            raise UserError("log.wandb=true but wandb is not installed; pip install wandb, or set log.wandb=false") from None
+            raise UserError("log.wandb=true but wandb is not installed; pip install wandb, "
+                            "or set log.wandb=false") from None
         trackers.append("wandb")
     return Accelerator(
         mixed_precision=c.train.mixed_precision,
