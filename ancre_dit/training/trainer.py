@@ -39,7 +39,7 @@ from .lr_schedule import lr_at
 from .phema import PowerFunctionEMA
 from .stopping import StopAgreement, StopSignals
 from .periodic import PeriodicTask, RunContext, TrainProgress, build_tasks
-from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, check_enough_samples, describe,
+from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, check_enough_samples,
                    load_latents_in_memory, make_loader, nonfinite_rows, prepare_batch)
 from .repa import build_repa
 from .run_lock import abandon_new_run_dir, claim_run_dir, release_run_dir
@@ -343,11 +343,12 @@ class Trainer:
                       "checkpoints/<step>/, samples/<step>.png, topology.json/.png%s",
                       self.run_dir, LOG_FILE, self.run_dir / "logs", METRICS_FILE,
                       ", logs/evals.jsonl + quality.png (evaluation)" if c.train.eval_every else "")
-        n_params = sum(p.numel() for p in self.raw_model.parameters())
-        self.log.info("model %s (%s topology), %.2fM parameters, %.2f GFLOP per training image; data %s; %d "
-                      "process(es) x %d per device x %d accumulation = global batch %d; mixed precision %s; MFU "
-                      "against %s TFLOP/s (%s)", c.model.name, c.model.topology, n_params / 1e6,
-                      self.flops_per_image / 1e9, describe(self.data), acc.num_processes, self.micro_batch,
+        n_params, d = sum(p.numel() for p in self.raw_model.parameters()), self.data
+        self.log.info("model %s (%s topology), %.2fM parameters, %.2f GFLOP per training image; data %s: %d samples, "
+                      "%d classes, model input %dx%dx%d; %d process(es) x %d per device x %d accumulation = global "
+                      "batch %d; mixed precision %s; MFU against %s TFLOP/s (%s)", c.model.name, c.model.topology,
+                      n_params / 1e6, self.flops_per_image / 1e9, d.kind, len(d.dataset), d.num_classes,
+                      d.in_channels, d.input_size, d.input_size, acc.num_processes, self.micro_batch,
                       c.train.grad_accum, c.train.global_batch_size, c.train.mixed_precision, self.peak_tflops,
                       self.peak_source)
 
