@@ -12,8 +12,6 @@ Layout of one checkpoint (folder name = the optimizer step, zero-padded to 7 dig
 
 Everything is written to checkpoints/.tmp-<step>/ and renamed when complete, so a crash mid-save
 leaves earlier checkpoints untouched and `--resume auto` never sees a half-written folder.
-Accelerate's automatic checkpoint naming counts saves, not steps, so we always pass the folder.
-`CheckpointManager` is the trainer's one owner of all this: `save()` and `load(folder)`.
 """
 from __future__ import annotations
 
@@ -45,16 +43,13 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def is_complete(folder: Path) -> bool:
-    return folder.is_dir() and folder.name.isdigit() and (folder / STATE_FILE).is_file()
-
-
 def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints of a run, oldest first (temporary folders are ignored)."""
     root = checkpoints_dir(run_dir)
     if not root.is_dir():
         return []
-    return sorted((int(p.name), p) for p in root.iterdir() if is_complete(p))
+    return sorted((int(p.name), p) for p in root.iterdir()
+                  if p.is_dir() and p.name.isdigit() and (p / STATE_FILE).is_file())
 
 
 def checkpoint_problem(folder: Path) -> str | None:
@@ -66,16 +61,13 @@ def checkpoint_problem(folder: Path) -> str | None:
             return f"{path} is missing"
     if not (folder / ACCELERATE_DIR).is_dir():
         return f"{folder / ACCELERATE_DIR} is missing"
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        problem = file_problem(path)
-        if problem:
-            return problem
-    return None
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return next((problem for problem in map(file_problem, files) if problem), None)
 
 
 def check_resume_path(resume: str) -> Path:
-    """A --resume PATH that is a checkpoint folder by its layout (cheap: run before the run folder
-    is claimed, so a wrong path changes nothing); its files are checked by resolve_resume."""
+    """A --resume PATH that is a checkpoint folder by its layout (cheap: checked before the run folder
+    is claimed); its files are checked by resolve_resume."""
     path = Path(resume)
     if path.is_dir() and (path / STATE_FILE).is_file() and (path / ACCELERATE_DIR).is_dir():
         return path
@@ -114,11 +106,12 @@ def model_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str
     """'key: A in the checkpoint, B in the config' for everything that defines the network and its
     objective (model name and kwargs, the diffusion / objective settings); data and step are left out."""
     wanted = json.loads(json.dumps(wanted))  # tuples -> lists, as the saved JSON has them
-    diffs = []
-    if saved.get("model", {}).get("name") != wanted["model"]["name"]:
-        diffs.append(f"model {saved.get('model', {}).get('name')} in the checkpoint, {wanted['model']['name']} in the config")
-    pairs = [(saved.get("model", {}).get("kwargs", {}), wanted["model"]["kwargs"])]
-    pairs += [(saved.get(k), wanted.get(k)) for k in sorted(set(saved) | set(wanted)) if k not in ("model", "data", "step")]
+    saved_model, diffs = saved.get("model", {}), []
+    if saved_model.get("name") != wanted["model"]["name"]:
+        diffs.append(f"model {saved_model.get('name')} in the checkpoint, {wanted['model']['name']} in the config")
+    pairs = [(saved_model.get("kwargs", {}), wanted["model"]["kwargs"])]
+    pairs += [(saved.get(k), wanted.get(k)) for k in sorted(set(saved) | set(wanted))
+              if k not in ("model", "data", "step")]
     for old, new in pairs:
         if isinstance(old, dict) and isinstance(new, dict):
             # The topology first: changing it changes its options too, and it is the one to name.
@@ -131,8 +124,8 @@ def model_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str
 
 
 def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
-    """Before Accelerate loads anything: the checkpoint must hold the network the config builds,
-    else one line saying what differs (instead of a list of every unexpected state-dict key)."""
+    """The checkpoint holds the network and data the config builds, else one line saying what differs
+    (instead of Accelerate's list of every unexpected state-dict key)."""
     saved = read_json_checked(folder / SPEC_FILE)
     if not isinstance(saved, dict):
         raise UserError(f"{folder / SPEC_FILE} is damaged (not a JSON object); pick another checkpoint")
@@ -165,10 +158,9 @@ def rng_file(folder: Path, rank: int) -> Path:
 
 def save_checkpoint(accelerator, run_dir: str | Path, step: int, generator: torch.Generator,
                     write_files: Callable[[Path], None], trainer_state: dict[str, Any], keep_last: int = 0) -> Path:
-    """Collective: every rank must call it. `write_files(folder)` (main process only) writes the
-    trained-model files and the topology; the trainer state goes last, then the rename. A write
-    that fails for want of space (or any other OS error) removes the temporary folder and raises one
-    UserError on every rank, so the earlier checkpoints stay the newest complete ones."""
+    """Collective. `write_files(folder)` (main process only) writes the trained-model files and the
+    topology; the trainer state goes last, then the rename. A write that fails (no space, any OS
+    error) removes the temporary folder and raises one UserError on every rank."""
     root = checkpoints_dir(run_dir)
     final = root / step_name(step)
     tmp = root / f"{TMP_PREFIX}{step_name(step)}"
@@ -198,23 +190,17 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, generator: torc
     return final
 
 
-def _is_disk_full(err: BaseException, free: int, needed: int) -> bool:
-    """ENOSPC / EDQUOT as an OSError, or as safetensors' text; torch.save (Accelerate's optimizer
-    file) reports a short write only as "unexpected pos", so a failed write with less free space
-    than a checkpoint takes counts as a full disk too."""
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    if any(s in str(err) for s in ("No space left", "os error 28", "code: 28", "Disk quota exceeded")):
-        return True
-    return isinstance(err, (RuntimeError, SafetensorError)) and free < max(needed, 1 << 20)
-
-
 def _write_problem(err: BaseException, root: Path, tmp: Path) -> str | None:
-    """The one line for a failed checkpoint write, or None when `err` is no file-system failure (a bug)."""
+    """The one line for a failed checkpoint write, or None when `err` is no file-system failure (a bug).
+    A full disk: ENOSPC / EDQUOT as an OSError or as safetensors' text; torch.save (Accelerate's
+    optimizer file) reports a short write only as "unexpected pos", so a failed write with less free
+    space than a checkpoint takes counts as one too."""
     earlier = [_folder_bytes(p) for _, p in list_checkpoints(root.parent)]
     needed = max(earlier) if earlier else _folder_bytes(tmp)
     free = shutil.disk_usage(root).free if root.is_dir() else 0
-    if _is_disk_full(err, free, needed):
+    if ((isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT))
+            or any(s in str(err) for s in ("No space left", "os error 28", "code: 28", "Disk quota exceeded"))
+            or (isinstance(err, (RuntimeError, SafetensorError)) and free < max(needed, 1 << 20))):
         return (f"no space left on the device while writing the checkpoint {tmp} (a checkpoint needs "
                 f"{'about' if earlier else 'over'} {needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free in {root}); "
                 f"the temporary folder is removed and earlier checkpoints are intact: free space, then rerun with "
@@ -226,9 +212,8 @@ def _write_problem(err: BaseException, root: Path, tmp: Path) -> str | None:
 
 
 def _agreed_write(accelerator, write: Callable[[], None] | None, root: Path, tmp: Path) -> None:
-    """Runs this rank's part of a save (None: nothing to do here), then agrees with the other ranks
-    (a barrier): when any rank failed to write, the temporary folder is removed and every rank
-    raises the same UserError instead of waiting forever for the one that stopped."""
+    """Runs this rank's part of a save (None: nothing here), then agrees with the other ranks: when any
+    failed, the temporary folder is removed and every rank raises the same UserError (none waits forever)."""
     problem = None
     if write is not None:
         try:
@@ -252,17 +237,13 @@ def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
 
 
-def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
     """Deletes all but the newest `keep_last` complete checkpoints (0 keeps all)."""
-    root = checkpoints_dir(run_dir)
-    for stale in root.glob(f"{TMP_PREFIX}deleting-*"):  # left by a kill during an earlier removal
+    for stale in checkpoints_dir(run_dir).glob(f"{TMP_PREFIX}deleting-*"):  # left by a kill mid-removal
         shutil.rmtree(stale, ignore_errors=True)
-    if keep_last <= 0:
-        return []
-    doomed = [p for _, p in list_checkpoints(run_dir)[:-keep_last]]
-    for p in doomed:
-        remove_checkpoint(p)
-    return doomed
+    if keep_last > 0:
+        for _, folder in list_checkpoints(run_dir)[:-keep_last]:
+            remove_checkpoint(folder)
 
 
 def remove_checkpoint(folder: Path) -> None:
@@ -275,24 +256,6 @@ def remove_checkpoint(folder: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-
-def write_topology_files(folder: Path, run_dir: Path, ema_model: torch.nn.Module, raw_model: torch.nn.Module,
-                         step: int, topology: str, heatmap: bool = True) -> None:
-    """The topology snapshot (EMA matrix as JSON, and with `heatmap` its PNG) into a checkpoint
-    folder and the run dir; nothing for n-stream schemes (HC, mHC) that have no block-to-block matrix."""
-    P, P_raw = topology_matrix(ema_model), topology_matrix(raw_model)
-    if P is None:
-        return
-    extra = {"step": step, "topology": topology, "weights": "ema", "training_probabilities": P_raw.tolist()}
-    for target in (folder, run_dir):
-        save_topology_json(target / "topology.json", P, **extra)
-    if not heatmap:
-        return
-    from ..figures import plot_topology_heatmap
-    png = plot_topology_heatmap(P, folder / "topology.png", title=f"{topology} topology (EMA), step {step}")
-    write_atomic(run_dir / "topology.png", png.read_bytes())  # drawn once, copied: drawing is the slow part
-
-
 def topology_matrix(model: torch.nn.Module) -> torch.Tensor | None:
     """The model's (K, K) topology on the CPU, or None for schemes that have none (HC, mHC)."""
     try:
@@ -302,12 +265,10 @@ def topology_matrix(model: torch.nn.Module) -> torch.Tensor | None:
 
 
 class CheckpointManager:
-    """The run's checkpoints: `save()` writes the current step of `progress` (collective: every rank
-    calls it), `load(folder)` restores from one the weights, Accelerate's state (optimizer, scaler,
-    RNG), this rank's generator and `progress`. One format whatever wraps the model (DDP's `module.`,
-    torch.compile's `_orig_mod.`): Accelerate's state keeps the optimizer, scaler and RNG only, and the
-    weights are the unwrapped modules' own files, the ones sample.py reads. So a run resumes at another
-    world size, with compile or gradient checkpointing switched, from the folder sample.py reads."""
+    """The run's checkpoints: `save()` writes the current step of `progress` (collective), `load(folder)`
+    restores the weights, Accelerate's state, this rank's generator and `progress`. Accelerate's state
+    keeps the optimizer, scaler and RNG only; the weights are the unwrapped modules' own files (the ones
+    sample.py reads), so a run resumes at another world size, with compile or DDP switched."""
 
     def __init__(self, accelerator, config, run_dir: Path, model_kwargs: dict[str, Any], objective, data,
                  raw_model: torch.nn.Module, emas: dict, repa, generator: torch.Generator, progress, log):
@@ -333,28 +294,36 @@ class CheckpointManager:
         return path
 
     def _write_files(self, folder: Path) -> None:
-        step = self.progress.step
+        step, topology = self.progress.step, self.config.model.topology
         write_model_files(folder, {**self.spec, "step": step}, self.raw_model.state_dict(),
                           self.ema.module.state_dict())
         for name, ema in self.emas.items():
             if name != "ema":  # (written with the model above)
                 save_safetensors(ema.module.state_dict(), folder / weights_file(name))
-        write_topology_files(folder, self.run_dir, self.ema.module, self.raw_model, step, self.config.model.topology,
-                             heatmap=self.config.log.figures)
         if self.repa is not None:  # resume reads it (sampling never does)
             save_safetensors(self.repa.projector.state_dict(), folder / self.repa.PROJECTOR_FILE)
+        # The EMA's topology (JSON, and its PNG) here and in the run dir; none for HC / mHC (no matrix).
+        P, P_raw = topology_matrix(self.ema.module), topology_matrix(self.raw_model)
+        if P is None:
+            return
+        for target in (folder, self.run_dir):
+            save_topology_json(target / "topology.json", P, step=step, topology=topology, weights="ema",
+                               training_probabilities=P_raw.tolist())
+        if self.config.log.figures:
+            from ..figures import plot_topology_heatmap
+            png = plot_topology_heatmap(P, folder / "topology.png", title=f"{topology} topology (EMA), step {step}")
+            write_atomic(self.run_dir / "topology.png", png.read_bytes())  # drawn once, copied
 
     def load(self, folder: Path, seed_of_rank: Callable[[int], int]) -> None:
         """`seed_of_rank(step)`: this rank's generator seed when the checkpoint has no file for it
-        (written with fewer processes; the resume is then not bitwise exact, and says so)."""
+        (written with fewer processes: the resume is then not bitwise exact)."""
         from .repa import check_resume as check_same_repa
 
         acc, p = self.accelerator, self.progress
         check_same_model(folder, self.spec)  # one line on a mismatch, before Accelerate reads anything
         state = read_trainer_state(folder)
         check_same_repa(folder, state, self.repa, self.config.repa)
-        # Read on the host, then copied into the modules on their device (a rank's device name
-        # such as cpu:0 is no valid safetensors device).
+        # Read on the host (a rank's device name such as cpu:0 is no valid safetensors device).
         self.raw_model.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["model"], device="cpu"))
         for name, ema in self.emas.items():
             path = folder / weights_file(name)

@@ -1,8 +1,7 @@
 """Data adapters for training (digits, latents, images) and the resumable data order.
 
-The order of samples is a pure function of (seed, epoch): a seeded permutation per epoch, cut into
-global batches, each split across ranks and accumulation steps. Checkpoints save (epoch, offset), so
-a resumed run reads exactly the batches the straight run would. All per-sample randomness (flips,
+The order of samples is a pure function of (seed, epoch), and checkpoints save (epoch, offset), so a
+resumed run reads exactly the batches the straight run would. All per-sample randomness (flips,
 posterior draws) happens in the training step from the trainer's saved generator, not in workers.
 """
 from __future__ import annotations
@@ -43,8 +42,7 @@ class DataInfo:
 
 
 class _ImageFolderArrays(Dataset):
-    """A class-folder tree -> (float32 (3, S, S) in [-1, 1], label), ADM's center crop, no random flip
-    (the trainer flips with its own generator so resumed runs repeat the draws)."""
+    """A class-folder tree -> (float32 (3, S, S) in [-1, 1], label), ADM's center crop (the trainer flips)."""
 
     def __init__(self, root: str, image_size: int):
         self.images = list_image_folder(root, require_classes=True)
@@ -59,8 +57,8 @@ class _ImageFolderArrays(Dataset):
 
 
 def check_data_path(d: DataConfig, found: Callable[..., bool]) -> None:
-    """At config load: the data folder a latents or images run names (`found(key, path, "dir")`: whether
-    it exists, or counts as found where paths are not checked)."""
+    """At config load: the data folder of a latents or images run (`found(key, path, "dir")`: whether it
+    exists, or counts as found where paths are not checked)."""
     if d.kind not in ("latents", "images"):
         return
     what = "latent directory" if d.kind == "latents" else "image folder"
@@ -76,8 +74,8 @@ def check_data_path(d: DataConfig, found: Callable[..., bool]) -> None:
 
 
 def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
-    """Opens the dataset of config.data and checks that the model's patch size (default: that of
-    config.model.name) divides it."""
+    """Opens config.data's dataset, checking that the model's patch size (default: config.model.name's)
+    divides it."""
     d = config.data
     if patch_size is None:
         patch_size = config.model.patch_size or DIT_MODELS[config.model.name][1]
@@ -129,10 +127,9 @@ def check_enough_samples(num_samples: int, global_batch: int, where: str) -> Non
 
 
 def load_latents_in_memory(info: DataInfo, accelerator, run_dir: Path) -> None:
-    """data.in_memory: one copy of the latents per node, shared by its local ranks. The node's first
-    rank fills files in /dev/shm, the others map them, and the names are removed once all have mapped
-    them, so not even a crash leaves anything behind. Every rank checks the node's free memory first,
-    and all refuse together when any cannot (no rank is left waiting in a collective)."""
+    """data.in_memory: one copy of the latents per node. The node's first rank fills files in /dev/shm,
+    the others map them, and the names are removed once all have (a crash leaves nothing behind). All
+    ranks refuse together when any node lacks the memory (no rank is left waiting in a collective)."""
     ds = info.latents
     problem = ds.memory_problem()
     if accelerator.num_processes == 1:
@@ -157,7 +154,7 @@ def load_latents_in_memory(info: DataInfo, accelerator, run_dir: Path) -> None:
         if not first:
             ds.load_into_memory(backing, fill=False)
         accelerator.wait_for_everyone()
-    finally:  # the mappings stay; the names go, whatever happened (a crash leaves no file in shared memory)
+    finally:  # the mappings stay; the names go, whatever happened
         if first:
             for part in shm.glob(f"{backing.name}.*"):
                 part.unlink(missing_ok=True)
@@ -165,7 +162,7 @@ def load_latents_in_memory(info: DataInfo, accelerator, run_dir: Path) -> None:
 
 def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
     """(training set, held-out set): eval.val_path's latents, or the last eval.heldout_from_train
-    training latents, which training then skips (whether or not the run evaluates)."""
+    training latents, which training then skips."""
     e = config.eval
     if e.val_path:
         from ..data.latent_shards import LatentShardDataset
@@ -185,9 +182,9 @@ def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
 
 def prepare_batch(info: DataInfo, batch: tuple, device: torch.device, generator: torch.Generator,
                   clean_images: bool = False) -> tuple[torch.Tensor, ...]:
-    """Moves a batch to `device` with the step's random augmentation from `generator` (flip + posterior
-    draw for latents, a flip for image folders) -> (x, y), and with `clean_images` (REPA) also the
-    clean image in [0, 255], flipped as x is. The draws are the same either way."""
+    """A batch on `device` with the step's augmentation from `generator` (flip + posterior draw for
+    latents, a flip for image folders) -> (x, y), with `clean_images` (REPA) also the clean image in
+    [0, 255], flipped as x is. The draws are the same either way."""
     x, y, *stored = batch  # latents read with their clean images: (moments, labels, images)
     x, y, images = x.to(device, non_blocking=True), y.to(device, non_blocking=True), None
     if info.kind == "latents":
@@ -210,12 +207,10 @@ def prepare_batch(info: DataInfo, batch: tuple, device: torch.device, generator:
 
 
 class GlobalBatchSampler(torch.utils.data.Sampler):
-    """Infinite stream of this rank's micro-batches, starting at (epoch, offset).
-
-    Epoch e is `randperm(n)` seeded by (seed, e); global batch s covers positions [s*B, (s+1)*B) of
-    it (an incomplete last batch is dropped); rank r takes the r-th of `world` equal slices and cuts
-    it into `accum` micro-batches: the same global batches whatever the process layout.
-    """
+    """Infinite stream of this rank's micro-batches, starting at (epoch, offset). Epoch e is `randperm(n)`
+    seeded by (seed, e); global batch s covers positions [s*B, (s+1)*B) of it (an incomplete last one is
+    dropped); rank r takes the r-th of `world` slices, cut into `accum` micro-batches: the same global
+    batches whatever the process layout."""
 
     def __init__(self, num_samples: int, global_batch: int, world: int, rank: int, accum: int, seed: int,
                  epoch: int = 0, offset: int = 0):
@@ -269,9 +264,8 @@ class _SubsetBatches(Subset):
 def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool
                 ) -> torch.utils.data.DataLoader:
     """The training DataLoader over `sampler`'s micro-batches ((x, y), with REPA's images third); a
-    dataset with `get_batch` (the latent shards) is read a micro-batch per call."""
-    # A private generator: DataLoader would otherwise draw its worker base seed from the global RNG,
-    # which the model's label dropout uses, and break exact resume. Workers pass stop signals on.
+    dataset with `get_batch` (the latent shards) is read a micro-batch per call. Its private generator:
+    DataLoader would otherwise seed its workers from the global RNG (label dropout's) and break exact resume."""
     workers = num_workers > 0
     common = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=workers,
                   generator=torch.Generator(), prefetch_factor=4 if workers else None,
@@ -282,8 +276,8 @@ def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, p
 
 
 def nonfinite_rows(info: DataInfo, global_batch: int, seed: int, position: tuple[int, int]) -> str:
-    """Which samples of the global batch drawn at `position` = (epoch, offset) hold non-finite values
-    (shard file and row for latents), read again from the dataset for the non-finite guard's report."""
+    """Which samples of the global batch at `position` = (epoch, offset) hold non-finite values (shard
+    file and row for latents), read again for the non-finite guard's report."""
     dataset = info.dataset
     describe_row = getattr(dataset, "describe_row", None)  # latent shards name file and row
     found = []
@@ -295,8 +289,3 @@ def nonfinite_rows(info: DataInfo, global_batch: int, seed: int, position: tuple
         return "its stored rows are finite: the non-finite values arose after reading them"
     more = f" and {len(found) - 5} more" if len(found) > 5 else ""
     return "non-finite data: " + ", ".join(found[:5]) + more
-
-
-def describe(info: DataInfo) -> str:
-    return (f"{info.kind}: {len(info.dataset)} samples, {info.num_classes} classes, model input "
-            f"{info.in_channels}x{info.input_size}x{info.input_size}")

@@ -1,8 +1,5 @@
-"""The EMA copy of the model and its update, maskable on the device.
-
-The decay is DiT's constant or, with warm-up, the ramp of timm's ModelEmaV3 (written here because
-importing timm costs seconds in every process). The update's weight is a device tensor,
-(1 - decay) x (1 - skip): a skipped non-finite step leaves the EMA bitwise unchanged without a host read.
+"""The EMA copy of the model and its update, maskable on the device: the update's weight is
+(1 - decay) x (1 - skip), so a skipped non-finite step leaves the EMA bitwise unchanged without a host read.
 """
 from __future__ import annotations
 
@@ -21,8 +18,9 @@ class EMA:
         self.max_decay, self.warmup = decay, warmup
 
     def decay(self, updates: int) -> float:
-        """Constant, or with warm-up 1 - (1 + n)^(-2/3) capped at the set decay (0 for the first
-        update, which copies the model)."""
+        """DiT's constant, or with warm-up timm's ModelEmaV3 ramp 1 - (1 + n)^(-2/3) capped at the set
+        decay (0 first: a copy), for short runs: a 0.999 EMA still holds ~13% of the initial weights
+        after 2000 steps. (Written here: importing timm costs seconds in every process.)"""
         if not self.warmup:
             return self.max_decay
         if updates <= 0:
@@ -31,8 +29,8 @@ class EMA:
 
 
 def ema_names(train) -> list[str]:
-    """The weights-file names of a run's EMAs, in the order the trainer keeps them: ema (train.ema_decay),
-    ema-<decay> (train.ema_decays), phema-<std> (train.phema.stds)."""
+    """The weights-file names of a run's EMAs, in the trainer's order: ema (train.ema_decay), ema-<decay>
+    (train.ema_decays), phema-<std> (train.phema.stds)."""
     return ["ema", *(f"ema-{d:g}" for d in train.ema_decays), *(f"phema-{s:g}" for s in train.phema.stds)]
 
 

@@ -1,14 +1,10 @@
-"""The non-finite guard of the training step: a NaN / inf loss or gradient norm never becomes an update.
+"""The non-finite guard of the training step: a NaN / inf loss or gradient norm never becomes an update
+(else AdamW writes NaN into the weights, the EMA follows, and `keep_last` replaces the good checkpoints).
 
-Long bf16 runs can diverge late; without a guard AdamW writes NaN into the weights, the EMA
-follows, and `keep_last` replaces the good checkpoints with NaN ones.
-
-The decision stays on the device (a host read would drain the GPU queue every step): `flag()`
-returns a 0-d tensor, 1.0 when the step must be skipped, agreed by all ranks through a device
-all-reduce; the fused optimizer and the EMA take it as a mask, as they take the GradScaler's
-found_inf. `report()` reads what happened at log steps and before any periodic task (so no
-checkpoint is written before a stop is decided): it warns for each skipped step, names the data rows
-when the inputs themselves were non-finite, and raises NonFiniteStop as the policy says.
+The decision stays on the device: `flag()` returns a 0-d tensor, 1.0 when the step must be skipped,
+agreed by all ranks through a device all-reduce, which the fused optimizer and the EMA take as a mask.
+`report()` reads it at log steps and before any periodic task (so no checkpoint is written before a
+stop is decided), warns, names the data rows when the inputs were non-finite, and raises NonFiniteStop.
 
 Policies (train.nonfinite): `skip` drops the update up to train.nonfinite_max_skips times in a row,
 then stops; `stop` stops at the first one. Either way a run where most steps were skipped stops too.
@@ -43,13 +39,12 @@ class NonFiniteGuard:
         self.last_checkpoint, self.warn, self.bad_rows = last_checkpoint, warn, bad_rows
         self.scaler_handles_grads = scaler_handles_grads
         self.in_a_row = self.total_skipped = self.steps_seen = 0
-        # Steps awaiting their report: (step, data position (epoch, offset), term names, device values
-        # [terms..., grad_norm, local bad, agreed bad, inputs finite]), read together at the next report.
+        # (step, data position, term names, device [terms..., grad_norm, local bad, agreed bad, inputs finite])
         self._pending: list[tuple[int, tuple[int, int], tuple[str, ...], torch.Tensor]] = []
 
     def flag(self, step: int, position: tuple[int, int], terms: dict[str, torch.Tensor], grad_norm: torch.Tensor,
              inputs_finite: torch.Tensor) -> torch.Tensor:
-        """1.0 (float, on the device) when step `step` must not update anything, on every rank alike."""
+        """1.0 (on the device) when step `step` must not update anything, on every rank alike."""
         keys = tuple(sorted(terms))
         values = torch.stack([terms[k].detach().float().reshape(()) for k in keys])
         norm = grad_norm.detach().float().reshape(())

@@ -1,9 +1,9 @@
 """The periodic work of a training run, as tasks the loop runs when due: EMA sample grids, depth
-diagnostics (diagnostics.jsonl), the evaluation (evals.jsonl), checkpoints (with the topology snapshot).
+diagnostics, the evaluation, sparsifying the topology, post-hoc EMA snapshots, checkpoints.
 
-Tasks see a `RunContext`, the slice of the run they may use, never the trainer itself, and never
-draw from the training random streams. After every optimizer step the loop calls `task.maybe_run(ctx)`
-for each task in order, and `task.finish(ctx, stopped)` once at the end.
+Tasks see a `RunContext`, the slice of the run they may use (never the trainer), and never draw from
+the training random streams. The loop calls `task.start(ctx)` once, `task.maybe_run(ctx)` after every
+optimizer step, and `task.finish(ctx, stopped)` once at the end.
 """
 from __future__ import annotations
 
@@ -82,10 +82,10 @@ class PeriodicTask:
         raise NotImplementedError
 
     def start(self, ctx: RunContext) -> None:
-        """Work owed before the first step of this launch (default: none)."""
+        """Work owed before the first step of this launch."""
 
     def finish(self, ctx: RunContext, stopped: bool) -> None:
-        """Work owed at the end of the loop (default: none)."""
+        """Work owed at the end of the loop."""
 
 
 class SampleGridTask(PeriodicTask):
@@ -123,8 +123,8 @@ class SampleGridTask(PeriodicTask):
 
 
 class EvaluationTask(PeriodicTask):
-    """Every train.eval_every steps and at the end: the run's evaluation (run_evaluation.py) on all
-    processes, recorded in RUN/logs/evals.jsonl, TensorBoard and the text log; RUN/quality.png redrawn."""
+    """Every train.eval_every steps and at the end, on all processes: the run's evaluation
+    (run_evaluation.py) to RUN/logs/evals.jsonl, the trackers and the log; RUN/quality.png at the end."""
     name = "evaluation"
 
     def __init__(self, ctx: RunContext):
@@ -136,7 +136,7 @@ class EvaluationTask(PeriodicTask):
         self.evaluator = build_run_evaluator(ctx.config, ctx.data, ctx.objective,
                                              decoder=ctx.decoder if needs_decoder else None,
                                              state=ctx.accelerator, log=ctx.log.info)
-        # Read once, before anyone writes, by one process for all: every process agrees on what is left to do.
+        # Read once, before anyone writes, by one process for all.
         self.done = agree_on_evaluated(ctx.accelerator, ctx.run_dir, self.evaluator.identity)
 
     def due(self, ctx: RunContext) -> bool:
@@ -185,8 +185,8 @@ DIAGNOSTICS_FILE = "diagnostics.jsonl"
 
 class DiagnosticsTask(PeriodicTask):
     """Every train.log_every steps on the main process: the raw model's depth diagnostics on a fixed
-    probe batch (16 held-out examples, fixed noise and times) and the routing's, to
-    RUN/logs/diagnostics.jsonl and TensorBoard; RUN/diagnostics.png at the end."""
+    probe batch (held-out examples, fixed noise and times) and the routing's, to RUN/logs/diagnostics.jsonl
+    and the trackers; RUN/diagnostics.png at the end."""
     name = "diagnostics"
     PROBE_SIZE = 16
 
@@ -234,8 +234,8 @@ class DiagnosticsTask(PeriodicTask):
 
 class SparsifyTopologyTask(PeriodicTask):
     """Sparse ANCRe: at train.topology_sparsify_step each block keeps its model.topology_topk strongest
-    incoming edges of the training weights, the EMA copy the same ones. Runs on every process (the
-    choice is a function of the weights, equal on all), before that step's checkpoint."""
+    incoming edges of the training weights, every EMA the same ones. Runs on every process (the weights
+    are equal on all), first among that step's tasks."""
     name = "topology sparsify"
 
     def __init__(self, step: int):
@@ -246,14 +246,14 @@ class SparsifyTopologyTask(PeriodicTask):
         return ctx.progress.step == self.step
 
     def start(self, ctx: RunContext) -> None:
-        """A run stopped after the switch step but before its tasks ran switches now."""
+        """A run stopped after the switch step but before its tasks ran, switches now."""
         if ctx.progress.step >= self.step and not ctx.raw_model.topology.is_sparse:
             self.run(ctx)
 
     def run(self, ctx: RunContext) -> None:
         topology = ctx.raw_model.topology
         topology.sparsify()
-        for ema in ctx.emas.values():  # every EMA keeps the training weights' edges
+        for ema in ctx.emas.values():
             ema.module.topology.sparsify(topology.kept)
         ctx.log.info("step %d: topology sparsified: each block keeps its %d strongest incoming edges (%d of %d)",
                      ctx.progress.step, topology.topk, int(topology.kept.sum()),
@@ -288,10 +288,11 @@ class CheckpointTask(PeriodicTask):
 
 
 def build_tasks(ctx: RunContext) -> list[PeriodicTask]:
-    """In the order they run at a step (a checkpoint follows its evaluation)."""
+    """In the order they run at a step: sparsifying first (the step's other tasks see the sparse
+    topology), a checkpoint after its evaluation."""
     c = ctx.config.train
     tasks: list[PeriodicTask] = [SampleGridTask(c.sample_every), DiagnosticsTask(ctx)]
-    if c.topology_sparsify_step:  # first: the grid, diagnostics and checkpoint of that step see the sparse topology
+    if c.topology_sparsify_step:
         tasks.insert(0, SparsifyTopologyTask(c.topology_sparsify_step))
     if c.eval_every:
         tasks.append(EvaluationTask(ctx))

@@ -1,10 +1,7 @@
 """REPA, representation alignment (Yu et al., 2024): an extra training loss that makes the DiT's
 state after block `repa.depth`, projected by a small trained MLP, point the way a frozen pretrained
-encoder's patch tokens of the clean image do (negative cosine similarity, token by token).
-
-The encoder is loaded from a local file only and fed images resized so that its patch grid is the
-DiT's token grid. The projector is trained with the model but is not part of it: the sampled model
-files are the same without REPA.
+encoder's patch tokens of the clean image do (negative cosine similarity, token by token). The
+projector is trained with the model but is not part of it: the sampled model files are the same.
 """
 from __future__ import annotations
 
@@ -23,9 +20,8 @@ from .config_sections import RepaConfig
 
 
 class StateTap:
-    """The topology's `state_hook` during a training forward: keeps z_depth, the (aggregated) state fed
-    to block depth + 1, with its graph. One tap serves the whole run: torch.compile traces the call
-    into its graph and guards on the hook's identity, so a new object each step would recompile."""
+    """The topology's `state_hook` during a training forward: keeps z_depth, the state fed to block
+    depth + 1, with its graph. One tap serves the whole run: torch.compile guards on the hook's identity."""
 
     def __init__(self, depth: int):
         self.depth = depth
@@ -75,8 +71,8 @@ def alignment_loss(projected: torch.Tensor, target: torch.Tensor) -> torch.Tenso
 
 
 class FrozenEncoder(nn.Module):
-    """A timm ViT that maps clean images (N, 1 or 3, H, W, values in [0, 255]) to its patch tokens
-    (N, grid^2, dim), class and register tokens dropped. Always in eval mode, never trained."""
+    """A frozen timm ViT, always in eval mode: clean images (N, 1 or 3, H, W) in [0, 255] -> its patch
+    tokens (N, grid^2, dim), class and register tokens dropped."""
 
     def __init__(self, encoder: nn.Module, resolution: int, bf16: bool):
         super().__init__()
@@ -94,12 +90,9 @@ class FrozenEncoder(nn.Module):
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """Patch tokens of [0, 255] images, which are made 3-channel, resized to `resolution`, normalised.
-
-        The image is resized, not the features interpolated, so that each encoder patch covers the
-        area of one DiT patch and token i of both grids describes the same region (DINOv2-B/14 under a
-        256 px DiT-B/2: 16 x 16 patches of 14 px at 224 px). Downsizing antialiases, as the encoder's
-        own (PIL) preprocessing did when it was trained."""
+        """The image is resized, not the features interpolated, so that token i of both grids covers the
+        same region (DINOv2-B/14 under a 256 px DiT-B/2: 16 x 16 patches of 14 px at 224 px). Downsizing
+        antialiases, as the encoder's own (PIL) preprocessing did when it was trained."""
         x = images.float() / 255.0
         if x.shape[1] == 1:  # grey (the digits): the same value in R, G and B
             x = x.expand(-1, 3, -1, -1)
@@ -123,9 +116,8 @@ def _create(cfg: RepaConfig, **extra: Any) -> nn.Module:
 
 
 def encoder_resolution(cfg: RepaConfig, grid: int) -> int:
-    """The encoder's input side: the DiT token grid x the encoder's patch size, or the configured one
-    (which must give the same grid). The patch size comes from building the encoder on the meta
-    device, or on the CPU for a model whose construction needs real tensors."""
+    """The encoder's input side: the DiT token grid x the encoder's patch size (read from the encoder
+    built on the meta device, or the CPU where that fails), or the configured one giving the same grid."""
     with torch.random.fork_rng(devices=[]):  # the training streams do not move
         try:
             with torch.device("meta"):
@@ -151,8 +143,8 @@ def encoder_resolution(cfg: RepaConfig, grid: int) -> int:
 
 def build_encoder(cfg: RepaConfig, grid: int, device: torch.device | str = "cpu", bf16: bool = False,
                   load_weights: bool = True) -> FrozenEncoder:
-    """The frozen encoder for a `grid` x `grid` DiT token grid, weights from cfg.encoder_weights;
-    `load_weights=False` keeps the random init (benchmarks time the architecture)."""
+    """The frozen encoder for a `grid` x `grid` DiT token grid; `load_weights=False` keeps the random
+    init (benchmarks time the architecture)."""
     resolution = encoder_resolution(cfg, grid)
     with torch.random.fork_rng(devices=[]):  # its random init (overwritten) must not move the training streams
         model = _create(cfg, img_size=resolution)
@@ -166,8 +158,7 @@ def build_encoder(cfg: RepaConfig, grid: int, device: torch.device | str = "cpu"
 
 
 class RepaAlignment:
-    """What a REPA run holds besides the model: the frozen encoder, the projector (trained, saved as
-    its own file, never sampled) and the tap on the trunk."""
+    """What a REPA run holds besides the model: the frozen encoder, the projector and the tap."""
 
     PROJECTOR_FILE = "repa_projector.safetensors"
 
@@ -186,15 +177,13 @@ class RepaAlignment:
                 "projector_dim": cfg.projector_dim, "encoder_resolution": self.encoder.resolution}
 
     def loss(self, projector: nn.Module, images: torch.Tensor) -> torch.Tensor:
-        """The unweighted REPA loss of the state the tap caught; `projector` is self.projector as the
-        trainer prepared it (wrapped for several processes)."""
+        """The unweighted loss of the state the tap caught; `projector`: self.projector as prepared (DDP)."""
         z = self.tap.take()
         return alignment_loss(projector(z), self.encoder(images))
 
 
 def check_repa_settings(r: RepaConfig, found: Callable[[str, str], bool]) -> None:
-    """At config load, REPA on: an encoder timm knows, its weights a local file (`found(key, path)`:
-    whether it exists, or counts as found where paths are not checked)."""
+    """At config load, REPA on: an encoder timm knows, its weights a local file (`found(key, path)`)."""
     if not r.weight:
         return
     import timm
@@ -226,7 +215,7 @@ def build_repa(cfg: RepaConfig, model: nn.Module, input_size: int, device: torch
 
 def check_resume(folder: Path, state: dict[str, Any], repa: RepaAlignment | None, cfg: RepaConfig) -> None:
     """Before a resume: the checkpoint was trained with REPA exactly when this config uses it, with the
-    same settings and projector shapes (else Accelerate would fail deep inside with a size mismatch)."""
+    same settings and projector shapes (else Accelerate fails deep inside with a size mismatch)."""
     with_repa = (folder / RepaAlignment.PROJECTOR_FILE).is_file()
     run_config = folder.parent.parent / "config.yaml"
     if with_repa != (repa is not None):

@@ -1,16 +1,10 @@
 """The training loop: DiT's diffusion (or SiT's flow) objective with Accelerate (CPU, one or many GPUs, many nodes).
 
-Read it top-down, as DiT's train.py: `Trainer.__init__` builds the run (processes, data, model and
-EMA, objective, optimizer, resume), `run()` is the loop, `train_step()` is one optimizer step. The
-rest plugs in at named places and can be read later: the data pipeline (data.py), the non-finite
-guard (guards.py: a device flag per step, read at log steps), REPA's extra loss (repa.py), the
-periodic tasks (periodic.py: sample grids, diagnostics, evaluation, sparsifying the topology,
-checkpoints), the checkpoints and resume (checkpointing.py), the stop signals (stopping.py) and what the
-run reports (run_log.py).
+Read it top-down, as DiT's train.py: `Trainer.__init__` builds the run, `run()` is the loop,
+`train_step()` one optimizer step (one global batch = per-device batch x processes x accumulation).
 
-One optimizer step consumes one global batch = per-device batch x processes x accumulation. Every
-random draw is reproducible from saved state: the data order is a function of (seed, epoch), the
-timesteps / noise / flips / posterior draws come from a per-rank generator saved in checkpoints,
+Every random draw is reproducible from saved state: the data order is a function of (seed, epoch),
+the timesteps / noise / flips / posterior draws come from a per-rank generator saved in checkpoints,
 and the model's label dropout uses the global RNG, which Accelerate saves and restores per rank.
 """
 from __future__ import annotations
@@ -45,7 +39,7 @@ from .lr_schedule import lr_at
 from .phema import PowerFunctionEMA
 from .stopping import StopAgreement, StopSignals
 from .periodic import PeriodicTask, RunContext, TrainProgress, build_tasks
-from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, check_enough_samples, describe,
+from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, check_enough_samples,
                    load_latents_in_memory, make_loader, nonfinite_rows, prepare_batch)
 from .repa import build_repa
 from .run_lock import abandon_new_run_dir, claim_run_dir, release_run_dir
@@ -63,15 +57,15 @@ def _make_accelerator(c: Config, run_dir: Path) -> Accelerator:
         try:
             import wandb  # noqa: F401
         except ImportError:
-            raise UserError("log.wandb=true but wandb is not installed; pip install wandb, or set log.wandb=false") from None
+            raise UserError("log.wandb=true but wandb is not installed; pip install wandb, "
+                            "or set log.wandb=false") from None
         trackers.append("wandb")
     return Accelerator(
         mixed_precision=c.train.mixed_precision,
         gradient_accumulation_steps=c.train.grad_accum,
         log_with=trackers or None,
         project_config=ProjectConfiguration(project_dir=str(run_dir), logging_dir=str(run_dir / "logs")),
-        # Buffers are never changed by a forward (nothing to broadcast each step); gradients live
-        # in DDP's all-reduce buckets (no copy in and out of them).
+        # No forward changes a buffer (nothing to broadcast); gradients live in DDP's buckets (no copy).
         kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True),
                          InitProcessGroupKwargs(timeout=timedelta(seconds=c.train.collective_timeout_s))],
     )
@@ -84,7 +78,7 @@ class Trainer:
         self.config = c = config
         self.run_dir = Path(c.run_dir)
 
-        # Processes, and the run folder claimed before anything is written (one training per run_dir).
+        # Processes, and the run folder claimed before anything is written.
         self.accelerator = acc = _make_accelerator(c, self.run_dir)
         self.micro_batch = check_batch_layout(c, acc.num_processes)
         if resume and resume != "auto":
@@ -96,8 +90,8 @@ class Trainer:
         self.log = make_logger(self.run_dir, acc.is_main_process)
         configure_precision(acc.device, c.train.tf32)
 
-        # Data, model, EMA and objective. Same seed on every rank for the model (DDP also broadcasts
-        # rank 0's weights), then a distinct seed per rank for everything random during training.
+        # Same seed on every rank for the model (DDP also broadcasts rank 0's weights), then a
+        # distinct seed per rank for everything random during training.
         set_seed(c.train.seed)
         self.data: DataInfo = build_data(c)
         check_enough_samples(len(self.data.dataset), c.train.global_batch_size, c.data.path or c.data.kind)
@@ -121,16 +115,14 @@ class Trainer:
         set_seed(_seed(c.train.seed, rank, 0))
         self.generator = torch.Generator(device=acc.device).manual_seed(_seed(c.train.seed, rank, 1))
 
-        # Optimizer: fused AdamW (one kernel for all parameters, it takes the guard's skip mask on the
-        # device), the routing parameters in a group of their own (see _group_lrs).
+        # Fused AdamW (one kernel, takes the guard's skip mask on the device); routing params grouped apart.
         self.fused = acc.device.type in torch.utils._foreach_utils._get_fused_kernels_supported_devices()
         groups, self.routing_group = param_groups(self.raw_model, c.train.topology_weight_decay,
                                                   self.repa.projector if self.repa is not None else None)
         optimizer = torch.optim.AdamW(groups, lr=c.train.lr, betas=(c.train.adam_beta1, c.train.adam_beta2),
                                       weight_decay=c.train.weight_decay, fused=self.fused or None)
         model = torch.compile(self.raw_model) if c.train.compile else self.raw_model
-        # REPA's projector is prepared as a model of its own: wrapped for several processes (its
-        # gradients are averaged like the model's).
+        # REPA's projector is prepared as a model of its own (its gradients averaged like the model's).
         extra = [self.repa.projector] if self.repa is not None else []
         self.model, *prepared, self.optimizer = acc.prepare(model, *extra, optimizer)
         self.projector = prepared[0] if prepared else None
@@ -151,8 +143,7 @@ class Trainer:
             save_config(c, self.run_dir / "config.yaml")
         acc.init_trackers(c.log.project, config=flat_config(c))
 
-        # What runs beside the steps: the non-finite guard, the stop agreement, the metrics and the
-        # periodic tasks (sample grids, diagnostics, evaluation, sparsifying, checkpoints).
+        # What runs beside the steps: the non-finite guard, the stop agreement, metrics, periodic tasks.
         self.guard = NonFiniteGuard(acc, c.train.nonfinite, c.train.nonfinite_max_skips, self.checkpoints.last_good,
                                     self.log.warning, scaler_handles_grads=c.train.mixed_precision == "fp16",
                                     bad_rows=lambda position: nonfinite_rows(d, c.train.global_batch_size,
@@ -176,18 +167,12 @@ class Trainer:
     def step(self) -> int:
         return self.progress.step
 
-    @property
-    def train_seconds(self) -> float:
-        return self.progress.train_seconds
-
-    # -- the loop -----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        """Trains from the current step to train.max_steps, or until a stop signal; the last step is
-        checkpointed either way."""
+        """Trains to train.max_steps, or until a stop signal; the last step is checkpointed either way."""
         c = self.config.train
         self._log_start()
         self.progress.last_saved = self.step if self.resumed_from is not None else -1
-        launch_started_at = self.train_seconds
+        launch_started_at = self.progress.train_seconds
         progress = tqdm(total=c.max_steps, initial=self.step, disable=not self.accelerator.is_main_process,
                         desc="train", dynamic_ncols=True)
         self.metrics.start(time.perf_counter())
@@ -208,17 +193,15 @@ class Trainer:
                 self.progress.train_seconds += time.perf_counter() - started
                 self.metrics.add(terms, self.lr)
                 progress.update(1)
-                # 2. The guard's verdict on the steps since the last one, at log steps and before any
-                # periodic task (so no checkpoint is written before a stop is decided, on every rank);
-                # then the metrics, at log steps.
+                # 2. The guard's verdict, at log steps and before any periodic task (no checkpoint is
+                # written before a stop is decided); the base rule of `due`, the same on every rank,
+                # since the report is collective while a task may be due on the main process only.
                 log_step = self.step % c.log_every == 0 or self.step == c.max_steps
-                # (the base rule of `due`, the same on every rank: the guard's report is collective,
-                # while a task may be due on the main process only)
                 if log_step or any(PeriodicTask.due(task, self.context) for task in self.tasks):
                     self._report_guard(progress)
                 if log_step:
-                    self.metrics.write(self.step, self.train_seconds, time.perf_counter(), progress)
-                # 3. The periodic tasks due now, in order: sparsify, grid, diagnostics, evaluation, checkpoint.
+                    self.metrics.write(self.step, self.progress.train_seconds, time.perf_counter(), progress)
+                # 3. The periodic tasks due now, in order.
                 for task in self.tasks:
                     task.maybe_run(self.context)
                 # 4. A stop signal (SIGTERM, SIGINT, SIGUSR1), agreed by every rank: save and leave.
@@ -230,23 +213,19 @@ class Trainer:
             progress.close()
             for task in self.tasks:  # the last evaluation and checkpoint
                 task.finish(self.context, stopped)
-            # Still under the handlers: a stop signal repeated while the run winds down (a scheduler
-            # that sends SIGTERM again) must not kill the process after its work is saved.
+            # Still under the handlers: a repeated SIGTERM must not kill the process after its work is saved.
             if self.accelerator.is_main_process and self.config.log.figures:
                 plot_loss(self.run_dir)
-            log_time_shares(self.log, self.train_seconds - launch_started_at, self.tasks)
+            log_time_shares(self.log, self.progress.train_seconds - launch_started_at, self.tasks)
             self.log.info("done at step %d; outputs in %s", self.step, self.run_dir)
             self._end()
         return {"step": self.step, "stopped": stopped, "metrics": self.metrics.last, "run_dir": str(self.run_dir)}
 
-    # -- one step ------------------------------------------------------------------------------
     def train_step(self, batches) -> dict[str, torch.Tensor]:
         """One optimizer step over grad_accum micro-batches; returns this rank's mean terms as device
-        tensors. Nothing here reads a value back to the host (that would drain the GPU queue every
-        step): the non-finite guard decides on the device, and the terms are read at log steps."""
+        tensors. Nothing here reads a value back to the host (that would drain the GPU queue every step)."""
         acc, c = self.accelerator, self.config.train
-        self.lr = lr = lr_at(c, self.step)  # (the metrics log it)
-        # lr by hand: Accelerate steps prepared schedulers once per process
+        self.lr = lr = lr_at(c, self.step)  # by hand: Accelerate steps prepared schedulers once per process
         for group, group_lr in zip(self.optimizer.param_groups, self._group_lrs(lr)):
             group["lr"] = group_lr
         position = (self.progress.epoch, self.progress.offset)
@@ -254,14 +233,12 @@ class Trainer:
         grad_norm = skip = inputs_finite = None
         repa = self.repa
         for _ in range(c.grad_accum):
-            # The micro-batch on the device with its flips / posterior draw, the objective's times and noise.
             x, y, *clean = prepare_batch(self.data, next(batches), acc.device, self.generator,
                                          clean_images=repa is not None)
             finite = torch.isfinite(x).all()
             inputs_finite = finite if inputs_finite is None else inputs_finite & finite
             draws = self.draw_timesteps_and_noise(x)
             with acc.accumulate(*self.trained_modules):
-                # The losses: the objective's, plus the topology's entropy and REPA's alignment when set.
                 with repa.tap.attached(self.raw_model.topology) if repa is not None else nullcontext():
                     terms = self.objective.losses(self.model, x, y, draws)
                 loss = terms["loss"].mean()
@@ -271,7 +248,6 @@ class Trainer:
                 if repa is not None:  # logged as train/repa_loss (unweighted)
                     terms["repa_loss"] = repa.loss(self.projector, clean[0])
                     loss = loss + repa.weight * terms["repa_loss"]
-                # Backward; after the last micro-batch, the gradient norm, the guard's flag and the masked update.
                 acc.backward(loss)
                 for key, value in terms.items():
                     sums[key] = sums.get(key, 0.0) + value.detach().mean() / c.grad_accum
@@ -280,9 +256,6 @@ class Trainer:
                     skip = self.guard.flag(self.step + 1, position, sums, grad_norm, inputs_finite)
                     self._optimizer_step(skip)
                 self.optimizer.zero_grad(set_to_none=True)
-        # Constant decay as in DiT; with ema_warmup, a 1 - (1 + n)^(-2/3) ramp capped at ema_decay
-        # (short runs: a 0.999 EMA would still hold ~13% of the initial weights after 2000 steps);
-        # the post-hoc EMAs' decay follows their profile. One foreach update for all of them.
         ema_update_(self.emas.values(), self.raw_model, self.step, skip)
         p = self.progress
         p.step += 1
@@ -292,9 +265,8 @@ class Trainer:
         return sums
 
     def _grad_norm(self) -> torch.Tensor:
-        """The global gradient norm of the trained modules (the model, plus REPA's projector),
-        clipped to train.grad_clip when that is set. Without clipping the gradients are only read:
-        a clip to infinity would rescale every gradient by 1."""
+        """The global gradient norm of the trained modules, clipped to train.grad_clip when set (without
+        clipping the gradients are only read: a clip to infinity would rescale every gradient by 1)."""
         acc, clip = self.accelerator, self.config.train.grad_clip
         params = [p for m in self.trained_modules for p in m.parameters() if p.grad is not None]
         if clip or acc.scaler is not None:  # fp16: Accelerate unscales the gradients first
@@ -302,9 +274,9 @@ class Trainer:
         return torch.nn.utils.get_total_norm([p.grad for p in params])
 
     def _optimizer_step(self, skip: torch.Tensor) -> None:
-        """The update, masked by the guard's device flag. The fused AdamW takes it as found_inf (as
-        under a GradScaler): a flagged step changes no weight, moment or step count. fp16's GradScaler
-        owns found_inf, and an optimizer without a fused kernel has no mask: those read the flag."""
+        """The update, masked by the guard's flag: the fused AdamW takes it as found_inf, so a flagged step
+        changes no weight, moment or step count. fp16's GradScaler owns found_inf, and an optimizer
+        without a fused kernel has no mask: those read the flag."""
         torch_optimizer = self.optimizer.optimizer
         if self.fused and self.accelerator.scaler is None:
             torch_optimizer.found_inf = skip
@@ -329,21 +301,19 @@ class Trainer:
         return self.objective.draw(x, self.generator)
 
     def _group_lrs(self, lr: float) -> list[float]:
-        """Each group's lr at this step: the routing group's is lr x train.topology_lr_mult, and 0 for
-        its first train.topology_warmup_steps steps. A zero lr leaves AdamW's parameters exactly where
-        they are (its decay is lr x weight decay) while its moment estimates keep accumulating, so
-        the routing starts moving from its initial values with warmed-up moments."""
+        """Each group's lr: the routing group's is lr x train.topology_lr_mult, 0 for its first
+        train.topology_warmup_steps steps (AdamW then leaves it exactly in place while its moments
+        warm up)."""
         c = self.config.train
         routing_lr = lr * c.topology_lr_mult if self.step >= c.topology_warmup_steps else 0.0
         return [routing_lr if k == self.routing_group else lr for k in range(len(self.optimizer.param_groups))]
 
     def _stop_requested(self) -> bool:
-        """Whether a stop signal arrived during this launch (agreed by all processes now: collective)."""
+        """Whether a stop signal arrived during this launch (collective)."""
         return self.stop_agreement.should_stop(self.step, self._signals, force=True)
 
     def _report_guard(self, progress) -> None:
-        """The guard's report of the steps since the last one; a stop it decides ends the run here,
-        with nothing saved over the good checkpoints."""
+        """The guard's report; a stop it decides ends the run with nothing saved."""
         try:
             self.guard.report()
         except UserError as err:
@@ -357,15 +327,14 @@ class Trainer:
         raise err
 
     def _end(self) -> None:
-        """Ends the trackers and destroys the process group (else gloo aborts at exit), after dropping
-        the process-group wrappers (DDP) of the model and REPA's projector: a wrapper that outlives its
-        group can abort the process when it is finally freed at interpreter exit."""
+        """Ends the trackers and the process group (else gloo aborts at exit), after dropping the DDP
+        wrappers: one that outlives its group can abort the process when freed at interpreter exit."""
         self.model = self.projector = None
         self.trained_modules = ()
         self.accelerator.free_memory()
         gc.collect()
         if self.accelerator.is_main_process:
-            release_run_dir(self.run_dir)  # the training is over: the folder is free for the next one
+            release_run_dir(self.run_dir)
         self.accelerator.end_training()
 
     def _log_start(self) -> None:
@@ -374,11 +343,12 @@ class Trainer:
                       "checkpoints/<step>/, samples/<step>.png, topology.json/.png%s",
                       self.run_dir, LOG_FILE, self.run_dir / "logs", METRICS_FILE,
                       ", logs/evals.jsonl + quality.png (evaluation)" if c.train.eval_every else "")
-        n_params = sum(p.numel() for p in self.raw_model.parameters())
-        self.log.info("model %s (%s topology), %.2fM parameters, %.2f GFLOP per training image; data %s; %d "
-                      "process(es) x %d per device x %d accumulation = global batch %d; mixed precision %s; MFU "
-                      "against %s TFLOP/s (%s)", c.model.name, c.model.topology, n_params / 1e6,
-                      self.flops_per_image / 1e9, describe(self.data), acc.num_processes, self.micro_batch,
+        n_params, d = sum(p.numel() for p in self.raw_model.parameters()), self.data
+        self.log.info("model %s (%s topology), %.2fM parameters, %.2f GFLOP per training image; data %s: %d samples, "
+                      "%d classes, model input %dx%dx%d; %d process(es) x %d per device x %d accumulation = global "
+                      "batch %d; mixed precision %s; MFU against %s TFLOP/s (%s)", c.model.name, c.model.topology,
+                      n_params / 1e6, self.flops_per_image / 1e9, d.kind, len(d.dataset), d.num_classes,
+                      d.in_channels, d.input_size, d.input_size, acc.num_processes, self.micro_batch,
                       c.train.grad_accum, c.train.global_batch_size, c.train.mixed_precision, self.peak_tflops,
                       self.peak_source)
 
