@@ -1,8 +1,6 @@
-"""The checks of a config beyond its types: each value is checked by the object that uses it, built
-once here (the model on the meta device, the objective, sampler, guidance, REPA's encoder), plus the
-rules that tie sections together. The paths named must exist, unless the config is read away from
-its data (a study's status or report): then the missing ones are listed and the rest still runs.
-"""
+"""A config's checks beyond its types: each value is checked by building what uses it (the model on the
+meta device, the objective, sampler, guidance, REPA's encoder), plus the rules tying sections together.
+Read away from its data (a study's status or report), missing paths are listed instead of refused."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..diffusion import Objective, build_objective
+from ..diffusion import build_objective
 from ..diffusion.sampler_registry import check_time_shift, resolve_sampler
 from ..errors import MissingFileError, UserError, or_list
 from ..evaluation.evaluator import resolve_metrics
@@ -64,9 +62,12 @@ def validate_config(config: Config, check_paths: bool = True) -> list[str]:
     objective = build_objective(diffusion_spec(config))
     check_repa_settings(config.repa, paths.found)
     _check_eval_data(config, paths)
-    _check_eval_sampling(config.eval, objective)
+    e = config.eval
+    resolve_sampler(objective, e.sampler, e.steps, ("eval.sampler", "eval.steps"),
+                    owner=f"diffusion.objective={objective.name}")
+    check_time_shift(e.sampler or objective.default_sampler, e.time_shift, "eval.time_shift")
     check_guidance_scale("train.cfg_scale_for_grids", config.train.cfg_scale_for_grids)
-    for scale in config.eval.cfg_scales:
+    for scale in e.cfg_scales:
         check_guidance_scale("eval.cfg_scales", scale)
     _check_eval_metrics(config, paths)
     return list(dict.fromkeys(paths.missing))
@@ -158,12 +159,6 @@ def _check_eval_data(config: Config, paths: _Paths) -> None:
     if e.val_path and not paths.found("eval.val_path", e.val_path, "dir"):
         raise UserError(f"eval.val_path {e.val_path} does not exist; point it at a latent directory "
                         f"written by scripts/extract_latents.py")
-
-
-def _check_eval_sampling(e: EvalConfig, objective: Objective) -> None:
-    resolve_sampler(objective, e.sampler, e.steps, ("eval.sampler", "eval.steps"),
-                    owner=f"diffusion.objective={objective.name}")
-    check_time_shift(e.sampler or objective.default_sampler, e.time_shift, "eval.time_shift")
 
 
 def _check_eval_metrics(config: Config, paths: _Paths) -> None:
