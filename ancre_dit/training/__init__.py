@@ -1,7 +1,6 @@
 """Training: typed config, data order and adapters, atomic checkpoints, the Accelerate loop.
 
-The trainer (Accelerate, the model, the diffusion objectives) is imported on first use, so that checking a config
-on the command line stays quick.
+The trainer is imported on first use, so that checking a config on the command line stays quick.
 """
 from __future__ import annotations
 

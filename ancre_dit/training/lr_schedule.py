@@ -5,9 +5,8 @@
     linear        from train.lr down to train.min_lr at train.max_steps, a straight line
     inverse-sqrt  train.lr / sqrt(max(step / train.lr_decay_start, 1)), not below train.min_lr (EDM2)
 
-Written here as a pure function of the step, not as a torch or diffusers scheduler: those are
-stateful objects that step the optimizer, while the trainer sets each group's lr itself (the routing
-group has its own multiplier and warm-up) and a resumed run must find the same lr from the step alone.
+A pure function of the step, not a (stateful) torch scheduler: the trainer sets each group's lr
+itself (the routing group has its own multiplier and warm-up), and a resume finds it from the step alone.
 """
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import math
 
 from ..errors import UserError
 from .config_sections import TrainConfig
+
 
 def lr_at(t: TrainConfig, step: int) -> float:
     """The lr of optimizer step `step` + 1 (so the first step of a warm-up already moves)."""

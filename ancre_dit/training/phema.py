@@ -28,7 +28,7 @@ MAX_STD = 12 ** -0.5  # g = 0, the plain average, is the widest profile: std 1/s
 
 
 def check_std(std: float, name: str = "std") -> None:
-    """A power-function EMA's std lies in (0, MAX_STD); `name`: what the caller calls the value."""
+    """A power-function EMA's std lies in (0, MAX_STD); `name`: what the caller calls it."""
     if not 0 < std < MAX_STD:
         raise UserError(f"{name} holds {std:g}; a power-function EMA's std lies in (0, {MAX_STD:.4f}) (EDM2 "
                         "tracks 0.05 and 0.10)")
@@ -114,32 +114,25 @@ def write_snapshot(run_dir: Path, step: int, emas: dict[float, dict[str, torch.T
     return path
 
 
-def snapshot_steps(run_dir: Path, at: int | None = None) -> list[int]:
-    found = sorted(int(p.stem) for p in (Path(run_dir) / SNAPSHOT_DIR).glob("*.safetensors") if p.stem.isdigit())
-    return [s for s in found if at is None or s <= at]
-
-
-def read_snapshot(path: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """(the stds it holds, its tensors "<std>/<name>")."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        return json.loads(f.metadata()["stds"]), {k: f.get_tensor(k) for k in f.keys()}
-
-
 def reconstruct(run_dir: Path, std: float, at: int | None = None, name: str = "--std"
                 ) -> tuple[dict[str, torch.Tensor], int, list[int]]:
     """The EMA of length `std` at step `at` (default: the last snapshot), rebuilt from the snapshots up
     to it: (state dict, step, snapshot steps used). Non-float tensors are the last snapshot's. `name`:
     what the caller calls `std`."""
+    from safetensors import safe_open
+
     check_std(std, name)
-    steps = snapshot_steps(run_dir, at)
+    folder = Path(run_dir) / SNAPSHOT_DIR
+    steps = sorted(int(p.stem) for p in folder.glob("*.safetensors") if p.stem.isdigit())
+    steps = [s for s in steps if at is None or s <= at]
     if not steps:
-        raise UserError(f"no post-hoc EMA snapshots in {Path(run_dir) / SNAPSHOT_DIR}"
-                        f"{f' up to step {at}' if at is not None else ''}; train with train.phema.stds and "
-                        "train.phema.snapshot_every")
+        raise UserError(f"no post-hoc EMA snapshots in {folder}{f' up to step {at}' if at is not None else ''}; "
+                        "train with train.phema.stds and train.phema.snapshot_every")
     target = steps[-1] if at is None else at
-    snapshots = [read_snapshot(Path(run_dir) / SNAPSHOT_DIR / f"{s:07d}.safetensors") for s in steps]
+    snapshots = []  # (the stds a snapshot holds, its tensors "<std>/<name>")
+    for s in steps:
+        with safe_open(str(folder / f"{s:07d}.safetensors"), framework="pt") as f:
+            snapshots.append((json.loads(f.metadata()["stds"]), {k: f.get_tensor(k) for k in f.keys()}))
     tracked = [(i, d) for i, (stds, _) in enumerate(snapshots) for d in stds]
     weights = reconstruction_weights([steps[i] for i, _ in tracked], [d for _, d in tracked], target, std)
     last_stds, last = snapshots[-1]
@@ -155,9 +148,9 @@ def reconstruct(run_dir: Path, std: float, at: int | None = None, name: str = "-
 
 
 def write_reconstruction(run_dir: Path, std: float, at: int | None, out: Path) -> dict:
-    """A checkpoint folder (model_spec.json + ema.safetensors) holding the rebuilt EMA, which sample.py
-    and the evaluation read like any other; its spec is the run's newest checkpoint's, at the step
-    rebuilt, and records the std and snapshots. Returns the spec."""
+    """A checkpoint folder (model_spec.json + ema.safetensors) holding the rebuilt EMA, read like any
+    other; its spec (returned) is the run's newest checkpoint's, at the step rebuilt, with the std and
+    snapshots."""
     from ..checkpoint import SPEC_FILE, WEIGHT_FILES, load_model_spec, save_safetensors
     from .checkpointing import list_checkpoints
 

@@ -1,9 +1,6 @@
-"""Decisions every process must share, made once: the main process reads the files and the others
-receive its answer. On a shared filesystem with stale caches, processes that each read for
-themselves can go separate ways (one resumes, another starts over; one evaluates a step, the others
-skip it and wait in a collective). A user error on the main process is raised on every process.
-
-`state` is anything with `num_processes` and `is_main_process` (an Accelerator, PartialState, cli.SingleProcess).
+"""Decisions every process must share, made once by the main process: on a shared filesystem with
+stale caches, processes that each read for themselves can go separate ways (one resumes, another
+starts over). `state`: anything with `num_processes` and `is_main_process` (an Accelerator, ...).
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Evaluating a training run: one builder and one record for both the in-training evaluation
-(periodic.EvaluationTask, every train.eval_every steps) and `evaluate.py --run RUN_DIR`.
+(periodic.EvaluationTask) and `evaluate.py --run RUN_DIR`, on one process or many.
 
 Entries go to the run's logs/evals.jsonl (source "train" or "evaluate.py") with the settings of the
-run's `eval` section (plus evaluate.py's `eval.*` overrides), so a checkpoint's numbers match the ones
-training wrote at that step. A checkpoint with an entry of these settings is skipped, so an
-interrupted evaluation resumes where it stopped. Runs on one process or many, sharded as in training.
+run's `eval` section (plus evaluate.py's `eval.*` overrides); a checkpoint with an entry of these
+settings is skipped, so an interrupted evaluation resumes where it stopped.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ EVALS_FILE = "evals.jsonl"
 
 def build_run_evaluator(config: Config, data, objective, decoder, state, log: Callable[[str], Any]):
     """The Evaluator of a run's `eval` settings: fixed held-out examples (when the data has a held-out
-    split and eval.heldout_loss) and the sample metrics, whose images `decoder` makes (or None)."""
+    split and eval.heldout_loss) and the sample metrics, whose images `decoder` makes."""
     from ..evaluation.evaluator import Evaluator
     from ..evaluation.heldout import build_heldout_set
 
@@ -43,15 +42,15 @@ def build_run_evaluator(config: Config, data, objective, decoder, state, log: Ca
         guide = load_guide(e.guide_ckpt, spec, state.device, f"eval.guide_ckpt {e.guide_ckpt}", "this run")
     evaluator = Evaluator(e, data_kind=data.kind, num_classes=data.num_classes, objective=objective, heldout=heldout,
                           decoder=decoder, state=state, log=log, guide=guide)
-    # The reference's features now, on the main process, while the others wait with nothing queued
-    # (their wait is bounded by train.collective_timeout_s); a bad reference stops every process here.
+    # The reference's features now, on the main process, while the others wait with nothing queued;
+    # a bad reference stops every process here.
     main_decides(state, evaluator.prepare_reference)
     return evaluator
 
 
 def evaluate_emas(evaluator, emas: dict[str, Any], raw_model, should_stop=None) -> dict[str, Any] | None:
-    """The evaluation of every EMA eval.emas names, in one result: `ema`'s metrics as they are, another's
-    as <metric>@<name> (the raw model's held-out loss once, with the first)."""
+    """Every EMA eval.emas names in one result: `ema`'s metrics as they are, another's as <metric>@<name>
+    (the raw model's held-out loss once, with the first)."""
     merged = None
     for k, name in enumerate(evaluator.settings.emas):
         result = evaluator.evaluate(emas[name], raw_model=raw_model if k == 0 else None, should_stop=should_stop)
@@ -69,8 +68,8 @@ def evaluate_emas(evaluator, emas: dict[str, Any], raw_model, should_stop=None) 
 def record_evaluation(run_dir: Path, result: dict[str, Any], identity: dict[str, Any], *, step: int,
                       images_seen: int, train_seconds: float | None, source: str, log: Callable[[str], Any],
                       tracker=None) -> dict[str, Any]:
-    """Appends one evaluation to RUN/logs/evals.jsonl, logs it, and sends its metrics to the trackers
-    (an Accelerator) when given; returns the entry."""
+    """Appends one evaluation to RUN/logs/evals.jsonl, logs it, sends its metrics to `tracker` (an
+    Accelerator) when given; returns the entry."""
     entry = {"step": step, "images_seen": images_seen, "train_seconds": train_seconds, "source": source, **result,
              "settings": identity}
     append_eval(run_dir, entry)
@@ -82,7 +81,7 @@ def record_evaluation(run_dir: Path, result: dict[str, Any], identity: dict[str,
 
 def plot_run_quality(run_dir: Path, identity: dict[str, Any]) -> Path | None:
     """RUN/quality.png: held-out loss and every sample metric against step, one panel each, for the
-    entries with these settings (the loss's parts, mse / vb, stay in evals.jsonl)."""
+    entries with these settings (the loss's parts stay in evals.jsonl)."""
     from ..evaluation.metric_registry import is_heldout_part
     from ..figures import plot_panels
 
@@ -110,6 +109,7 @@ def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overri
                  cpu: bool = False, log: Callable[[str], Any] = print) -> list[dict[str, Any]]:
     """Evaluates the run's checkpoints (all, or `steps`) not yet in evals.jsonl with the run's config
     and `eval.*` overrides; returns the new entries (on the main process). Collective."""
+    from ..checkpoint import load_trained_model
     from ..cli import job_processes
 
     run_dir = Path(run_dir)
@@ -131,7 +131,30 @@ def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overri
                             f"{', '.join(str(s) for s, _ in found)}")
         selected = [(s, have[s]) for s in sorted(set(steps))]
     with job_processes(cpu, config.train.collective_timeout_s) as state:  # the run's own setting
-        return _evaluate(run_dir, config, selected, state, log)
+        log = log if state.is_main_process else (lambda *a, **k: None)
+        _, data, objective, decoder = evaluation_inputs(config, selected[-1][1], state)
+        evaluator = build_run_evaluator(config, data, objective, decoder, state, log)
+        done = agree_on_evaluated(state, run_dir, evaluator.identity)
+        todo = [(s, p) for s, p in selected if s not in done]
+        log(f"evaluating {len(todo)} checkpoint(s) of {run_dir} ({len(selected) - len(todo)} already in "
+            f"evals.jsonl)")
+        new = []
+        for step, folder in todo:
+            emas = {name: load_trained_model(folder, name, state.device)[0] for name in config.eval.emas}
+            raw, _ = load_trained_model(folder, "model", state.device)
+            result = evaluate_emas(evaluator, emas, raw)
+            state.wait_for_everyone()
+            if result is None:
+                continue
+            trainer_state = ckpt.read_trainer_state(folder)
+            batch = int(trainer_state.get("global_batch_size", config.train.global_batch_size))
+            new.append(record_evaluation(run_dir, result, evaluator.identity, step=step, images_seen=step * batch,
+                                         train_seconds=trainer_state.get("train_seconds"), source="evaluate.py",
+                                         log=log))
+        if state.is_main_process and new:
+            plot_run_quality(run_dir, evaluator.identity)
+        state.wait_for_everyone()
+        return new
 
 
 def evaluation_inputs(config: Config, folder: Path, state) -> tuple[dict[str, Any], Any, Any, Any]:
@@ -147,34 +170,6 @@ def evaluation_inputs(config: Config, folder: Path, state) -> tuple[dict[str, An
     data = build_data(config)
     decoder = build_decoder(spec["data"], data.in_channels, config.data.vae, state.device)
     return spec, data, build_objective(spec["diffusion"]), decoder
-
-
-def _evaluate(run_dir: Path, config: Config, selected: list[tuple[int, Path]], state, log) -> list[dict[str, Any]]:
-    from ..checkpoint import load_trained_model
-
-    log = log if state.is_main_process else (lambda *a, **k: None)
-    _, data, objective, decoder = evaluation_inputs(config, selected[-1][1], state)
-    evaluator = build_run_evaluator(config, data, objective, decoder, state, log)
-    done = agree_on_evaluated(state, run_dir, evaluator.identity)
-    todo = [(s, p) for s, p in selected if s not in done]
-    log(f"evaluating {len(todo)} checkpoint(s) of {run_dir} ({len(selected) - len(todo)} already in evals.jsonl)")
-    new = []
-    for step, folder in todo:
-        emas = {name: load_trained_model(folder, name, state.device)[0] for name in config.eval.emas}
-        raw, _ = load_trained_model(folder, "model", state.device)
-        result = evaluate_emas(evaluator, emas, raw)
-        state.wait_for_everyone()
-        if result is None:
-            continue
-        trainer_state = ckpt.read_trainer_state(folder)
-        batch = int(trainer_state.get("global_batch_size", config.train.global_batch_size))
-        new.append(record_evaluation(run_dir, result, evaluator.identity, step=step, images_seen=step * batch,
-                                     train_seconds=trainer_state.get("train_seconds"), source="evaluate.py", log=log))
-    if state.is_main_process and new:
-        plot_run_quality(run_dir, evaluator.identity)
-    state.wait_for_everyone()
-    return new
-
 
 # -- the evals file --------------------------------------------------------------------------------
 def evals_path(run_dir: str | Path) -> Path:

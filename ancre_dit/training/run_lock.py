@@ -1,12 +1,10 @@
-"""An exclusive claim on a run folder: one training writes to it at a time.
+"""An exclusive claim on a run folder: one training writes to it at a time (two would replace each
+other's checkpoints and mix their logs).
 
-Two trainings on one run_dir would replace each other's checkpoints and mix their logs, so the main
-process holds an OS file lock (flock) on RUN/.lock for as long as it lives: the kernel drops it
-however the process ends (kill -9 included), so a crash never leaves the folder claimed. The file's
-content (pid and host) only names the holder in the refusal message.
-
-A process keeps its claims until it exits or calls `release_run_dir`, so that several trainings in
-one process (a notebook, the tests) may reuse a folder one after another.
+The main process holds an OS file lock (flock) on RUN/.lock: the kernel drops it however the process
+ends (kill -9 included), so a crash never leaves the folder claimed; the file's pid and host only name
+the holder in the refusal. A process keeps its claims until it exits or calls `release_run_dir`, so
+several trainings in one process (a notebook, the tests) may reuse a folder one after another.
 """
 from __future__ import annotations
 
@@ -45,8 +43,8 @@ def _make_folder(run_dir: Path) -> bool:
 
 
 def acquire_run_dir(run_dir: str | Path) -> None:
-    """Claims `run_dir` for this process (creating it), or raises a UserError naming the process
-    that holds it. Once claimed, the temporaries of saves that died midway are removed."""
+    """Claims `run_dir` for this process (creating it), or raises a UserError naming its holder; then
+    removes the temporaries of saves that died midway."""
     run_dir = Path(run_dir)
     created = _make_folder(run_dir)
     key = run_dir.resolve()
@@ -84,8 +82,7 @@ def acquire_run_dir(run_dir: str | Path) -> None:
     _held[key] = f
     if created:
         _created.add(key)
-    # With the folder claimed no save is in progress: checkpoints/.tmp-* folders and write_atomic's
-    # `<file>.tmp<pid>` files were left by runs that died mid-save (they would pile up, holding space).
+    # Claimed, no save is in progress: checkpoints/.tmp-* and write_atomic's `<file>.tmp<pid>` are leftovers.
     for folder in checkpoints_dir(run_dir).glob(f"{TMP_PREFIX}*"):
         shutil.rmtree(folder, ignore_errors=True)
     for path in run_dir.glob("*.tmp*"):
@@ -103,8 +100,8 @@ def release_run_dir(run_dir: str | Path) -> None:
 
 
 def abandon_new_run_dir(run_dir: str | Path) -> None:
-    """After a start that failed before training: releases the claim and removes the folder when this
-    process created it and it holds no checkpoint, so that a refused start leaves nothing behind."""
+    """After a start that failed: releases the claim and removes the folder when this process created
+    it and it holds no checkpoint (a refused start leaves nothing behind)."""
     key = Path(run_dir).resolve()
     if key not in _held:
         return
@@ -115,6 +112,5 @@ def abandon_new_run_dir(run_dir: str | Path) -> None:
 
 
 def claim_run_dir(run_dir: str | Path, accelerator) -> None:
-    """Collective: the main process claims the folder; every process raises the same UserError when
-    it refused, so no rank goes on to write into a folder that another training owns."""
+    """Collective: the main process claims the folder; every process raises its UserError, if any."""
     main_decides(accelerator, lambda: acquire_run_dir(run_dir))

@@ -1,6 +1,5 @@
-"""What a training run reports: its text log (RUN/log.txt and the console), the training metrics at
-log steps (RUN/logs/metrics.jsonl, the trackers, the progress bar), the loss curve and, at the end,
-how the launch's time split between the steps and the periodic tasks."""
+"""What a training run reports: its text log, the metrics at log steps (RUN/logs/metrics.jsonl, the
+trackers, the progress bar), the loss curve and how the launch's time split between steps and tasks."""
 from __future__ import annotations
 
 import logging
@@ -31,15 +30,14 @@ def make_logger(run_dir: Path, main: bool) -> logging.Logger:
 
 
 class MetricsLog:
-    """Sums each step's loss terms on the device (`add`, no host read) and, at a log step, averages
-    them over the steps since the last one and over all processes, then writes one record
-    (`write`: a collective, every process calls it)."""
+    """Sums each step's loss terms on the device (`add`, no host read); `write` (collective) averages
+    them over the steps since the last record and over all processes, and writes one record."""
 
     def __init__(self, accelerator, run_dir: Path, global_batch_size: int, flops_per_image: float,
                  peak_tflops: float | None, log: logging.Logger, topology_matrix=None, peak_source: str = ""):
         self.accelerator, self.path, self.log = accelerator, run_dir / "logs" / METRICS_FILE, log
         self.global_batch_size, self.flops_per_image, self.peak_tflops = global_batch_size, flops_per_image, peak_tflops
-        self.peak_source = peak_source  # which peak the MFU is against (hardware.peak_tflops), in each record
+        self.peak_source = peak_source  # which peak the MFU is against (hardware.peak_tflops)
         self.topology_matrix = topology_matrix  # () -> the (K, K) matrix to track, or None
         self.last: dict[str, float] = {}
         self.start(0.0)
@@ -57,7 +55,7 @@ class MetricsLog:
 
     def write(self, step: int, train_seconds: float, now: float, progress=None) -> dict[str, float]:
         """The record of the interval ending at `step`: metrics.jsonl and the trackers (main process),
-        the progress bar's postfix and one log line. Returns it."""
+        the progress bar and one log line."""
         acc, count = self.accelerator, self.count
         keys = sorted(self.sums)
         local = torch.stack([self.sums[k] / count for k in keys])

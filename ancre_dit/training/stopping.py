@@ -1,15 +1,13 @@
 """Stop signals: SIGTERM, SIGINT and SIGUSR1 ask for a clean stop (finish the step, checkpoint, exit).
 
-A signal reaches the rank (torchrun forwards it, SLURM's `--signal` reaches every process, Ctrl-C
-the foreground group) and its DataLoader workers, which share its process group. A worker killed by
+A signal also reaches the rank's DataLoader workers (they share its process group); one killed by
 it would make the loader raise and lose every step since the last checkpoint, so workers pass the
-request on to the rank as SIGUSR1 and keep serving; the rank's handler is installed before they fork.
+request on to the rank as SIGUSR1 and keep serving (the rank's handler is installed before they fork).
 A second Ctrl-C (SIGINT more than REPEAT_SECONDS after the first) interrupts at once; copies of one
 request (SIGUSR1, a SIGINT that torchrun also forwards) never escalate.
 
 Ranks agree on stopping every `check_every` steps over a CPU (gloo) group, which never waits on the
-GPU queue. Across nodes gloo binds to the host name's address or GLOO_SOCKET_IFNAME's interface: a
-loopback address is refused at start-up, and a group that cannot connect fails there in one line.
+GPU queue; a multi-node group that would bind to a loopback address, or cannot connect, fails at start-up.
 """
 from __future__ import annotations
 
@@ -84,8 +82,8 @@ GLOO_HINT = ("set GLOO_SOCKET_IFNAME to the network interface the nodes reach ea
 
 def check_gloo_address() -> None:
     """Refuses a multi-node job whose gloo group would bind to a loopback address: with no
-    GLOO_SOCKET_IFNAME gloo takes the address the host name resolves to, which on many clusters
-    is 127.0.1.1 (Debian's /etc/hosts), unreachable from the other nodes, so the group would hang."""
+    GLOO_SOCKET_IFNAME gloo takes the host name's address, on many clusters 127.0.1.1 (Debian's
+    /etc/hosts), unreachable from the other nodes, so the group would hang."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= int(os.environ.get("LOCAL_WORLD_SIZE", world)) or os.environ.get("GLOO_SOCKET_IFNAME"):
         return
@@ -101,16 +99,14 @@ def check_gloo_address() -> None:
 
 
 class StopAgreement:
-    """`should_stop(step, signals)`: whether every rank stops after this step. Collective at the
-    steps where `step % check_every == 0` (and at `force=True` calls, which every rank makes at the
-    same point); elsewhere it answers False without communicating."""
+    """`should_stop(step, signals)`: whether every rank stops after this step. Collective where
+    `step % check_every == 0` and at `force=True` calls; elsewhere False without communicating."""
 
     def __init__(self, num_processes: int, check_every: int, timeout_s: float = 1800.0):
         self.num_processes, self.check_every = num_processes, max(1, check_every)
         self._group = None
         if num_processes > 1:
-            # Gloo on the host even when training uses NCCL: this flag must not queue behind GPU work
-            # (the NCCL group would make each check a device sync).
+            # Gloo even when training uses NCCL: this flag must not queue behind GPU work (a device sync).
             if dist.get_backend() == "gloo":
                 self._group = dist.group.WORLD
                 return
@@ -133,6 +129,6 @@ class StopAgreement:
 
     def agree(self, local: bool) -> bool:
         """True on every rank when any rank's flag is set (a host-side all-reduce of one integer)."""
-        flag = torch.tensor([int(local)], dtype=torch.int32)  # on the host: nothing waits on the device
+        flag = torch.tensor([int(local)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
