@@ -15,7 +15,7 @@ from helpers import ROOT, subprocess_env
 from ancre_dit.errors import UserError
 from ancre_dit.models.topologies import resolve_options
 from ancre_dit.training.config import load_config, save_config
-from ancre_dit.training.config_checks import check_batch_layout
+from ancre_dit.training.data import check_batch_layout
 from ancre_dit.training.data import GlobalBatchSampler, advance_position, build_data
 
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

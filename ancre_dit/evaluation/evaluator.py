@@ -20,12 +20,17 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ..checkpoint import SPEC_FILE
 from ..diffusion import Objective, resolve_sampler
-from ..errors import UserError
+from ..diffusion.sampler_registry import check_time_shift
+from ..errors import MissingFileError, UserError, or_list
+from ..models.timm_weights import weights_hint as timm_weights_hint
+from ..sampling.guidance import check_guidance_scale
 from .heldout import HeldOutSet, heldout_terms
-from .metric_registry import FEATURES, METRICS, metric_names
+from .inception import weights_hint as inception_weights_hint
+from .metric_registry import FEATURES, METRICS, metric_names, stored_stat_keys
 
-EVAL_METRICS = metric_names(training=True)  # what eval.metrics accepts (the config reads TRAINING_METRICS)
+EVAL_METRICS = metric_names(training=True)  # what eval.metrics accepts
 
 
 def resolve_metrics(settings, data_kind: str) -> list[str]:
@@ -35,6 +40,49 @@ def resolve_metrics(settings, data_kind: str) -> list[str]:
     if data_kind == "digits":
         return ["digits"]
     return ["fid"] if settings.ref else []
+
+
+def check_evaluation(e, data_kind: str, objective: Objective, found: Callable[..., bool]) -> None:
+    """At config load: the eval section's sampler, scales and guide, and what the metrics asked for need
+    (the metric table says): their data, a reference, the weights of the network whose features they
+    read. `found(key, path, kind)`: whether a path exists, or counts as found where paths are not checked."""
+    resolve_sampler(objective, e.sampler, e.steps, ("eval.sampler", "eval.steps"),
+                    owner=f"diffusion.objective={objective.name}")
+    check_time_shift(e.sampler or objective.default_sampler, e.time_shift, "eval.time_shift")
+    for scale in e.cfg_scales:
+        check_guidance_scale("eval.cfg_scales", scale)
+    if e.guide_ckpt and not found("eval.guide_ckpt", str(Path(e.guide_ckpt) / SPEC_FILE)):
+        raise MissingFileError(f"eval.guide_ckpt {e.guide_ckpt} is no checkpoint folder ({SPEC_FILE} missing); "
+                               "point it at RUN/checkpoints/<step> of a model of the same data")
+    metrics = resolve_metrics(e, data_kind)
+    for name in metrics:
+        if name not in EVAL_METRICS:
+            raise UserError(f"unknown metric {name!r} in eval.metrics; choose {or_list(EVAL_METRICS)}")
+        only = METRICS[name].only_for
+        if only is not None and only[0] != data_kind:
+            raise UserError(f"eval.metrics={name} scores {only[1]}, but data.kind={data_kind}; use fid (with eval.ref)")
+    dinov2 = ", ".join(m for m in metrics if METRICS[m].features == "dinov2")
+    if dinov2:
+        keys = " / ".join(stored_stat_keys(m for m in metrics if METRICS[m].features == "dinov2"))
+        if not e.ref or not found("eval.ref", e.ref, "any"):
+            raise MissingFileError(f"eval.metrics {dinov2} needs eval.ref (an npz with images or {keys}, "
+                                   f"or a folder of images); got {e.ref}")
+        if not e.dinov2_weights or not found("eval.dinov2_weights", e.dinov2_weights):
+            raise MissingFileError(f"eval.metrics {dinov2} needs eval.dinov2_weights (got {e.dinov2_weights}); "
+                                   f"{timm_weights_hint(e.dinov2_model, 'eval.dinov2_weights=PATH')}")
+    inception = ", ".join(m for m in metrics if METRICS[m].features == "inception")
+    if not inception:
+        return
+    if not e.ref:
+        raise UserError(f"eval.metrics {inception} need eval.ref (an ADM reference npz or one written by "
+                        f"evaluate.py --save-ref-stats)")
+    if not found("eval.ref", e.ref, "any"):
+        raise MissingFileError(f"eval.ref {e.ref} does not exist; pass an ADM reference npz or a file written by "
+                               f"evaluate.py --save-ref-stats")
+    if not e.inception_weights or not found("eval.inception_weights", e.inception_weights):
+        problem = (f"eval.inception_weights {e.inception_weights} does not exist" if e.inception_weights
+                   else "eval.inception_weights is not set")
+        raise MissingFileError(inception_weights_hint(f"{problem} ({inception})", "eval.inception_weights="))
 
 
 def evaluation_identity(settings, data_kind: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from ..errors import UserError
 from ..data.image_folder import list_image_folder, load_rgb
 from ..data.latent_norm import ChannelNorm, latent_norm_from_manifest
 from ..models import DIT_MODELS
-from .config_sections import Config, DataConfig
+from .config_sections import Config
 from .stopping import worker_signal_handlers
 
 
@@ -56,21 +56,39 @@ class _ImageFolderArrays(Dataset):
         return torch.from_numpy(arr).permute(2, 0, 1) / 127.5 - 1.0, self.images.labels[i]
 
 
-def check_data_path(d: DataConfig, found: Callable[..., bool]) -> None:
-    """At config load: the data folder of a latents or images run (`found(key, path, "dir")`: whether it
-    exists, or counts as found where paths are not checked)."""
-    if d.kind not in ("latents", "images"):
-        return
-    what = "latent directory" if d.kind == "latents" else "image folder"
-    if not d.path:
-        raise UserError(f"data.kind={d.kind} needs data.path (the {what})")
-    if d.kind == "latents" and Path(d.path).is_file():
-        from ..data.latent_shards import read_manifest
-        read_manifest(d.path)  # its one line on a file given for the folder
-    if not found("data.path", d.path, "dir"):
-        where = ("directory written by scripts/extract_latents.py" if d.kind == "latents"
-                 else "ImageFolder root (one folder per class)")
-        raise UserError(f"data path {d.path} does not exist; set data.path to the {where}")
+def check_data_path(config: Config, found: Callable[..., bool]) -> None:
+    """At config load: the data folder of a latents or images run and the held-out latents
+    (`found(key, path, "dir")`: whether it exists, or counts as found where paths are not checked)."""
+    d, e = config.data, config.eval
+    if d.kind in ("latents", "images"):
+        what = "latent directory" if d.kind == "latents" else "image folder"
+        if not d.path:
+            raise UserError(f"data.kind={d.kind} needs data.path (the {what})")
+        if d.kind == "latents" and Path(d.path).is_file():
+            from ..data.latent_shards import read_manifest
+            read_manifest(d.path)  # its one line on a file given for the folder
+        if not found("data.path", d.path, "dir"):
+            where = ("directory written by scripts/extract_latents.py" if d.kind == "latents"
+                     else "ImageFolder root (one folder per class)")
+            raise UserError(f"data path {d.path} does not exist; set data.path to the {where}")
+    if (e.heldout_from_train or e.val_path) and d.kind != "latents":
+        raise UserError("eval.val_path and eval.heldout_from_train apply to data.kind=latents only "
+                        "(digits use their held-out split); remove them")
+    if e.val_path and e.heldout_from_train:
+        raise UserError("set eval.val_path or eval.heldout_from_train, not both")
+    if e.val_path and not found("eval.val_path", e.val_path, "dir"):
+        raise UserError(f"eval.val_path {e.val_path} does not exist; point it at a latent directory "
+                        f"written by scripts/extract_latents.py")
+
+
+def check_batch_layout(config: Config, num_processes: int) -> int:
+    """Per-device micro-batch = global batch / (processes x accumulation); a UserError if it does not divide."""
+    t = config.train
+    parts = num_processes * t.grad_accum
+    if t.global_batch_size % parts:
+        raise UserError(f"train.global_batch_size={t.global_batch_size} is not divisible by {num_processes} "
+                        f"process(es) x {t.grad_accum} accumulation step(s) = {parts}; choose a multiple of {parts}")
+    return t.global_batch_size // parts
 
 
 def build_data(config: Config, patch_size: int | None = None) -> DataInfo:

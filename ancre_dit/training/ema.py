@@ -8,6 +8,8 @@ from typing import Sequence
 
 import torch
 
+from ..errors import UserError
+
 
 class EMA:
     """`module`: a frozen copy of the model in eval mode; `decay(updates)` the decay of the update
@@ -32,6 +34,19 @@ def ema_names(train) -> list[str]:
     """The weights-file names of a run's EMAs, in the trainer's order: ema (train.ema_decay), ema-<decay>
     (train.ema_decays), phema-<std> (train.phema.stds)."""
     return ["ema", *(f"ema-{d:g}" for d in train.ema_decays), *(f"phema-{s:g}" for s in train.phema.stds)]
+
+
+def check_ema_choices(train, evaluated: list[str]) -> None:
+    """Each EMA kept once (its weights file is named by its decay), and `evaluated` (eval.emas) among them."""
+    for d in train.ema_decays:
+        if d == train.ema_decay or train.ema_decays.count(d) > 1:
+            what = "the decay of train.ema_decay" if d == train.ema_decay else "given twice"
+            raise UserError(f"train.ema_decays holds {d:g}, {what}; keep each EMA once")
+    kept = ema_names(train)
+    for name in evaluated:
+        if name not in kept:
+            raise UserError(f"eval.emas names {name}, which this run does not keep; choose from {', '.join(kept)} "
+                            "(more with train.ema_decays or train.phema.stds)")
 
 
 def ema_update_(emas: EMA | Sequence[EMA], model: torch.nn.Module, updates: int, skip: torch.Tensor | None) -> None:

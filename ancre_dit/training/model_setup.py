@@ -1,13 +1,14 @@
-"""The network a training config builds: create_model's keyword arguments from the config's model
+"""The network and objective a training config builds: create_model's keyword arguments from the config's model
 section and the data's shape (one function, so what a run trains and what a study's cost estimate
 counts, ancre_dit.studies.costs, are the same model), and the optimizer's parameter groups."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..models.dit import ARCHITECTURE_DEFAULTS
 from ..models.topologies import topology_entry
-from .config_sections import ModelConfig
+from .config_sections import Config, ModelConfig
 
 
 def model_kwargs(m: ModelConfig, input_size: int, in_channels: int, num_classes: int) -> dict[str, Any]:
@@ -23,6 +24,11 @@ def model_kwargs(m: ModelConfig, input_size: int, in_channels: int, num_classes:
     kwargs.update({key: getattr(m, key) for key, default in ARCHITECTURE_DEFAULTS.items()
                    if getattr(m, key) != default})
     return kwargs
+
+
+def diffusion_spec(config: Config) -> dict[str, Any]:
+    """The diffusion section as the spec `ancre_dit.diffusion.build_objective` reads."""
+    return {**dataclasses.asdict(config.diffusion), "learn_sigma": config.model.learn_sigma}
 
 
 def topology_options_of(m: ModelConfig) -> dict[str, Any]:

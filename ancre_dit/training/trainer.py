@@ -30,16 +30,15 @@ from ..models.flops import flops_per_training_image
 from ..models.topologies.analysis import topology_entropy
 from . import checkpointing as ckpt
 from .config import Config, flat_config, save_config
-from .config_checks import check_batch_layout, diffusion_spec
 from .rank_decisions import agree_on_resume
 from .ema import EMA, ema_names, ema_update_
-from .model_setup import model_kwargs, param_groups
+from .model_setup import diffusion_spec, model_kwargs, param_groups
 from .guards import NonFiniteGuard
 from .lr_schedule import lr_at
 from .phema import PowerFunctionEMA
 from .stopping import StopAgreement, StopSignals
 from .periodic import PeriodicTask, RunContext, TrainProgress, build_tasks
-from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, check_enough_samples,
+from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, check_batch_layout, check_enough_samples,
                    load_latents_in_memory, make_loader, nonfinite_rows, prepare_batch)
 from .repa import build_repa
 from .run_lock import abandon_new_run_dir, claim_run_dir, release_run_dir
