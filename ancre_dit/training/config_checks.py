@@ -24,51 +24,46 @@ from .phema import check_phema_settings
 from .repa import check_repa_settings
 
 
-class _Paths:
-    """Existence checks: with `check` a missing path fails; without, it is listed (key=value) and passes."""
-
-    def __init__(self, check: bool):
-        self.check = check
-        self.missing: list[str] = []
-
-    def found(self, key: str, value: str, kind: str = "file") -> bool:
-        path = Path(value)
-        if {"file": path.is_file, "dir": path.is_dir, "any": path.exists}[kind]():
-            return True
-        if not self.check:
-            self.missing.append(f"{key}={value}")
-        return not self.check
-
-
 def validate_config(config: Config, check_paths: bool = True) -> list[str]:
     """One UserError for the first problem; records the topology's options in model.topology_options.
     Returns the paths not found here, as key=value (none when `check_paths`: each is an error)."""
-    paths = _Paths(check_paths)
-    if _resolve_topology_options(config.model, paths):
+    missing: list[str] = []
+
+    def found(key: str, value: str, kind: str = "file") -> bool:
+        """Whether the path exists; without `check_paths` a missing one is listed and counts as found."""
+        if {"file": Path.is_file, "dir": Path.is_dir, "any": Path.exists}[kind](Path(value)):
+            return True
+        if not check_paths:
+            missing.append(f"{key}={value}")
+        return not check_paths
+
+    if _resolve_topology_options(config.model, found):
         _build_model(config)
     _check_sparsify_step(config)
     check_lr_schedule(config.train)
     check_ema_choices(config.train, config.eval.emas)
     check_phema_settings(config.train.phema.stds, config.train.phema.snapshot_every)
-    check_data_path(config, paths.found)
+    check_data_path(config, found)
     objective = build_objective(diffusion_spec(config))
-    check_repa_settings(config.repa, paths.found)
+    check_repa_settings(config.repa, found)
     check_guidance_scale("train.cfg_scale_for_grids", config.train.cfg_scale_for_grids)
-    check_evaluation(config.eval, config.data.kind, objective, paths.found)
-    return list(dict.fromkeys(paths.missing))
+    check_evaluation(config.eval, config.data.kind, objective, found)
+    return list(dict.fromkeys(missing))
 
 
-def _resolve_topology_options(m: ModelConfig, paths: _Paths) -> bool:
+def _resolve_topology_options(m: ModelConfig, found) -> bool:
     """Checks the topology options given and the files they name; records them with the defaults, in
     the registry's order (config.yaml then holds them, byte-stable); other topologies' options stay
     as given. False when a file it names is missing here (unchecked)."""
     resolved = resolve_options(m.topology, m.topology_options, prefix="model.", keep_others=True)
-    unlisted = len(paths.missing)
+    all_found = True
     for key, option in topology_entry(m.topology).options.items():
-        if option.file and resolved[key] is not None and not paths.found(f"model.{key}", resolved[key]):
-            raise MissingFileError(f"model.{key} {resolved[key]} not found; pass an existing file ({option.help})")
+        if option.file and resolved[key] is not None and not Path(resolved[key]).is_file():
+            if not found(f"model.{key}", resolved[key]):
+                raise MissingFileError(f"model.{key} {resolved[key]} not found; pass an existing file ({option.help})")
+            all_found = False
     m.topology_options = {key: resolved[key] for key in all_topology_options() if key in resolved}
-    return len(paths.missing) == unlisted
+    return all_found
 
 
 def _build_model(config: Config) -> None:
