@@ -1,13 +1,20 @@
-"""The network and objective a training config builds: create_model's keyword arguments from the config's model
+"""The network a training config builds: create_model's keyword arguments from the config's model
 section and the data's shape (one function, so what a run trains and what a study's cost estimate
-counts, ancre_dit.studies.costs, are the same model), and the optimizer's parameter groups."""
+counts, ancre_dit.studies.costs, are the same model), the same network built on the meta device to
+check the config, the objective's spec, and the optimizer's parameter groups."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
-from ..models.dit import ARCHITECTURE_DEFAULTS
-from ..models.topologies import topology_entry
+import torch
+
+from ..errors import MissingFileError, UserError
+from ..models import create_model
+from ..models.dit import ARCHITECTURE_DEFAULTS, model_size
+from ..models.topologies import all_topology_options, resolve_options, topology_entry
+from ..models.topologies.aggregation import check_aggregation_kernel
 from .config_sections import Config, ModelConfig
 
 
@@ -35,6 +42,46 @@ def topology_options_of(m: ModelConfig) -> dict[str, Any]:
     """The options the chosen topology is built with: those given, else its defaults."""
     options = topology_entry(m.topology).options
     return {key: m.topology_options.get(key, option.default) for key, option in options.items()}
+
+
+def check_model(config: Config, found: Callable[..., bool]) -> None:
+    """At config load: the network on the meta device (no memory, no initialisation), so its size,
+    layers, topology and aggregation settings check themselves; records the topology's options in
+    model.topology_options. The data's shape is build_data's check; a stand-in here. `found`: as
+    config_checks.validate_config's (a topology's file missing where paths are not checked skips the build)."""
+    m = config.model
+    if not _resolve_topology_options(m, found):
+        return
+    if m.topology_entropy_weight and not topology_entry(m.topology).incoming_softmax:
+        raise UserError(f"model.topology_entropy_weight needs the ancre topology (a learned softmax over each "
+                        f"block's incoming edges), not {m.topology}; set it to 0 or use model.topology=ancre")
+    kwargs = model_kwargs(m, input_size=8 * (m.patch_size or 1), in_channels=4, num_classes=10)  # a fitting stand-in
+    # The topology on the CPU (small; some read their values at build), the rest on meta. Its options
+    # were checked just above (resolve_options): the entry's builder trusts them.
+    size = {**model_size(m.name), **kwargs}
+    kwargs["topology"] = topology_entry(m.topology).build(size["depth"], size["hidden_size"], **topology_options_of(m))
+    with torch.device("meta"):
+        model = create_model(m.name, **kwargs)
+    check_aggregation_kernel(m.aggregation_kernel, cuda=torch.cuda.is_available())  # where the run will be
+    blocks = len(model.blocks)
+    if config.repa.weight and config.repa.depth > blocks:
+        raise UserError(f"repa.depth={config.repa.depth} is beyond the {blocks} blocks of {m.name}; choose "
+                        f"1..{blocks} (REPA aligns block 8 of 12-block models)")
+
+
+def _resolve_topology_options(m: ModelConfig, found: Callable[..., bool]) -> bool:
+    """Checks the topology options given and the files they name; records them with the defaults, in
+    the registry's order (config.yaml then holds them, byte-stable); other topologies' options stay
+    as given. False when a file it names is missing here (unchecked)."""
+    resolved = resolve_options(m.topology, m.topology_options, prefix="model.", keep_others=True)
+    all_found = True
+    for key, option in topology_entry(m.topology).options.items():
+        if option.file and resolved[key] is not None and not Path(resolved[key]).is_file():
+            if not found(f"model.{key}", resolved[key]):
+                raise MissingFileError(f"model.{key} {resolved[key]} not found; pass an existing file ({option.help})")
+            all_found = False
+    m.topology_options = {key: resolved[key] for key in all_topology_options() if key in resolved}
+    return all_found
 
 
 def param_groups(model, weight_decay_of_routing: float, extra=None) -> tuple[list[dict[str, Any]], int | None]:
