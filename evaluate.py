@@ -119,7 +119,7 @@ def _run(args) -> int:
 
 
 def _save_ref(args) -> int:
-    from ancre_dit.evaluation.reference import save_reference_stats
+    from ancre_dit.evaluation.pipeline import save_reference_stats
 
     if not args.images:
         raise UserError("--save-ref-stats needs --images DIR (a folder of real images)")

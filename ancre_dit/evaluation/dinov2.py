@@ -31,7 +31,6 @@ from ..models.timm_weights import load_timm_weights, weights_hint
 DINOV2_MODEL = "vit_large_patch14_dinov2"
 RESOLUTION = 224
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-STAT_KEYS = ("mu_dinov2", "sigma_dinov2")
 
 
 def preprocess(images: torch.Tensor) -> torch.Tensor:
@@ -72,27 +71,3 @@ class DinoV2Extractor:
         out = [self.batch(b).numpy() for b in tqdm(batches, total=None, desc=desc, unit="batch",
                                                    disable=total is not None and total < 1000)]
         return np.concatenate(out).astype(np.float64) if out else np.zeros((0, self.net.num_features))
-
-
-_EXTRACTORS: dict[tuple, DinoV2Extractor] = {}
-
-
-def get_dinov2_extractor(weights: str | os.PathLike, model: str = DINOV2_MODEL,
-                         device: str | torch.device = "cpu") -> DinoV2Extractor:
-    """A loaded extractor, cached per (weights file, its mtime, model, device); one in memory at a time."""
-    path = Path(weights) if weights else Path("")
-    key = (str(path.resolve()), path.stat().st_mtime_ns if path.is_file() else None, model, str(device))
-    if key not in _EXTRACTORS:
-        _EXTRACTORS.clear()
-        _EXTRACTORS[key] = DinoV2Extractor(weights, model, device)
-    return _EXTRACTORS[key]
-
-
-def stored_dinov2_stats(path: str | os.PathLike | None) -> tuple[np.ndarray, np.ndarray] | None:
-    """(mu, sigma) stored in a reference npz, or None."""
-    if path is None or not Path(path).is_file() or not str(path).endswith(".npz"):
-        return None
-    with np.load(path) as data:
-        if all(k in data.files for k in STAT_KEYS):
-            return data["mu_dinov2"].astype(np.float64), data["sigma_dinov2"].astype(np.float64)
-    return None

@@ -23,7 +23,9 @@ import torch
 from ..diffusion import Objective, resolve_sampler
 from ..errors import UserError
 from .heldout import HeldOutSet, heldout_terms
-from .metric_registry import FEATURES, METRICS, metric_names
+from .inception import InceptionExtractor, InceptionFeatures, loaded
+from .metric_registry import FEATURES, METRICS, Side, metric_names
+from .metrics import feature_statistics
 
 EVAL_METRICS = metric_names(training=True)  # what eval.metrics accepts (the config reads TRAINING_METRICS)
 
@@ -186,9 +188,6 @@ class Evaluator:
             return (_joined(features, "digits_features"), _joined(features, "digits_pred"), labels), None
         if family == "dinov2":
             return _joined(features, "dinov2"), self._dinov2_reference()
-        from .image_sets import Side
-        from .inception import InceptionFeatures
-
         feats = InceptionFeatures(*(_joined(features, k) for k in ("pool", "spatial", "logits")))
         return Side("samples", features=feats, num_images=len(feats)), self._reference_side()
 
@@ -206,25 +205,22 @@ class Evaluator:
         return out
 
     def _dinov2_extractor(self):
-        from .dinov2 import get_dinov2_extractor
-        return get_dinov2_extractor(self.settings.dinov2_weights, self.settings.dinov2_model, self.state.device)
+        from .dinov2 import DinoV2Extractor
+        return loaded(DinoV2Extractor, self.settings.dinov2_weights, self.settings.dinov2_model, self.state.device)
 
     def _dinov2_reference(self) -> tuple[np.ndarray, np.ndarray]:
         """eval.ref's DINOv2 (mu, sigma): stored in it, else from its images (once per run)."""
-        from .dinov2 import stored_dinov2_stats
-        from .metrics import feature_statistics
-        from .pipeline import default_batch_size, dinov2_features
+        from .pipeline import default_batch_size, dinov2_reference
 
         if self._dinov2_ref is None:
-            self._dinov2_ref = stored_dinov2_stats(self.settings.ref) or feature_statistics(dinov2_features(
-                self.settings.ref, self._dinov2_extractor(), default_batch_size(torch.device(self.state.device)),
-                name="reference"))
+            ref, _ = dinov2_reference(self.settings.ref, self._dinov2_extractor(),
+                                      default_batch_size(torch.device(self.state.device)))
+            self._dinov2_ref = ref if isinstance(ref, tuple) else feature_statistics(ref)
         return self._dinov2_ref
 
     def _get_extractor(self):
         if self._extractor is None:
-            from .pipeline import get_extractor
-            self._extractor = get_extractor(self.settings.inception_weights, self.state.device)
+            self._extractor = loaded(InceptionExtractor, self.settings.inception_weights, self.state.device)
         return self._extractor
 
     def _reference_side(self):
@@ -238,4 +234,3 @@ class Evaluator:
             self._ref_side = load_side(ref, "reference", self._get_extractor, batch_size,
                                        need_features=needs_images or not has_stored_stats(ref, self.inception))
         return self._ref_side
-
