@@ -171,9 +171,7 @@ def main() -> int:
     if not args.samples:
         raise UserError("pass --samples and --ref (or --save-ref-stats OUT.npz --images DIR, or --digits)")
     from ancre_dit.evaluation.inception import check_weights
-    from ancre_dit.evaluation.pipeline import evaluate, format_table
-
-    from ancre_dit.evaluation.pipeline import parse_metrics
+    from ancre_dit.evaluation.pipeline import evaluate, format_table, parse_metrics
 
     metrics = parse_metrics(args.metrics)
     if any(METRICS[m].features == "inception" for m in metrics):  # FD-DINOv2 alone needs no Inception

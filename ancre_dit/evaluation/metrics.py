@@ -84,12 +84,10 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
     if mu1.shape != mu2.shape or sigma1.shape != sigma2.shape or sigma1.shape != (len(mu1), len(mu1)):
         raise UserError(f"statistics do not match: mu {mu1.shape} vs {mu2.shape}, sigma {sigma1.shape} vs "
                         f"{sigma2.shape}; were they computed with the same features?")
-    if method == "sqrtm":
-        tr_covmean = _trace_sqrt_product_sqrtm(sigma1, sigma2, eps)
-    elif method == "eigh":
-        tr_covmean = _trace_sqrt_product_eigh(sigma1, sigma2)
-    else:
+    if method not in FID_METHODS:
         raise UserError(f"unknown Fréchet distance method {method!r}; choose one of {', '.join(FID_METHODS)}")
+    tr_covmean = (_trace_sqrt_product_eigh(sigma1, sigma2) if method == "eigh"
+                  else _trace_sqrt_product_sqrtm(sigma1, sigma2, eps))
     diff = mu1 - mu2
     return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2.0 * tr_covmean)
 
