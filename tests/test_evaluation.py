@@ -342,7 +342,7 @@ def test_evaluation_features_and_distances_run_in_full_fp32(monkeypatch):
 
     from ancre_dit.evaluation.dinov2 import DinoV2Extractor
 
-    pr = importlib.import_module("ancre_dit.evaluation.precision_recall")  # the package exports a function of that name
+    pr = importlib.import_module("ancre_dit.evaluation.metrics")
 
     seen = []
 

@@ -26,8 +26,8 @@ from ..errors import UserError
 from .inception import InceptionFeatures
 from .metrics import (
     feature_statistics, frechet_distance, frechet_distance_to_features, inception_score, kernel_inception_distance,
+    precision_recall,
 )
-from .precision_recall import precision_recall
 
 FEATURES = ("digits", "inception", "dinov2")
 _STAT_KEYS = {"pool": ("mu", "sigma"), "spatial": ("mu_s", "sigma_s")}  # the FID statistics' npz keys

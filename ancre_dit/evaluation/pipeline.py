@@ -14,7 +14,7 @@ by batch without holding every image in memory. Anything else falls back to `loa
 Differences from ADM's evaluator (guided-diffusion evaluations/evaluator.py), all checked there:
 torch-fidelity's PyTorch port of the same Inception graph, float32 (inception.py); float64
 statistics and log-softmax (metrics.py); float32 distances for precision / recall where ADM first
-tries float16 (precision_recall.py); KID, which ADM lacks (torch-fidelity's estimator).
+tries float16 (metrics.py); KID, which ADM lacks (torch-fidelity's estimator).
 """
 from __future__ import annotations
 
