@@ -33,15 +33,6 @@ RESOLUTION = 224
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
-def preprocess(images: torch.Tensor) -> torch.Tensor:
-    """uint8 (N, H, W, 3) -> the network's input (N, 3, 224, 224), EDM2's resize and normalisation."""
-    x = images.permute(0, 3, 1, 2).to(torch.float32) / 255.0
-    x = F.interpolate(x, size=(RESOLUTION, RESOLUTION), mode="bicubic", align_corners=False, antialias=True)
-    mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
-    return (x - mean) / std
-
-
 class DinoV2Extractor:
     """A timm DINOv2 ViT built for 224 px, weights from `weights` (nothing is downloaded)."""
 
@@ -61,8 +52,12 @@ class DinoV2Extractor:
 
     @torch.no_grad()
     def batch(self, images: np.ndarray) -> torch.Tensor:
-        """uint8 (N, H, W[, 1|3]) -> float32 CLS features (N, D) on the CPU."""
-        x = preprocess(torch.from_numpy(np.require(to_rgb_uint8(images), requirements="CW")).to(self.device))
+        """uint8 (N, H, W[, 1|3]) -> float32 CLS features (N, D) on the CPU, from EDM2's resize and normalisation."""
+        x = torch.from_numpy(np.require(to_rgb_uint8(images), requirements="CW")).to(self.device)
+        x = x.permute(0, 3, 1, 2).to(torch.float32) / 255.0
+        x = F.interpolate(x, size=(RESOLUTION, RESOLUTION), mode="bicubic", align_corners=False, antialias=True)
+        mean, std = (torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+        x = (x - mean) / std
         with full_fp32():
             tokens = self.net.forward_features(x)
         return tokens[:, 0].float().cpu()
