@@ -119,7 +119,7 @@ def _run(args) -> int:
 
 
 def _save_ref(args) -> int:
-    from ancre_dit.evaluation.reference import save_reference_stats
+    from ancre_dit.evaluation.pipeline import save_reference_stats
 
     if not args.images:
         raise UserError("--save-ref-stats needs --images DIR (a folder of real images)")
@@ -171,9 +171,7 @@ def main() -> int:
     if not args.samples:
         raise UserError("pass --samples and --ref (or --save-ref-stats OUT.npz --images DIR, or --digits)")
     from ancre_dit.evaluation.inception import check_weights
-    from ancre_dit.evaluation.pipeline import evaluate, format_table
-
-    from ancre_dit.evaluation.pipeline import parse_metrics
+    from ancre_dit.evaluation.pipeline import evaluate, format_table, parse_metrics
 
     metrics = parse_metrics(args.metrics)
     if any(METRICS[m].features == "inception" for m in metrics):  # FD-DINOv2 alone needs no Inception

@@ -9,13 +9,14 @@ command resumes an interrupted job; sample i depends only on (seed, i).
 from __future__ import annotations
 
 import argparse
+from dataclasses import fields
 
 from ancre_dit.cli import COLLECTIVE_TIMEOUT_S, CommandParser, output_file, output_folder, run_cli
 from ancre_dit.diffusion import LAST_STEPS, SAMPLERS
 from ancre_dit.diffusion.sampler_registry import sampler_help, steps_help
 from ancre_dit.sampling import JobSettings, run_job
 from ancre_dit.sampling.guidance import PRECISIONS, parse_interval
-from ancre_dit.sampling.protocols import PROTOCOLS, apply_protocol, describe, headline_cfg_scale
+from ancre_dit.sampling.protocols import PROTOCOLS, apply_protocol, describe
 
 
 def _classes(text: str) -> list[int]:
@@ -94,18 +95,13 @@ def main(argv: list[str] | None = None) -> int:
         output_file(a.grid, (".png",), "--grid")
     if a.png_dir:
         output_folder(a.png_dir, "sample PNG folder", "000000.png", "--png-dir")
-    settings = apply_protocol(JobSettings(
-        ckpt=a.ckpt, out=a.out, num_samples=a.num_samples, weights=_ema_weights(a.ema) if a.ema else a.weights,
-        batch_size=a.batch_size,
-        sampler=a.sampler, steps=a.steps, cfg_channels=a.cfg_channels,
-        cfg_scale=headline_cfg_scale(a.protocol, JobSettings.cfg_scale) if a.cfg_scale is None else a.cfg_scale,
-        guidance_interval=parse_interval(a.guidance_interval), seed=a.seed, sde_last_step=a.sde_last_step,
-        sde_last_step_size=a.sde_last_step_size, sde_diffusion_norm=a.sde_diffusion_norm,
-        time_shift=a.time_shift,
-        label_mode="random" if a.random_classes else "balanced", classes=a.classes, precision=a.precision,
-        vae=a.vae, png_dir=a.png_dir, grid=a.grid, grid_max=a.grid_max, keep_parts=a.keep_parts, cpu=a.cpu,
-        compile=a.compile, tf32=a.tf32, collective_timeout_s=a.collective_timeout_s, guide_ckpt=a.guide_ckpt),
-        a.protocol)
+    flags = {f.name: getattr(a, f.name) for f in fields(JobSettings) if hasattr(a, f.name)}  # flags named as the fields
+    if a.cfg_scale is None:  # the protocol's headline scale, else the default
+        flags["cfg_scale"] = PROTOCOLS[a.protocol].cfg_scale if a.protocol else JobSettings.cfg_scale
+    settings = apply_protocol(JobSettings(**{
+        **flags, "weights": _ema_weights(a.ema) if a.ema else a.weights,
+        "guidance_interval": parse_interval(a.guidance_interval),
+        "label_mode": "random" if a.random_classes else "balanced"}), a.protocol)
     if a.protocol:
         print(describe(a.protocol))
     run_job(settings)

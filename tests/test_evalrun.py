@@ -120,7 +120,7 @@ def test_digits_metric_separates_real_digits_from_noise(tmp_path):
 
 def test_heldout_set_is_fixed_and_spreads_times():
     from ancre_dit.data.digits import DigitsDataset
-    from ancre_dit.evaluation.heldout import build_heldout_set
+    from ancre_dit.evaluation.evaluator import build_heldout_set
 
     from ancre_dit.diffusion import build_objective
 

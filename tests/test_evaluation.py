@@ -22,7 +22,7 @@ from ancre_dit.evaluation import (
     save_reference_stats, write_random_inception_weights,
 )
 from ancre_dit.evaluation.inception import iterate_batches
-from ancre_dit.evaluation.sources import open_adm_npz
+from ancre_dit.evaluation.pipeline import open_adm_npz
 
 ROOT = Path(__file__).resolve().parents[1]
 N, SIZE = 12, 32  # few, small images: the network resizes to 299 and costs ~0.1 s per image on a CPU
@@ -342,7 +342,7 @@ def test_evaluation_features_and_distances_run_in_full_fp32(monkeypatch):
 
     from ancre_dit.evaluation.dinov2 import DinoV2Extractor
 
-    pr = importlib.import_module("ancre_dit.evaluation.precision_recall")  # the package exports a function of that name
+    pr = importlib.import_module("ancre_dit.evaluation.metrics")
 
     seen = []
 

@@ -19,9 +19,8 @@ from ancre_dit.evaluation import digits_metric as digits_classifier
 from ancre_dit.evaluation.evaluator import Evaluator
 from ancre_dit.evaluation.inception import InceptionFeatures
 from ancre_dit.evaluation.metrics import feature_statistics, frechet_distance
-from ancre_dit.evaluation.metric_registry import METRICS, MetricEntry, lower_is_better, metric_entry
+from ancre_dit.evaluation.metric_registry import METRICS, MetricEntry, Side, lower_is_better, metric_entry
 from ancre_dit.evaluation.pipeline import EvaluationResult, format_table, parse_metrics, score
-from ancre_dit.evaluation.image_sets import Side
 from ancre_dit.sampling import sample_latents
 from ancre_dit.sampling.decode import decode_pixels
 from ancre_dit.sampling.noise import SampleNoise

@@ -115,7 +115,7 @@ def test_save_ref_stats_stores_dinov2_statistics_of_the_folder(vit, tmp_path):
     from PIL import Image
 
     from ancre_dit.evaluation import write_random_inception_weights
-    from ancre_dit.evaluation.reference import save_reference_stats
+    from ancre_dit.evaluation.pipeline import save_reference_stats
 
     weights, _ = vit
     folder = tmp_path / "imgs"

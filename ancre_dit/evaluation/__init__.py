@@ -6,10 +6,11 @@ from .inception import (
 )
 from .metrics import (
     feature_statistics, frechet_distance, frechet_distance_to_features, inception_score, kernel_inception_distance,
+    precision_recall,
 )
-from .pipeline import DEFAULT_METRICS, METRICS, EvaluationResult, compute_metrics, evaluate, format_table
-from .precision_recall import precision_recall
-from .reference import save_reference_stats
+from .pipeline import (
+    DEFAULT_METRICS, METRICS, EvaluationResult, compute_metrics, evaluate, format_table, save_reference_stats,
+)
 
 __all__ = [
     "digits_report", "format_digits_report", "WEIGHTS_NAME", "InceptionExtractor", "InceptionFeatures",

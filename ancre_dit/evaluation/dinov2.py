@@ -31,16 +31,6 @@ from ..models.timm_weights import load_timm_weights, weights_hint
 DINOV2_MODEL = "vit_large_patch14_dinov2"
 RESOLUTION = 224
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-STAT_KEYS = ("mu_dinov2", "sigma_dinov2")
-
-
-def preprocess(images: torch.Tensor) -> torch.Tensor:
-    """uint8 (N, H, W, 3) -> the network's input (N, 3, 224, 224), EDM2's resize and normalisation."""
-    x = images.permute(0, 3, 1, 2).to(torch.float32) / 255.0
-    x = F.interpolate(x, size=(RESOLUTION, RESOLUTION), mode="bicubic", align_corners=False, antialias=True)
-    mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
-    return (x - mean) / std
 
 
 class DinoV2Extractor:
@@ -62,8 +52,12 @@ class DinoV2Extractor:
 
     @torch.no_grad()
     def batch(self, images: np.ndarray) -> torch.Tensor:
-        """uint8 (N, H, W[, 1|3]) -> float32 CLS features (N, D) on the CPU."""
-        x = preprocess(torch.from_numpy(np.require(to_rgb_uint8(images), requirements="CW")).to(self.device))
+        """uint8 (N, H, W[, 1|3]) -> float32 CLS features (N, D) on the CPU, from EDM2's resize and normalisation."""
+        x = torch.from_numpy(np.require(to_rgb_uint8(images), requirements="CW")).to(self.device)
+        x = x.permute(0, 3, 1, 2).to(torch.float32) / 255.0
+        x = F.interpolate(x, size=(RESOLUTION, RESOLUTION), mode="bicubic", align_corners=False, antialias=True)
+        mean, std = (torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in (IMAGENET_MEAN, IMAGENET_STD))
+        x = (x - mean) / std
         with full_fp32():
             tokens = self.net.forward_features(x)
         return tokens[:, 0].float().cpu()
@@ -72,27 +66,3 @@ class DinoV2Extractor:
         out = [self.batch(b).numpy() for b in tqdm(batches, total=None, desc=desc, unit="batch",
                                                    disable=total is not None and total < 1000)]
         return np.concatenate(out).astype(np.float64) if out else np.zeros((0, self.net.num_features))
-
-
-_EXTRACTORS: dict[tuple, DinoV2Extractor] = {}
-
-
-def get_dinov2_extractor(weights: str | os.PathLike, model: str = DINOV2_MODEL,
-                         device: str | torch.device = "cpu") -> DinoV2Extractor:
-    """A loaded extractor, cached per (weights file, its mtime, model, device); one in memory at a time."""
-    path = Path(weights) if weights else Path("")
-    key = (str(path.resolve()), path.stat().st_mtime_ns if path.is_file() else None, model, str(device))
-    if key not in _EXTRACTORS:
-        _EXTRACTORS.clear()
-        _EXTRACTORS[key] = DinoV2Extractor(weights, model, device)
-    return _EXTRACTORS[key]
-
-
-def stored_dinov2_stats(path: str | os.PathLike | None) -> tuple[np.ndarray, np.ndarray] | None:
-    """(mu, sigma) stored in a reference npz, or None."""
-    if path is None or not Path(path).is_file() or not str(path).endswith(".npz"):
-        return None
-    with np.load(path) as data:
-        if all(k in data.files for k in STAT_KEYS):
-            return data["mu_dinov2"].astype(np.float64), data["sigma_dinov2"].astype(np.float64)
-    return None

@@ -6,7 +6,11 @@ checkpoint of a finished run), so both write the same numbers for the same weigh
   and step count, in parts of `batch_size` as a sampling job cuts them (part j on process j % world,
   the same whatever the process count). Each process computes its parts' features (the digits
   classifier's, Inception's, DINOv2's); the main process gathers them in index order and scores;
-- held-out loss: the training objective on fixed held-out rows (see heldout.py), sharded the same way.
+- held-out loss: the training objective on fixed held-out rows, sharded the same way. The cheap
+  quality curve: it needs no sampling and no Inception weights. Every example is repeated `draws`
+  times; the times are stratified over the whole chain (M = examples x draws evenly spaced
+  timesteps, shuffled with a fixed seed so each example sees spread-out times) and the noise is
+  drawn once from a seeded generator, so two evaluations differ only by the weights.
 Every random draw comes from generators seeded here, inside a fork of the global RNGs: the training
 random streams are untouched, so a run with evaluation on trains the same weights as one without.
 """
@@ -14,11 +18,13 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from ..checkpoint import SPEC_FILE
 from ..diffusion import Objective, resolve_sampler
@@ -26,9 +32,10 @@ from ..diffusion.sampler_registry import check_time_shift
 from ..errors import MissingFileError, UserError, or_list
 from ..models.timm_weights import weights_hint as timm_weights_hint
 from ..sampling.guidance import check_guidance_scale
-from .heldout import HeldOutSet, heldout_terms
+from .inception import InceptionExtractor, InceptionFeatures, loaded
 from .inception import weights_hint as inception_weights_hint
-from .metric_registry import FEATURES, METRICS, metric_names, stored_stat_keys
+from .metric_registry import FEATURES, METRICS, Side, metric_names, stored_stat_keys
+from .metrics import feature_statistics
 
 EVAL_METRICS = metric_names(training=True)  # what eval.metrics accepts
 
@@ -119,6 +126,63 @@ def _gather_in_order(state, parts: list[tuple[int, Any]]) -> list[Any]:
 
 def _joined(features: list[dict[str, np.ndarray]], key: str) -> np.ndarray:
     return np.concatenate([f[key] for f in features])
+
+
+@dataclass
+class HeldOutSet:
+    """Fixed inputs of the held-out loss, all on the CPU: row i is (x[i], y[i], t[i], noise[i])."""
+    x: torch.Tensor
+    y: torch.Tensor
+    t: torch.Tensor
+    noise: torch.Tensor
+    num_examples: int
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+def build_heldout_set(dataset: Dataset, kind: str, *, max_examples: int, draws: int, seed: int,
+                      objective: Objective, latent_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+                      ) -> HeldOutSet:
+    """The first `max_examples` items of `dataset` (digits: the held-out split; latents: stored
+    moments, turned into one fixed posterior draw per row, normalised as training normalises them),
+    `draws` rows each."""
+    n = min(len(dataset), max_examples)
+    if n < 1:
+        raise UserError("the held-out set is empty; raise eval.heldout_from_train or point eval.val_path at data")
+    items = [dataset[i] for i in range(n)]
+    x = torch.stack([torch.as_tensor(item[0]) for item in items]).repeat_interleave(draws, dim=0)
+    y = torch.tensor([int(item[1]) for item in items], dtype=torch.long).repeat_interleave(draws)
+    g = torch.Generator().manual_seed(int(seed))
+    if kind == "latents":  # the same augmentation as training (flip + posterior draw), drawn once
+        from ..data.latent_shards import draw_latents_from_moments
+        x = draw_latents_from_moments(x, generator=g)
+        if latent_norm is not None:
+            x = latent_norm(x.float())
+    x = x.float()
+    m = len(y)
+    t = objective.evaluation_times(m)  # evenly spread over the process (DDPM timesteps, flow t)
+    t = t[torch.randperm(m, generator=g)]
+    noise = torch.randn(x.shape, generator=g, dtype=torch.float32)
+    return HeldOutSet(x, y, t, noise, n)
+
+
+@torch.no_grad()
+def heldout_terms(model: torch.nn.Module, objective: Objective, held: HeldOutSet, ranges: list[tuple[int, int]],
+                  device: torch.device) -> list[tuple[int, dict[str, np.ndarray]]]:
+    """Per-row loss terms (float64) of the rows in `ranges`, one batch per range; the model is run
+    in eval mode (no label dropout) and left in the mode it had."""
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for start, end in ranges:
+            terms = objective.losses(model, held.x[start:end].to(device), held.y[start:end].to(device),
+                                     (held.t[start:end].to(device), held.noise[start:end].to(device)))
+            out.append((start, {k: v.detach().double().cpu().numpy() for k, v in terms.items()}))
+    finally:
+        model.train(was_training)
+    return out
 
 
 class EvaluationAbandoned(Exception):
@@ -234,9 +298,6 @@ class Evaluator:
             return (_joined(features, "digits_features"), _joined(features, "digits_pred"), labels), None
         if family == "dinov2":
             return _joined(features, "dinov2"), self._dinov2_reference()
-        from .image_sets import Side
-        from .inception import InceptionFeatures
-
         feats = InceptionFeatures(*(_joined(features, k) for k in ("pool", "spatial", "logits")))
         return Side("samples", features=feats, num_images=len(feats)), self._reference_side()
 
@@ -254,25 +315,22 @@ class Evaluator:
         return out
 
     def _dinov2_extractor(self):
-        from .dinov2 import get_dinov2_extractor
-        return get_dinov2_extractor(self.settings.dinov2_weights, self.settings.dinov2_model, self.state.device)
+        from .dinov2 import DinoV2Extractor
+        return loaded(DinoV2Extractor, self.settings.dinov2_weights, self.settings.dinov2_model, self.state.device)
 
     def _dinov2_reference(self) -> tuple[np.ndarray, np.ndarray]:
         """eval.ref's DINOv2 (mu, sigma): stored in it, else from its images (once per run)."""
-        from .dinov2 import stored_dinov2_stats
-        from .metrics import feature_statistics
-        from .pipeline import default_batch_size, dinov2_features
+        from .pipeline import default_batch_size, dinov2_reference
 
         if self._dinov2_ref is None:
-            self._dinov2_ref = stored_dinov2_stats(self.settings.ref) or feature_statistics(dinov2_features(
-                self.settings.ref, self._dinov2_extractor(), default_batch_size(torch.device(self.state.device)),
-                name="reference"))
+            ref, _ = dinov2_reference(self.settings.ref, self._dinov2_extractor(),
+                                      default_batch_size(torch.device(self.state.device)))
+            self._dinov2_ref = ref if isinstance(ref, tuple) else feature_statistics(ref)
         return self._dinov2_ref
 
     def _get_extractor(self):
         if self._extractor is None:
-            from .pipeline import get_extractor
-            self._extractor = get_extractor(self.settings.inception_weights, self.state.device)
+            self._extractor = loaded(InceptionExtractor, self.settings.inception_weights, self.state.device)
         return self._extractor
 
     def _reference_side(self):
@@ -286,4 +344,3 @@ class Evaluator:
             self._ref_side = load_side(ref, "reference", self._get_extractor, batch_size,
                                        need_features=needs_images or not has_stored_stats(ref, self.inception))
         return self._ref_side
-

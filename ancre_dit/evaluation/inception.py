@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 from unittest import mock
 
 import numpy as np
@@ -44,21 +44,31 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _build_unloaded_extractor(features: list[str]):
-    """torch-fidelity's module with its default (random) initialisation: its constructor always
-    loads weights (downloading when given no path), so loading is stubbed out here."""
-    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+_LOADED: dict[type, tuple[tuple, Any]] = {}
 
-    with mock.patch("torch_fidelity.feature_extractor_inceptionv3.load_state_dict_from_url", lambda *a, **k: {}), \
-            mock.patch.object(FeatureExtractorInceptionV3, "load_state_dict", lambda self, sd, *a, **k: None):
-        return FeatureExtractorInceptionV3("inception-v3-compat", features)
+
+def loaded(extractor: type, weights: str | os.PathLike | None, *args: Any):
+    """`extractor(weights, *args)`, cached per (weights file, its mtime, args) so repeated calls reuse
+    it; one network of each kind in memory at a time."""
+    path = Path(weights) if weights else Path("")
+    key = (str(path.resolve()), path.stat().st_mtime_ns if path.is_file() else None, *map(str, args))
+    if _LOADED.get(extractor, (None,))[0] != key:
+        _LOADED.pop(extractor, None)  # the old network goes before the new one loads
+        _LOADED[extractor] = (key, extractor(weights, *args))
+    return _LOADED[extractor][1]
 
 
 def write_random_inception_weights(path: str | os.PathLike, seed: int = 0) -> Path:
     """Writes a RANDOMLY INITIALISED weights file shaped like the real one (tests and benchmarks
     only: its numbers mean nothing). He-normal convolutions and identity batch norms keep
     activations of order one through all 94 layers, so different images' features differ."""
-    model = _build_unloaded_extractor(["2048"])
+    from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
+    # torch-fidelity's constructor always loads weights (downloading when given no path): stubbed out,
+    # the module keeps its default (random) initialisation.
+    with mock.patch("torch_fidelity.feature_extractor_inceptionv3.load_state_dict_from_url", lambda *a, **k: {}), \
+            mock.patch.object(FeatureExtractorInceptionV3, "load_state_dict", lambda self, sd, *a, **k: None):
+        model = FeatureExtractorInceptionV3("inception-v3-compat", ["2048"])
     gen = torch.Generator().manual_seed(seed)
     state = {}
     for name, tensor in model.state_dict().items():

@@ -7,7 +7,7 @@ read `METRICS`. A new metric is its function and one entry here.
 
 A metric function is `compute(samples, reference, options) -> {value name: value}`; what the two
 sides are depends on the network whose features it reads (`features`):
-- "inception": two `image_sets.Side` (Inception features and/or FID statistics); the reference may be
+- "inception": two `Side` (Inception features and/or FID statistics); the reference may be
   `Side("reference (none)")` for a metric that needs nothing of it;
 - "dinov2": the samples' DINOv2 features (N, D), and the reference's (mu, sigma) or its features;
 - "digits": (features, predicted classes, labels) of the samples from the digits classifier, and
@@ -16,19 +16,55 @@ sides are depends on the network whose features it reads (`features`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 
 from ..errors import UserError
+from .inception import InceptionFeatures
 from .metrics import (
     feature_statistics, frechet_distance, frechet_distance_to_features, inception_score, kernel_inception_distance,
+    precision_recall,
 )
-from .precision_recall import precision_recall
-from .image_sets import Side
 
 FEATURES = ("digits", "inception", "dinov2")
+_STAT_KEYS = {"pool": ("mu", "sigma"), "spatial": ("mu_s", "sigma_s")}  # the FID statistics' npz keys
+
+
+@dataclass
+class Side:
+    """One side of a comparison (the samples, or the reference), as the Inception metrics read it:
+    its features (when it has images) and/or its FID statistics."""
+    name: str
+    features: InceptionFeatures | None = None
+    stats: dict[str, np.ndarray] = field(default_factory=dict)
+    num_images: int = 0
+    stats_source: str = "features"
+    image_size: int | None = None  # height of the images, when the side has images of one size
+
+    def statistics(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        """(mu, sigma) of the "pool" or "spatial" features: the stored ones, else the features'."""
+        mu_key, sigma_key = _STAT_KEYS[kind]
+        if mu_key not in self.stats:
+            if self.features is None:
+                raise UserError(f"{self.name} has no images and no stored {mu_key}/{sigma_key}; "
+                                 f"add them (python evaluate.py --save-ref-stats) or pass images")
+            self.stats[mu_key], self.stats[sigma_key] = feature_statistics(getattr(self.features, kind))
+        return self.stats[mu_key], self.stats[sigma_key]
+
+    def raw_features(self, kind: str) -> np.ndarray | None:
+        """The side's own features of `kind` when its statistics are not stored ones, else None."""
+        if self.features is None or (_STAT_KEYS[kind][0] in self.stats and self.stats_source == "stored"):
+            return None
+        return getattr(self.features, kind)
+
+    def require_features(self, metric: str) -> InceptionFeatures:
+        if self.features is None:
+            raise UserError(f"{metric} needs images but {self.name} holds statistics only "
+                             f"(no arr_0); pass a file with images, or drop {metric} from --metrics")
+        return self.features
 
 
 @dataclass(frozen=True)
@@ -74,23 +110,15 @@ class MetricEntry:
 
 
 # -- the metric functions ------------------------------------------------------------------------
-def _frechet(samples: Side, ref: Side, kind: str, method: str) -> float:
-    """Fréchet distance of one Inception feature kind; "eigh" takes the N-dim route when a side has
+def frechet(name: str, kind: str, samples: Side, ref: Side, o: MetricOptions) -> dict[str, float]:
+    """FID ("pool" features) or sFID ("spatial"); "eigh" takes the N-dim route when a side has
     N <= D images of its own."""
-    if method == "eigh":
+    if o.fid_method == "eigh":
         for side, other in ((samples, ref), (ref, samples)):
             feats = side.raw_features(kind)
             if feats is not None and len(feats) <= feats.shape[1]:
-                return frechet_distance_to_features(feats, *other.statistics(kind))
-    return frechet_distance(*samples.statistics(kind), *ref.statistics(kind), method=method)
-
-
-def fid(samples: Side, ref: Side, o: MetricOptions) -> dict[str, float]:
-    return {"fid": _frechet(samples, ref, "pool", o.fid_method)}
-
-
-def sfid(samples: Side, ref: Side, o: MetricOptions) -> dict[str, float]:
-    return {"sfid": _frechet(samples, ref, "spatial", o.fid_method)}
+                return {name: frechet_distance_to_features(feats, *other.statistics(kind))}
+    return {name: frechet_distance(*samples.statistics(kind), *ref.statistics(kind), method=o.fid_method)}
 
 
 def inception_score_metric(samples: Side, ref: Side, o: MetricOptions) -> dict[str, float]:
@@ -133,10 +161,10 @@ METRICS: dict[str, MetricEntry] = {
                           "class accuracy and feature FD of the digits classifier (8x8 digits data only)",
                           key="digits_acc", also={"digits_fd": Value("digits FD", True)}, evaluate=False,
                           only_for=("digits", "8x8 digits")),
-    "fid": MetricEntry(fid, "inception", "statistics", True, "FID", "Fréchet Inception distance (pool_3)",
+    "fid": MetricEntry(partial(frechet, "fid", "pool"), "inception", "statistics", True, "FID", "Fréchet Inception distance (pool_3)",
                        stats=("mu", "sigma"), default=True),
-    "sfid": MetricEntry(sfid, "inception", "statistics", True, "sFID", "spatial FID (mixed_6/conv)",
-                        stats=("mu_s", "sigma_s"), default=True),
+    "sfid": MetricEntry(partial(frechet, "sfid", "spatial"), "inception", "statistics", True, "sFID",
+                        "spatial FID (mixed_6/conv)", stats=("mu_s", "sigma_s"), default=True),
     "is": MetricEntry(inception_score_metric, "inception", "features", False, "Inception Score",
                       "Inception Score of the samples", default=True),
     "precision": MetricEntry(precision_and_recall, "inception", "reference images", False, "Precision",

@@ -1,36 +1,45 @@
-"""Samples + reference -> FID, sFID, IS, precision, recall (+ KID), as ADM's evaluator scores them.
+"""Samples + reference -> FID, sFID, IS, precision, recall (+ KID, FD-DINOv2), as ADM's evaluator
+scores them; and a reference's statistics from a folder of real images.
 
 Each side (samples, reference) is an ADMBatch, an ADM .npz (images and/or mu, sigma, mu_s,
-sigma_s) or a folder of images. As in ADM, statistics stored in an npz are used as they are for
-FID / sFID; otherwise they come from the side's Inception features. IS uses the samples alone;
-precision / recall and KID need the reference's images.
+sigma_s) or a folder of images (listed and read by ancre_dit.data.image_folder). As in ADM,
+statistics stored in an npz are used as they are for FID / sFID; otherwise they come from the
+side's Inception features. IS uses the samples alone; precision / recall and KID need the
+reference's images.
+
+50K samples at 256x256 are 9.8 GB of uint8: `open_adm_npz` memory-maps `arr_0` when the npz
+stores it uncompressed (np.savez, what sample.py and ADM write), so features are computed batch
+by batch without holding every image in memory. Anything else falls back to `load_adm_npz`.
 
 Differences from ADM's evaluator (guided-diffusion evaluations/evaluator.py), all checked there:
 torch-fidelity's PyTorch port of the same Inception graph, float32 (inception.py); float64
 statistics and log-softmax (metrics.py); float32 distances for precision / recall where ADM first
-tries float16 (precision_recall.py); KID, which ADM lacks (torch-fidelity's estimator).
+tries float16 (metrics.py); KID, which ADM lacks (torch-fidelity's estimator).
 """
 from __future__ import annotations
 
 import logging
 import os
+import struct
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
 
-from ..data.adm_npz import ADMBatch
-from ..data.image_folder import list_image_folder
-from ..files import sha256_file
-from .inception import InceptionExtractor, default_device, iterate_batches
-from .metric_registry import (
-    METRICS as METRIC_TABLE, MetricOptions, metric_entry, metric_names, reported_values, stored_stat_keys, value_label,
-)
-from .image_sets import Side
-from .sources import ImageFolderBatches, open_adm_npz
+from ..data.adm_npz import STAT_KEYS, ADMBatch, check_labels, check_stats, load_adm_npz, save_adm_npz
+from ..data.image_folder import list_image_folder, load_rgb
 from ..errors import UserError
+from ..files import sha256_file
+from .inception import InceptionExtractor, default_device, iterate_batches, loaded
+from .metric_registry import (
+    METRICS as METRIC_TABLE, MetricOptions, Side, metric_entry, metric_names, reported_values, stored_stat_keys,
+    value_label,
+)
+from .metrics import feature_statistics
 
 _log = logging.getLogger("ancre_dit")
 
@@ -39,22 +48,90 @@ METRICS = metric_names(evaluate=True)
 ADM_METRICS = DEFAULT_METRICS = metric_names(default=True)
 
 
-_EXTRACTORS: dict[tuple, InceptionExtractor] = {}
-
-
-def get_extractor(weights: str | os.PathLike, device: str | torch.device | None = None) -> InceptionExtractor:
-    """A loaded extractor, cached per (weights file, its mtime, device) so repeated calls reuse it."""
-    device = torch.device(device) if device is not None else default_device()
-    path = Path(weights)
-    key = (str(path.resolve()), path.stat().st_mtime_ns if path.is_file() else None, str(device))
-    if key not in _EXTRACTORS:
-        _EXTRACTORS.clear()  # one network in memory at a time
-        _EXTRACTORS[key] = InceptionExtractor(path, device)
-    return _EXTRACTORS[key]
-
-
 def default_batch_size(device: torch.device) -> int:
     return 250 if device.type == "cuda" else 32
+
+
+def _memmap_member(path: Path, member: str) -> np.ndarray | None:
+    """A read-only memmap of `member` (.npy) inside an uncompressed zip, or None if not possible
+    (numpy's mmap_mode is ignored for .npz files)."""
+    with open(path, "rb") as f, zipfile.ZipFile(f) as zf:
+        try:
+            info = zf.getinfo(member)
+        except KeyError:
+            return None
+        if info.compress_type != zipfile.ZIP_STORED:
+            return None
+        # The local header (30 bytes + name + extra; its extra may differ from the central one).
+        f.seek(info.header_offset)
+        local = f.read(30)
+        if local[:4] != b"PK\x03\x04":
+            return None
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
+            return None
+        if fortran or dtype.hasobject:
+            return None
+        offset = f.tell()
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(shape))
+
+
+def open_adm_npz(path: str | os.PathLike) -> ADMBatch:
+    """Like load_adm_npz, but `images` is a memmap (uint8, (N, H, W[, 1|3])) when possible;
+    consumers convert each batch with to_rgb_uint8."""
+    path = Path(path)
+    try:
+        images = _memmap_member(path, "arr_0.npy")
+    except (OSError, zipfile.BadZipFile, ValueError):
+        images = None
+    if images is None or images.dtype != np.uint8 or images.ndim not in (3, 4):
+        return load_adm_npz(path)  # compressed, odd, or broken: its reader gives the clear errors
+    if images.ndim == 4 and images.shape[-1] not in (1, 3):
+        raise UserError(f"{path}: arr_0 holds images of shape {tuple(images.shape)}; ADM images are (N, H, W[, 1|3]) "
+                        f"uint8: {_layout_fix(images.shape)}, and save again")
+    with np.load(path) as data:
+        labels = check_labels(data["arr_1"], len(images), path) if "arr_1" in data.files else None
+        stats = {k: data[k] for k in STAT_KEYS if k in data.files}
+    check_stats(stats, path)
+    return ADMBatch(images, labels, stats)
+
+
+def _layout_fix(shape: tuple[int, ...]) -> str:
+    """What turns an (N, ?, ?, ?) array into ADM's (N, H, W, C) one."""
+    if shape[1] in (1, 3, 4):
+        return "it looks channels-first (N, C, H, W): transpose it, images.transpose(0, 2, 3, 1)"
+    if shape[-1] == 4:
+        return "drop the alpha channel, images[..., :3]"
+    return f"{shape[-1]} is not a channel count of RGB or grayscale images"
+
+
+class ImageFolderBatches:
+    """Batches of center-cropped uint8 images read from files, decoded by DataLoader workers."""
+
+    def __init__(self, files: list[Path], image_size: int | None, batch_size: int, workers: int = 0):
+        self.files, self.image_size, self.batch_size, self.workers = files, image_size, batch_size, workers
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        image = load_rgb(self.files[i], self.image_size)
+        if self.image_size is None and i > 0 and image.shape != self.first_shape:
+            raise UserError(f"{self.files[i]} is {image.shape[:2]}, not {self.first_shape[:2]} like the first "
+                             f"image; pass an image size so every image is center-cropped to one size")
+        return image
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        from torch.utils.data import DataLoader
+
+        self.first_shape = load_rgb(self.files[0], self.image_size).shape  # read once, before workers start
+        yield from DataLoader(self, batch_size=self.batch_size, num_workers=self.workers, collate_fn=np.stack)
 
 
 def load_side(source: ADMBatch | str | os.PathLike, name: str, extractor_fn, batch_size: int,
@@ -123,19 +200,17 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
     fd_dinov2 needs `dinov2_weights` (a timm file of `dinov2_model`) and no Inception weights."""
     metrics = parse_metrics(metrics)
     device = torch.device(device) if device is not None else default_device()
-    on_dinov2 = tuple(m for m in metrics if METRIC_TABLE[m].features == "dinov2")
-    if on_dinov2:
-        dinov2 = _dinov2_metrics(on_dinov2, samples, ref, dinov2_weights, dinov2_model,
-                                 batch_size or default_batch_size(device), device, fid_method, image_size, workers)
-        rest = tuple(m for m in metrics if m not in on_dinov2)
-        if not rest:
-            return dinov2
-        result = evaluate(samples, ref, weights, rest, batch_size, device, is_split_size, pr_k, fid_method, kid_subsets,
-                          kid_subset_size, image_size, workers)
-        return EvaluationResult({**result.metrics, **dinov2.metrics}, {**result.info, **dinov2.info})
     batch_size = batch_size or default_batch_size(device)
+    on_dinov2 = tuple(m for m in metrics if METRIC_TABLE[m].features == "dinov2")
+    dinov2 = EvaluationResult({}, {})
+    if on_dinov2:
+        dinov2 = _dinov2_metrics(on_dinov2, samples, ref, dinov2_weights, dinov2_model, batch_size, device,
+                                 fid_method, image_size, workers)
+        metrics = tuple(m for m in metrics if m not in on_dinov2)
+        if not metrics:
+            return dinov2
     start = time.time()
-    extractor_fn = lambda: get_extractor(weights, device)  # noqa: E731
+    extractor_fn = lambda: loaded(InceptionExtractor, weights, device)  # noqa: E731
     ref_metrics = [m for m in metrics if METRIC_TABLE[m].needs != "features"]  # IS looks at the samples alone
     if ref_metrics and ref is None:
         raise UserError(f"{', '.join(ref_metrics)} need a reference (--ref)")
@@ -173,30 +248,24 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
             "inception_weights_sha256": sha256_file(extractor.weights),
             "feature_extractor": f"torch-fidelity {torch_fidelity.__version__} inception-v3-compat",
             "settings": settings, "seconds": round(time.time() - start, 1)}
-    return EvaluationResult(values, info)
+    return EvaluationResult({**values, **dinov2.metrics}, {**info, **dinov2.info})
 
 
 def _dinov2_metrics(metrics: tuple[str, ...], samples, ref, weights, model, batch_size: int, device: torch.device,
                     fid_method: str, image_size: int | None, workers: int) -> EvaluationResult:
     """The DINOv2 metrics of `samples` against `ref` (its stored statistics, else its images)."""
-    from .dinov2 import DINOV2_MODEL, get_dinov2_extractor
+    from .dinov2 import DINOV2_MODEL, DinoV2Extractor  # timm: only where DINOv2 runs
 
     if ref is None:
         raise UserError(f"{', '.join(metrics)} needs a reference (--ref)")
     model = model or DINOV2_MODEL
-    extractor = get_dinov2_extractor(weights, model, device)  # fail on bad weights before reading images
+    extractor = loaded(DinoV2Extractor, weights, model, device)  # fail on bad weights before reading images
     start = time.time()
-    feats = dinov2_features(samples, extractor, batch_size, None, workers, "samples")
-    ref_batch = _open_npz(ref)
-    keys = stored_stat_keys(metrics)
-    if ref_batch is not None and set(keys) <= set(ref_batch.stats):
-        reference, source = tuple(ref_batch.stats[k] for k in keys), "stored"
-    else:
-        batch = _open_npz(samples)  # a folder reference is cropped to the samples' size
-        size = image_size or (None if batch is None or batch.images is None else int(batch.images.shape[1]))
-        reference = dinov2_features(ref if ref_batch is None else ref_batch, extractor, batch_size, size, workers,
-                                    "reference")
-        source = "features"
+    batch = _open_npz(samples)
+    feats = dinov2_features(samples if batch is None else batch, extractor, batch_size, None, workers, "samples")
+    # A folder reference is cropped to the samples' size.
+    size = image_size or (None if batch is None or batch.images is None else int(batch.images.shape[1]))
+    reference, source = dinov2_reference(ref, extractor, batch_size, size, workers)
     values = score(feats, reference, metrics, fid_method=fid_method, device=device)
     info = {"num_samples": len(feats), "samples": _describe(samples), "reference": _describe(ref),
             "dinov2_model": model, "dinov2_weights": str(Path(weights).resolve()),
@@ -208,6 +277,16 @@ def _dinov2_metrics(metrics: tuple[str, ...], samples, ref, weights, model, batc
 def _open_npz(source) -> ADMBatch | None:
     """An ADMBatch as it is, an npz opened (see open_adm_npz); None for a folder."""
     return source if isinstance(source, ADMBatch) else (open_adm_npz(source) if Path(source).is_file() else None)
+
+
+def dinov2_reference(ref, extractor, batch_size: int, image_size: int | None = None,
+                     workers: int = 0) -> tuple[tuple[np.ndarray, np.ndarray] | np.ndarray, str]:
+    """`ref`'s stored DINOv2 (mu, sigma), else its images' features; and which it is ("stored", "features")."""
+    batch, keys = _open_npz(ref), stored_stat_keys(["fd_dinov2"])
+    if batch is not None and set(keys) <= set(batch.stats):
+        return tuple(batch.stats[k] for k in keys), "stored"
+    return dinov2_features(ref if batch is None else batch, extractor, batch_size, image_size, workers,
+                           "reference"), "features"
 
 
 def dinov2_features(source, extractor, batch_size: int, image_size: int | None = None, workers: int = 0,
@@ -258,6 +337,71 @@ def _check_readable(ref) -> None:
         list_image_folder(ref)
     elif (batch := open_adm_npz(ref)).images is not None and len(batch.images) == 0 and not batch.stats:
         raise UserError(f"reference ({Path(ref)}) holds no images to evaluate (arr_0 is empty); pass another --ref")
+
+
+def check_replaceable(out: Path) -> None:
+    """An existing `out` is replaced only when it is a statistics file (mu, sigma, no images): a
+    sample file or an ADM reference batch holds images that a rerun here would destroy."""
+    if not out.exists():
+        return
+    try:
+        with zipfile.ZipFile(out) as npz:
+            members = set(npz.namelist())
+    except (zipfile.BadZipFile, OSError):
+        raise UserError(f"{out} exists and is not an .npz of reference statistics; move it or pick another "
+                        "--save-ref-stats name") from None
+    if "arr_0.npy" in members or "mu.npy" not in members:
+        raise UserError(f"{out} exists and holds {'images (arr_0)' if 'arr_0.npy' in members else 'no statistics'}: "
+                        "a sample file or an ADM reference batch, which writing statistics there would destroy; "
+                        "pick another --save-ref-stats name")
+
+
+def save_reference_stats(images_dir: str | os.PathLike, out: str | os.PathLike, weights: str | os.PathLike,
+                         image_size: int = 256, with_images: bool = False, max_images: int | None = None,
+                         seed: int = 0, batch_size: int | None = None, device: str | torch.device | None = None,
+                         workers: int = 0, dinov2_weights: str | os.PathLike | None = None,
+                         dinov2_model: str | None = None) -> Path:
+    """Writes an ADM-compatible reference of `images_dir`'s images, center-cropped to `image_size` as
+    in training, to `out`: `mu`, `sigma` (pool_3) and `mu_s`, `sigma_s` (mixed_6/conv[..., :7]) as in
+    ADM's VIRTUAL_*.npz; optionally the crops as `arr_0` (+ `arr_1` labels when the folder has one
+    subfolder per class), so that precision / recall can be computed against it; with `dinov2_weights`,
+    FD-DINOv2's statistics. `max_images` keeps a seeded random subset (a sorted prefix of ImageNet would
+    be a few classes)."""
+    check_replaceable(Path(out))
+    device = torch.device(device) if device is not None else default_device()
+    extractor = loaded(InceptionExtractor, weights, device)  # fail on bad weights before reading any image
+    dinov2 = None
+    if dinov2_weights:
+        from .dinov2 import DINOV2_MODEL, DinoV2Extractor
+        dinov2 = loaded(DinoV2Extractor, dinov2_weights, dinov2_model or DINOV2_MODEL, device)
+    listing = list_image_folder(images_dir)
+    files, labels = listing.paths(), listing.labels
+    if max_images is not None and max_images < len(files):
+        keep = np.sort(np.random.default_rng(seed).choice(len(files), max_images, replace=False))
+        files = [files[i] for i in keep]
+        labels = None if labels is None else [labels[i] for i in keep]
+    if len(files) < 2:
+        raise UserError(f"{images_dir} has {len(files)} image(s); statistics need at least 2")
+    batches = ImageFolderBatches(files, image_size, batch_size or default_batch_size(device), workers)
+    kept: list[np.ndarray] = []
+    dinov2_parts: list[np.ndarray] = []
+
+    def keep_images():  # one pass over the files: the cropped images are kept as they stream by
+        for batch in batches:
+            if with_images:
+                kept.append(batch)
+            if dinov2 is not None:
+                dinov2_parts.append(dinov2.batch(batch).numpy().astype(np.float64))
+            yield batch
+
+    features = extractor.extract(keep_images(), total=len(files), desc="inception: reference images")
+    stats = {}
+    stats["mu"], stats["sigma"] = feature_statistics(features.pool)
+    stats["mu_s"], stats["sigma_s"] = feature_statistics(features.spatial)
+    if dinov2 is not None:
+        stats["mu_dinov2"], stats["sigma_dinov2"] = feature_statistics(np.concatenate(dinov2_parts))
+    images = np.concatenate(kept) if with_images else None
+    return save_adm_npz(out, images, labels if with_images else None, **stats)
 
 
 def display(value: float) -> str:

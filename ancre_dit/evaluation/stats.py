@@ -30,14 +30,6 @@ def median_confidence_interval(values: Sequence[float], level: float = 0.95) -> 
     return (xs[rank - 1], xs[n - rank]) if rank >= 1 else None
 
 
-def per_round_ratios(times: Sequence[float], reference: Sequence[float]) -> list[float]:
-    """Sorted ratios times[i] / reference[i]: both were timed in the same round, minutes apart at
-    most, so slow drifts of a shared machine cancel out of each ratio."""
-    if len(times) != len(reference):
-        raise ValueError(f"paired timings need as many rounds on both sides, got {len(times)} and {len(reference)}")
-    return sorted(a / b for a, b in zip(times, reference))
-
-
 @dataclass(frozen=True)
 class PairedRatio:
     """Median of the per-round ratios, with quartiles (None below 4 rounds) and the median's
@@ -49,8 +41,11 @@ class PairedRatio:
 
 
 def paired_ratio(times: Sequence[float], reference: Sequence[float], level: float = 0.95) -> PairedRatio:
-    """The paired comparison of two timings taken round by round (see `per_round_ratios`)."""
-    ratios = per_round_ratios(times, reference)
+    """The paired comparison of two timings taken round by round: the ratios times[i] / reference[i],
+    both timed in the same round, minutes apart at most, so slow drifts of a shared machine cancel out."""
+    if len(times) != len(reference):
+        raise ValueError(f"paired timings need as many rounds on both sides, got {len(times)} and {len(reference)}")
+    ratios = sorted(a / b for a, b in zip(times, reference))
     if not ratios:
         raise ValueError("paired timings need at least one round")
     quartiles = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
@@ -31,36 +31,31 @@ def check_guidance_scale(name: str, scale: float) -> None:
         raise UserError(f"{name} {scale} is negative; use 1 for no guidance or a value > 1 (e.g. 1.5)")
 
 
-def check_guidance(names: tuple[str, str, str], scale: float, channels: int | None,
-                   interval: tuple[float, float] | None) -> None:
-    """The scale's rule; channels None (all) or at least 1; interval None (every step) or LO <= HI
-    within [0, 1], in normalised time. `names`: what the caller calls the three values."""
-    check_guidance_scale(names[0], scale)
-    if channels is not None and channels < 1:
-        raise UserError(f"{names[1]} {channels} must be at least 1 (or unset for all channels)")
-    if interval is None:
-        return
-    name, (lo, hi) = names[2], interval
-    if not 0 <= lo <= 1 or not 0 <= hi <= 1:
-        raise UserError(f"{name} {lo:g},{hi:g} must lie in [0, 1]: it is in normalised time (0 = data, 1 = noise) "
-                        f"for every objective")
-    if not lo <= hi:
-        raise UserError(f"{name} {lo:g},{hi:g} is empty; give LO,HI with LO <= HI")
-
-
 @dataclass(frozen=True)
 class Guidance:
     """scale: 1 = plain conditional model. channels: guide only the first `channels` epsilon
     channels (3 = the original DiT's behaviour); None = all. interval: guide only at normalised
-    times LO <= u <= HI, u in [0, 1], 0 = data, 1 = noise (None = every step)."""
+    times LO <= u <= HI, u in [0, 1], 0 = data, 1 = noise (None = every step). `names`: what the
+    caller calls the three values (sample.py: its flags), for the errors."""
 
     scale: float = 1.0
     channels: int | None = None
     interval: tuple[float, float] | None = None
+    names: tuple[str, str, str] = field(default=("guidance scale", "guided channels", "guidance interval"),
+                                        compare=False, repr=False)
 
     def __post_init__(self):
-        check_guidance(("guidance scale", "guided channels", "guidance interval"), self.scale, self.channels,
-                       self.interval)
+        check_guidance_scale(self.names[0], self.scale)
+        if self.channels is not None and self.channels < 1:
+            raise UserError(f"{self.names[1]} {self.channels} must be at least 1 (or unset for all channels)")
+        if self.interval is None:
+            return
+        name, (lo, hi) = self.names[2], self.interval
+        if not 0 <= lo <= 1 or not 0 <= hi <= 1:
+            raise UserError(f"{name} {lo:g},{hi:g} must lie in [0, 1]: it is in normalised time (0 = data, "
+                            "1 = noise) for every objective")
+        if not lo <= hi:
+            raise UserError(f"{name} {lo:g},{hi:g} is empty; give LO,HI with LO <= HI")
 
     def active_at(self, normalized_time: float) -> bool:
         return self.scale != 1 and (self.interval is None or self.interval[0] <= normalized_time <= self.interval[1])
@@ -115,10 +110,7 @@ class GuidedDenoiser:
                                     "needs a model of the same latent space and classes (a smaller model or an "
                                     "earlier checkpoint of the same run)")
             self._guide = wrap(self.guide)
-        self.guidance = guidance
-        if guidance.interval is not None and normalized_time is None:
-            raise ValueError("a guidance interval needs the objective's normalized_time")
-        self.normalized_time = normalized_time
+        self.guidance, self.normalized_time = guidance, normalized_time
         if precision not in PRECISIONS:
             raise UserError(f"unknown sampling precision {precision!r}; choose {', '.join(PRECISIONS)}")
         self.dtype = PRECISIONS[precision]

@@ -29,7 +29,7 @@ from ..files import write_atomic
 from ..hardware import configure_precision
 from .api import SamplingPlan, plan_sampling
 from .decode import Decoder, build_decoder
-from .guidance import Guidance, check_guidance
+from .guidance import Guidance
 from .noise import assign_labels, check_classes
 from .protocols import check_protocol_fits, record_path
 
@@ -110,12 +110,12 @@ def check_settings(s: JobSettings) -> Guidance:
         raise UserError(f"--grid-max {s.grid_max} must be at least 1 (the number of samples the grid shows)")
     if sde_options(s) != SDEOptions() and s.sampler != "sde":
         raise UserError("--sde-last-step, --sde-last-step-size and --sde-diffusion-norm apply only to --sampler sde")
-    check_guidance(("--cfg-scale", "--cfg-channels", "--guidance-interval"), float(s.cfg_scale), s.cfg_channels,
-                   s.guidance_interval)
+    guidance = Guidance(float(s.cfg_scale), s.cfg_channels, s.guidance_interval,
+                        names=("--cfg-scale", "--cfg-channels", "--guidance-interval"))
     if s.guide_ckpt and float(s.cfg_scale) == 1:
         raise UserError("--guide-ckpt guides at --cfg-scale w != 1 (D_weak + w (D - D_weak)); set --cfg-scale, "
                         "e.g. 2, or drop --guide-ckpt")
-    return Guidance(float(s.cfg_scale), s.cfg_channels, s.guidance_interval)
+    return guidance
 
 
 def sample_part(plan: SamplingPlan, labels: np.ndarray, *, indices: np.ndarray, seed: int,

@@ -57,11 +57,6 @@ PROTOCOLS: dict[str, Protocol] = {
 }
 
 
-def headline_cfg_scale(name: str | None, default: float) -> float:
-    """The guidance scale when --cfg-scale is not given: the protocol's headline one, else `default`."""
-    return default if name is None else PROTOCOLS[name].cfg_scale
-
-
 def describe(name: str) -> str:
     """One line of what --protocol NAME sets, for the job's log."""
     p = PROTOCOLS[name]

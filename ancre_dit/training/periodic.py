@@ -202,7 +202,7 @@ class DiagnosticsTask(PeriodicTask):
 
     def run(self, ctx: RunContext) -> dict[str, Any]:
         from ..evaluation.diagnostics import depth_profile
-        from ..evaluation.heldout import build_heldout_set
+        from ..evaluation.evaluator import build_heldout_set
         from ..files import append_jsonl
 
         d, device, step = ctx.data, ctx.accelerator.device, ctx.progress.step

@@ -27,8 +27,7 @@ EVALS_FILE = "evals.jsonl"
 def build_run_evaluator(config: Config, data, objective, decoder, state, log: Callable[[str], Any]):
     """The Evaluator of a run's `eval` settings: fixed held-out examples (when the data has a held-out
     split and eval.heldout_loss) and the sample metrics, whose images `decoder` makes."""
-    from ..evaluation.evaluator import Evaluator
-    from ..evaluation.heldout import build_heldout_set
+    from ..evaluation.evaluator import Evaluator, build_heldout_set
 
     e = config.eval
     heldout = None
