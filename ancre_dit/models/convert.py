@@ -7,8 +7,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
-from .embeddings import TimestepEmbedder
-from .dit import DIT_SIZES
+from .dit import DIT_SIZES, TimestepEmbedder
 
 _PREFIXES = ("module.", "_orig_mod.")
 _LOGITS = "topology.logits"
