@@ -68,9 +68,6 @@ class StackedPlan:
         self.edges = edges
         self.readers = [[r for r in range(K) if i in edges[r]] for i in range(K)]  # readers of source i
         self._indices: dict[tuple, torch.Tensor] = {}
-        self.mask = torch.zeros(K, K, dtype=torch.bool)  # True at each edge, on the host (`edge_mask` on the device)
-        for j, e in enumerate(edges):
-            self.mask[j, e] = True
 
     def device_indices(self, indices: list[int], device: torch.device) -> torch.Tensor:
         """`indices` as an int32 tensor on `device`, made once (the kernels read their rows from it)."""

@@ -107,8 +107,8 @@ class WeightedHistoryTopology(ResidualTopology):
             edges = [sorted(set(e) | {j}) for j, e in enumerate(edges)]
         self.edges = [list(e) for e in edges]
         self._stacked_plan = StackedPlan(self.edges)
-        # On the model's device: the backward masks the weights' gradient with it every step.
-        mask = self._stacked_plan.mask.clone()
+        # True at each edge, on the model's device: the backward masks the weights' gradient with it every step.
+        mask = torch.tensor([[i in e for i in range(self.num_blocks)] for e in self.edges], dtype=torch.bool)
         self.register_buffer("edge_mask", mask.to(self.edge_mask.device) if hasattr(self, "edge_mask") else mask,
                              persistent=False)
 
