@@ -7,8 +7,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import UserError
-from .embeddings import TimestepEmbedder
-from .dit import DIT_SIZES
+from .dit import DIT_SIZES, TimestepEmbedder
 
 _PREFIXES = ("module.", "_orig_mod.")
 _LOGITS = "topology.logits"
@@ -22,7 +21,7 @@ def convert_official_state_dict(checkpoint: Mapping[str, Any], prefer: str = "em
     remapped as `logits.j[i] = shortcut_params.i[j - i]`."""
     converted = _renamed(checkpoint, prefer)
     if official_logit_layout(converted) == "per-source":  # (renaming our own names changes nothing)
-        K = len(_logit_lengths(converted))
+        K = converted[f"{_LOGITS}.0"].numel()  # source 0 has an edge to every block
         source = {i: converted.pop(f"{_LOGITS}.{i}") for i in range(K)}
         for j in range(K):
             converted[f"{_LOGITS}.{j}"] = torch.stack([source[i][j - i] for i in range(j + 1)])
@@ -47,20 +46,14 @@ def _renamed(checkpoint: Mapping[str, Any], prefer: str) -> dict[str, torch.Tens
     return converted
 
 
-def _logit_lengths(state_dict: Mapping[str, torch.Tensor]) -> list[int]:
-    """Lengths of the per-block logit vectors `topology.logits.N`, N = 0, 1, ...; [] if none."""
-    found = {int(k.rsplit(".", 1)[1]): state_dict[k].numel() for k in state_dict
-             if k.startswith(f"{_LOGITS}.") and k.rsplit(".", 1)[1].isdigit()}
-    if sorted(found) != list(range(len(found))):
-        raise UserError(f"the ANCRe logits are numbered {sorted(found)}, not 0..{len(found) - 1}; "
-                        f"the file is incomplete")
-    return [found[n] for n in range(len(found))]
-
-
 def official_logit_layout(checkpoint: Mapping[str, Any], prefer: str = "ema") -> str | None:
     """An official checkpoint's ANCRe logits: "per-target" (lengths 1..K), "per-source" (K..1) or None."""
-    lengths = _logit_lengths(_renamed(checkpoint, prefer))
-    K = len(lengths)
+    found = {int(k.rsplit(".", 1)[1]): v.numel() for k, v in _renamed(checkpoint, prefer).items()
+             if k.startswith(f"{_LOGITS}.") and k.rsplit(".", 1)[1].isdigit()}
+    K = len(found)
+    if sorted(found) != list(range(K)):
+        raise UserError(f"the ANCRe logits are numbered {sorted(found)}, not 0..{K - 1}; the file is incomplete")
+    lengths = [found[n] for n in range(K)]
     if K == 0:
         return None
     if lengths == list(range(1, K + 1)):

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
 
-import torch
 import torch.nn as nn
 
 from ..errors import UserError
@@ -41,38 +39,27 @@ def load_timm_weights(model: nn.Module, path: str | Path, name: str, flag: str =
                         f"({' '.join(str(err).split()) or type(err).__name__}); {weights_hint(name, f'{flag}=PATH')}"
                         ) from None
     own = model.state_dict()
-    mismatch = _patch_mismatch(state, own)
-    if mismatch is None:
-        convert = getattr(sys.modules.get(type(model).__module__), "checkpoint_filter_fn", None)
-        if convert is not None:
-            try:
-                state = convert(dict(state), model)
-            except Exception as err:  # noqa: BLE001 - a foreign layout fails inside timm's conversion
-                mismatch = f"timm could not convert it ({' '.join(str(err).split()) or type(err).__name__})"
+    key = "patch_embed.proj.weight"  # timm would resample another patch size's embedding; for REPA another encoder
+    theirs, mine = state.get(key), own.get(key)
+    mismatch = None
+    if theirs is not None and mine is not None and theirs.ndim == 4 and theirs.shape[-2:] != mine.shape[-2:]:
+        mismatch = (f"{key} is {tuple(theirs.shape)} in the file, {tuple(mine.shape)} in the encoder "
+                    f"(another patch size)")
+    convert = getattr(sys.modules.get(type(model).__module__), "checkpoint_filter_fn", None)
+    if mismatch is None and convert is not None:
+        try:
+            state = convert(dict(state), model)
+        except Exception as err:  # noqa: BLE001 - a foreign layout fails inside timm's conversion
+            mismatch = f"timm could not convert it ({' '.join(str(err).split()) or type(err).__name__})"
     if mismatch is None:
         classifier = (getattr(model, "pretrained_cfg", None) or {}).get("classifier") or "head"
         state = {k: v for k, v in state.items() if k in own or not k.startswith(f"{classifier}.")}  # headless encoder
-        mismatch = _first_mismatch(state, own)
+        lacking = [f"the file lacks {k}" if k not in state else
+                   f"{k} is {tuple(state[k].shape)} in the file, {tuple(v.shape)} in the encoder"
+                   for k, v in own.items() if k not in state or tuple(state[k].shape) != tuple(v.shape)]
+        extra = [f"the file holds {k}, which the encoder has no place for" for k in state if k not in own]
+        mismatch = next(iter(lacking + extra), None)
     if mismatch is not None:
         raise UserError(f"{flag} {path} does not hold the weights of {name_flag} {name}: {mismatch}; "
                         f"point it at that encoder's weights, or set {name_flag} to the file's architecture")
     model.load_state_dict(state, strict=True)
-
-
-def _patch_mismatch(state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> str | None:
-    """timm would resample a patch embedding of another patch size; for REPA that is another encoder."""
-    key = "patch_embed.proj.weight"
-    theirs, mine = state.get(key), own.get(key)
-    if theirs is None or mine is None or theirs.ndim != 4 or theirs.shape[-2:] == mine.shape[-2:]:
-        return None
-    return f"{key} is {tuple(theirs.shape)} in the file, {tuple(mine.shape)} in the encoder (another patch size)"
-
-
-def _first_mismatch(state: dict[str, Any], own: dict[str, torch.Tensor]) -> str | None:
-    for key, value in own.items():
-        if key not in state:
-            return f"the file lacks {key}"
-        if tuple(state[key].shape) != tuple(value.shape):
-            return f"{key} is {tuple(state[key].shape)} in the file, {tuple(value.shape)} in the encoder"
-    extra = [k for k in state if k not in own]
-    return f"the file holds {extra[0]}, which the encoder has no place for" if extra else None

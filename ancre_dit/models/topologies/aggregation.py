@@ -68,9 +68,6 @@ class StackedPlan:
         self.edges = edges
         self.readers = [[r for r in range(K) if i in edges[r]] for i in range(K)]  # readers of source i
         self._indices: dict[tuple, torch.Tensor] = {}
-        self.mask = torch.zeros(K, K, dtype=torch.bool)  # True at each edge, on the host (`edge_mask` on the device)
-        for j, e in enumerate(edges):
-            self.mask[j, e] = True
 
     def device_indices(self, indices: list[int], device: torch.device) -> torch.Tensor:
         """`indices` as an int32 tensor on `device`, made once (the kernels read their rows from it)."""
@@ -99,12 +96,18 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _accumulate(into: torch.Tensor, base: torch.Tensor | None, rows: torch.Tensor, indices: list[int],
-                weights: torch.Tensor) -> None:
-    """into = base + sum_i weights[i] * rows[i] over `indices` (flat; no base: zero): one matrix-vector
-    product per run of consecutive rows (one addcmul per row across dtypes). Slices, not a gather by a
-    Python list, which would copy the list to the device every call."""
-    if indices and rows.dtype == into.dtype and (base is None or base.dtype == into.dtype):
+def _sum_rows(kernels: ModuleType | None, plan: StackedPlan, into: torch.Tensor, base: torch.Tensor | None,
+              rows: torch.Tensor, indices: list[int], weights: torch.Tensor,
+              copy_to: torch.Tensor | None = None) -> None:
+    """into = base + sum_i weights[i] * rows[i] over `indices` (flat; no base: zero), by the Triton kernels
+    if given; `copy_to` gets the same sum. The torch ops: one matrix-vector product per run of consecutive
+    rows (one addcmul per row across dtypes); slices, not a gather by a Python list, which would copy the
+    list to the device every call."""
+    if kernels is not None:
+        kernels.sum_rows(into, base, rows, plan.device_indices(indices, into.device), weights, copy_to=copy_to)
+        return
+    base = None if base is None else base.reshape(-1).to(into.dtype)
+    if indices and rows.dtype == into.dtype:
         w = weights.to(into.dtype)
         for n, (a, b) in enumerate(_runs(indices)):
             block, part = rows[a:b].t(), w[a:b]
@@ -114,23 +117,13 @@ def _accumulate(into: torch.Tensor, base: torch.Tensor | None, rows: torch.Tenso
                 torch.mv(block, part, out=into)
             else:
                 torch.addmv(base, block, part, out=into)
-        return
-    if base is None:
-        into.zero_()
     else:
-        into.copy_(base)
-    for i in indices:
-        into.addcmul_(rows[i], weights[i])
-
-
-def _sum_rows(kernels: ModuleType | None, plan: StackedPlan, into: torch.Tensor, base: torch.Tensor | None,
-              rows: torch.Tensor, indices: list[int], weights: torch.Tensor,
-              copy_to: torch.Tensor | None = None) -> None:
-    """`_accumulate` (`base` in `into`'s dtype) by the Triton kernels if given; `copy_to` gets the same sum."""
-    if kernels is not None:
-        kernels.sum_rows(into, base, rows, plan.device_indices(indices, into.device), weights, copy_to=copy_to)
-        return
-    _accumulate(into, None if base is None else base.reshape(-1).to(into.dtype), rows, indices, weights)
+        if base is None:
+            into.zero_()
+        else:
+            into.copy_(base)
+        for i in indices:
+            into.addcmul_(rows[i], weights[i])
     if copy_to is not None:
         copy_to.copy_(into)
 

@@ -62,8 +62,7 @@ def square_topology(P, min_blocks: int = 2) -> np.ndarray:
 def learned_edges(P) -> np.ndarray:
     """The weights of the learned edges: rows 2..K (blocks 2..K), sources 0..j, row by row."""
     P = square_topology(P)
-    rows, cols = np.tril_indices(P.shape[0])
-    return P[rows[rows >= 1], cols[rows >= 1]]
+    return P[np.tril_indices(P.shape[0])][1:]  # (row 0's one entry comes first)
 
 
 def pearson(P, Q) -> float:

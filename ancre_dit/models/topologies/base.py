@@ -107,18 +107,10 @@ class WeightedHistoryTopology(ResidualTopology):
             edges = [sorted(set(e) | {j}) for j, e in enumerate(edges)]
         self.edges = [list(e) for e in edges]
         self._stacked_plan = StackedPlan(self.edges)
-        # On the model's device: the backward masks the weights' gradient with it every step.
-        mask = self._stacked_plan.mask.clone()
+        # True at each edge, on the model's device: the backward masks the weights' gradient with it every step.
+        mask = torch.tensor([[i in e for i in range(self.num_blocks)] for e in self.edges], dtype=torch.bool)
         self.register_buffer("edge_mask", mask.to(self.edge_mask.device) if hasattr(self, "edge_mask") else mask,
                              persistent=False)
-
-    def _history_cast(self, h0: torch.Tensor) -> torch.dtype | None:
-        """bfloat16 when the history is kept in bf16 and the model runs under bf16 autocast, else None."""
-        device = h0.device.type
-        if (self.history_dtype == torch.bfloat16 and torch.is_autocast_enabled(device)
-                and torch.get_autocast_dtype(device) == torch.bfloat16 and h0.dtype != torch.bfloat16):
-            return torch.bfloat16
-        return None
 
     @contextlib.contextmanager
     def exact_state_gradients(self) -> Iterator[None]:
@@ -140,7 +132,11 @@ class WeightedHistoryTopology(ResidualTopology):
     def forward(self, h0, blocks, c):
         self.check_blocks(blocks)
         weights = self.mixing_weights()
-        cast = self._history_cast(h0)
+        # The history kept in bf16 only under bf16 autocast (and a stream not in bf16 already).
+        device = h0.device.type
+        bf16 = (self.history_dtype == torch.bfloat16 and torch.is_autocast_enabled(device)
+                and torch.get_autocast_dtype(device) == torch.bfloat16 and h0.dtype != torch.bfloat16)
+        cast = torch.bfloat16 if bf16 else None
         h = h0
         self.emit_state(0, h)
         if self.use_chain or torch.compiler.is_compiling():

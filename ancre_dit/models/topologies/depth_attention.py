@@ -98,27 +98,23 @@ class DepthAttentionTopology(ResidualTopology):
             mod = block.modulation(c)
             for sub, (branch, modulation) in enumerate(((block.attention_branch, mod[:3]),
                                                         (block.mlp_branch, mod[3:]))):
-                h = self._aggregate(2 * k + sub, finished + current, v)
+                layer = 2 * k + sub + 1  # the sublayer whose output v is
+                h = self._aggregate(layer - 1, finished + current, v)
                 if sub == 0:  # the state fed to block k + 1
                     self.emit_state(k, h)
                 v = self.run_block(branch, h, *modulation)
-                current = self._add_output(2 * k + sub + 1, v, key_maps, finished, current)
+                if self.grouping == "block":  # a block's running partial sum is its one source until the block closes
+                    source, current = (current[0][0] + v if current else v), []
+                else:
+                    source = v
+                current.append((source, self._reads(source, key_maps), layer))
+                last = layer == 2 * self.num_blocks and self.grouping == "chunk"  # DAR's final aggregator reads it raw
+                if layer % self.group == 0 and not last:  # the group closes: its summary joins `finished`
+                    finished.append(current[-1])
+                    current = []
         h = self._aggregate(2 * len(blocks), finished + current, v)
         self.emit_state(len(blocks), h)
         return h
-
-    def _add_output(self, layer: int, v: torch.Tensor, key_maps: torch.Tensor | None, finished: list[tuple],
-                    current: list[tuple]) -> list[tuple]:
-        """Files sublayer `layer`'s output v: returns the open group's sources; a closing group joins `finished`."""
-        if self.grouping == "block":  # a block's running partial sum is its one source until the block closes
-            v = v if not current else current[0][0] + v
-            current = []
-        current = [*current, (v, self._reads(v, key_maps), layer)]
-        last = layer == 2 * self.num_blocks and self.grouping == "chunk"  # DAR's final aggregator reads it raw
-        if layer % self.group == 0 and not last:
-            finished.append(current[-1])
-            return []
-        return current
 
     def probabilities(self) -> torch.Tensor:
         raise TopologyNotDefined("depth attention weighs each source per token (and per timestep), so it has no "
