@@ -9,7 +9,7 @@ import torch
 
 from ..errors import UserError
 from .base import Denoiser, Draws, NoiseSource, Objective, SDEOptions
-from .gaussian import DDPM_SCHEDULE, GaussianDiffusion, create_diffusion, diffusers_scheduler
+from .gaussian import DDPM_SCHEDULE, GaussianDiffusion, create_diffusion
 
 
 def schedule_of(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -56,7 +56,18 @@ def scheduler_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.T
     """The sampler table's "ddim" (eta 0, no noise drawn) and "dpm-solver" (DPM-Solver++(2M)) through
     diffusers; only epsilon (first C channels) is passed, since DPM-Solver's learned-variance mode
     assumes 3-channel images."""
-    scheduler = diffusers_scheduler(kind, **objective.schedule)
+    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
+
+    # clip_sample / thresholding off: DiT's latents are not bounded to [-1, 1] (a known trap: DDIM defaults to
+    # clip_sample=True).
+    schedule = objective.schedule
+    common = dict(num_train_timesteps=schedule["num_timesteps"], beta_start=schedule["beta_start"],
+                  beta_end=schedule["beta_end"], beta_schedule="linear", prediction_type="epsilon")
+    if kind == "ddim":
+        scheduler = DDIMScheduler(**common, clip_sample=False, set_alpha_to_one=True, timestep_spacing="leading")
+    else:
+        scheduler = DPMSolverMultistepScheduler(**common, algorithm_type="dpmsolver++", solver_order=2,
+                                                thresholding=False, lower_order_final=True)
     scheduler.set_timesteps(int(steps), device=x.device)
     channels = x.shape[1]
     x = x * scheduler.init_noise_sigma

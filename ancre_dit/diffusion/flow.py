@@ -20,9 +20,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import UserError
-from .base import Draws, Objective
+from .base import Draws, Objective, mean_flat
 from .paths import LOSS_WEIGHTS, PATHS, PREDICTIONS
-from .vlb import mean_flat
 
 TIME_SAMPLINGS = ("uniform", "logit-normal")
 

@@ -1,20 +1,20 @@
 """DiT's Gaussian diffusion: linear beta schedule, epsilon prediction, learned variance.
 
 The tables are float64 like ADM / DiT (diffusers' float32 ones shift DDPM-250 samples slightly);
-`diffusers_scheduler` builds diffusers' DDIM and DPM-Solver on the same schedule. The learned
+diffusers' DDIM and DPM-Solver run on the same schedule (ddpm.py). The learned
 variance, the hybrid loss and the respacing are written by hand: diffusers has no training loss, and
 its respaced DDPM does not interpolate the learned variance over the respaced betas as DiT does.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from .vlb import discretized_gaussian_log_likelihood, mean_flat, normal_kl
-from ..errors import UserError
+from .base import mean_flat
 
 
 # DiT's linear schedule: the one place these numbers live (model_spec.json copies them per run).
@@ -28,23 +28,43 @@ def linear_betas(num_timesteps: int = DDPM_SCHEDULE["num_timesteps"], beta_start
     return np.linspace(scale * beta_start, scale * beta_end, num_timesteps, dtype=np.float64)
 
 
-def space_timesteps(num_timesteps: int, section_counts: str | int) -> list[int]:
-    """ADM's respacing: split [0, T) into equal sections and take evenly strided steps in each:
-    "250" -> 250 steps over the whole range, "10,15,20" -> three sections (DDIM runs in diffusers)."""
-    section_counts = [int(x) for x in str(section_counts).split(",")]
-    size_per, extra = divmod(num_timesteps, len(section_counts))
-    start, taken = 0, []
-    for i, count in enumerate(section_counts):
-        size = size_per + (1 if i < extra else 0)
-        if size < count:
-            raise UserError(f"cannot divide a section of {size} steps into {count}")
-        stride = 1 if count <= 1 else (size - 1) / (count - 1)
-        position = 0.0
-        for _ in range(count):
-            taken.append(start + round(position))
-            position += stride
-        start += size
+def space_timesteps(num_timesteps: int, count: int) -> list[int]:
+    """ADM's respacing with one section: `count` evenly strided steps over [0, T) ("250" -> 250 of 1000);
+    DDPMObjective.check_steps keeps `count` within T."""
+    stride = 1 if count <= 1 else (num_timesteps - 1) / (count - 1)
+    position, taken = 0.0, []
+    for _ in range(count):
+        taken.append(round(position))
+        position += stride
     return sorted(set(taken))
+
+
+# The variational-bound term of the hybrid loss, as in Ho et al. 2020 and Nichol & Dhariwal 2021 (by hand:
+# no maintained library exposes these terms).
+def normal_kl(mean1: torch.Tensor, logvar1: torch.Tensor, mean2: torch.Tensor, logvar2: torch.Tensor) -> torch.Tensor:
+    """KL( N(mean1, exp(logvar1)) || N(mean2, exp(logvar2)) ), elementwise, in nats."""
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2)
+                  + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
+
+
+def approx_standard_normal_cdf(x: torch.Tensor) -> torch.Tensor:
+    """Fast tanh approximation of the standard normal CDF, as used by the improved-DDPM decoder."""
+    return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+def discretized_gaussian_log_likelihood(x: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor) -> torch.Tensor:
+    """log-likelihood of data x in [-1, 1] quantised to 256 bins under N(means, exp(log_scales)^2).
+
+    The outermost bins extend to -inf / +inf, so the likelihood of the edge values is finite.
+    """
+    centered = x - means
+    inv_std = torch.exp(-log_scales)
+    cdf_plus = approx_standard_normal_cdf(inv_std * (centered + 1.0 / 255.0))
+    cdf_min = approx_standard_normal_cdf(inv_std * (centered - 1.0 / 255.0))
+    log_cdf_plus = torch.log(cdf_plus.clamp(min=1e-12))
+    log_one_minus_cdf_min = torch.log((1.0 - cdf_min).clamp(min=1e-12))
+    log_cdf_delta = torch.log((cdf_plus - cdf_min).clamp(min=1e-12))
+    return torch.where(x < -0.999, log_cdf_plus, torch.where(x > 0.999, log_one_minus_cdf_min, log_cdf_delta))
 
 
 @dataclass
@@ -102,9 +122,9 @@ class GaussianDiffusion:
         """Respaced indices -> the original timesteps the network was trained on."""
         return self._table("timestep_map", t.device)[t]
 
-    def respaced(self, section_counts: str | int) -> "GaussianDiffusion":
-        """A diffusion over a subset of steps with betas chosen to keep alphas_cumprod (ADM's)."""
-        use = space_timesteps(self.num_timesteps, section_counts)
+    def respaced(self, steps: str | int) -> "GaussianDiffusion":
+        """A diffusion over `steps` of the steps with betas chosen to keep alphas_cumprod (ADM's)."""
+        use = space_timesteps(self.num_timesteps, int(steps))
         alphas_cumprod = self.alphas_cumprod[use]
         betas = 1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1])
         return GaussianDiffusion(betas, self.learn_sigma, self.timestep_map[use].tolist())
@@ -184,19 +204,3 @@ def create_diffusion(respacing: str | int | None = None, learn_sigma: bool = Tru
         diffusion = diffusion.respaced(respacing)
     return diffusion
 
-
-def diffusers_scheduler(kind: str, num_timesteps: int, beta_start: float, beta_end: float):
-    """diffusers' DDIM or DPM-Solver++ scheduler on DiT's schedule, predicting epsilon.
-
-    clip_sample / thresholding are off: DiT's latents are not bounded to [-1, 1] (a known trap:
-    diffusers' DDIM defaults to clip_sample=True)."""
-    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
-
-    common = dict(num_train_timesteps=num_timesteps, beta_start=beta_start, beta_end=beta_end,
-                  beta_schedule="linear", prediction_type="epsilon")
-    if kind == "ddim":
-        return DDIMScheduler(**common, clip_sample=False, set_alpha_to_one=True, timestep_spacing="leading")
-    if kind == "dpm-solver":
-        return DPMSolverMultistepScheduler(**common, algorithm_type="dpmsolver++", solver_order=2,
-                                           thresholding=False, lower_order_final=True)
-    raise ValueError(f"unknown scheduler {kind!r}; choose ddim or dpm-solver")
