@@ -36,14 +36,6 @@ def ddpm_loop(denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: Noise
     return x
 
 
-def check_ancestral_steps(steps: int, name: str = "steps") -> None:
-    """ADM's ancestral sampler needs two respaced timesteps: its posterior variance at the first step
-    is read from the second."""
-    if int(steps) < 2:
-        raise UserError(f"{name} {steps}: the ddpm sampler needs at least 2 steps (ADM's posterior at the first "
-                        "step reads the second); use 2 or more, or --sampler ddim for a single step")
-
-
 def ddpm_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
                  noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
     """The sampler table's "ddpm": ADM's ancestral sampler on the schedule respaced to `steps`."""
