@@ -29,10 +29,9 @@ def ddpm_loop(denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: Noise
     """Ancestral sampling x_T -> x_0 over the (respaced) diffusion; the model sees original timesteps."""
     for k in reversed(range(diffusion.num_timesteps)):
         t = torch.full((len(x),), k, device=x.device, dtype=torch.long)
-        out = denoiser(x, diffusion.model_timesteps(t), y)
+        out = diffusion.p_mean_variance(denoiser(x, diffusion.model_timesteps(t), y), x, t)
         # No noise is added at the last step, so none is drawn for it.
-        step_noise = noise.next() if k > 0 else torch.zeros_like(x)
-        x = diffusion.p_sample(out, x, t, step_noise)
+        x = out.mean + torch.exp(0.5 * out.log_variance) * noise.next() if k > 0 else out.mean
     return x
 
 

@@ -160,13 +160,6 @@ class GaussianDiffusion:
         # No clipping of pred_xstart: DiT's latents are not bounded to [-1, 1].
         return MeanVariance(self.q_posterior(pred_xstart, x_t, t)[0], torch.exp(log_variance), log_variance)
 
-    def p_sample(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
-                 noise: torch.Tensor) -> torch.Tensor:
-        """One ancestral DDPM step x_t -> x_{t-1}; no noise is added at t = 0."""
-        out = self.p_mean_variance(model_output, x_t, t)
-        nonzero = (t != 0).float().reshape(-1, *([1] * (x_t.ndim - 1)))
-        return out.mean + nonzero * torch.exp(0.5 * out.log_variance) * noise
-
     def vb_terms_bpd(self, model_output: torch.Tensor, x_start: torch.Tensor, x_t: torch.Tensor,
                      t: torch.Tensor) -> torch.Tensor:
         """Per-sample variational-bound term in bits per dim: KL(q || p) for t > 0, the
