@@ -97,10 +97,7 @@ class GaussianDiffusion:
         self.sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod - 1)
         self.posterior_variance = betas * (1.0 - self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
         # The posterior variance is 0 at t = 0; ADM clips its log to the value at t = 1.
-        self.posterior_log_variance_clipped = np.log(
-            np.append(self.posterior_variance[1], self.posterior_variance[1:]) if self.num_timesteps > 1
-            else np.array([betas[0]])
-        )
+        self.posterior_log_variance_clipped = np.log(np.append(self.posterior_variance[1], self.posterior_variance[1:]))
         self.posterior_mean_coef1 = betas * np.sqrt(self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
         self.posterior_mean_coef2 = (1.0 - self.alphas_cumprod_prev) * np.sqrt(alphas) / (1.0 - self.alphas_cumprod)
         # Fixed ("large") variance of DiT when learn_sigma is off.
@@ -121,13 +118,6 @@ class GaussianDiffusion:
     def model_timesteps(self, t: torch.Tensor) -> torch.Tensor:
         """Respaced indices -> the original timesteps the network was trained on."""
         return self._table("timestep_map", t.device)[t]
-
-    def respaced(self, steps: str | int) -> "GaussianDiffusion":
-        """A diffusion over `steps` of the steps with betas chosen to keep alphas_cumprod (ADM's)."""
-        use = space_timesteps(self.num_timesteps, int(steps))
-        alphas_cumprod = self.alphas_cumprod[use]
-        betas = 1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1])
-        return GaussianDiffusion(betas, self.learn_sigma, self.timestep_map[use].tolist())
 
     def q_sample(self, x_start: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps."""
@@ -191,9 +181,11 @@ def create_diffusion(respacing: str | int | None = None, learn_sigma: bool = Tru
     """DiT's linear schedule (DDPM_SCHEDULE, or num_timesteps / beta_start / beta_end given),
     optionally respaced (e.g. "250" for sampling)."""
     schedule = {**DDPM_SCHEDULE, **schedule}
-    num_timesteps = schedule["num_timesteps"]
-    diffusion = GaussianDiffusion(linear_betas(**schedule), learn_sigma)
-    if respacing not in (None, "", num_timesteps, str(num_timesteps)):
-        diffusion = diffusion.respaced(respacing)
-    return diffusion
+    num_timesteps, betas = schedule["num_timesteps"], linear_betas(**schedule)
+    if respacing in (None, "", num_timesteps, str(num_timesteps)):
+        return GaussianDiffusion(betas, learn_sigma)
+    # ADM's respacing: the kept steps' betas are chosen to keep their alphas_cumprod.
+    use = space_timesteps(num_timesteps, int(respacing))
+    alphas_cumprod = np.cumprod(1.0 - betas)[use]
+    return GaussianDiffusion(1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1]), learn_sigma, use)
 
