@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-
 from ancre_dit.cli import CommandParser, run_cli
 
 

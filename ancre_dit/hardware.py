@@ -20,10 +20,7 @@ PEAK_BF16_TFLOPS = (("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H1
 
 def table_peak(name: str) -> tuple[float, str] | None:
     """(peak, fragment) of the first table entry whose fragment `name` contains (case-insensitive)."""
-    for fragment, value in PEAK_BF16_TFLOPS:
-        if fragment.lower() in name.lower():
-            return value, fragment
-    return None
+    return next(((value, fragment) for fragment, value in PEAK_BF16_TFLOPS if fragment.lower() in name.lower()), None)
 
 
 def peak_tflops(device: torch.device | str, override: float | None = None) -> tuple[float | None, str]:

@@ -42,35 +42,33 @@ class LoadedVAE:
 VAE_CLASSES = {"AutoencoderKL": "block_out_channels", "AutoencoderDC": "encoder_block_out_channels"}
 
 
-def _folder_config(source: str, subfolder: str | None) -> tuple[str, dict]:
-    """(autoencoder class, config) of a VAE folder's config.json."""
-    path = Path(source) / (subfolder or "") / "config.json"
-    try:
-        config = json.loads(path.read_text())
-        name = config.get("_class_name", "AutoencoderKL")
-    except (OSError, ValueError, AttributeError):
-        raise UserError(f"{path} is not a readable JSON config; pass a diffusers VAE folder") from None
-    if name not in VAE_CLASSES:
-        raise UserError(f"{path} names the class {name}, which is not a VAE this package loads; pass a folder of "
-                        f"one of {', '.join(VAE_CLASSES)}")
-    return name, config
-
-
-def resolve_vae_dir(name: str) -> tuple[str, str | None]:
-    """-> (what to give from_pretrained, subfolder). Accepts a VAE folder, a whole Stable Diffusion
-    pipeline folder (uses its vae/ subfolder) or, with network, a hub id."""
+def locate_vae(name: str) -> tuple[str, str | None, str, dict | None]:
+    """(what to give from_pretrained, subfolder, autoencoder class, its config.json; None for a hub id) of a
+    VAE folder, a whole Stable Diffusion pipeline folder (its vae/ subfolder) or, with network, a hub id."""
     path = Path(name).expanduser()
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return str(path), None
-        if (path / "vae" / "config.json").is_file():
-            return str(path), "vae"
+    if not path.is_dir():
+        if path.exists() or not _HUB_ID.match(name):
+            raise UserError(f"--vae {name} is not a folder; pass a local diffusers AutoencoderKL folder "
+                            "(config.json + weights), or a hub id such as stabilityai/sd-vae-ft-ema if you have "
+                            "network")
+        return name, None, "AutoencoderKL", None  # hub ids: as before
+    if (path / "config.json").is_file():
+        subfolder = None
+    elif (path / "vae" / "config.json").is_file():
+        subfolder = "vae"
+    else:
         raise UserError(f"--vae {name} holds no config.json (nor vae/config.json); pass the folder of a "
                         "diffusers AutoencoderKL (e.g. a local copy of stabilityai/sd-vae-ft-ema)")
-    if path.exists() or not _HUB_ID.match(name):
-        raise UserError(f"--vae {name} is not a folder; pass a local diffusers AutoencoderKL folder "
-                        "(config.json + weights), or a hub id such as stabilityai/sd-vae-ft-ema if you have network")
-    return name, None
+    config_path = path / (subfolder or "") / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+        kind = config.get("_class_name", "AutoencoderKL")
+    except (OSError, ValueError, AttributeError):
+        raise UserError(f"{config_path} is not a readable JSON config; pass a diffusers VAE folder") from None
+    if kind not in VAE_CLASSES:
+        raise UserError(f"{config_path} names the class {kind}, which is not a VAE this package loads; pass a "
+                        f"folder of one of {', '.join(VAE_CLASSES)}")
+    return str(path), subfolder, kind, config
 
 
 def load_vae(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32,
@@ -79,9 +77,8 @@ def load_vae(name: str, device: torch.device | str, dtype: torch.dtype = torch.f
     shift factors come from its config (`scaling_factor` overrides the first)."""
     import diffusers  # heavy import, only when a VAE is really needed
 
-    source, subfolder = resolve_vae_dir(name)
-    is_local = Path(source).expanduser().is_dir()
-    kind = _folder_config(source, subfolder)[0] if is_local else "AutoencoderKL"  # hub ids: as before
+    source, subfolder, kind, folder_config = locate_vae(name)
+    is_local = folder_config is not None
     try:
         vae = getattr(diffusers, kind).from_pretrained(source, subfolder=subfolder, local_files_only=is_local,
                                                        torch_dtype=dtype)
@@ -119,10 +116,9 @@ def _scaling_factor(name: str, config) -> float:
 def check_vae_fits(name: str, latent_shape: tuple[int, int, int], image_size: int) -> None:
     """Refuses a local VAE folder whose latents (channels, downsampling) are not those of the data,
     from its config alone, so a run fails at start rather than at its first grid."""
-    source, subfolder = resolve_vae_dir(name)
-    if not Path(source).expanduser().is_dir():
+    _, _, kind, config = locate_vae(name)
+    if config is None:
         return  # a hub id: checked when it is loaded
-    kind, config = _folder_config(source, subfolder)
     try:
         channels, down = int(config["latent_channels"]), 2 ** (len(config[VAE_CLASSES[kind]]) - 1)
     except (KeyError, TypeError, ValueError):

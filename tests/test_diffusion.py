@@ -9,8 +9,7 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from ancre_dit.diffusion.gaussian import create_diffusion, linear_betas
-from ancre_dit.diffusion.vlb import discretized_gaussian_log_likelihood, normal_kl
+from ancre_dit.diffusion.gaussian import create_diffusion, discretized_gaussian_log_likelihood, linear_betas, normal_kl
 
 
 def _kl_closed_form(m1, s1, m2, s2):

@@ -22,6 +22,11 @@ Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Draws = tuple[torch.Tensor, torch.Tensor]  # (model time per sample, noise shaped like x)
 
 
+def mean_flat(x: torch.Tensor) -> torch.Tensor:
+    """Mean over every dimension but the batch: a per-sample loss."""
+    return x.mean(dim=list(range(1, x.ndim)))
+
+
 class NoiseSource(Protocol):
     """Per-sample noise (see sampling.noise.SampleNoise): each call gives the next draw of every sample."""
 

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import UserError
 from .base import Denoiser, Draws, NoiseSource, Objective, SDEOptions
-from .gaussian import DDPM_SCHEDULE, GaussianDiffusion, create_diffusion, diffusers_scheduler
+from .gaussian import DDPM_SCHEDULE, GaussianDiffusion, create_diffusion
 
 
 def schedule_of(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -29,19 +29,10 @@ def ddpm_loop(denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: Noise
     """Ancestral sampling x_T -> x_0 over the (respaced) diffusion; the model sees original timesteps."""
     for k in reversed(range(diffusion.num_timesteps)):
         t = torch.full((len(x),), k, device=x.device, dtype=torch.long)
-        out = denoiser(x, diffusion.model_timesteps(t), y)
+        out = diffusion.p_mean_variance(denoiser(x, diffusion.model_timesteps(t), y), x, t)
         # No noise is added at the last step, so none is drawn for it.
-        step_noise = noise.next() if k > 0 else torch.zeros_like(x)
-        x = diffusion.p_sample(out, x, t, step_noise)
+        x = out.mean + torch.exp(0.5 * out.log_variance) * noise.next() if k > 0 else out.mean
     return x
-
-
-def check_ancestral_steps(steps: int, name: str = "steps") -> None:
-    """ADM's ancestral sampler needs two respaced timesteps: its posterior variance at the first step
-    is read from the second."""
-    if int(steps) < 2:
-        raise UserError(f"{name} {steps}: the ddpm sampler needs at least 2 steps (ADM's posterior at the first "
-                        "step reads the second); use 2 or more, or --sampler ddim for a single step")
 
 
 def ddpm_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
@@ -56,7 +47,18 @@ def scheduler_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.T
     """The sampler table's "ddim" (eta 0, no noise drawn) and "dpm-solver" (DPM-Solver++(2M)) through
     diffusers; only epsilon (first C channels) is passed, since DPM-Solver's learned-variance mode
     assumes 3-channel images."""
-    scheduler = diffusers_scheduler(kind, **objective.schedule)
+    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
+
+    # clip_sample / thresholding off: DiT's latents are not bounded to [-1, 1] (a known trap: DDIM defaults to
+    # clip_sample=True).
+    schedule = objective.schedule
+    common = dict(num_train_timesteps=schedule["num_timesteps"], beta_start=schedule["beta_start"],
+                  beta_end=schedule["beta_end"], beta_schedule="linear", prediction_type="epsilon")
+    if kind == "ddim":
+        scheduler = DDIMScheduler(**common, clip_sample=False, set_alpha_to_one=True, timestep_spacing="leading")
+    else:
+        scheduler = DPMSolverMultistepScheduler(**common, algorithm_type="dpmsolver++", solver_order=2,
+                                                thresholding=False, lower_order_final=True)
     scheduler.set_timesteps(int(steps), device=x.device)
     channels = x.shape[1]
     x = x * scheduler.init_noise_sigma

@@ -20,9 +20,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import UserError
-from .base import Draws, Objective
+from .base import Draws, Objective, mean_flat
 from .paths import LOSS_WEIGHTS, PATHS, PREDICTIONS
-from .vlb import mean_flat
 
 TIME_SAMPLINGS = ("uniform", "logit-normal")
 
@@ -81,8 +80,7 @@ class FlowObjective(Objective):
         else:
             t = torch.sigmoid(self.logit_mean + self.logit_std * torch.randn(x.shape[0], generator=g, device=g.device))
         t0, t1 = self.training_interval
-        if (t0, t1) != (0.0, 1.0):
-            t = t * (t1 - t0) + t0
+        t = t * (t1 - t0) + t0  # exact on [0, 1]: t * 1.0 + 0.0 is t
         noise = torch.randn(x.shape, generator=g, device=g.device, dtype=x.dtype)
         return t.to(x.device), noise.to(x.device)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
 from .base import Denoiser, NoiseSource, Objective, SDEOptions
 
 
@@ -48,13 +47,6 @@ def ode_sampler(objective: Objective, denoiser: Denoiser, x: torch.Tensor, y: to
         return odeint(field, x, span, method="dopri5", atol=1e-6, rtol=1e-3)[-1]  # SiT's tolerances
     grid = shifted_times(torch.linspace(t0, t1, int(steps) + 1, device=x.device), time_shift)
     return odeint(field, x, span, method=method, options={"grid_constructor": lambda f, y0, t: grid})[-1]
-
-
-def check_sde_steps(steps: int, name: str = "steps") -> None:
-    """SiT counts time points: `steps` points give steps - 1 noisy steps, so at least 2."""
-    if int(steps) < 2:
-        raise UserError(f"{name} {steps}: the SDE sampler needs at least 2 (SiT counts time points, "
-                        "steps - 1 Euler-Maruyama steps plus the last step)")
 
 
 @torch.no_grad()

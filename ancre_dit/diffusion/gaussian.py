@@ -1,20 +1,20 @@
 """DiT's Gaussian diffusion: linear beta schedule, epsilon prediction, learned variance.
 
 The tables are float64 like ADM / DiT (diffusers' float32 ones shift DDPM-250 samples slightly);
-`diffusers_scheduler` builds diffusers' DDIM and DPM-Solver on the same schedule. The learned
+diffusers' DDIM and DPM-Solver run on the same schedule (ddpm.py). The learned
 variance, the hybrid loss and the respacing are written by hand: diffusers has no training loss, and
 its respaced DDPM does not interpolate the learned variance over the respaced betas as DiT does.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from .vlb import discretized_gaussian_log_likelihood, mean_flat, normal_kl
-from ..errors import UserError
+from .base import mean_flat
 
 
 # DiT's linear schedule: the one place these numbers live (model_spec.json copies them per run).
@@ -28,23 +28,43 @@ def linear_betas(num_timesteps: int = DDPM_SCHEDULE["num_timesteps"], beta_start
     return np.linspace(scale * beta_start, scale * beta_end, num_timesteps, dtype=np.float64)
 
 
-def space_timesteps(num_timesteps: int, section_counts: str | int) -> list[int]:
-    """ADM's respacing: split [0, T) into equal sections and take evenly strided steps in each:
-    "250" -> 250 steps over the whole range, "10,15,20" -> three sections (DDIM runs in diffusers)."""
-    section_counts = [int(x) for x in str(section_counts).split(",")]
-    size_per, extra = divmod(num_timesteps, len(section_counts))
-    start, taken = 0, []
-    for i, count in enumerate(section_counts):
-        size = size_per + (1 if i < extra else 0)
-        if size < count:
-            raise UserError(f"cannot divide a section of {size} steps into {count}")
-        stride = 1 if count <= 1 else (size - 1) / (count - 1)
-        position = 0.0
-        for _ in range(count):
-            taken.append(start + round(position))
-            position += stride
-        start += size
+def space_timesteps(num_timesteps: int, count: int) -> list[int]:
+    """ADM's respacing with one section: `count` evenly strided steps over [0, T) ("250" -> 250 of 1000);
+    DDPMObjective.check_steps keeps `count` within T."""
+    stride = 1 if count <= 1 else (num_timesteps - 1) / (count - 1)
+    position, taken = 0.0, []
+    for _ in range(count):
+        taken.append(round(position))
+        position += stride
     return sorted(set(taken))
+
+
+# The variational-bound term of the hybrid loss, as in Ho et al. 2020 and Nichol & Dhariwal 2021 (by hand:
+# no maintained library exposes these terms).
+def normal_kl(mean1: torch.Tensor, logvar1: torch.Tensor, mean2: torch.Tensor, logvar2: torch.Tensor) -> torch.Tensor:
+    """KL( N(mean1, exp(logvar1)) || N(mean2, exp(logvar2)) ), elementwise, in nats."""
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2)
+                  + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
+
+
+def approx_standard_normal_cdf(x: torch.Tensor) -> torch.Tensor:
+    """Fast tanh approximation of the standard normal CDF, as used by the improved-DDPM decoder."""
+    return 0.5 * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+def discretized_gaussian_log_likelihood(x: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor) -> torch.Tensor:
+    """log-likelihood of data x in [-1, 1] quantised to 256 bins under N(means, exp(log_scales)^2).
+
+    The outermost bins extend to -inf / +inf, so the likelihood of the edge values is finite.
+    """
+    centered = x - means
+    inv_std = torch.exp(-log_scales)
+    cdf_plus = approx_standard_normal_cdf(inv_std * (centered + 1.0 / 255.0))
+    cdf_min = approx_standard_normal_cdf(inv_std * (centered - 1.0 / 255.0))
+    log_cdf_plus = torch.log(cdf_plus.clamp(min=1e-12))
+    log_one_minus_cdf_min = torch.log((1.0 - cdf_min).clamp(min=1e-12))
+    log_cdf_delta = torch.log((cdf_plus - cdf_min).clamp(min=1e-12))
+    return torch.where(x < -0.999, log_cdf_plus, torch.where(x > 0.999, log_one_minus_cdf_min, log_cdf_delta))
 
 
 @dataclass
@@ -77,10 +97,7 @@ class GaussianDiffusion:
         self.sqrt_recipm1_alphas_cumprod = np.sqrt(1.0 / self.alphas_cumprod - 1)
         self.posterior_variance = betas * (1.0 - self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
         # The posterior variance is 0 at t = 0; ADM clips its log to the value at t = 1.
-        self.posterior_log_variance_clipped = np.log(
-            np.append(self.posterior_variance[1], self.posterior_variance[1:]) if self.num_timesteps > 1
-            else np.array([betas[0]])
-        )
+        self.posterior_log_variance_clipped = np.log(np.append(self.posterior_variance[1], self.posterior_variance[1:]))
         self.posterior_mean_coef1 = betas * np.sqrt(self.alphas_cumprod_prev) / (1.0 - self.alphas_cumprod)
         self.posterior_mean_coef2 = (1.0 - self.alphas_cumprod_prev) * np.sqrt(alphas) / (1.0 - self.alphas_cumprod)
         # Fixed ("large") variance of DiT when learn_sigma is off.
@@ -101,13 +118,6 @@ class GaussianDiffusion:
     def model_timesteps(self, t: torch.Tensor) -> torch.Tensor:
         """Respaced indices -> the original timesteps the network was trained on."""
         return self._table("timestep_map", t.device)[t]
-
-    def respaced(self, section_counts: str | int) -> "GaussianDiffusion":
-        """A diffusion over a subset of steps with betas chosen to keep alphas_cumprod (ADM's)."""
-        use = space_timesteps(self.num_timesteps, section_counts)
-        alphas_cumprod = self.alphas_cumprod[use]
-        betas = 1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1])
-        return GaussianDiffusion(betas, self.learn_sigma, self.timestep_map[use].tolist())
 
     def q_sample(self, x_start: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps."""
@@ -140,13 +150,6 @@ class GaussianDiffusion:
         # No clipping of pred_xstart: DiT's latents are not bounded to [-1, 1].
         return MeanVariance(self.q_posterior(pred_xstart, x_t, t)[0], torch.exp(log_variance), log_variance)
 
-    def p_sample(self, model_output: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor,
-                 noise: torch.Tensor) -> torch.Tensor:
-        """One ancestral DDPM step x_t -> x_{t-1}; no noise is added at t = 0."""
-        out = self.p_mean_variance(model_output, x_t, t)
-        nonzero = (t != 0).float().reshape(-1, *([1] * (x_t.ndim - 1)))
-        return out.mean + nonzero * torch.exp(0.5 * out.log_variance) * noise
-
     def vb_terms_bpd(self, model_output: torch.Tensor, x_start: torch.Tensor, x_t: torch.Tensor,
                      t: torch.Tensor) -> torch.Tensor:
         """Per-sample variational-bound term in bits per dim: KL(q || p) for t > 0, the
@@ -178,25 +181,11 @@ def create_diffusion(respacing: str | int | None = None, learn_sigma: bool = Tru
     """DiT's linear schedule (DDPM_SCHEDULE, or num_timesteps / beta_start / beta_end given),
     optionally respaced (e.g. "250" for sampling)."""
     schedule = {**DDPM_SCHEDULE, **schedule}
-    num_timesteps = schedule["num_timesteps"]
-    diffusion = GaussianDiffusion(linear_betas(**schedule), learn_sigma)
-    if respacing not in (None, "", num_timesteps, str(num_timesteps)):
-        diffusion = diffusion.respaced(respacing)
-    return diffusion
+    num_timesteps, betas = schedule["num_timesteps"], linear_betas(**schedule)
+    if respacing in (None, "", num_timesteps, str(num_timesteps)):
+        return GaussianDiffusion(betas, learn_sigma)
+    # ADM's respacing: the kept steps' betas are chosen to keep their alphas_cumprod.
+    use = space_timesteps(num_timesteps, int(respacing))
+    alphas_cumprod = np.cumprod(1.0 - betas)[use]
+    return GaussianDiffusion(1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1]), learn_sigma, use)
 
-
-def diffusers_scheduler(kind: str, num_timesteps: int, beta_start: float, beta_end: float):
-    """diffusers' DDIM or DPM-Solver++ scheduler on DiT's schedule, predicting epsilon.
-
-    clip_sample / thresholding are off: DiT's latents are not bounded to [-1, 1] (a known trap:
-    diffusers' DDIM defaults to clip_sample=True)."""
-    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
-
-    common = dict(num_train_timesteps=num_timesteps, beta_start=beta_start, beta_end=beta_end,
-                  beta_schedule="linear", prediction_type="epsilon")
-    if kind == "ddim":
-        return DDIMScheduler(**common, clip_sample=False, set_alpha_to_one=True, timestep_spacing="leading")
-    if kind == "dpm-solver":
-        return DPMSolverMultistepScheduler(**common, algorithm_type="dpmsolver++", solver_order=2,
-                                           thresholding=False, lower_order_final=True)
-    raise ValueError(f"unknown scheduler {kind!r}; choose ddim or dpm-solver")

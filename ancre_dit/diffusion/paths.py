@@ -35,15 +35,10 @@ VP_BETA_MIN, VP_BETA_MAX = 0.1, 20.0
 TRAIN_EPS, SAMPLE_EPS = 1e-5, 1e-3  # SiT's --train-eps and --sample-eps defaults (train_utils.py)
 
 
-def _vp_log_mean(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """m(t) = log alpha(t) and m'(t)."""
-    s = 1 - t
-    return -0.25 * s ** 2 * (VP_BETA_MAX - VP_BETA_MIN) - 0.5 * s * VP_BETA_MIN, \
-        0.5 * s * (VP_BETA_MAX - VP_BETA_MIN) + 0.5 * VP_BETA_MIN
-
-
 def _vp(t: torch.Tensor) -> Coefficients:
-    m, dm = _vp_log_mean(t)
+    s = 1 - t  # m = log alpha and its derivative dm
+    m = -0.25 * s ** 2 * (VP_BETA_MAX - VP_BETA_MIN) - 0.5 * s * VP_BETA_MIN
+    dm = 0.5 * s * (VP_BETA_MAX - VP_BETA_MIN) + 0.5 * VP_BETA_MIN
     alpha = torch.exp(m)
     sigma = torch.sqrt(1 - torch.exp(2 * m))
     return alpha, alpha * dm, sigma, -torch.exp(2 * m) * dm / sigma

@@ -12,9 +12,9 @@ import torch
 
 from ..errors import UserError, or_list
 from .base import Objective
-from .ddpm import DDPMObjective, check_ancestral_steps, ddpm_sampler, schedule_of, scheduler_sampler
+from .ddpm import DDPMObjective, ddpm_sampler, schedule_of, scheduler_sampler
 from .flow import FlowObjective
-from .flow_samplers import check_sde_steps, ode_sampler, sde_sampler
+from .flow_samplers import ode_sampler, sde_sampler
 
 OBJECTIVES = ("ddpm", "flow")
 # The flow objective's own settings and their defaults (a DDPM spec may hold them only at these).
@@ -59,13 +59,14 @@ class SamplerEntry:
     # Chooses its own steps from the whole batch: --steps is ignored and a sample depends on the
     # batch it is in (so a compiled job must not pad its last batch).
     adaptive: bool = False
-    check_steps: Callable[[int, str], None] | None = None  # the sampler's own rule on the step count (steps, name)
+    needs_two_steps: str = ""  # why the sampler needs at least 2 steps ("": it does not)
     shifts_time: bool = False  # runs on a fixed time grid that a time shift bends (run takes time_shift)
 
 
 SAMPLERS: dict[str, SamplerEntry] = {
     "ddpm": SamplerEntry(ddpm_sampler, ("ddpm",), 250, "ADM's ancestral sampler, respaced ADM-style",
-                         check_steps=check_ancestral_steps),
+                         needs_two_steps="the ddpm sampler needs at least 2 steps (ADM's posterior at the first "
+                                         "step reads the second); use 2 or more, or --sampler ddim for a single step"),
     "ddim": SamplerEntry(partial(scheduler_sampler, kind="ddim"), ("ddpm",), 250, "diffusers' DDIM, eta 0"),
     "dpm-solver": SamplerEntry(partial(scheduler_sampler, kind="dpm-solver"), ("ddpm",), 250,
                                "diffusers' DPM-Solver++(2M)"),
@@ -75,7 +76,8 @@ SAMPLERS: dict[str, SamplerEntry] = {
     "dopri5": SamplerEntry(partial(ode_sampler, method="dopri5"), ("flow",), 0,
                            "adaptive Dormand-Prince ODE with SiT's tolerances", adaptive=True),
     "sde": SamplerEntry(sde_sampler, ("flow",), 250, "SiT's Euler-Maruyama; steps count time points",
-                        check_steps=check_sde_steps),
+                        needs_two_steps="the SDE sampler needs at least 2 (SiT counts time points, steps - 1 "
+                                        "Euler-Maruyama steps plus the last step)"),
 }
 
 ALL_SAMPLERS = SAMPLERS.keys()  # a live view: choice lists built at import follow the table
@@ -91,16 +93,6 @@ def sampler_entry(name: str, setting: str = "sampler") -> SamplerEntry:
     if name not in SAMPLERS:
         raise UserError(f"{setting} {name} is unknown; choose {', '.join(SAMPLERS)}")
     return SAMPLERS[name]
-
-
-def check_steps(objective: Objective, sampler: str, steps: int, name: str = "steps") -> None:
-    """The sampler's own rule on the step count, then the objective's (none for adaptive samplers)."""
-    entry = sampler_entry(sampler)
-    if entry.adaptive:
-        return
-    if entry.check_steps is not None:
-        entry.check_steps(steps, name)
-    objective.check_steps(steps, name)
 
 
 def check_time_shift(sampler: str, shift: float, name: str = "time_shift") -> None:
@@ -124,8 +116,12 @@ def resolve_sampler(objective: Objective, sampler: str | None, steps: int | None
         known = "does not fit" if sampler in SAMPLERS else "is unknown for"
         raise UserError(f"{names[0]} {sampler} {known} {owner or f'this {objective.name} checkpoint'}; "
                         f"choose {or_list(fits)}")
-    steps = SAMPLERS[sampler].default_steps if steps is None else int(steps)
-    check_steps(objective, sampler, steps, names[1])
+    entry = SAMPLERS[sampler]
+    steps = entry.default_steps if steps is None else int(steps)
+    if not entry.adaptive:  # the sampler's own rule on the step count, then the objective's
+        if entry.needs_two_steps and steps < 2:
+            raise UserError(f"{names[1]} {steps}: {entry.needs_two_steps}")
+        objective.check_steps(steps, names[1])
     return sampler, steps
 
 
