@@ -284,7 +284,6 @@ def _index_tar(url: str) -> list[tuple[str, int, int, int]]:
     from webdataset.tariterators import base_plus_ext
 
     samples: list[tuple[str, int, int, int]] = []
-    groups: list[tuple[str, dict[str, tarfile.TarInfo]]] = []
     try:
         with open(url, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
             members = tar.getmembers()
@@ -295,14 +294,9 @@ def _index_tar(url: str) -> list[tuple[str, int, int, int]]:
             if raw.read(2 * tarfile.BLOCKSIZE) != bytes(2 * tarfile.BLOCKSIZE):
                 raise UserError(f"{url} ends after its last member without the end-of-archive blocks: the file was "
                                 "cut short (samples may be missing); copy it again, or leave it out of --data-path")
-            for member in members:
-                key, ext = base_plus_ext(member.name) if member.isfile() else (None, None)
-                if key is None:
-                    continue
-                if not groups or groups[-1][0] != key:
-                    groups.append((key, {}))
-                groups[-1][1][ext.lower()] = member
-            for key, group in groups:
+            named = [(*base_plus_ext(m.name), m) for m in members if m.isfile()]
+            for key, parts in itertools.groupby([n for n in named if n[0] is not None], key=lambda n: n[0]):
+                group = {ext.lower(): member for _, ext, member in parts}
                 image = next((group[k] for k in WDS_IMAGE_KEYS if k in group), None)
                 if image is None:
                     continue  # not an image sample (e.g. a lone metadata file)
