@@ -33,8 +33,7 @@ def checksum_path(shard_path: Path) -> Path:
 def write_shard(out: Path, shard: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
     """Writes the shard then its checksum file (in that order); returns the sha256."""
     path = out / shard_file_name(shard)
-    for stale in glob.glob(str(path) + ".tmp*") + glob.glob(str(checksum_path(path)) + ".tmp*"):
-        os.remove(stale)  # leftovers of a killed writer of this shard
+    remove_stale_tmp(out, path.name)  # leftovers of a killed writer of this shard (and of its checksum file)
     data = save({k: v.contiguous() for k, v in tensors.items()},
                 metadata={META_KEY: json.dumps(meta, sort_keys=True)})
     digest = hashlib.sha256(data).hexdigest()
@@ -43,9 +42,10 @@ def write_shard(out: Path, shard: int, tensors: dict[str, torch.Tensor], meta: d
     return digest
 
 
-def remove_stale_tmp(out: Path) -> None:
-    """Deletes temporary files that killed writers left (call only once no process is writing)."""
-    for stale in glob.glob(str(out / "shard-*.tmp*")):
+def remove_stale_tmp(out: Path, shard: str = "shard-") -> None:
+    """Deletes the temporary files that killed writers left of the shards whose names start with `shard`
+    (all of them by default: call that only once no process is writing)."""
+    for stale in glob.glob(f"{glob.escape(str(out / shard))}*.tmp*"):
         os.remove(stale)
 
 
