@@ -128,9 +128,10 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
 
 def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int, int, int],
                         image_shape: tuple[int, int, int] | None) -> dict[str, tuple[int, dict]]:
-    """Each shard listed once, its header holding `count` rows of the manifest's latent shape (and of
-    clean images, with `image_shape`): another extraction's or a miscounted shard would otherwise be read
-    as garbage or fail deep in a DataLoader worker. Returns each file's header layout, which the reads use."""
+    """Each shard listed once, readable, its header holding `count` rows of the manifest's latent shape (and
+    of clean images, with `image_shape`): a damaged, another extraction's or a miscounted shard would otherwise
+    be read as garbage or fail deep in a DataLoader worker. Returns each file's header layout, which the reads
+    use. Headers only: cheap."""
     fix = f"run scripts/extract_latents.py --verify {root}, then re-extract the latents"
     files = [s["file"] for s in shards]
     twice = sorted({f for f in files if files.count(f) > 1})
@@ -139,6 +140,9 @@ def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int,
     layouts = {}
     for s in shards:
         path, count = root / s["file"], int(s["count"])
+        if problem := file_problem(path):
+            raise UserError(f"latent shard {problem}; run scripts/extract_latents.py --verify {root}, "
+                            "then rerun the extraction to rewrite it")
         # The header by hand: the positional reads need byte offsets, and safetensors' `get_slice` takes
         # contiguous ranges only (256 rows, 256 calls).
         with open(path, "rb") as f:
@@ -190,11 +194,6 @@ class LatentShardDataset(Dataset):
             raise UserError(f"{self.root} lacks {len(missing)} shard(s) listed in its manifest "
                              f"(first: {missing[0]}); run scripts/extract_latents.py --verify {self.root}, "
                              "then rerun the extraction to rewrite them")
-        for s in shards:  # headers only (cheap): a damaged shard is one line here, not a traceback in a worker
-            problem = file_problem(self.root / s["file"])
-            if problem:
-                raise UserError(f"latent shard {problem}; run scripts/extract_latents.py --verify {self.root}, "
-                                "then rerun the extraction to rewrite it")
         self.images = images
         self.image_shape: tuple[int, int, int] | None = None
         if images:
