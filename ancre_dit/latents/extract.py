@@ -109,9 +109,9 @@ def _check_compatible(out: Path, fingerprint: dict[str, Any], num_shards: int) -
             sources.append((path.name, meta.get("extraction")))
     for name, theirs in sources:
         if theirs != fingerprint:
-            diff = [k for k in fingerprint if not isinstance(theirs, dict) or theirs.get(k) != fingerprint[k]]
-            shown = ", ".join(f"{k}: {theirs.get(k) if isinstance(theirs, dict) else None!r} there vs "
-                              f"{fingerprint[k]!r} now" for k in diff[:3])
+            theirs = theirs if isinstance(theirs, dict) else {}
+            diff = [k for k in fingerprint if theirs.get(k) != fingerprint[k]]
+            shown = ", ".join(f"{k}: {theirs.get(k)!r} there vs {fingerprint[k]!r} now" for k in diff[:3])
             raise UserError(f"{out}/{name} comes from a different extraction ({shown}); use a new --out "
                             "folder or delete the old shards, or rerun with the original flags to resume")
     extra = [p.name for p in out.glob("shard-*.safetensors")
