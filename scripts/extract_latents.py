@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def verify(root: str) -> int:
-    from ancre_dit.latents.verify import verify_latent_dir
+    from ancre_dit.latents.shards import verify_latent_dir
 
     manifest, problems = verify_latent_dir(root)
     for line in problems:

@@ -201,7 +201,7 @@ def _extract_cmd(images: Path, vae: Path, out: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_latent_extraction_survives_kill_9_anywhere(extraction_inputs, tmp_path):
-    from ancre_dit.latents.verify import verify_latent_dir
+    from ancre_dit.latents.shards import verify_latent_dir
 
     rng = random.Random(SEED + 2)
     images, vae = extraction_inputs

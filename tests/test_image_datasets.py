@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from ancre_dit.errors import UserError
 from ancre_dit.latents.extract import ExtractConfig, run_extraction
 from ancre_dit.latents.image_datasets import detect_format, open_source
-from ancre_dit.latents.verify import verify_latent_dir
+from ancre_dit.latents.shards import verify_latent_dir
 
 SIZE = 16
 

@@ -180,13 +180,13 @@ def test_a_crash_while_filling_the_node_copy_leaves_no_file_in_shared_memory(lat
     monkeypatch.setattr(latents, "shared_memory_dir", lambda: tmp_path)
     config = load_config(None, ["data.kind=latents", f"data.path={latent_dir}", "data.image_size=32", "data.in_memory=true"])
     info = build_data(config, patch_size=2)
-    real_load = latents.LatentShardDataset._load_all
+    real_load = latents.LatentShardDataset.load_into_memory
 
     def crash_after_the_files_exist(self, backing, fill):
         real_load(self, backing, fill)
         raise RuntimeError("killed while filling")
 
-    monkeypatch.setattr(latents.LatentShardDataset, "_load_all", crash_after_the_files_exist)
+    monkeypatch.setattr(latents.LatentShardDataset, "load_into_memory", crash_after_the_files_exist)
     node = SimpleNamespace(num_processes=2, is_local_main_process=True, device=torch.device("cpu"),
                            reduce=lambda t, op: t, wait_for_everyone=lambda: None)
     with pytest.raises(RuntimeError, match="killed while filling"):

@@ -288,7 +288,7 @@ def test_extraction_keeps_the_crops_the_vae_saw(tmp_path, one_thread):
     from ancre_dit.data.image_folder import load_rgb
     from ancre_dit.data.latent_shards import LatentShardDataset
     from ancre_dit.latents.extract import ExtractConfig, run_extraction
-    from ancre_dit.latents.verify import verify_latent_dir
+    from ancre_dit.latents.shards import verify_latent_dir
 
     tiny_vae(tmp_path / "vae")
     rng = np.random.default_rng(0)

@@ -44,16 +44,6 @@ _DTYPES = {"F16": (np.dtype("<f2"), torch.float16), "BF16": (np.dtype("<u2"), to
            "U8": (np.dtype("u1"), torch.uint8)}
 
 
-def read_safetensors_layout(path: str | os.PathLike) -> tuple[int, dict[str, tuple[str, tuple[int, ...], int, int]]]:
-    """(start of the data section, {name: (dtype, shape, begin, end)}) from a safetensors header. By hand: the
-    positional reads need byte offsets, and `get_slice` takes contiguous ranges only (256 rows, 256 calls)."""
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    header.pop("__metadata__", None)
-    return 8 + size, {name: (v["dtype"], tuple(v["shape"]), *v["data_offsets"]) for name, v in header.items()}
-
-
 class _ShardFile:
     """An open shard read by positional reads (`os.preadv`) straight into the batch buffer: no
     per-call Python objects as with safetensors' `get_slice`, no page faults as with re-created maps."""
@@ -138,9 +128,10 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
 
 def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int, int, int],
                         image_shape: tuple[int, int, int] | None) -> dict[str, tuple[int, dict]]:
-    """Each shard listed once, its header holding `count` rows of the manifest's latent shape (and of
-    clean images, with `image_shape`): another extraction's or a miscounted shard would otherwise be read
-    as garbage or fail deep in a DataLoader worker. Returns each file's header layout, which the reads use."""
+    """Each shard listed once, readable, its header holding `count` rows of the manifest's latent shape (and
+    of clean images, with `image_shape`): a damaged, another extraction's or a miscounted shard would otherwise
+    be read as garbage or fail deep in a DataLoader worker. Returns each file's header layout, which the reads
+    use. Headers only: cheap."""
     fix = f"run scripts/extract_latents.py --verify {root}, then re-extract the latents"
     files = [s["file"] for s in shards]
     twice = sorted({f for f in files if files.count(f) > 1})
@@ -149,8 +140,17 @@ def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int,
     layouts = {}
     for s in shards:
         path, count = root / s["file"], int(s["count"])
-        layouts[s["file"]] = read_safetensors_layout(path)
-        tensors = layouts[s["file"]][1]
+        if problem := file_problem(path):
+            raise UserError(f"latent shard {problem}; run scripts/extract_latents.py --verify {root}, "
+                            "then rerun the extraction to rewrite it")
+        # The header by hand: the positional reads need byte offsets, and safetensors' `get_slice` takes
+        # contiguous ranges only (256 rows, 256 calls).
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        tensors = {name: (v["dtype"], tuple(v["shape"]), *v["data_offsets"]) for name, v in header.items()}
+        layouts[s["file"]] = 8 + size, tensors  # (start of the data section, {name: (dtype, shape, begin, end)})
         for name in ("mean", "std", "label"):
             if name not in tensors:
                 raise UserError(f"latent shard {path} holds no {name!r} tensor; {fix}")
@@ -194,11 +194,6 @@ class LatentShardDataset(Dataset):
             raise UserError(f"{self.root} lacks {len(missing)} shard(s) listed in its manifest "
                              f"(first: {missing[0]}); run scripts/extract_latents.py --verify {self.root}, "
                              "then rerun the extraction to rewrite them")
-        for s in shards:  # headers only (cheap): a damaged shard is one line here, not a traceback in a worker
-            problem = file_problem(self.root / s["file"])
-            if problem:
-                raise UserError(f"latent shard {problem}; run scripts/extract_latents.py --verify {self.root}, "
-                                "then rerun the extraction to rewrite it")
         self.images = images
         self.image_shape: tuple[int, int, int] | None = None
         if images:
@@ -328,9 +323,6 @@ class LatentShardDataset(Dataset):
         process's shared memory (its DataLoader workers see them without a copy); with `backing`, a path
         prefix on a memory filesystem, files there mapped shared, so every process of a machine that maps
         the same prefix reads the same pages (one copy per node); `fill=False` maps arrays another filled."""
-        self._memory = self._load_all(backing, fill)
-
-    def _load_all(self, backing: Path | None, fill: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         from tqdm.auto import tqdm
 
         def array(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -341,21 +333,20 @@ class LatentShardDataset(Dataset):
         moments = array("moments", (self._len, 2, 2, *self.latent_shape), self._dtype)
         images = array("images", (self._len, *self.image_shape), torch.uint8) if self.images else None
         labels = array("labels", (self._len,), torch.int64)
-        if not fill:
-            return moments, labels, images
-        flat = moments.view(torch.uint8).numpy().reshape(self._len, 2, 2, -1)  # [image, flip, mean/std, bytes]
-        for shard in tqdm(range(len(self._files)), desc="latents into memory", unit="shard", dynamic_ncols=True):
-            f = self._shard_file(shard)
-            start, end = int(self._starts[shard]), int(self._starts[shard]) + len(f.labels)
-            for which, name in enumerate(("mean", "std")):
-                flat[start:end, :, which] = f.read_all(name).reshape(end - start, 2, -1)
-            if images is not None:
-                images.numpy()[start:end] = f.read_all(IMAGE_KEY).reshape(end - start, *self.image_shape)
-            labels[start:end] = torch.from_numpy(f.labels)
-        for entry in self._files_open.values():
-            entry.close()
-        self._files_open.clear()
-        return moments, labels, images
+        if fill:
+            flat = moments.view(torch.uint8).numpy().reshape(self._len, 2, 2, -1)  # [image, flip, mean/std, bytes]
+            for shard in tqdm(range(len(self._files)), desc="latents into memory", unit="shard", dynamic_ncols=True):
+                f = self._shard_file(shard)
+                start, end = int(self._starts[shard]), int(self._starts[shard]) + len(f.labels)
+                for which, name in enumerate(("mean", "std")):
+                    flat[start:end, :, which] = f.read_all(name).reshape(end - start, 2, -1)
+                if images is not None:
+                    images.numpy()[start:end] = f.read_all(IMAGE_KEY).reshape(end - start, *self.image_shape)
+                labels[start:end] = torch.from_numpy(f.labels)
+            for entry in self._files_open.values():
+                entry.close()
+            self._files_open.clear()
+        self._memory = moments, labels, images
 
     def __getstate__(self) -> dict[str, Any]:
         # Open handles are not picklable (spawned DataLoader workers); each worker reopens lazily.

@@ -109,9 +109,9 @@ def _check_compatible(out: Path, fingerprint: dict[str, Any], num_shards: int) -
             sources.append((path.name, meta.get("extraction")))
     for name, theirs in sources:
         if theirs != fingerprint:
-            diff = [k for k in fingerprint if not isinstance(theirs, dict) or theirs.get(k) != fingerprint[k]]
-            shown = ", ".join(f"{k}: {theirs.get(k) if isinstance(theirs, dict) else None!r} there vs "
-                              f"{fingerprint[k]!r} now" for k in diff[:3])
+            theirs = theirs if isinstance(theirs, dict) else {}
+            diff = [k for k in fingerprint if theirs.get(k) != fingerprint[k]]
+            shown = ", ".join(f"{k}: {theirs.get(k)!r} there vs {fingerprint[k]!r} now" for k in diff[:3])
             raise UserError(f"{out}/{name} comes from a different extraction ({shown}); use a new --out "
                             "folder or delete the old shards, or rerun with the original flags to resume")
     extra = [p.name for p in out.glob("shard-*.safetensors")
@@ -120,36 +120,13 @@ def _check_compatible(out: Path, fingerprint: dict[str, Any], num_shards: int) -
         raise UserError(f"{out} holds {extra[0]} beyond the {num_shards} shards of this data; use a new --out folder")
 
 
-class _ShardBuffer:
-    """One shard's encoded rows (and crops, with `image_size`) and report entries, until its last batch."""
-
-    def __init__(self, latent_shape: tuple[int, int, int], image_size: int | None = None):
-        self.latent_shape, self.image_size = latent_shape, image_size
-        self.mean: list[torch.Tensor] = []
-        self.std: list[torch.Tensor] = []
-        self.images: list[torch.Tensor] = []
-        self.labels: list[int] = []
-        self.index: list[int] = []
-        self.report: list[list[Any]] = []
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        empty = torch.zeros((0, 2, *self.latent_shape), dtype=torch.float16)  # so that a shard of no image has shapes
-        out = {"mean": torch.cat([empty, *self.mean]), "std": torch.cat([empty, *self.std]),
-               "label": torch.tensor(self.labels, dtype=torch.int64),
-               "index": torch.tensor(self.index, dtype=torch.int64)}
-        if self.image_size is not None:
-            s = self.image_size
-            out[IMAGE_KEY] = torch.cat([torch.zeros((0, 3, s, s), dtype=torch.uint8), *self.images])
-        return out
-
-
-def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageSource, buf: _ShardBuffer) -> None:
-    for it in items:
-        if it.action != "ok":
-            buf.report.append([it.position, images.files[it.position], it.action, it.detail])
+def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageSource,
+                  keep_images: bool) -> dict[str, torch.Tensor]:
+    """One batch's rows of the shard's tensors (the crops too with `keep_images`); nothing when every image
+    of the batch was skipped."""
     good = [it for it in items if it.array is not None]
     if not good:
-        return
+        return {}
     pixels = torch.from_numpy(np.stack([it.array for it in good]))
     # The image and its horizontal flip (of the crop, as DiT flips after cropping) in one batch.
     mean, std = encode_moments(vae, torch.cat([pixels, pixels.flip(2)]))
@@ -163,12 +140,11 @@ def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageSource,
                  else "the VAE ran in fp32, so its weights (or --scaling-factor) give values beyond float16's range "
                  "in which latents are stored; check the VAE folder and the scaling factor")
         raise UserError(f"the VAE gave non-finite latents near {images.files[good[0].position]}: {cause}")
-    buf.mean.append(mean)
-    buf.std.append(std)
-    buf.labels += [images.labels[it.position] for it in good]
-    buf.index += [it.position for it in good]
-    if buf.image_size is not None:  # the crop the VAE saw, unflipped, channels first
-        buf.images.append(pixels.permute(0, 3, 1, 2).contiguous())
+    rows = {"mean": mean, "std": std, "label": torch.tensor([images.labels[it.position] for it in good]),
+            "index": torch.tensor([it.position for it in good])}
+    if keep_images:  # the crop the VAE saw, unflipped, channels first
+        rows[IMAGE_KEY] = pixels.permute(0, 3, 1, 2).contiguous()
+    return rows
 
 
 class NothingEncoded(UserError):
@@ -247,20 +223,25 @@ def _extract_into(out: Path, cfg: ExtractConfig, ctx: DistContext, images: Image
                         num_workers=cfg.num_workers, collate_fn=list)
     bar = tqdm(total=sum(len(p) for _, p, _ in plan), unit="img", disable=ctx.rank != 0, smoothing=0.1,
                desc=f"encoding (process 0 of {ctx.world})")
+    # The tensors of a shard of no image (so that it has shapes), onto which each shard's batches are concatenated.
+    latents, rows = torch.zeros((0, 2, *latent_shape), dtype=torch.float16), torch.zeros(0, dtype=torch.int64)
+    empty = {"mean": latents, "std": latents, "label": rows, "index": rows}
+    if cfg.keep_images:
+        empty[IMAGE_KEY] = torch.zeros((0, 3, cfg.image_size, cfg.image_size), dtype=torch.uint8)
     written: list[int] = []
-    kept = cfg.image_size if cfg.keep_images else None
-    buf = _ShardBuffer(latent_shape, kept)
+    batches, report = [], []
     for (shard, positions, last), items in zip(plan, loader):
-        _encode_batch(vae, items, images, buf)
+        report += [[it.position, images.files[it.position], it.action, it.detail] for it in items if it.action != "ok"]
+        batches.append(_encode_batch(vae, items, images, cfg.keep_images))
         bar.update(len(positions))
         if last:
-            tensors = buf.tensors()
-            meta = {"shard": shard, "count": len(buf.labels), "extraction": fingerprint, "report": buf.report,
+            tensors = {k: torch.cat([v, *(b[k] for b in batches if b)]) for k, v in empty.items()}
+            meta = {"shard": shard, "count": len(tensors["label"]), "extraction": fingerprint, "report": report,
                     "stats": moment_sums(tensors["mean"].numpy(), tensors["std"].numpy())}
             write_shard(out, shard, tensors, meta)
             written.append(shard)
             bar.set_postfix(shards=f"{len(written)}/{len(pending)}")
-            buf = _ShardBuffer(latent_shape, kept)
+            batches, report = [], []
     bar.close()
 
     ctx.barrier()

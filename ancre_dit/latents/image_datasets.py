@@ -100,7 +100,15 @@ def _class_indices(values: list[Any], where: str) -> list[int]:
     return out
 
 
-def _decode(position: int, data: bytes | None, path: str | None, image_size: int, min_side: int) -> LoadedImage:
+def _decode(position: int, value: Any, image_size: int, min_side: int) -> LoadedImage:
+    """A row's image, a datasets Image struct (bytes and path) or plain bytes -> LoadedImage."""
+    if isinstance(value, dict):
+        data, path = value.get("bytes"), value.get("path")
+    elif isinstance(value, (bytes, bytearray)):
+        data, path = bytes(value), None
+    else:
+        raise UserError(f"the image column holds {type(value).__name__} values, not encoded images; "
+                        "store it as a datasets Image feature (bytes) or name the right --image-column")
     source = io.BytesIO(data) if data is not None else path
     if source is None:
         return LoadedImage(position, None, "skipped", "no image bytes")
@@ -129,15 +137,6 @@ def _image_paths(column: Any) -> list[str | None]:
     if pa.types.is_struct(column.type) and column.type.get_field_index("path") >= 0:
         return pc.struct_field(column, "path").to_pylist()
     return [None] * len(column)
-
-
-def _row_image(value: Any) -> tuple[bytes | None, str | None]:
-    if isinstance(value, dict):
-        return value.get("bytes"), value.get("path")
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value), None
-    raise UserError(f"the image column holds {type(value).__name__} values, not encoded images; "
-                    "store it as a datasets Image feature (bytes) or name the right --image-column")
 
 
 def _open_hf(path: str, image_column: str, label_column: str) -> ImageSource:
@@ -218,8 +217,7 @@ class _ArrowRows(Dataset):
         return len(self.ds)
 
     def __getitem__(self, position: int) -> LoadedImage:
-        value = self.ds[position].column(self.column)[0].as_py()
-        return _decode(position, *_row_image(value), self.image_size, self.min_side)
+        return _decode(position, self.ds[position].column(self.column)[0].as_py(), self.image_size, self.min_side)
 
 
 class _ParquetRows(Dataset):
@@ -253,7 +251,7 @@ class _ParquetRows(Dataset):
             first = ends[group - 1] if group else 0
             values = self._files[k].read_row_group(group, columns=[self.column]).column(self.column).to_pylist()
             self._group = (k, first, values)
-        return _decode(position, *_row_image(values[row - first]), self.image_size, self.min_side)
+        return _decode(position, values[row - first], self.image_size, self.min_side)
 
 
 # -- WebDataset tar shards -----------------------------------------------------------------------
@@ -284,7 +282,6 @@ def _index_tar(url: str) -> list[tuple[str, int, int, int]]:
     from webdataset.tariterators import base_plus_ext
 
     samples: list[tuple[str, int, int, int]] = []
-    groups: list[tuple[str, dict[str, tarfile.TarInfo]]] = []
     try:
         with open(url, "rb") as raw, tarfile.open(fileobj=raw, mode="r:") as tar:
             members = tar.getmembers()
@@ -295,14 +292,9 @@ def _index_tar(url: str) -> list[tuple[str, int, int, int]]:
             if raw.read(2 * tarfile.BLOCKSIZE) != bytes(2 * tarfile.BLOCKSIZE):
                 raise UserError(f"{url} ends after its last member without the end-of-archive blocks: the file was "
                                 "cut short (samples may be missing); copy it again, or leave it out of --data-path")
-            for member in members:
-                key, ext = base_plus_ext(member.name) if member.isfile() else (None, None)
-                if key is None:
-                    continue
-                if not groups or groups[-1][0] != key:
-                    groups.append((key, {}))
-                groups[-1][1][ext.lower()] = member
-            for key, group in groups:
+            named = [(*base_plus_ext(m.name), m) for m in members if m.isfile()]
+            for key, parts in itertools.groupby([n for n in named if n[0] is not None], key=lambda n: n[0]):
+                group = {ext.lower(): member for _, ext, member in parts}
                 image = next((group[k] for k in WDS_IMAGE_KEYS if k in group), None)
                 if image is None:
                     continue  # not an image sample (e.g. a lone metadata file)
@@ -357,4 +349,4 @@ class _TarMembers(Dataset):
         if f is None:
             f = self._handles[t] = open(self.urls[t], "rb")
         data = os.pread(f.fileno(), size, offset)
-        return _decode(position, data, None, self.image_size, self.min_side)
+        return _decode(position, data, self.image_size, self.min_side)
