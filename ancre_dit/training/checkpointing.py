@@ -141,10 +141,6 @@ def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
                         f"({folder.parent.parent / 'config.yaml'}), or start a new run_dir")
 
 
-def read_trainer_state(folder: Path) -> dict[str, Any]:
-    return read_json_checked(folder / STATE_FILE)
-
-
 def data_spec(data) -> dict[str, Any]:
     """The checkpoint spec's "data" entry of a training.data.DataInfo: what sampling needs to decode."""
     return {"kind": data.kind, "image_size": data.image_size, "image_channels": data.image_channels,
@@ -182,7 +178,9 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, generator: torc
         if final.exists():  # the same step saved before (e.g. a rerun with the same max_steps)
             remove_checkpoint(final)
         tmp.rename(final)
-        prune_checkpoints(run_dir, keep_last)
+        if keep_last > 0:  # the newest keep_last stay (what a kill mid-removal leaves, the next claim removes)
+            for _, folder in list_checkpoints(run_dir)[:-keep_last]:
+                remove_checkpoint(folder)
 
     _agreed_write(accelerator, main_first if accelerator.is_main_process else None, root, tmp)
     _agreed_write(accelerator, every_rank, root, tmp)
@@ -241,15 +239,6 @@ def _agreed_write(accelerator, write: Callable[[], None] | None, root: Path, tmp
 
 def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
-
-
-def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
-    """Deletes all but the newest `keep_last` complete checkpoints (0 keeps all)."""
-    for stale in checkpoints_dir(run_dir).glob(f"{TMP_PREFIX}deleting-*"):  # left by a kill mid-removal
-        shutil.rmtree(stale, ignore_errors=True)
-    if keep_last > 0:
-        for _, folder in list_checkpoints(run_dir)[:-keep_last]:
-            remove_checkpoint(folder)
 
 
 def remove_checkpoint(folder: Path) -> None:
@@ -327,7 +316,7 @@ class CheckpointManager:
 
         acc, p = self.accelerator, self.progress
         check_same_model(folder, self.spec)  # one line on a mismatch, before Accelerate reads anything
-        state = read_trainer_state(folder)
+        state = read_json_checked(folder / STATE_FILE)
         check_same_repa(folder, state, self.repa, self.config.repa)
         # Read on the host (a rank's device name such as cpu:0 is no valid safetensors device).
         self.raw_model.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["model"], device="cpu"))
@@ -344,6 +333,7 @@ class CheckpointManager:
         p.step = int(state["step"])
         p.epoch, p.offset = int(state["data"]["epoch"]), int(state["data"]["offset"])
         p.train_seconds = float(state.get("train_seconds", 0.0))
+        p.last_saved = p.step
         path = rng_file(folder, acc.process_index)
         if path.is_file():
             self.generator.set_state(torch.load(path, map_location="cpu", weights_only=True)["generator"])
