@@ -102,10 +102,14 @@ def resolve_resume(resume: str | None, run_dir: str | Path, warn: Callable[[str]
     return path
 
 
-def model_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    """'key: A in the checkpoint, B in the config' for everything that defines the network and its
-    objective (model name and kwargs, the diffusion / objective settings); data and step are left out."""
-    wanted = json.loads(json.dumps(wanted))  # tuples -> lists, as the saved JSON has them
+def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
+    """The checkpoint holds the network and data the config builds, else one line saying what differs
+    (instead of Accelerate's list of every unexpected state-dict key): the model name and kwargs, the
+    diffusion / objective settings, then the data."""
+    saved = read_json_checked(folder / SPEC_FILE)
+    if not isinstance(saved, dict):
+        raise UserError(f"{folder / SPEC_FILE} is damaged (not a JSON object); pick another checkpoint")
+    wanted = json.loads(json.dumps(wanted_spec))  # tuples -> lists, as the saved JSON has them
     saved_model, diffs = saved.get("model", {}), []
     if saved_model.get("name") != wanted["model"]["name"]:
         diffs.append(f"model {saved_model.get('name')} in the checkpoint, {wanted['model']['name']} in the config")
@@ -120,16 +124,6 @@ def model_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str
                     diffs.append(f"{key} {old.get(key)} in the checkpoint, {new.get(key)} in the config")
         elif old != new:
             diffs.append(f"{old} in the checkpoint, {new} in the config")
-    return diffs
-
-
-def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
-    """The checkpoint holds the network and data the config builds, else one line saying what differs
-    (instead of Accelerate's list of every unexpected state-dict key)."""
-    saved = read_json_checked(folder / SPEC_FILE)
-    if not isinstance(saved, dict):
-        raise UserError(f"{folder / SPEC_FILE} is damaged (not a JSON object); pick another checkpoint")
-    diffs = model_differences(saved, wanted_spec)
     if diffs:
         raise UserError(f"--resume {folder} holds another model than the config builds ({'; '.join(diffs)}); "
                         f"resume with the config the run was started with ({folder.parent.parent / 'config.yaml'}), "

@@ -110,7 +110,6 @@ class Trainer:
         self.objective = build_objective(diffusion_spec(c))
         self.repa = build_repa(c.repa, self.raw_model, d.input_size, acc.device, bf16=c.train.mixed_precision == "bf16",
                                seed=_seed(c.train.seed, 2), log=self.log)  # None with repa.weight 0
-        self.entropy_weight = c.model.topology_entropy_weight
         rank = acc.process_index
         set_seed(_seed(c.train.seed, rank, 0))
         self.generator = torch.Generator(device=acc.device).manual_seed(_seed(c.train.seed, rank, 1))
@@ -242,7 +241,7 @@ class Trainer:
         position = (self.progress.epoch, self.progress.offset)
         sums: dict[str, torch.Tensor] = {}
         grad_norm = skip = inputs_finite = None
-        repa = self.repa
+        repa, entropy_weight = self.repa, self.config.model.topology_entropy_weight
         for _ in range(c.grad_accum):
             x, y, *clean = prepare_batch(self.data, next(batches), acc.device, self.generator,
                                          clean_images=repa is not None)
@@ -253,9 +252,9 @@ class Trainer:
                 with repa.tap.attached(self.raw_model.topology) if repa is not None else nullcontext():
                     terms = self.objective.losses(self.model, x, y, draws)
                 loss = terms["loss"].mean()
-                if self.entropy_weight:  # logged as train/topology_entropy (unweighted)
+                if entropy_weight:  # logged as train/topology_entropy (unweighted)
                     terms["topology_entropy"] = topology_entropy(self.raw_model.topology)
-                    loss = loss + self.entropy_weight * terms["topology_entropy"]
+                    loss = loss + entropy_weight * terms["topology_entropy"]
                 if repa is not None:  # logged as train/repa_loss (unweighted)
                     terms["repa_loss"] = repa.loss(self.projector, clean[0])
                     loss = loss + repa.weight * terms["repa_loss"]
