@@ -102,10 +102,14 @@ def resolve_resume(resume: str | None, run_dir: str | Path, warn: Callable[[str]
     return path
 
 
-def model_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str]:
-    """'key: A in the checkpoint, B in the config' for everything that defines the network and its
-    objective (model name and kwargs, the diffusion / objective settings); data and step are left out."""
-    wanted = json.loads(json.dumps(wanted))  # tuples -> lists, as the saved JSON has them
+def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
+    """The checkpoint holds the network and data the config builds, else one line saying what differs
+    (instead of Accelerate's list of every unexpected state-dict key): the model name and kwargs, the
+    diffusion / objective settings, then the data."""
+    saved = read_json_checked(folder / SPEC_FILE)
+    if not isinstance(saved, dict):
+        raise UserError(f"{folder / SPEC_FILE} is damaged (not a JSON object); pick another checkpoint")
+    wanted = json.loads(json.dumps(wanted_spec))  # tuples -> lists, as the saved JSON has them
     saved_model, diffs = saved.get("model", {}), []
     if saved_model.get("name") != wanted["model"]["name"]:
         diffs.append(f"model {saved_model.get('name')} in the checkpoint, {wanted['model']['name']} in the config")
@@ -120,16 +124,6 @@ def model_differences(saved: dict[str, Any], wanted: dict[str, Any]) -> list[str
                     diffs.append(f"{key} {old.get(key)} in the checkpoint, {new.get(key)} in the config")
         elif old != new:
             diffs.append(f"{old} in the checkpoint, {new} in the config")
-    return diffs
-
-
-def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
-    """The checkpoint holds the network and data the config builds, else one line saying what differs
-    (instead of Accelerate's list of every unexpected state-dict key)."""
-    saved = read_json_checked(folder / SPEC_FILE)
-    if not isinstance(saved, dict):
-        raise UserError(f"{folder / SPEC_FILE} is damaged (not a JSON object); pick another checkpoint")
-    diffs = model_differences(saved, wanted_spec)
     if diffs:
         raise UserError(f"--resume {folder} holds another model than the config builds ({'; '.join(diffs)}); "
                         f"resume with the config the run was started with ({folder.parent.parent / 'config.yaml'}), "
@@ -139,10 +133,6 @@ def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
         raise UserError(f"--resume {folder} was trained on data the config changes ({'; '.join(diffs)}): the "
                         "resumed steps would learn from other inputs; resume with the run's own data settings "
                         f"({folder.parent.parent / 'config.yaml'}), or start a new run_dir")
-
-
-def read_trainer_state(folder: Path) -> dict[str, Any]:
-    return read_json_checked(folder / STATE_FILE)
 
 
 def data_spec(data) -> dict[str, Any]:
@@ -182,7 +172,9 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, generator: torc
         if final.exists():  # the same step saved before (e.g. a rerun with the same max_steps)
             remove_checkpoint(final)
         tmp.rename(final)
-        prune_checkpoints(run_dir, keep_last)
+        if keep_last > 0:  # the newest keep_last stay (what a kill mid-removal leaves, the next claim removes)
+            for _, folder in list_checkpoints(run_dir)[:-keep_last]:
+                remove_checkpoint(folder)
 
     _agreed_write(accelerator, main_first if accelerator.is_main_process else None, root, tmp)
     _agreed_write(accelerator, every_rank, root, tmp)
@@ -241,15 +233,6 @@ def _agreed_write(accelerator, write: Callable[[], None] | None, root: Path, tmp
 
 def _folder_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
-
-
-def prune_checkpoints(run_dir: str | Path, keep_last: int) -> None:
-    """Deletes all but the newest `keep_last` complete checkpoints (0 keeps all)."""
-    for stale in checkpoints_dir(run_dir).glob(f"{TMP_PREFIX}deleting-*"):  # left by a kill mid-removal
-        shutil.rmtree(stale, ignore_errors=True)
-    if keep_last > 0:
-        for _, folder in list_checkpoints(run_dir)[:-keep_last]:
-            remove_checkpoint(folder)
 
 
 def remove_checkpoint(folder: Path) -> None:
@@ -327,7 +310,7 @@ class CheckpointManager:
 
         acc, p = self.accelerator, self.progress
         check_same_model(folder, self.spec)  # one line on a mismatch, before Accelerate reads anything
-        state = read_trainer_state(folder)
+        state = read_json_checked(folder / STATE_FILE)
         check_same_repa(folder, state, self.repa, self.config.repa)
         # Read on the host (a rank's device name such as cpu:0 is no valid safetensors device).
         self.raw_model.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["model"], device="cpu"))
@@ -344,6 +327,7 @@ class CheckpointManager:
         p.step = int(state["step"])
         p.epoch, p.offset = int(state["data"]["epoch"]), int(state["data"]["offset"])
         p.train_seconds = float(state.get("train_seconds", 0.0))
+        p.last_saved = p.step
         path = rng_file(folder, acc.process_index)
         if path.is_file():
             self.generator.set_state(torch.load(path, map_location="cpu", weights_only=True)["generator"])

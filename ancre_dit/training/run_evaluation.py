@@ -108,7 +108,7 @@ def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overri
                  cpu: bool = False, log: Callable[[str], Any] = print) -> list[dict[str, Any]]:
     """Evaluates the run's checkpoints (all, or `steps`) not yet in evals.jsonl with the run's config
     and `eval.*` overrides; returns the new entries (on the main process). Collective."""
-    from ..checkpoint import load_trained_model
+    from ..checkpoint import load_trained_model, read_json_checked
     from ..cli import job_processes
 
     run_dir = Path(run_dir)
@@ -145,7 +145,7 @@ def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overri
             state.wait_for_everyone()
             if result is None:
                 continue
-            trainer_state = ckpt.read_trainer_state(folder)
+            trainer_state = read_json_checked(folder / ckpt.STATE_FILE)
             batch = int(trainer_state.get("global_batch_size", config.train.global_batch_size))
             new.append(record_evaluation(run_dir, result, evaluator.identity, step=step, images_seen=step * batch,
                                          train_seconds=trainer_state.get("train_seconds"), source="evaluate.py",

@@ -27,26 +27,21 @@ _held: dict[Path, IO[str]] = {}  # resolved run folder -> the open lock file thi
 _created: set[Path] = set()  # the claimed folders this process created
 
 
-def _make_folder(run_dir: Path) -> bool:
-    """Creates run_dir; True when it did not exist."""
+def acquire_run_dir(run_dir: str | Path) -> None:
+    """Claims `run_dir` for this process (creating it), or raises a UserError naming its holder; then
+    removes the temporaries of saves that died midway."""
+    run_dir = Path(run_dir)
     for parent in (run_dir, *run_dir.parents):
         if parent.exists() and not parent.is_dir():
             raise UserError(f"run_dir {run_dir}: {parent} is a file, not a folder; set run_dir to a folder")
     try:
         run_dir.mkdir(parents=True)
-        return True
+        created = True
     except FileExistsError:
-        return False
+        created = False
     except OSError as err:
         raise UserError(f"run_dir {run_dir} cannot be created ({err.strerror}); set run_dir to a writable "
                         f"folder") from None
-
-
-def acquire_run_dir(run_dir: str | Path) -> None:
-    """Claims `run_dir` for this process (creating it), or raises a UserError naming its holder; then
-    removes the temporaries of saves that died midway."""
-    run_dir = Path(run_dir)
-    created = _make_folder(run_dir)
     key = run_dir.resolve()
     if key in _held:  # claimed by an earlier training of this process
         _created.discard(key)

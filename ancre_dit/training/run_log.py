@@ -75,10 +75,8 @@ class MetricsLog:
                                      "peak_source": self.peak_source})
             tracked = {f"train/{k}": v for k, v in metrics.items() if v is not None}
             P = self.topology_matrix() if self.topology_matrix is not None else None
-            if P is not None:
-                for j in range(P.shape[0]):
-                    for i in range(j + 1):
-                        tracked[f"topology/p_{j + 1}_{i}"] = float(P[j, i])
+            if P is not None:  # the lower triangle, row by row
+                tracked.update({f"topology/p_{j + 1}_{i}": float(P[j, i]) for j, i in zip(*np.tril_indices(len(P)))})
             acc.log(tracked, step=step)
         mfu = metrics["mfu"]
         if progress is not None:

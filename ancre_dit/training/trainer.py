@@ -12,9 +12,9 @@ from __future__ import annotations
 import gc
 import time
 from datetime import timedelta
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -109,7 +109,6 @@ class Trainer:
         self.objective = build_objective(diffusion_spec(c))
         self.repa = build_repa(c.repa, self.raw_model, d.input_size, acc.device, bf16=c.train.mixed_precision == "bf16",
                                seed=_seed(c.train.seed, 2), log=self.log)  # None with repa.weight 0
-        self.entropy_weight = c.model.topology_entropy_weight
         rank = acc.process_index
         set_seed(_seed(c.train.seed, rank, 0))
         self.generator = torch.Generator(device=acc.device).manual_seed(_seed(c.train.seed, rank, 1))
@@ -132,9 +131,9 @@ class Trainer:
         self.checkpoints = ckpt.CheckpointManager(acc, c, self.run_dir, self.model_kwargs, self.objective, d,
                                                   self.raw_model, self.emas, self.repa, self.generator, self.progress,
                                                   self.log)
-        self.resumed_from = agree_on_resume(acc, resume, self.run_dir, warn=self.log.warning)
-        if self.resumed_from is not None:
-            self.checkpoints.load(self.resumed_from, lambda step: _seed(c.train.seed, rank, 1, step))
+        resumed_from = agree_on_resume(acc, resume, self.run_dir, warn=self.log.warning)
+        if resumed_from is not None:
+            self.checkpoints.load(resumed_from, lambda step: _seed(c.train.seed, rank, 1, step))
         elif resume == "auto":
             self.log.info("--resume auto: no complete checkpoint in %s, starting from scratch",
                           ckpt.checkpoints_dir(self.run_dir))
@@ -168,27 +167,36 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Trains to train.max_steps, or until a stop signal; the last step is checkpointed either way."""
-        c = self.config.train
-        self._log_start()
-        self.progress.last_saved = self.step if self.resumed_from is not None else -1
+        acc, c, d = self.accelerator, self.config.train, self.data
+        self.log.info("run dir %s: config.yaml, %s (text), logs/ (TensorBoard: tensorboard --logdir %s; %s), "
+                      "checkpoints/<step>/, samples/<step>.png, topology.json/.png%s",
+                      self.run_dir, LOG_FILE, self.run_dir / "logs", METRICS_FILE,
+                      ", logs/evals.jsonl + quality.png (evaluation)" if c.eval_every else "")
+        self.log.info("model %s (%s topology), %.2fM parameters, %.2f GFLOP per training image; data %s: %d samples, "
+                      "%d classes, model input %dx%dx%d; %d process(es) x %d per device x %d accumulation = global "
+                      "batch %d; mixed precision %s; MFU against %s TFLOP/s (%s)", self.config.model.name,
+                      self.config.model.topology, sum(p.numel() for p in self.raw_model.parameters()) / 1e6,
+                      self.flops_per_image / 1e9, d.kind, len(d.dataset), d.num_classes, d.in_channels, d.input_size,
+                      d.input_size, acc.num_processes, self.micro_batch, c.grad_accum, c.global_batch_size,
+                      c.mixed_precision, self.peak_tflops, self.peak_source)
         launch_started_at = self.progress.train_seconds
-        progress = tqdm(total=c.max_steps, initial=self.step, disable=not self.accelerator.is_main_process,
+        progress = tqdm(total=c.max_steps, initial=self.step, disable=not acc.is_main_process,
                         desc="train", dynamic_ncols=True)
         self.metrics.start(time.perf_counter())
         # The handlers go in before the loader's workers fork: see stopping.py.
         with StopSignals() as signals:
             self._signals = signals
-            batches = iter(self._loader())
+            sampler = GlobalBatchSampler(len(d.dataset), c.global_batch_size, acc.num_processes, acc.process_index,
+                                         c.grad_accum, c.seed, self.progress.epoch, self.progress.offset)
+            batches = iter(make_loader(d, sampler, self.config.data.num_workers, pin_memory=acc.device.type == "cuda"))
             for task in self.tasks:  # work a stopped launch left owed (an abandoned evaluation, ...)
                 task.start(self.context)
             stopped = self._stop_requested()  # a stop during that work: checkpoint without another step
             while not stopped and self.step < c.max_steps:
                 # 1. One optimizer step; its loss terms stay on the device.
                 started = time.perf_counter()
-                try:
+                with self._ends_on_user_error(progress):  # unreadable data: nothing saved over the good checkpoints
                     terms = self.train_step(batches)
-                except UserError as err:  # unreadable data: nothing saved over the good checkpoints
-                    self._stop_with(err, progress)
                 self.progress.train_seconds += time.perf_counter() - started
                 self.metrics.add(terms, self.lr)
                 progress.update(1)
@@ -197,7 +205,8 @@ class Trainer:
                 # since the report is collective while a task may be due on the main process only.
                 log_step = self.step % c.log_every == 0 or self.step == c.max_steps
                 if log_step or any(PeriodicTask.due(task, self.context) for task in self.tasks):
-                    self._report_guard(progress)
+                    with self._ends_on_user_error(progress):
+                        self.guard.report()
                 if log_step:
                     self.metrics.write(self.step, self.progress.train_seconds, time.perf_counter(), progress)
                 # 3. The periodic tasks due now, in order.
@@ -208,12 +217,13 @@ class Trainer:
                     stopped = True
                     self.log.info("stop requested: saving step %d and exiting (%s)", self.step,
                                   signals.signal_name or "a signal to another rank")
-            self._report_guard(progress)
+            with self._ends_on_user_error(progress):
+                self.guard.report()
             progress.close()
             for task in self.tasks:  # the last evaluation and checkpoint
                 task.finish(self.context, stopped)
             # Still under the handlers: a repeated SIGTERM must not kill the process after its work is saved.
-            if self.accelerator.is_main_process and self.config.log.figures:
+            if acc.is_main_process and self.config.log.figures:
                 plot_loss(self.run_dir)
             log_time_shares(self.log, self.progress.train_seconds - launch_started_at, self.tasks)
             self.log.info("done at step %d; outputs in %s", self.step, self.run_dir)
@@ -230,7 +240,7 @@ class Trainer:
         position = (self.progress.epoch, self.progress.offset)
         sums: dict[str, torch.Tensor] = {}
         grad_norm = skip = inputs_finite = None
-        repa = self.repa
+        repa, entropy_weight = self.repa, self.config.model.topology_entropy_weight
         for _ in range(c.grad_accum):
             x, y, *clean = prepare_batch(self.data, next(batches), acc.device, self.generator,
                                          clean_images=repa is not None)
@@ -241,9 +251,9 @@ class Trainer:
                 with repa.tap.attached(self.raw_model.topology) if repa is not None else nullcontext():
                     terms = self.objective.losses(self.model, x, y, draws)
                 loss = terms["loss"].mean()
-                if self.entropy_weight:  # logged as train/topology_entropy (unweighted)
+                if entropy_weight:  # logged as train/topology_entropy (unweighted)
                     terms["topology_entropy"] = topology_entropy(self.raw_model.topology)
-                    loss = loss + self.entropy_weight * terms["topology_entropy"]
+                    loss = loss + entropy_weight * terms["topology_entropy"]
                 if repa is not None:  # logged as train/repa_loss (unweighted)
                     terms["repa_loss"] = repa.loss(self.projector, clean[0])
                     loss = loss + repa.weight * terms["repa_loss"]
@@ -288,13 +298,6 @@ class Trainer:
         elif self.accelerator.scaler is not None:  # the scaler saw the overflow when unscaling; lower its scale
             self.accelerator.scaler.update()
 
-    def _loader(self):
-        acc, c = self.accelerator, self.config
-        sampler = GlobalBatchSampler(len(self.data.dataset), c.train.global_batch_size, acc.num_processes,
-                                     acc.process_index, c.train.grad_accum, c.train.seed, self.progress.epoch,
-                                     self.progress.offset)
-        return make_loader(self.data, sampler, c.data.num_workers, pin_memory=acc.device.type == "cuda")
-
     def draw_timesteps_and_noise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The objective's training time and noise for a micro-batch, from this rank's generator."""
         return self.objective.draw(x, self.generator)
@@ -311,19 +314,16 @@ class Trainer:
         """Whether a stop signal arrived during this launch (collective)."""
         return self.stop_agreement.should_stop(self.step, self._signals, force=True)
 
-    def _report_guard(self, progress) -> None:
-        """The guard's report; a stop it decides ends the run with nothing saved."""
+    @contextmanager
+    def _ends_on_user_error(self, progress) -> Iterator[None]:
+        """A user error in the body (the guard's non-finite stop, unreadable data) ends the run, nothing saved."""
         try:
-            self.guard.report()
+            yield
         except UserError as err:
-            self._stop_with(err, progress)
-
-    def _stop_with(self, err: UserError, progress) -> None:
-        """Ends the run on a user error (a non-finite stop, unreadable data), nothing saved."""
-        self.log.error("%s", err)  # in log.txt too
-        progress.close()
-        self._end()
-        raise err
+            self.log.error("%s", err)  # in log.txt too
+            progress.close()
+            self._end()
+            raise
 
     def _end(self) -> None:
         """Ends the trackers and the process group (else gloo aborts at exit), after dropping the DDP
@@ -335,21 +335,6 @@ class Trainer:
         if self.accelerator.is_main_process:
             release_run_dir(self.run_dir)
         self.accelerator.end_training()
-
-    def _log_start(self) -> None:
-        acc, c = self.accelerator, self.config
-        self.log.info("run dir %s: config.yaml, %s (text), logs/ (TensorBoard: tensorboard --logdir %s; %s), "
-                      "checkpoints/<step>/, samples/<step>.png, topology.json/.png%s",
-                      self.run_dir, LOG_FILE, self.run_dir / "logs", METRICS_FILE,
-                      ", logs/evals.jsonl + quality.png (evaluation)" if c.train.eval_every else "")
-        n_params, d = sum(p.numel() for p in self.raw_model.parameters()), self.data
-        self.log.info("model %s (%s topology), %.2fM parameters, %.2f GFLOP per training image; data %s: %d samples, "
-                      "%d classes, model input %dx%dx%d; %d process(es) x %d per device x %d accumulation = global "
-                      "batch %d; mixed precision %s; MFU against %s TFLOP/s (%s)", c.model.name, c.model.topology,
-                      n_params / 1e6, self.flops_per_image / 1e9, d.kind, len(d.dataset), d.num_classes,
-                      d.in_channels, d.input_size, d.input_size, acc.num_processes, self.micro_batch,
-                      c.train.grad_accum, c.train.global_batch_size, c.train.mixed_precision, self.peak_tflops,
-                      self.peak_source)
 
 
 def train(config: Config, resume: str | None = None) -> dict[str, Any]:
