@@ -48,16 +48,17 @@ def parse_args(argv: list[str] | None = None):
     cluster.add_argument("--gpus-per-node", type=int)
     cluster.add_argument("--nodes", type=int)
     cluster.add_argument("--time-min", type=int, help="time limit of one job in minutes (it requeues itself past it)")
-    cluster.add_argument("--slurm-array-parallelism", type=int, help="jobs of the study running at once")
+    cluster.add_argument("--slurm-array-parallelism", type=int, dest="array_parallelism",
+                         help="jobs of the study running at once")
     cluster.add_argument("--cpus-per-task", type=int)
     args = p.parse_args(argv)
     if args.jobs < 1:
         raise UserError(f"--jobs must be at least 1, got {args.jobs}")
-    from ancre_dit.studies.cluster import check_cluster_value
+    from ancre_dit.studies.cluster import MINIMUM, check_cluster_value
 
-    for key, flag in (("gpus_per_node", "gpus_per_node"), ("nodes", "nodes"), ("time_min", "time_min"),
-                      ("array_parallelism", "slurm_array_parallelism"), ("cpus_per_task", "cpus_per_task")):
-        check_cluster_value(key, getattr(args, flag), f"--{flag.replace('_', '-')}")
+    for key in MINIMUM:  # the flags are ClusterOptions' fields; array_parallelism's says it is SLURM's
+        flag = "slurm_array_parallelism" if key == "array_parallelism" else key
+        check_cluster_value(key, getattr(args, key), f"--{flag.replace('_', '-')}")
     if not args.dry_run and any(v is not None for v in (args.mfu, args.gpu_peak_tflops, args.gpu, args.gpu_check)):
         raise UserError("--mfu, --gpu-peak-tflops, --gpu and --gpu-check price a --dry-run; add --dry-run")
     if args.command != "run" and (args.dry_run or args.jobs != 1 or args.executor != "local" or args.force):
@@ -69,11 +70,11 @@ def parse_args(argv: list[str] | None = None):
 
 
 def cluster_options(args, study):
+    from dataclasses import fields
+
     from ancre_dit.studies.cluster import ClusterOptions
 
-    given = {"partition": args.partition, "account": args.account, "gpus_per_node": args.gpus_per_node,
-             "nodes": args.nodes, "time_min": args.time_min, "array_parallelism": args.slurm_array_parallelism,
-             "cpus_per_task": args.cpus_per_task}
+    given = {f.name: getattr(args, f.name) for f in fields(ClusterOptions)}
     defaults = {"gpus_per_node": 0} if args.executor == "submitit-local" else {}
     merged = {**defaults, **study.slurm, **{k: v for k, v in given.items() if v is not None}}
     return ClusterOptions(**merged)

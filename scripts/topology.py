@@ -44,18 +44,19 @@ def _names(paths: list[Path]) -> list[str]:
     return names
 
 
+def _write_text(path: Path, text: str, what: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    print(f"{what} written to {path}")
+
+
 def show(args) -> None:
     from ancre_dit.figures import plot_topology_heatmap
 
     if _attends_over_depth(args.topology):
         return show_routing(args)
     path = topology_file(args.topology)
-    try:
-        P = load_topology_json(path)
-    except (ValueError, TypeError) as err:  # a ragged or non-numeric matrix (UserErrors pass through)
-        if isinstance(err, UserError):
-            raise
-        raise UserError(f"{path} is not a topology JSON with a square 'probabilities' matrix ({err})") from None
+    P = load_topology_json(path)
     if P.ndim != 2 or P.shape[0] != P.shape[1]:
         raise UserError(f"{path} holds a {tuple(P.shape)} 'probabilities' array; a topology is a square "
                         "(K, K) matrix, as written at each checkpoint")
@@ -66,9 +67,7 @@ def show(args) -> None:
     summary = topology_summary(P)
     print(format_topology_summary(summary))
     if args.summary_json:
-        args.summary_json.parent.mkdir(parents=True, exist_ok=True)
-        args.summary_json.write_text(json.dumps(summary, indent=1))
-        print(f"summary written to {args.summary_json}")
+        _write_text(args.summary_json, json.dumps(summary, indent=1), "summary")
     print(f"heatmap written to {out}")
 
 
@@ -140,9 +139,7 @@ def show_routing(args) -> None:
             plot_topology_panels({name: W}, out_dir / f"routing_{name.replace('=', '')}.png", title=title)
         (out_dir / "routing_weights.json").write_text(numbers)
     if args.summary_json:
-        args.summary_json.parent.mkdir(parents=True, exist_ok=True)
-        args.summary_json.write_text(numbers)
-        print(f"weights written to {args.summary_json}")
+        _write_text(args.summary_json, numbers, "weights")
     where = f"{out_dir} (routing.png, one routing_t<t>.png per time, routing_weights.json)" if folder_out else out
     print(f"routing weights of {folder} at t = {', '.join(f'{t:g}' for t in args.t)} drawn to {where}")
 
@@ -159,9 +156,7 @@ def compare(args) -> None:
     png = plot_topology_panels(topologies, args.out, title="learned topologies (rows: target block, columns: source)")
     print(f"heatmaps written to {png}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
-        print(f"comparison written to {args.json}")
+        _write_text(args.json, json.dumps(result, indent=1), "comparison")
 
 
 def prune(args) -> None:

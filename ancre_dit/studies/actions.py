@@ -87,7 +87,6 @@ def run_local(study: Study, train_script: Path, slots: int, check_paths: bool = 
         return 0
     runner = LocalRunner(study, train_script, slots,
                          is_done=lambda job: run_status(job, max_steps[job.name]).state == "done")
-    bar = tqdm(total=len(todo), desc=f"study {study.name}", unit="run", dynamic_ncols=True)
 
     def progress(outcome) -> None:
         bar.update(1)
@@ -95,10 +94,8 @@ def run_local(study: Study, train_script: Path, slots: int, check_paths: bool = 
             bar.write(f"{outcome.job.name}: {outcome.state} (exit code {outcome.exit_code})"
                       + (f": {outcome.error}" if outcome.error else ""))
 
-    try:
+    with tqdm(total=len(todo), desc=f"study {study.name}", unit="run", dynamic_ncols=True) as bar:
         outcomes = runner.run(todo, progress)
-    finally:
-        bar.close()
     failed = [o for o in outcomes if o.state != "done"]
     say(f"{len(outcomes) - len(failed)} of {len(outcomes)} launched runs finished"
         + (f"; not finished: {', '.join(f'{o.job.name} ({o.state})' for o in failed)} (see <run>/study.log)"

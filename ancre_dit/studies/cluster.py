@@ -132,13 +132,12 @@ class StudyRun(Checkpointable):
         return DelayedSubmission(self)
 
 
-def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: ClusterOptions, cluster: str = "slurm",
-           threads: int | None = None, max_steps: dict[str, int] | None = None) -> list[Any]:
+def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: ClusterOptions, cluster: str,
+           threads: int | None, max_steps: dict[str, int]) -> list[Any]:
     """Submits the jobs as one array; returns submitit's handles. `max_steps` (run name -> train.max_steps)
     lets a job tell a finished run from a stopped one."""
     import submitit
 
-    max_steps = max_steps or {}
     try:
         executor = submitit.AutoExecutor(folder=study.out / "submitit", cluster=cluster,
                                          slurm_max_num_timeout=MAX_TIMEOUTS, local_max_num_timeout=MAX_TIMEOUTS)
@@ -157,7 +156,7 @@ def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: Clust
     try:
         with executor.batch():  # StudyRun gets the train.py arguments: the command but its interpreter
             handles = [executor.submit(StudyRun(job.name, str(job.run_dir), train_command(study, job, train_script)[1:],
-                                                options.gpus_per_node, threads, max_steps=max_steps.get(job.name)))
+                                                options.gpus_per_node, threads, max_steps=max_steps[job.name]))
                        for job in jobs]
     except Exception as err:  # noqa: BLE001 - sbatch refused (partition, account, limits): say so per run
         problem = " ".join(str(err).split())[:300]

@@ -47,10 +47,8 @@ def _speedup(result: PairedSpeedup | None) -> str:
 
 def _shown(path) -> str:
     """Relative to the current folder when below it: the report reads the same on every checkout."""
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
+    resolved, here = Path(path).resolve(), Path.cwd().resolve()
+    return str(resolved.relative_to(here) if resolved.is_relative_to(here) else path)
 
 
 def _cell(text: str | None) -> str:

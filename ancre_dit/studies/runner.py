@@ -107,14 +107,13 @@ class LocalRunner:
             progress(outcome)
             return outcome
 
-        pool = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="study")
-        futures = [pool.submit(work, job) for job in jobs]
-        try:
-            while not all(f.done() for f in futures):
-                time.sleep(0.2)
-        except KeyboardInterrupt:
-            self.stop_children()
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-        pool.shutdown(wait=True)
+        with ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="study") as pool:
+            futures = [pool.submit(work, job) for job in jobs]
+            try:
+                while not all(f.done() for f in futures):
+                    time.sleep(0.2)
+            except KeyboardInterrupt:
+                self.stop_children()
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
         return [o for f in futures if (o := f.result()) is not None]
