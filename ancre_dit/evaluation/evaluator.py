@@ -34,7 +34,7 @@ from ..models.timm_weights import weights_hint as timm_weights_hint
 from ..sampling.guidance import check_guidance_scale
 from .inception import InceptionExtractor, InceptionFeatures, loaded
 from .inception import weights_hint as inception_weights_hint
-from .metric_registry import FEATURES, METRICS, Side, metric_names, stored_stat_keys
+from .metric_registry import FEATURES, METRICS, TRAINING_METRICS, Side, metric_names, stored_stat_keys
 from .metrics import feature_statistics
 
 EVAL_METRICS = metric_names(training=True)  # what eval.metrics accepts
@@ -63,8 +63,8 @@ def check_evaluation(e, data_kind: str, objective: Objective, found: Callable[..
                                "point it at RUN/checkpoints/<step> of a model of the same data")
     metrics = resolve_metrics(e, data_kind)
     for name in metrics:
-        if name not in EVAL_METRICS:
-            raise UserError(f"unknown metric {name!r} in eval.metrics; choose {or_list(EVAL_METRICS)}")
+        if name not in TRAINING_METRICS:
+            raise UserError(f"unknown metric {name!r} in eval.metrics; choose {or_list(TRAINING_METRICS)}")
         only = METRICS[name].only_for
         if only is not None and only[0] != data_kind:
             raise UserError(f"eval.metrics={name} scores {only[1]}, but data.kind={data_kind}; use fid (with eval.ref)")
