@@ -150,6 +150,10 @@ def build_encoder(cfg: RepaConfig, grid: int, device: torch.device | str = "cpu"
         model = _create(cfg, img_size=resolution)
     if load_weights:
         load_timm_weights(model, cfg.encoder_weights, cfg.encoder)
+    tokens = int(model.patch_embed.num_patches)
+    if tokens != grid * grid:
+        raise UserError(f"repa.encoder {cfg.encoder} gives {tokens} patch tokens at {resolution} px, the DiT "
+                        f"{grid * grid}; REPA needs one encoder token per DiT token")
     return FrozenEncoder(model, resolution, bf16).to(device)
 
 
