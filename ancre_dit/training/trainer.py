@@ -186,9 +186,7 @@ class Trainer:
         # The handlers go in before the loader's workers fork: see stopping.py.
         with StopSignals() as signals:
             self._signals = signals
-            sampler = GlobalBatchSampler(len(d.dataset), c.global_batch_size, acc.num_processes, acc.process_index,
-                                         c.grad_accum, c.seed, self.progress.epoch, self.progress.offset)
-            batches = iter(make_loader(d, sampler, self.config.data.num_workers, pin_memory=acc.device.type == "cuda"))
+            batches = iter(self._loader())
             for task in self.tasks:  # work a stopped launch left owed (an abandoned evaluation, ...)
                 task.start(self.context)
             stopped = self._stop_requested()  # a stop during that work: checkpoint without another step
@@ -297,6 +295,14 @@ class Trainer:
             self.optimizer.step()
         elif self.accelerator.scaler is not None:  # the scaler saw the overflow when unscaling; lower its scale
             self.accelerator.scaler.update()
+
+    def _loader(self):
+        """The loader from the run's data position (a resumed run goes on inside its epoch)."""
+        acc, c = self.accelerator, self.config
+        sampler = GlobalBatchSampler(len(self.data.dataset), c.train.global_batch_size, acc.num_processes,
+                                     acc.process_index, c.train.grad_accum, c.train.seed, self.progress.epoch,
+                                     self.progress.offset)
+        return make_loader(self.data, sampler, c.data.num_workers, pin_memory=acc.device.type == "cuda")
 
     def draw_timesteps_and_noise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The objective's training time and noise for a micro-batch, from this rank's generator."""
