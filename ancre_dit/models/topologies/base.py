@@ -52,6 +52,11 @@ class ResidualTopology(nn.Module):
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 
+    def enable_topk(self, topk: int) -> None:
+        """Sparse routing (model.topology_topk): only ANCRe keeps each block's strongest edges."""
+        raise UserError(f"topology_topk={topk} applies to topology ancre only, not {type(self).__name__}; "
+                        "use topology_topk=0")
+
     def check_blocks(self, blocks: Sequence[nn.Module]) -> None:
         if len(blocks) != self.num_blocks:
             raise ValueError(f"topology was built for {self.num_blocks} blocks, got {len(blocks)}")
@@ -187,9 +192,6 @@ def configure_aggregation(topology: ResidualTopology, history_dtype: str = "floa
         topology.history_dtype = HISTORY_DTYPES[history_dtype]
         topology.aggregation_kernel = kernel
     if topk:
-        if not hasattr(topology, "enable_topk"):
-            raise UserError(f"topology_topk={topk} applies to topology ancre only, not {type(topology).__name__}; "
-                            "use topology_topk=0")
         topology.enable_topk(topk)
 
 
