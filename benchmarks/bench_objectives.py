@@ -82,7 +82,7 @@ def score(checkpoint: Path, sampler: str, steps: int | None, labels: np.ndarray,
     from ancre_dit.checkpoint import load_trained_model
     from ancre_dit.evaluation.digits_metric import digits_report
     from ancre_dit.sampling import Guidance, plan_sampling
-    from ancre_dit.sampling.decode import decode_pixels
+    from ancre_dit.sampling.api import decode_pixels
 
     model, spec = load_trained_model(checkpoint, "ema")
     plan = plan_sampling(model.eval(), spec["diffusion"], sampler=sampler, steps=steps, guidance=Guidance(cfg))

@@ -84,7 +84,7 @@ def test_sample_py_guides_with_a_checkpoint_and_refuses_a_mismatched_one(tmp_pat
     # The same images through the Python API with the guide in memory.
     from ancre_dit.checkpoint import load_trained_model
     from ancre_dit.sampling import sample_images
-    from ancre_dit.sampling.decode import build_decoder
+    from ancre_dit.sampling.api import build_decoder
     model, spec = load_trained_model(main)
     guide, _ = load_trained_model(weak)
     decoder = build_decoder(spec["data"], model.in_channels, None, torch.device("cpu"))

@@ -22,8 +22,7 @@ from ancre_dit.evaluation.metrics import feature_statistics, frechet_distance
 from ancre_dit.evaluation.metric_registry import METRICS, MetricEntry, Side, lower_is_better, metric_entry
 from ancre_dit.evaluation.pipeline import EvaluationResult, format_table, parse_metrics, score
 from ancre_dit.sampling import sample_latents
-from ancre_dit.sampling.decode import decode_pixels
-from ancre_dit.sampling.noise import SampleNoise
+from ancre_dit.sampling.api import SampleNoise, decode_pixels
 from ancre_dit.training.config import load_config
 
 FLOW_TINY = [*TINY_TRAIN, "diffusion.objective=flow", "model.learn_sigma=false"]

@@ -309,7 +309,7 @@ def test_the_time_shift_is_lightningdits_on_the_euler_grid():
                        guidance=Guidance(1.0))
     times = [lightningdit_shift(k / steps, shift) for k in range(steps + 1)]
     np.testing.assert_allclose(field.seen_t, times[:-1], atol=1e-6)
-    from ancre_dit.sampling.noise import SampleNoise
+    from ancre_dit.sampling.api import SampleNoise
     manual = SampleNoise(3, [0, 1], (1, 4, 4), torch.device("cpu")).next().double()
     for t0, t1 in zip(times[:-1], times[1:]):
         manual = manual + (t1 - t0) * (-manual + t0)

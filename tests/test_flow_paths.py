@@ -147,7 +147,7 @@ def test_the_sde_is_sits_euler_maruyama_on_every_path(name, prediction, last):
     linspace(t0, 1 - 0.04, steps), x += (drift + w score) dt + sqrt(2 w dt) z with w = sigma(t), then the
     last step; t0 = sample_eps for a score or noise model on linear / GVP, else 0."""
     from ancre_dit.diffusion import SDEOptions
-    from ancre_dit.sampling.noise import SampleNoise
+    from ancre_dit.sampling.api import SampleNoise
 
     steps, labels, net = 30, [0, 1, 1], ExactNetwork(name, prediction)
     ours = sample_latents(net, FlowObjective(path=name, prediction=prediction).spec(), labels, sampler="sde",

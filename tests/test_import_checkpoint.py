@@ -224,7 +224,7 @@ def _repa_file(tmp_path: Path, backbone: torch.nn.Module, **args) -> Path:
 
 def test_repa_checkpoints_import_into_sits_time_convention(tmp_path):
     from ancre_dit.sampling import Guidance, sample_latents
-    from ancre_dit.sampling.noise import SampleNoise
+    from ancre_dit.sampling.api import SampleNoise
 
     repa = _flow_backbone(6, learn_sigma=False)  # REPA's network: t = 1 noise, output noise - data
     spec = import_checkpoint(_repa_file(tmp_path, repa), tmp_path / "repa")

@@ -19,7 +19,7 @@ from ancre_dit.cli import SingleProcess
 from ancre_dit.errors import UserError
 from ancre_dit.sampling import GuidedDenoiser, Guidance, SampleNoise, sample_images, sample_latents
 from ancre_dit.sampling import job as job_module
-from ancre_dit.sampling.decode import decode_pixels
+from ancre_dit.sampling.api import decode_pixels
 from ancre_dit.diffusion.ddpm import ddpm_loop, respaced_diffusion
 from ancre_dit.checkpoint import make_model_spec, write_model_files
 

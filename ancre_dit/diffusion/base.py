@@ -28,7 +28,7 @@ def mean_flat(x: torch.Tensor) -> torch.Tensor:
 
 
 class NoiseSource(Protocol):
-    """Per-sample noise (see sampling.noise.SampleNoise): each call gives the next draw of every sample."""
+    """Per-sample noise (see sampling.api.SampleNoise): each call gives the next draw of every sample."""
 
     def next(self) -> torch.Tensor: ...
 

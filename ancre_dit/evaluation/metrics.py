@@ -50,24 +50,6 @@ def feature_statistics(features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 # scipy.linalg is imported where a distance is taken: every training process imports this module,
 # and most never evaluate.
-def _trace_sqrt_product_sqrtm(sigma1: np.ndarray, sigma2: np.ndarray, eps: float) -> float:
-    from scipy import linalg
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # scipy warns on near-singular input; handled below as ADM does
-        covmean = linalg.sqrtm(sigma1 @ sigma2)
-    if not np.isfinite(covmean).all():
-        warnings.warn(f"Fréchet distance: singular product, adding {eps} to the covariance diagonals (as ADM)")
-        offset = np.eye(len(sigma1)) * eps
-        covmean = linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
-    if np.iscomplexobj(covmean):
-        if not np.allclose(np.diagonal(covmean).imag, 0, atol=1e-3):
-            raise UserError(f"Fréchet distance: matrix square root has an imaginary component of "
-                             f"{np.max(np.abs(covmean.imag)):.3g}; use more samples or --fid-method eigh")
-        covmean = covmean.real
-    return float(np.trace(covmean))
-
-
 def _psd_eigenvalues(matrix: np.ndarray) -> np.ndarray:
     """Eigenvalues of a symmetric PSD matrix with rounding noise set to 0: the square root would
     blow noise of 1e-16 up to 1e-8 per eigenvalue, over thousands of null directions."""
@@ -76,14 +58,6 @@ def _psd_eigenvalues(matrix: np.ndarray) -> np.ndarray:
     w = linalg.eigvalsh((matrix + matrix.T) / 2)
     w[w < max(w.max(), 0.0) * len(w) * np.finfo(np.float64).eps] = 0.0
     return w
-
-
-def _trace_sqrt_product_eigh(sigma1: np.ndarray, sigma2: np.ndarray) -> float:
-    from scipy import linalg
-
-    w, v = linalg.eigh(sigma1)
-    root1 = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
-    return float(np.sqrt(_psd_eigenvalues(root1 @ sigma2 @ root1)).sum())
 
 
 def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma2: np.ndarray,
@@ -96,8 +70,26 @@ def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma
                         f"{sigma2.shape}; were they computed with the same features?")
     if method not in FID_METHODS:
         raise UserError(f"unknown Fréchet distance method {method!r}; choose one of {', '.join(FID_METHODS)}")
-    tr_covmean = (_trace_sqrt_product_eigh(sigma1, sigma2) if method == "eigh"
-                  else _trace_sqrt_product_sqrtm(sigma1, sigma2, eps))
+    from scipy import linalg
+
+    if method == "eigh":
+        w, v = linalg.eigh(sigma1)
+        root1 = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+        tr_covmean = float(np.sqrt(_psd_eigenvalues(root1 @ sigma2 @ root1)).sum())
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # scipy warns on near-singular input; handled below as ADM does
+            covmean = linalg.sqrtm(sigma1 @ sigma2)
+        if not np.isfinite(covmean).all():
+            warnings.warn(f"Fréchet distance: singular product, adding {eps} to the covariance diagonals (as ADM)")
+            offset = np.eye(len(sigma1)) * eps
+            covmean = linalg.sqrtm((sigma1 + offset) @ (sigma2 + offset))
+        if np.iscomplexobj(covmean):
+            if not np.allclose(np.diagonal(covmean).imag, 0, atol=1e-3):
+                raise UserError(f"Fréchet distance: matrix square root has an imaginary component of "
+                                f"{np.max(np.abs(covmean.imag)):.3g}; use more samples or --fid-method eigh")
+            covmean = covmean.real
+        tr_covmean = float(np.trace(covmean))
     diff = mu1 - mu2
     return float(diff @ diff + np.trace(sigma1) + np.trace(sigma2) - 2.0 * tr_covmean)
 

@@ -27,10 +27,8 @@ from ..diffusion import SAMPLERS, SDEOptions
 from ..errors import UserError
 from ..files import write_atomic
 from ..hardware import configure_precision
-from .api import SamplingPlan, plan_sampling
-from .decode import Decoder, build_decoder
+from .api import Decoder, SamplingPlan, assign_labels, build_decoder, check_classes, plan_sampling
 from .guidance import Guidance
-from .noise import assign_labels, check_classes
 from .protocols import check_protocol_fits, record_path
 
 

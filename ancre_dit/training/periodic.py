@@ -57,7 +57,7 @@ class RunContext:
     @cached_property
     def decoder(self):
         """Samples -> uint8 images (the run's VAE, loaded once and shared by grids and evaluation)."""
-        from ..sampling.decode import build_decoder
+        from ..sampling.api import build_decoder
         return build_decoder(self.data_spec, self.data.in_channels, device=self.accelerator.device)
 
 

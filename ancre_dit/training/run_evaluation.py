@@ -161,7 +161,7 @@ def evaluation_inputs(config: Config, folder: Path, state) -> tuple[dict[str, An
     (the checkpoint's spec, the run's data, the objective, the decoder), with the run's precision."""
     from ..checkpoint import load_model_spec
     from ..diffusion import build_objective
-    from ..sampling.decode import build_decoder
+    from ..sampling.api import build_decoder
     from .data import build_data
 
     configure_precision(state.device, config.train.tf32)  # as the run's in-training evaluations computed
