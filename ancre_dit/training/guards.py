@@ -73,24 +73,27 @@ class NonFiniteGuard:
                 continue
             self.in_a_row += 1
             self.total_skipped += 1
-            shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(terms.items()))
-            what = (f"step {step}: non-finite loss or gradient ({shown}, grad_norm {norm:.4g}"
-                    f"{'' if local else ' here; non-finite on another rank'})")
-            if not inputs_finite:
-                what += "; its input batch itself is non-finite"
-                what += f" ({self.bad_rows(position)})" if self.bad_rows else ""
-            if self.policy == "stop":
-                reason = "train.nonfinite=stop"
-            elif self.in_a_row > self.max_skips:
-                reason = (f"{self.in_a_row} non-finite steps in a row, more than "
-                          f"train.nonfinite_max_skips={self.max_skips}")
-            elif self.steps_seen >= MOST_SKIPPED_AFTER and self.total_skipped > MOST_SKIPPED_SHARE * self.steps_seen:
-                reason = f"{self.total_skipped} of the {self.steps_seen} steps so far were non-finite and skipped"
-            else:
-                self.warn(f"{what}: update skipped ({self.in_a_row} in a row, stop after {self.max_skips}); "
-                          f"weights, optimizer and EMA unchanged; last good checkpoint: {self.last_checkpoint()}")
-                continue
-            fix = ("fix or drop those rows (scripts/extract_latents.py --verify), then resume" if not inputs_finite
-                   else "resume from it with a lower train.lr, train.grad_clip > 0 or train.mixed_precision=no")
-            raise NonFiniteStop(f"training stopped at {what}: {reason}; no non-finite update was applied and no "
-                                f"checkpoint written since; last good checkpoint: {self.last_checkpoint()}; {fix}")
+            self._act(step, position, terms, norm, bool(local), bool(inputs_finite))
+
+    def _act(self, step: int, position: tuple[int, int], terms: dict[str, float], norm: float, local: bool,
+             inputs_finite: bool) -> None:
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(terms.items()))
+        what = (f"step {step}: non-finite loss or gradient ({shown}, grad_norm {norm:.4g}"
+                f"{'' if local else ' here; non-finite on another rank'})")
+        if not inputs_finite:
+            what += "; its input batch itself is non-finite"
+            what += f" ({self.bad_rows(position)})" if self.bad_rows else ""
+        if self.policy == "stop":
+            reason = "train.nonfinite=stop"
+        elif self.in_a_row > self.max_skips:
+            reason = f"{self.in_a_row} non-finite steps in a row, more than train.nonfinite_max_skips={self.max_skips}"
+        elif self.steps_seen >= MOST_SKIPPED_AFTER and self.total_skipped > MOST_SKIPPED_SHARE * self.steps_seen:
+            reason = f"{self.total_skipped} of the {self.steps_seen} steps so far were non-finite and skipped"
+        else:
+            self.warn(f"{what}: update skipped ({self.in_a_row} in a row, stop after {self.max_skips}); "
+                      f"weights, optimizer and EMA unchanged; last good checkpoint: {self.last_checkpoint()}")
+            return
+        fix = ("fix or drop those rows (scripts/extract_latents.py --verify), then resume" if not inputs_finite
+               else "resume from it with a lower train.lr, train.grad_clip > 0 or train.mixed_precision=no")
+        raise NonFiniteStop(f"training stopped at {what}: {reason}; no non-finite update was applied and no "
+                            f"checkpoint written since; last good checkpoint: {self.last_checkpoint()}; {fix}")
