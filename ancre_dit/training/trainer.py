@@ -167,18 +167,8 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         """Trains to train.max_steps, or until a stop signal; the last step is checkpointed either way."""
-        acc, c, d = self.accelerator, self.config.train, self.data
-        self.log.info("run dir %s: config.yaml, %s (text), logs/ (TensorBoard: tensorboard --logdir %s; %s), "
-                      "checkpoints/<step>/, samples/<step>.png, topology.json/.png%s",
-                      self.run_dir, LOG_FILE, self.run_dir / "logs", METRICS_FILE,
-                      ", logs/evals.jsonl + quality.png (evaluation)" if c.eval_every else "")
-        self.log.info("model %s (%s topology), %.2fM parameters, %.2f GFLOP per training image; data %s: %d samples, "
-                      "%d classes, model input %dx%dx%d; %d process(es) x %d per device x %d accumulation = global "
-                      "batch %d; mixed precision %s; MFU against %s TFLOP/s (%s)", self.config.model.name,
-                      self.config.model.topology, sum(p.numel() for p in self.raw_model.parameters()) / 1e6,
-                      self.flops_per_image / 1e9, d.kind, len(d.dataset), d.num_classes, d.in_channels, d.input_size,
-                      d.input_size, acc.num_processes, self.micro_batch, c.grad_accum, c.global_batch_size,
-                      c.mixed_precision, self.peak_tflops, self.peak_source)
+        acc, c = self.accelerator, self.config.train
+        self._log_start()
         launch_started_at = self.progress.train_seconds
         progress = tqdm(total=c.max_steps, initial=self.step, disable=not acc.is_main_process,
                         desc="train", dynamic_ncols=True)
@@ -330,6 +320,20 @@ class Trainer:
             progress.close()
             self._end()
             raise
+
+    def _log_start(self) -> None:
+        acc, c, d = self.accelerator, self.config, self.data
+        self.log.info("run dir %s: config.yaml, %s (text), logs/ (TensorBoard: tensorboard --logdir %s; %s), "
+                      "checkpoints/<step>/, samples/<step>.png, topology.json/.png%s",
+                      self.run_dir, LOG_FILE, self.run_dir / "logs", METRICS_FILE,
+                      ", logs/evals.jsonl + quality.png (evaluation)" if c.train.eval_every else "")
+        self.log.info("model %s (%s topology), %.2fM parameters, %.2f GFLOP per training image; data %s: %d samples, "
+                      "%d classes, model input %dx%dx%d; %d process(es) x %d per device x %d accumulation = global "
+                      "batch %d; mixed precision %s; MFU against %s TFLOP/s (%s)", c.model.name, c.model.topology,
+                      sum(p.numel() for p in self.raw_model.parameters()) / 1e6, self.flops_per_image / 1e9, d.kind,
+                      len(d.dataset), d.num_classes, d.in_channels, d.input_size, d.input_size, acc.num_processes,
+                      self.micro_batch, c.train.grad_accum, c.train.global_batch_size, c.train.mixed_precision,
+                      self.peak_tflops, self.peak_source)
 
     def _end(self) -> None:
         """Ends the trackers and the process group (else gloo aborts at exit), after dropping the DDP
