@@ -74,14 +74,13 @@ def _resolve_topology_options(m: ModelConfig, found: Callable[..., bool]) -> boo
     the registry's order (config.yaml then holds them, byte-stable); other topologies' options stay
     as given. False when a file it names is missing here (unchecked)."""
     resolved = resolve_options(m.topology, m.topology_options, prefix="model.", keep_others=True)
-    all_found = True
-    for key, option in topology_entry(m.topology).options.items():
-        if option.file and resolved[key] is not None and not Path(resolved[key]).is_file():
-            if not found(f"model.{key}", resolved[key]):
-                raise MissingFileError(f"model.{key} {resolved[key]} not found; pass an existing file ({option.help})")
-            all_found = False
+    files = {key: option for key, option in topology_entry(m.topology).options.items()
+             if option.file and resolved[key] is not None}
+    for key, option in files.items():
+        if not found(f"model.{key}", resolved[key]):
+            raise MissingFileError(f"model.{key} {resolved[key]} not found; pass an existing file ({option.help})")
     m.topology_options = {key: resolved[key] for key in all_topology_options() if key in resolved}
-    return all_found
+    return all(Path(resolved[key]).is_file() for key in files)
 
 
 def param_groups(model, weight_decay_of_routing: float, extra=None) -> tuple[list[dict[str, Any]], int | None]:
