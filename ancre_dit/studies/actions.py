@@ -12,8 +12,7 @@ from .status import RunStatus, format_table, run_status, status_table
 
 
 def dry_run(study: Study, check_paths: bool = True, rate=None) -> str:
-    """Validates every config and the folder, writes nothing; returns the job table and each arm's
-    training bill at `rate` (default: costs.compute_rate())."""
+    """Validates every config and the folder, writes nothing; returns the job table and each arm's bill at `rate`."""
     from ..training.config_checks import validate_config
     from .costs import compute_rate, config_flops_per_step, format_bill
 
@@ -58,8 +57,8 @@ def write_report(study: Study) -> Path:
 
 
 def _to_run(study: Study, check_paths: bool, force: bool) -> tuple[dict[str, int], list[Job]]:
-    """Validates and claims the folder; returns (run name -> max_steps, the unfinished runs). A run
-    running or queued elsewhere is a UserError unless `force` (two trainings would overwrite checkpoints)."""
+    """Validates and claims the folder; returns (run name -> max_steps, the unfinished runs). A run running or
+    queued elsewhere is a UserError unless `force` (two trainings would overwrite checkpoints)."""
     configs = validate(study, check_paths)
     claim_folder(study)
     max_steps = {job.name: configs[job.name].train.max_steps for job in study.jobs}

@@ -18,9 +18,9 @@ from typing import Any, Sequence
 from submitit.helpers import Checkpointable, DelayedSubmission
 
 from ..errors import UserError
-from .runner import train_command
+from .runner import run_logged, train_command
 from .spec import Job, Study
-from .status import LOG, finished_at, last_error_line, record_event
+from .status import LOG, finished_at, record_event, record_exit
 
 MAX_TIMEOUTS = 100  # requeues after time limits (not preemptions): 400K-step runs outlast most limits
 # SLURM signals SIGNAL_DELAY_S before a time limit (submitit's --signal=USR2@N); the training gets GRACE_S
@@ -54,23 +54,24 @@ class ClusterOptions:
 
 
 def _ignore_submitit_signal() -> None:
-    """In the training child, before exec: SLURM's early signal (submitit's USR2) reaches every process
-    of the job step and would kill train.py, torchrun and the loader workers before any checkpoint.
-    Ignored signals stay ignored across exec; the job answers it with SIGTERM (checkpoint())."""
+    """In the training child, before exec: SLURM's early signal (submitit's USR2) reaches every process of the
+    step and would kill the training before any checkpoint; ignored across exec, the job answers it with SIGTERM."""
     from submitit.core.job_environment import JobEnvironment
 
     signal.signal(getattr(signal, f"SIG{JobEnvironment.USR_SIG}"), signal.SIG_IGN)
 
 
+@dataclass(eq=False)
 class StudyRun(Checkpointable):
     """One run as a submitit job; pickled without its running child."""
-
-    _child: subprocess.Popen | None = None  # the class's None where an unpickled copy has none
-
-    def __init__(self, name: str, run_dir: str, train_args: Sequence[str], gpus_per_node: int,
-                 threads: int | None = None, grace_s: float = GRACE_S, max_steps: int | None = None):
-        self.name, self.run_dir, self.train_args = name, run_dir, list(train_args)
-        self.gpus_per_node, self.threads, self.grace_s, self.max_steps = gpus_per_node, threads, grace_s, max_steps
+    name: str
+    run_dir: str
+    train_args: list[str]
+    gpus_per_node: int
+    threads: int | None = None
+    grace_s: float = GRACE_S
+    max_steps: int | None = None
+    _child = None  # the running child (subprocess.Popen); the class's None where an unpickled copy has none
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_child"}
@@ -94,31 +95,23 @@ class StudyRun(Checkpointable):
         child_env = dict(os.environ, PYTHONUNBUFFERED="1")
         if self.threads:
             child_env.update(OMP_NUM_THREADS=str(self.threads), MKL_NUM_THREADS=str(self.threads))
-        command = self.command(env)
-        with open(run_dir / (LOG if main else f"study.node{env.node}.log"), "a") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} job {env.job_id}: {' '.join(command)}\n")
-            log.flush()
-            self._child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                           preexec_fn=_ignore_submitit_signal)
+
+        def started(child: subprocess.Popen) -> None:
+            self._child = child
             if main:
-                record_event(run_dir, "started", pid=self._child.pid, job_pid=os.getpid(), executor="submitit",
+                record_event(run_dir, "started", pid=child.pid, job_pid=os.getpid(), executor="submitit",
                              job_id=str(env.job_id))
-            while self._child.poll() is None:  # polling: submitit's signal handler may wait on the child too
-                time.sleep(1.0)
-            code = self._child.returncode
+
+        code = run_logged(self.command(env), run_dir / (LOG if main else f"study.node{env.node}.log"),
+                          f"job {env.job_id}", started, env=child_env, preexec_fn=_ignore_submitit_signal)
         if not main:
             return {"run": self.name, "exit_code": code}
-        if code != 0:
-            error = last_error_line(run_dir / LOG)
-            record_event(run_dir, "failed", exit_code=code, error=error, job_id=str(env.job_id))
+        # not finished at exit code 0: SIGTERM reached train.py directly (preemption)
+        finished = self.max_steps is None or finished_at(run_dir, self.max_steps) is not None
+        state, error = record_exit(run_dir, code, finished, job_id=str(env.job_id))
+        if state == "failed":
             raise RuntimeError(f"run {self.name} failed with exit code {code}: {error}")
-        if self.max_steps is not None and finished_at(run_dir, self.max_steps) is None:
-            # SIGTERM reached train.py directly (preemption)
-            record_event(run_dir, "stopped", exit_code=0, job_id=str(env.job_id),
-                         reason="stopped before max_steps by a signal; a requeue or a rerun resumes it")
-            return {"run": self.name, "exit_code": 0, "finished": False}
-        record_event(run_dir, "finished", exit_code=0, job_id=str(env.job_id))
-        return {"run": self.name, "exit_code": 0, "finished": True}
+        return {"run": self.name, "exit_code": 0, "finished": finished}
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> DelayedSubmission:
         """Time limit or preemption: SIGTERM (train.py checkpoints), then requeue."""
@@ -134,8 +127,7 @@ class StudyRun(Checkpointable):
 
 def submit(study: Study, jobs: Sequence[Job], train_script: Path, options: ClusterOptions, cluster: str,
            threads: int | None, max_steps: dict[str, int]) -> list[Any]:
-    """Submits the jobs as one array; returns submitit's handles. `max_steps` (run name -> train.max_steps)
-    lets a job tell a finished run from a stopped one."""
+    """Submits the jobs as one array; returns submitit's handles. `max_steps`: run name -> train.max_steps."""
     import submitit
 
     try:

@@ -1,9 +1,8 @@
 """Comparing runs (`scripts/compare_runs.py`, a study's report): steps to a target, speedup, verdict, curves.
-
-Groups are compared with their baseline seed by seed (runs of one seed share data order and noise). Seed
-s's target is the baseline's final value for s (or a given one), not a mean curve's, which would mix seeds
-that never reach it with seeds that do. The geometric mean of speedup_s = baseline steps_s / group steps_s
-gets a Student-t interval on the log speedups; a seed whose group never reaches the target is censored."""
+Groups meet their baseline seed by seed (one seed: the same data order and noise). Seed s's target is the
+baseline's final value for s (or a given one): a mean curve's would mix seeds that never reach it with seeds
+that do. The geometric mean of speedup_s = baseline steps_s / group steps_s gets a Student-t interval on the
+log speedups; a seed whose group never reaches the target is censored."""
 from __future__ import annotations
 
 import json
@@ -43,8 +42,8 @@ def interval_curve(group: Group, metric: str, axis: str = "step"
 
 @dataclass
 class SeedSpeedup:
-    """One seed: steps to the target of both sides and their ratio. An arm that never reaches it has a
-    censored speedup below `bound` = baseline steps / the arm's last step."""
+    """One seed's steps to the target on both sides and their ratio; censored below `bound` = baseline steps
+    / the arm's last step when the arm never reaches it."""
     seed: int
     target: float
     baseline_steps: int | None
@@ -106,13 +105,11 @@ def paired_speedup(baseline: Sequence[Run], arm: Sequence[Run], metric: str, tar
                                  base_steps / final if base_steps is not None and arm_steps is None else None))
     if not seeds:
         return None
-    geomean = low = high = None
-    if all(s.speedup is not None for s in seeds):
-        logs = mean_t_interval([math.log(s.speedup) for s in seeds], LEVEL)
-        geomean = math.exp(logs.mean)
-        if logs.low is not None:
-            low, high = math.exp(logs.low), math.exp(logs.high)
-    return PairedSpeedup(metric, lower, seeds, geomean, low, high, LEVEL, target)
+    if any(s.speedup is None for s in seeds):
+        return PairedSpeedup(metric, lower, seeds, None, None, None, LEVEL, target)
+    logs = mean_t_interval([math.log(s.speedup) for s in seeds], LEVEL)
+    low, high = (None, None) if logs.low is None else (math.exp(logs.low), math.exp(logs.high))
+    return PairedSpeedup(metric, lower, seeds, math.exp(logs.mean), low, high, LEVEL, target)
 
 
 def paired_difference(baseline: Sequence[Run], arm: Sequence[Run], metric: str) -> MeanInterval | None:
@@ -126,8 +123,7 @@ def _x(v: float) -> str:
 
 
 def verdict(result: PairedSpeedup) -> str:
-    """Faster / slower when the speedup's interval excludes 1 (or most seeds of one side never reach
-    the target), else "no difference detected at this budget"."""
+    """Faster / slower when the interval excludes 1 (or most seeds of one side miss the target), else no difference."""
     what = "the baseline's final value" if result.target is None else f"the target {result.target:.4g}"
     n = len(result.seeds)
     arm_only = sum(s.arm_steps is None and s.baseline_steps is not None for s in result.seeds)
@@ -211,8 +207,7 @@ def row_summary(row: MetricRow) -> dict[str, Any]:
 
 
 def write_curves(groups: Sequence[Group], metrics: Sequence[str], folder: Path, title: str) -> list[str]:
-    """folder/curves_<axis>.png per axis some group has: a panel per metric (not held-out loss parts),
-    mean over seeds with its t interval as a band; stale figures are removed. Returns the names."""
+    """Writes folder/curves_<axis>.png (mean over seeds, t interval band) per axis, stale ones removed; returns the names."""
     from ..figures import plot_panels
 
     for old in folder.glob("curves_*.png"):
@@ -232,29 +227,23 @@ def write_curves(groups: Sequence[Group], metrics: Sequence[str], folder: Path, 
 def summarize(groups: Sequence[Group], targets: dict[str, float] | None = None) -> dict[str, dict[str, Any]]:
     """metric -> {"target", "lower_is_better", "rows"}: every group against the first one."""
     targets = targets or {}
-    baseline = groups[0].label
-    out: dict[str, dict[str, Any]] = {}
-    for metric in dict.fromkeys(m for g in groups for r in g.runs for m in r.series):
-        if rows := metric_rows(groups, metric, lambda _label: baseline, targets.get(metric)):
-            out[metric] = {"target": targets.get(metric), "lower_is_better": is_lower_better(metric), "rows": rows}
-    return out
+    rows = {metric: metric_rows(groups, metric, lambda _label: groups[0].label, targets.get(metric))
+            for metric in dict.fromkeys(m for g in groups for r in g.runs for m in r.series)}
+    return {metric: {"target": targets.get(metric), "lower_is_better": is_lower_better(metric), "rows": found}
+            for metric, found in rows.items() if found}
 
 
-def _final_cell(final: MeanInterval) -> str:
-    return f"{final.mean:.4g}" if final.std is None else f"{final.mean:.4g} ± {final.std:.2g}"
-
-
-def _steps_cell(result: PairedSpeedup | None) -> str:
-    if result is None:
-        return "-"
-    cells = [str(s.arm_steps) if s.arm_steps is not None else f"not reached by {s.arm_final_step}" for s in result.seeds]
-    return cells[0] if len(cells) == 1 else "; ".join(f"s{s.seed}: {c}" for s, c in zip(result.seeds, cells))
-
-
-def _speedup_cell(result: PairedSpeedup | None) -> str:
-    if result is None or result.geomean is None:
-        return "-"
-    return f"{result.geomean:.2f}x" + ("" if result.low is None else f" [{result.low:.2f}, {result.high:.2f}]")
+def _table_row(row: MetricRow) -> str:
+    """A row of run comparison's table: group, final step, mean ± std, steps to target, speedup, verdict."""
+    final, result, steps, speedup = row.final, row.speedup, "-", "-"
+    if result is not None:
+        cells = [str(s.arm_steps) if s.arm_steps is not None else f"not reached by {s.arm_final_step}"
+                 for s in result.seeds]
+        steps = cells[0] if len(cells) == 1 else "; ".join(f"s{s.seed}: {c}" for s, c in zip(result.seeds, cells))
+    if result is not None and result.geomean is not None:
+        speedup = f"{result.geomean:.2f}x" + ("" if result.low is None else f" [{result.low:.2f}, {result.high:.2f}]")
+    value = f"{final.mean:.4g}" if final.std is None else f"{final.mean:.4g} ± {final.std:.2g}"
+    return f"| {row.group} | {row.final_step} | {value} | {steps} | {speedup} | {row.verdict} |"
 
 
 def markdown_report(groups: Sequence[Group], summary: dict[str, dict[str, Any]]) -> str:
@@ -272,10 +261,7 @@ def markdown_report(groups: Sequence[Group], summary: dict[str, dict[str, Any]])
         lines += [f"## {metric} ({arrow}; target {target})", "",
                   "| group | final step | final value | steps to target | speedup | verdict |",
                   "|---|---|---|---|---|---|"]
-        for row in info["rows"]:
-            lines.append(f"| {row.group} | {row.final_step} | {_final_cell(row.final)} | {_steps_cell(row.speedup)} | "
-                         f"{_speedup_cell(row.speedup)} | {row.verdict} |")
-        lines.append("")
+        lines += [_table_row(row) for row in info["rows"]] + [""]
     return "\n".join(lines)
 
 

@@ -15,14 +15,11 @@ from ..training.checkpointing import list_checkpoints
 
 CACHE = "flops.json"
 MICRO_BATCH = 2
-
-
 _COUNTED: dict[str, float] = {}  # per process: a study's arms and seeds share a few models
 
 
 def flops_per_image(model_spec: dict[str, Any], topology_state: dict[str, Any] | None = None) -> float:
-    """Training FLOPs of one image through a model spec's model (`topology_state`: its checkpoint's
-    `topology.*` tensors)."""
+    """Training FLOPs of one image through a model spec's model (`topology_state`: its `topology.*` tensors)."""
     from ..checkpoint import build_model
     from ..models.flops import flops_per_training_image
 
@@ -64,13 +61,11 @@ def arm_flops_per_step(out: Path, arms: dict[str, tuple[Sequence[Path], int]]) -
     counted = dict(cache.get("per_image", {}))
     result: dict[str, float | None] = {}
     for arm, (run_dirs, batch) in arms.items():
-        if (saved := _saved_model(run_dirs)) is None:
-            result[arm] = None
-            continue
-        key = json.dumps(saved[0]["model"], sort_keys=True)
-        if key not in counted:
-            counted[key] = flops_per_image(*saved)  # (model spec, topology tensors)
-        result[arm] = counted[key] * batch
+        result[arm] = None
+        if (saved := _saved_model(run_dirs)) is not None:  # (model spec, topology tensors)
+            key = json.dumps(saved[0]["model"], sort_keys=True)
+            counted[key] = counted[key] if key in counted else flops_per_image(*saved)
+            result[arm] = counted[key] * batch
     record = {"per_image": counted, "per_step": result,
               "note": "network forward + backward (matrix products), per image x train.global_batch_size"}
     if record != cache:
@@ -101,14 +96,13 @@ def compute_rate(mfu: float | None = None, peak_tflops: float | None = None, gpu
         raise UserError(f"--gpu-peak-tflops {peak_tflops} must be positive, e.g. 989 for an H100")
     measured: dict[str, Any] = {}
     if gpu_check is not None:
-        path = Path(gpu_check)
         try:
-            measured = json.loads(path.read_text()).get("trainer") or {}
+            measured = json.loads(Path(gpu_check).read_text()).get("trainer") or {}
         except (OSError, json.JSONDecodeError, AttributeError) as err:
-            raise UserError(f"--gpu-check {path} is not a readable gpu_check.json ({err}); pass the file "
+            raise UserError(f"--gpu-check {gpu_check} is not a readable gpu_check.json ({err}); pass the file "
                             f"benchmarks/gpu_check.py wrote") from None
         if not measured.get("mfu"):
-            raise UserError(f"--gpu-check {path} holds no trainer MFU (its \"trainer\" section is missing or has "
+            raise UserError(f"--gpu-check {gpu_check} holds no trainer MFU (its \"trainer\" section is missing or has "
                             f"none); rerun the GPU check on a GPU, or give --mfu")
     if mfu is not None:
         mfu_source = "MFU given"
@@ -135,8 +129,7 @@ def compute_rate(mfu: float | None = None, peak_tflops: float | None = None, gpu
 
 
 def data_shape(config) -> tuple[int, int, int, str]:
-    """(input side, channels, classes, how found) of a config's data, without opening the dataset
-    (a dry run may happen where the data is not)."""
+    """(input side, channels, classes, how found) of a config's data, without opening it (it may be elsewhere)."""
     d = config.data
     if d.kind == "digits":
         from ..data.digits import DIGITS_NUM_CLASSES

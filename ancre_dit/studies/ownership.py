@@ -52,11 +52,9 @@ def check_folder(study: Study) -> None:
 def claim_folder(study: Study) -> None:
     """Checks the folder, then writes its record; arms and seeds seen before are kept."""
     check_folder(study)
-    old = recorded(study) or {}
-    record = study.record()
-    record["arms"] = {**(old.get("arms") or {}), **record["arms"]}
-    record["seeds"] = sorted(set(old.get("seeds") or []) | set(record["seeds"]))
-    record["created"] = old.get("created") or datetime.now(timezone.utc).isoformat(timespec="seconds")
-    record["updated"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    old, record = recorded(study) or {}, study.record()
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    record.update(arms={**(old.get("arms") or {}), **record["arms"]}, created=old.get("created") or now, updated=now,
+                  seeds=sorted(set(old.get("seeds") or []) | set(record["seeds"])))
     study.out.mkdir(parents=True, exist_ok=True)
     write_atomic(study.out / RECORD, json.dumps(record, indent=1).encode())

@@ -75,9 +75,8 @@ class StudyReport:
             for run in members:
                 run.flops_per_step = self.flops[arm]
         self.groups = {arm: Group(arm, members) for arm, members in runs.items() if members}
-        metrics = list(dict.fromkeys(m for g in self.groups.values() for r in g.runs for m in r.series))
-        first = [m for m in ("heldout_loss", "train_loss") if m in metrics]
-        self.metrics = first + sorted(m for m in metrics if m not in first)
+        self.metrics = sorted({m for g in self.groups.values() for r in g.runs for m in r.series},  # losses first
+                              key=lambda m: ({"heldout_loss": 0, "train_loss": 1}.get(m, 2), m))
 
     def metric_rows(self, metric: str) -> list[MetricRow]:
         return metric_rows(list(self.groups.values()), metric, self.study.baseline_of)

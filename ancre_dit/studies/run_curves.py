@@ -99,8 +99,8 @@ class Group:
     runs: list[Run]
 
     def aligned(self, metric: str, axis: str = "step") -> tuple[np.ndarray, np.ndarray] | None:
-        """(x, values (runs, points)) over the steps every member has; None when a member lacks the
-        metric. x: the members' mean on the axis, NaN where any lacks it (runs without train_seconds)."""
+        """(x: the members' mean on the axis, NaN where one lacks it; values (runs, points)) over the steps every
+        member has; None when a member lacks the metric."""
         members = [r.series.get(metric) for r in self.runs]
         if any(s is None for s in members):
             return None

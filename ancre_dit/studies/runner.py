@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .spec import Job, Study
-from .status import LOG, last_error_line, record_event
+from .status import LOG, record_event, record_exit
 
 
 @dataclass
@@ -33,10 +33,7 @@ def train_command(study: Study, job: Job, train_script: Path) -> list[str]:
 
 
 def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def slot_environment(slot: int, slots: int, gpus: int) -> dict[str, str]:
@@ -49,46 +46,41 @@ def slot_environment(slot: int, slots: int, gpus: int) -> dict[str, str]:
     return env
 
 
+def run_logged(command: list[str], log_path: Path, header: str, started: Callable[[subprocess.Popen], None],
+               **popen) -> int:
+    """Runs `command`, its output appended to `log_path` after a `=== <time> <header>: <command>` line;
+    `started` gets the child once it runs. Polled, not waited on: submitit's signal handler may wait on it too."""
+    with open(log_path, "a") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {header}: {' '.join(command)}\n")
+        log.flush()
+        child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, **popen)
+        started(child)
+        while child.poll() is None:
+            time.sleep(0.2)
+    return child.returncode
+
+
 class LocalRunner:
     """Launches the jobs N at a time; `run` returns an Outcome per job launched."""
 
     def __init__(self, study: Study, train_script: Path, slots: int, is_done: Callable[[Job], bool]):
         self.study, self.train_script, self.slots = study, Path(train_script), max(1, int(slots))
         self.is_done = is_done
-        self._children: dict[str, subprocess.Popen] = {}
-        self._lock = threading.Lock()
+        self._children: dict[str, subprocess.Popen] = {}  # dict updates and copy() are atomic
         self._stopping = threading.Event()
 
     def launch(self, job: Job, env: dict[str, str]) -> Outcome:
-        command = train_command(self.study, job, self.train_script)
         job.run_dir.mkdir(parents=True, exist_ok=True)
-        log_path = job.run_dir / LOG
-        with open(log_path, "a") as log:
-            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} study {self.study.name}: {' '.join(command)}\n")
-            log.flush()
-            child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-            with self._lock:
-                self._children[job.name] = child
-            record_event(job.run_dir, "started", pid=child.pid, executor="local")
-            code = child.wait()
-            with self._lock:
-                self._children.pop(job.name, None)
-        if code != 0:
-            error = last_error_line(log_path)
-            record_event(job.run_dir, "failed", exit_code=code, error=error)
-            return Outcome(job, "failed", code, error)
-        state = "done" if self.is_done(job) else "stopped"
-        record_event(job.run_dir, "finished" if state == "done" else "stopped", exit_code=0)
-        return Outcome(job, state, 0)
 
-    def stop_children(self) -> None:
-        """SIGTERM to every running child: train.py saves a checkpoint and exits."""
-        self._stopping.set()
-        with self._lock:
-            children = list(self._children.values())
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
+        def started(child: subprocess.Popen) -> None:
+            self._children[job.name] = child
+            record_event(job.run_dir, "started", pid=child.pid, executor="local")
+
+        code = run_logged(train_command(self.study, job, self.train_script), job.run_dir / LOG,
+                          f"study {self.study.name}", started, env=env)
+        self._children.pop(job.name, None)
+        state, error = record_exit(job.run_dir, code, code == 0 and self.is_done(job))
+        return Outcome(job, state, code, error)
 
     def run(self, jobs: Sequence[Job], progress: Callable[[Outcome], None] = lambda o: None) -> list[Outcome]:
         import torch
@@ -112,8 +104,11 @@ class LocalRunner:
             try:
                 while not all(f.done() for f in futures):
                     time.sleep(0.2)
-            except KeyboardInterrupt:
-                self.stop_children()
+            except KeyboardInterrupt:  # SIGTERM to every running child: train.py saves a checkpoint and exits
+                self._stopping.set()
+                for child in self._children.copy().values():
+                    if child.poll() is None:
+                        child.send_signal(signal.SIGTERM)
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
         return [o for f in futures if (o := f.result()) is not None]

@@ -79,9 +79,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def record_exit(run_dir: Path, code: int, finished: bool, **fields: Any) -> tuple[str, str | None]:
+    """Records how a launch ended; returns (done / stopped (before max_steps) / failed, its log's error line)."""
+    if code:
+        fields.update(error=last_error_line(run_dir / LOG))
+    elif not finished:
+        fields.update(reason="stopped before max_steps by a signal; a requeue or a rerun resumes it")
+    state = "failed" if code else "done" if finished else "stopped"
+    record_event(run_dir, "finished" if state == "done" else state, exit_code=code, **fields)
+    return state, fields.get("error")
+
+
 def last_error_line(log: Path, limit: int = 1 << 16) -> str | None:
-    """Why a run failed: its log's last `error:` line (our user errors), else the last naming an Error or
-    Exception, else the last non-empty line."""
+    """Why a run failed: its log's last `error:` line, else the last naming an Error or Exception, else the last."""
     if not log.is_file():
         return None
     with open(log, "rb") as f:
