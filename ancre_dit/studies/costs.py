@@ -104,22 +104,17 @@ def compute_rate(mfu: float | None = None, peak_tflops: float | None = None, gpu
         if not measured.get("mfu"):
             raise UserError(f"--gpu-check {gpu_check} holds no trainer MFU (its \"trainer\" section is missing or has "
                             f"none); rerun the GPU check on a GPU, or give --mfu")
-    if mfu is not None:
-        mfu_source = "MFU given"
-    elif measured:
-        mfu, mfu_source = float(measured["mfu"]), f"MFU measured by the GPU check ({gpu_check})"
-    else:
-        mfu, mfu_source = DEFAULT_MFU, f"default MFU {DEFAULT_MFU:.0%}"
-    if peak_tflops is not None:
-        peak_source = "peak given"
-    elif gpu is None and measured.get("peak_tflops"):
+    mfu_source, peak_source = "MFU given", "peak given"
+    if mfu is None:
+        mfu, mfu_source = ((float(measured["mfu"]), f"MFU measured by the GPU check ({gpu_check})") if measured
+                           else (DEFAULT_MFU, f"default MFU {DEFAULT_MFU:.0%}"))
+    if peak_tflops is None and gpu is None and measured.get("peak_tflops"):
         peak_tflops = float(measured["peak_tflops"])
         peak_source = f"peak of the GPU check's device {measured.get('device', '')}".rstrip()
-    else:
+    elif peak_tflops is None:
         from ..hardware import PEAK_BF16_TFLOPS, table_peak
 
-        found = table_peak(gpu or DEFAULT_GPU)
-        if found is None:
+        if (found := table_peak(gpu or DEFAULT_GPU)) is None:
             known = ", ".join(f for f, _ in PEAK_BF16_TFLOPS)
             raise UserError(f"--gpu {gpu or DEFAULT_GPU}: no peak known for it (known: {known}); give its dense "
                             f"bf16 peak with --gpu-peak-tflops")
