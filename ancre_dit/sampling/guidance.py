@@ -20,15 +20,13 @@ from ..errors import UserError
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# The rules below take the name the caller knows the value by (a flag, a config key), so that each
-# error names what the user gave.
 def check_guidance_scale(name: str, scale: float) -> None:
-    """The one rule for a guidance scale wherever it is given (--cfg-scale, train.cfg_scale_for_grids,
-    eval.cfg_scales): finite and >= 0 (1 = the conditional model, 0 = the unconditional one)."""
-    if not math.isfinite(scale):
-        raise UserError(f"{name} {scale} is not a finite number; use 1 for no guidance or a value > 1 (e.g. 1.5)")
-    if scale < 0:
-        raise UserError(f"{name} {scale} is negative; use 1 for no guidance or a value > 1 (e.g. 1.5)")
+    """The one rule for a guidance scale wherever it is given, the error calling it `name` (--cfg-scale,
+    train.cfg_scale_for_grids, eval.cfg_scales): finite and >= 0 (1 = the conditional model, 0 = the
+    unconditional one)."""
+    if not math.isfinite(scale) or scale < 0:
+        problem = "is negative" if math.isfinite(scale) else "is not a finite number"
+        raise UserError(f"{name} {scale} {problem}; use 1 for no guidance or a value > 1 (e.g. 1.5)")
 
 
 @dataclass(frozen=True)
@@ -77,11 +75,8 @@ def parse_interval(text: str | None) -> tuple[float, float] | None:
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The DiT inside DDP (`.module`) or torch.compile (`._orig_mod`) wrappers."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
+    inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+    return unwrap_model(inner) if isinstance(inner, torch.nn.Module) else model
 
 
 class GuidedDenoiser:

@@ -18,12 +18,6 @@ from typing import Any
 from ..diffusion import build_objective
 from ..errors import UserError
 
-# A JobSettings field a protocol sets -> the flag that sets it (named when a flag contradicts it).
-FLAGS = {"sampler": "--sampler", "steps": "--steps", "cfg_channels": "--cfg-channels",
-         "guidance_interval": "--guidance-interval", "time_shift": "--time-shift",
-         "label_mode": "--random-classes / --classes", "precision": "--precision",
-         "sde_last_step": "--sde-last-step", "sde_last_step_size": "--sde-last-step-size",
-         "sde_diffusion_norm": "--sde-diffusion-norm"}
 _FIXED = {"label_mode": "random", "precision": "fp32"}  # every source below samples so
 _SIT_SDE = {"sampler": "sde", "steps": 250, "sde_last_step": "mean", "sde_last_step_size": 0.04,
             "sde_diffusion_norm": 1.0, "time_shift": 1.0}  # SiT's Euler-Maruyama defaults, 250 time points
@@ -32,7 +26,7 @@ _SIT_SDE = {"sampler": "sde", "steps": 250, "sde_last_step": "mean", "sde_last_s
 @dataclass(frozen=True)
 class Protocol:
     objective: str              # the objective of the checkpoints it describes
-    settings: dict[str, Any]    # JobSettings field -> value (keys of FLAGS)
+    settings: dict[str, Any]    # JobSettings field -> value
     cfg_scale: float            # the headline number's guidance scale (--cfg-scale overrides)
     describes: str              # whose numbers, in a few words
 
@@ -76,7 +70,8 @@ def apply_protocol(settings, name: str | None):
     for key, value in wanted.items():
         given = getattr(settings, key)
         if given != value and given != defaults[key]:
-            raise UserError(f"--protocol {name} samples with {key} {value}, but {FLAGS[key]} asks for {given}; "
+            flag = "--random-classes / --classes" if key == "label_mode" else "--" + key.replace("_", "-")
+            raise UserError(f"--protocol {name} samples with {key} {value}, but {flag} asks for {given}; "
                             f"drop that flag or drop --protocol")
     if settings.classes is not None:
         raise UserError(f"--protocol {name} draws class labels at random; drop --classes or drop --protocol")
