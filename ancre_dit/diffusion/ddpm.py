@@ -24,21 +24,17 @@ def respaced_diffusion(spec: Mapping[str, Any], steps: int) -> GaussianDiffusion
 
 
 @torch.no_grad()
-def ddpm_loop(denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: NoiseSource,
-              diffusion: GaussianDiffusion) -> torch.Tensor:
-    """Ancestral sampling x_T -> x_0 over the (respaced) diffusion; the model sees original timesteps."""
+def ddpm_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
+                 noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
+    """The sampler table's "ddpm": ADM's ancestral sampling x_T -> x_0 on the schedule respaced to
+    `steps`; the model sees the original timesteps."""
+    diffusion = respaced_diffusion(objective.spec(), steps)
     for k in reversed(range(diffusion.num_timesteps)):
         t = torch.full((len(x),), k, device=x.device, dtype=torch.long)
         out = diffusion.p_mean_variance(denoiser(x, diffusion.model_timesteps(t), y), x, t)
         # No noise is added at the last step, so none is drawn for it.
         x = out.mean + torch.exp(0.5 * out.log_variance) * noise.next() if k > 0 else out.mean
     return x
-
-
-def ddpm_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
-                 noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
-    """The sampler table's "ddpm": ADM's ancestral sampler on the schedule respaced to `steps`."""
-    return ddpm_loop(denoiser, x, y, noise, respaced_diffusion(objective.spec(), steps))
 
 
 @torch.no_grad()
