@@ -133,10 +133,9 @@ def plan_sampling(model: torch.nn.Module, objective: ObjectiveLike, *, sampler: 
                   sde: SDEOptions = SDEOptions(), time_shift: float = 1.0, compile: bool = False,
                   names: tuple[str, str, str] = ("sampler", "steps", "time_shift"),
                   guide: torch.nn.Module | None = None) -> SamplingPlan:
-    """Checks the settings once; sampler and steps default to the objective's (DDPM: ddpm-250; flow:
-    heun-25), and errors call sampler, steps and time shift `names` (sample.py: its flags). `compile`:
-    torch.compile the network with static shapes (feed it batches of one size). `guide`:
-    autoguidance's weak model."""
+    """Checks the settings once; sampler and steps default to the objective's (DDPM: ddpm-250; flow: heun-25),
+    errors call sampler, steps and time shift `names` (sample.py: its flags). `compile`: torch.compile the
+    network with static shapes (feed it batches of one size). `guide`: autoguidance's weak model."""
     objective = build_objective(objective)
     sampler, steps = resolve_sampler(objective, sampler, steps, names[:2])
     check_time_shift(sampler, time_shift, names[2])

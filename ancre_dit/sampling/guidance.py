@@ -80,11 +80,10 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class GuidedDenoiser:
-    """`denoiser(x, t, y)` -> the model output (C or 2C channels) with guidance applied, float32. t holds
-    the objective's model times, the same for the whole batch (the samplers step in lockstep);
-    `normalized_time` (the objective's) maps them to the unit of the guidance interval. With `guide`
-    (autoguidance), that model's output on the first C channels stands in for the unconditional one;
-    the model's learned variance, if any, is kept as it is."""
+    """`denoiser(x, t, y)` -> the model output (C or 2C channels) with guidance applied, float32. t holds the
+    objective's model times, the same for the whole batch; `normalized_time` (the objective's) maps them to
+    the guidance interval's unit. With `guide` (autoguidance), that model's output on the first C channels
+    stands in for the unconditional one; the model's learned variance, if any, is kept as it is."""
 
     def __init__(self, model: torch.nn.Module, guidance: Guidance, precision: str = "fp32",
                  normalized_time: Callable[[float], float] | None = None, compile: bool = False,

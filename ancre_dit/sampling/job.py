@@ -183,9 +183,8 @@ TRAINING_ONLY = ("learn_sigma", "time_sampling", "logit_mean", "logit_std", "cos
 
 
 def load_guide(path: str, spec: dict, device, name: str, sampled: str) -> torch.nn.Module:
-    """Autoguidance's weak model (its EMA weights) from the checkpoint folder `path`, refused in one
-    line unless it shares the sampled model's data (latent space, normalisation, classes) and
-    objective. `name` and `sampled`: how the message calls the two."""
+    """Autoguidance's weak model (EMA weights) from the folder `path`; refused unless it shares the sampled
+    model's data (latent space, normalisation, classes) and objective (the error calls them `name`, `sampled`)."""
     guide, guide_spec = load_trained_model(path, "ema", device)
     differs = data_differences(guide_spec["data"], spec["data"], where=("there", "here"))
     ours, theirs = ({k: v for k, v in d["diffusion"].items() if k not in TRAINING_ONLY} for d in (spec, guide_spec))
@@ -271,9 +270,8 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
 
 
 def wait_for_parts(folder: Path, ranges: list[tuple[int, int]], log=print, poll_seconds: float = 2.0) -> None:
-    """Blocks until every part file exists. A file wait, not a barrier: the processes may finish far
-    apart (a resumed job leaves some nothing to do) and no collective timeout applies; a process that
-    dies takes the job down under torchrun / accelerate launch, so this never outlives a failed job."""
+    """Blocks until every part file exists: a file wait, not a barrier, since the processes may finish far apart
+    (no collective timeout applies); a process that dies takes the whole job down under the launcher."""
     missing = [r for r in ranges if not part_path(folder, *r).is_file()]
     if missing:
         log(f"waiting for {len(missing)} part(s) from the other processes")

@@ -1,12 +1,11 @@
 """What a set of samples was drawn with: the published protocols' presets, and the record written
 next to every sample file so that evaluations say which protocol their numbers follow.
 
-A protocol is how a source sampled its headline FID, one entry of PROTOCOLS: the sampler, its steps
-and options, which channels are guided and when, the time shift, the label draw and the precision.
-`--protocol NAME` sets all of them and refuses a flag that contradicts one; the guidance scale is
-the headline number's unless --cfg-scale is given (the sources report several). Every source draws
-class labels at random from per-process seeds, which no other process count reproduces; ours draws
-them per sample from --seed, so the labels follow the same distribution, not the same stream.
+A protocol (an entry of PROTOCOLS) is how a source sampled its headline FID: the sampler, its steps and
+options, the guided channels and interval, the time shift, the label draw and the precision. `--protocol
+NAME` sets them all and refuses a flag that contradicts one; the guidance scale is the headline number's
+unless --cfg-scale is given. The sources draw labels at random from per-process seeds, which no other
+process count reproduces; ours draws them per sample from --seed (the same distribution, not stream).
 """
 from __future__ import annotations
 
@@ -38,9 +37,8 @@ PROTOCOLS: dict[str, Protocol] = {
     # SiT's sample_ddp.py SDE mode with its defaults; SiT's forward_with_cfg keeps DiT's 3 channels.
     "sit": Protocol("flow", {**_FIXED, **_SIT_SDE, "cfg_channels": 3, "guidance_interval": None}, 1.5,
                     "SiT's SDE-250 numbers (SiT-XL/2, FID 2.06 at cfg 1.5)"),
-    # REPA's generate.py --mode sde --num-steps 250 --guidance-high 0.7: its Euler-Maruyama is SiT's
-    # (time points 1 -> 0.04, diffusion 2t, a mean last step), guiding every channel while t <= 0.7
-    # on its time axis, which runs from data (0) to noise (1) as our normalised time does.
+    # REPA's generate.py --mode sde --num-steps 250 --guidance-high 0.7: SiT's Euler-Maruyama, guiding
+    # every channel while t <= 0.7 on its time axis (0 = data, 1 = noise, as our normalised time).
     "repa": Protocol("flow", {**_FIXED, **_SIT_SDE, "cfg_channels": None, "guidance_interval": (0.0, 0.7)}, 1.8,
                      "REPA's SDE-250 numbers (SiT-XL/2 + REPA, FID 1.42 at cfg 1.8)"),
     # LightningDiT's inference.py: Euler on 250 time points (249 steps), timestep_shift 0.3, guidance
