@@ -14,13 +14,13 @@ import pytest
 import torch
 from helpers import ROOT, TINY_DIT, load_script, tiny_model
 
-from ancre_dit.diffusion import build_objective
+from ancre_dit.diffusion import SDEOptions, build_objective
 from ancre_dit.cli import SingleProcess
 from ancre_dit.errors import UserError
 from ancre_dit.sampling import GuidedDenoiser, Guidance, SampleNoise, sample_images, sample_latents
 from ancre_dit.sampling import job as job_module
 from ancre_dit.sampling.api import decode_pixels
-from ancre_dit.diffusion.ddpm import ddpm_loop, respaced_diffusion
+from ancre_dit.diffusion.ddpm import ddpm_sampler, respaced_diffusion
 from ancre_dit.checkpoint import make_model_spec, write_model_files
 
 REPO = ROOT
@@ -249,8 +249,8 @@ def test_cfg_scale_one_is_the_plain_conditional_model():
     labels = [0, 5, 9]
     got = sample_latents(model, DIFFUSION, labels, seed=2, steps=5, guidance=Guidance(1.0))
     noise = SampleNoise(2, range(3), (1, 8, 8))
-    expected = ddpm_loop(lambda a, b, c: model(a, b, c), noise.next(), torch.tensor(labels), noise,
-                         respaced_diffusion(DIFFUSION, 5))
+    expected = ddpm_sampler(build_objective(DIFFUSION), lambda a, b, c: model(a, b, c), noise.next(),
+                            torch.tensor(labels), noise, steps=5, sde=SDEOptions())
     assert torch.equal(got, expected)
     # Guidance really changes the samples (so the equality above is not vacuous).
     assert not torch.allclose(got, sample_latents(model, DIFFUSION, labels, seed=2, steps=5, guidance=Guidance(3.0)))

@@ -2,9 +2,8 @@
 from .base import LAST_STEPS, Objective, SDEOptions
 from .ddpm import DDPMObjective
 from .flow import TIME_SAMPLINGS, FlowObjective
-from .sampler_registry import (ALL_SAMPLERS, OBJECTIVES, SAMPLERS, SamplerEntry, build_objective,
-                               check_time_shift, resolve_sampler, samplers_for)
+from .sampler_registry import (OBJECTIVES, SAMPLERS, SamplerEntry, build_objective, check_time_shift, resolve_sampler,
+                               samplers_for)
 
-__all__ = ["ALL_SAMPLERS", "LAST_STEPS", "Objective", "SDEOptions", "DDPMObjective", "TIME_SAMPLINGS",
-           "FlowObjective", "OBJECTIVES", "build_objective", "SAMPLERS", "SamplerEntry", "check_time_shift",
-           "resolve_sampler", "samplers_for"]
+__all__ = ["LAST_STEPS", "Objective", "SDEOptions", "DDPMObjective", "TIME_SAMPLINGS", "FlowObjective", "OBJECTIVES",
+           "build_objective", "SAMPLERS", "SamplerEntry", "check_time_shift", "resolve_sampler", "samplers_for"]

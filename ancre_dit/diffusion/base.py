@@ -1,11 +1,9 @@
 """The training objective as one interface: what the trainer, the sampling job, the sample grids
-and the benchmarks ask of DDPM or flow matching.
-
-An objective draws a micro-batch's training time and noise from the generator it is handed (so a
-run resumed with that generator continues bitwise), returns the per-sample loss terms ("loss" is
-minimised), names its default sampler and the step counts its schedule allows (the samplers
-themselves are the sampler table's, sampler_registry.py), and maps its model time to normalised
-time u in [0, 1] (0 = data, 1 = pure noise), the unit of the guidance interval.
+and the benchmarks ask of DDPM or flow matching. An objective draws a micro-batch's training time and
+noise from the generator it is handed (so a resumed run continues bitwise), returns the per-sample loss
+terms ("loss" is minimised), names its default sampler and allowed step counts (the samplers are in
+sampler_registry.py) and maps model time to normalised time u in [0, 1] (0 = data, 1 = noise), the
+guidance interval's unit.
 """
 from __future__ import annotations
 

@@ -24,9 +24,11 @@ def respaced_diffusion(spec: Mapping[str, Any], steps: int) -> GaussianDiffusion
 
 
 @torch.no_grad()
-def ddpm_loop(denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: NoiseSource,
-              diffusion: GaussianDiffusion) -> torch.Tensor:
-    """Ancestral sampling x_T -> x_0 over the (respaced) diffusion; the model sees original timesteps."""
+def ddpm_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
+                 noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
+    """The sampler table's "ddpm": ADM's ancestral sampling x_T -> x_0 on the schedule respaced to
+    `steps`; the model sees the original timesteps."""
+    diffusion = respaced_diffusion(objective.spec(), steps)
     for k in reversed(range(diffusion.num_timesteps)):
         t = torch.full((len(x),), k, device=x.device, dtype=torch.long)
         out = diffusion.p_mean_variance(denoiser(x, diffusion.model_timesteps(t), y), x, t)
@@ -35,22 +37,14 @@ def ddpm_loop(denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor, noise: Noise
     return x
 
 
-def ddpm_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
-                 noise: NoiseSource, *, steps: int, sde: SDEOptions) -> torch.Tensor:
-    """The sampler table's "ddpm": ADM's ancestral sampler on the schedule respaced to `steps`."""
-    return ddpm_loop(denoiser, x, y, noise, respaced_diffusion(objective.spec(), steps))
-
-
 @torch.no_grad()
 def scheduler_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.Tensor, y: torch.Tensor,
                       noise: NoiseSource, *, steps: int, sde: SDEOptions, kind: str) -> torch.Tensor:
     """The sampler table's "ddim" (eta 0, no noise drawn) and "dpm-solver" (DPM-Solver++(2M)) through
-    diffusers; only epsilon (first C channels) is passed, since DPM-Solver's learned-variance mode
-    assumes 3-channel images."""
+    diffusers, clipping and thresholding off (DiT's latents are not bounded to [-1, 1]); only epsilon
+    (first C channels) is passed, since DPM-Solver's learned-variance mode assumes 3-channel images."""
     from diffusers import DDIMScheduler, DPMSolverMultistepScheduler
 
-    # clip_sample / thresholding off: DiT's latents are not bounded to [-1, 1] (a known trap: DDIM defaults to
-    # clip_sample=True).
     schedule = objective.schedule
     common = dict(num_train_timesteps=schedule["num_timesteps"], beta_start=schedule["beta_start"],
                   beta_end=schedule["beta_end"], beta_schedule="linear", prediction_type="epsilon")
@@ -60,12 +54,10 @@ def scheduler_sampler(objective: "DDPMObjective", denoiser: Denoiser, x: torch.T
         scheduler = DPMSolverMultistepScheduler(**common, algorithm_type="dpmsolver++", solver_order=2,
                                                 thresholding=False, lower_order_final=True)
     scheduler.set_timesteps(int(steps), device=x.device)
-    channels = x.shape[1]
     x = x * scheduler.init_noise_sigma
     for t in scheduler.timesteps:
-        model_input = scheduler.scale_model_input(x, t)
-        out = denoiser(model_input, t.to(x.device, torch.long).expand(len(x)), y)
-        x = scheduler.step(out[:, :channels], t, x).prev_sample
+        out = denoiser(scheduler.scale_model_input(x, t), t.to(x.device, torch.long).expand(len(x)), y)
+        x = scheduler.step(out[:, :x.shape[1]], t, x).prev_sample
     return x
 
 

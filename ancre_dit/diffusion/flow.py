@@ -1,17 +1,12 @@
-"""Flow matching with SiT's interpolants and predictions (Ma et al., 2024).
-
-SiT's conventions (`transport/`: path.py, Transport, Sampler), so that SiT's weights sample
-correctly here: x_t = alpha(t) x1 + sigma(t) x0, x1 the data, x0 standard normal noise, so t = 0 is
-noise and t = 1 data, on the linear, GVP or VP path (paths.py). The network predicts the velocity
-u_t = alpha' x1 + sigma' x0 (SiT's default), the score of x_t, or the noise x0; t enters the timestep
-embedding as it is, a float in [0, 1]. Velocity trains with the plain MSE (SiT ignores a loss weight
-there, and so is one refused here); score and noise train with SiT's weights: none, "velocity"
-(b / sigma)^2 or "likelihood" b / sigma^2, b the score's coefficient in the probability-flow drift.
-Training times lie in SiT's interval (all of [0, 1] for a velocity on the linear and GVP paths, a
-little inside it otherwise) and are uniform (SiT) or logit-normal, sigmoid(m + s n), n ~ N(0, 1)
-(SD3 / LightningDiT), scaled onto that interval as LightningDiT does. LightningDiT also adds a cosine
-loss on the velocity, 1 - cos(v_pred, v) over the channels at each position, beside the MSE (here
-with a weight; 0 = off). Normalised time, the guidance interval's unit, is u = 1 - t.
+"""Flow matching with SiT's interpolants and predictions (Ma et al., 2024), in SiT's conventions so
+that SiT's weights sample correctly here: x_t = alpha(t) x1 + sigma(t) x0, x1 the data, x0 ~ N(0, I),
+t = 0 noise and t = 1 data, on the linear, GVP or VP path (paths.py); t enters the timestep embedding
+as a float in [0, 1]. The network predicts the velocity alpha' x1 + sigma' x0 (plain MSE: SiT ignores a
+loss weight there, so one is refused), the score or the noise x0 (SiT's weights: none, "velocity"
+(b / sigma)^2 or "likelihood" b / sigma^2, b the score's coefficient in the probability-flow drift).
+Training times lie in SiT's interval, uniform (SiT) or logit-normal sigmoid(m + s n), n ~ N(0, 1)
+(SD3 / LightningDiT), scaled onto it as LightningDiT does. LightningDiT's cosine loss 1 - cos(v_pred, v)
+over the channels may be added to the MSE with a weight. Normalised time (guidance's unit) is u = 1 - t.
 """
 from __future__ import annotations
 
@@ -43,7 +38,7 @@ class FlowObjective(Objective):
                                     ("prediction", prediction, PREDICTIONS), ("loss_weight", loss_weight, LOSS_WEIGHTS)):
             if value not in choices:
                 raise UserError(f"unknown diffusion.{key} {value!r}; choose {' or '.join(choices)}")
-        if not logit_std > 0:
+        if not float(logit_std) > 0:
             raise UserError(f"diffusion.logit_std must be positive, got {logit_std}")
         if prediction == "velocity" and loss_weight != "none":
             raise UserError(f"diffusion.loss_weight={loss_weight} weighs a score or noise prediction (SiT ignores it "

@@ -1,19 +1,16 @@
-"""Samplers of the flow objective (time 0 = noise, 1 = data; see flow.py), on any of SiT's paths and
-predictions: the network's output becomes the ODE's drift, the score and the last step through the
-objective, over SiT's time interval for the path and prediction.
+"""Samplers of the flow objective (time 0 = noise, 1 = data; see flow.py) on any of SiT's paths and
+predictions: the objective turns the network's output into the ODE's drift, the score and the last
+step, over SiT's interval for the path and prediction.
 
-ODE dx/dt = v(x, t) through torchdiffeq: "euler" and "heun" (heun2, two network calls per step) on
-`steps` intervals, "dopri5" adaptive with SiT's tolerances (its steps adapt to the whole batch,
-so a sample depends on its batch; a fixed --batch-size still gives the same file on any process count).
-The fixed grid is equal intervals, or with a time shift s LightningDiT's t' = s t / (1 + (s - 1) t)
-of them (s < 1 spends more steps near the noise; LightningDiT samples with 0.3; SD3's shift k in its
-noise-level convention is s = 1 / k).
+ODE dx/dt = v(x, t) through torchdiffeq: "euler" and "heun" (heun2, two network calls a step) on
+`steps` intervals of an equal grid, or with a time shift s LightningDiT's t' = s t / (1 + (s - 1) t)
+of it (s < 1 spends more steps near the noise; SD3's shift k is s = 1 / k); "dopri5" adaptive with
+SiT's tolerances (its steps adapt to the whole batch, so a sample depends on its batch).
 
-SDE: SiT's Euler-Maruyama by hand (torchdiffeq has none), SiT's defaults: time points
-linspace(t0, 1 - last_step_size, steps), so steps - 1 noisy steps x <- x + drift dt + sqrt(2 w dt) z
-with w(t) = norm * sigma(t) (on the linear path 1 - t) and drift v + w * score; then one last step
-without noise: "mean" (drift, SiT's default), "euler" (velocity only), "tweedie"
-(E[data | x_t] = x / alpha + sigma^2 / alpha * score), or "none".
+SDE: SiT's Euler-Maruyama by hand (torchdiffeq has none) with SiT's defaults: time points
+linspace(t0, 1 - last_step_size, steps), steps - 1 noisy steps x <- x + drift dt + sqrt(2 w dt) z with
+w(t) = norm * sigma(t) and drift v + w * score, then one noiseless last step: "mean" (drift, SiT's
+default), "euler" (velocity only), "tweedie" (E[data | x_t]) or "none".
 """
 from __future__ import annotations
 

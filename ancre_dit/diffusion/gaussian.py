@@ -1,14 +1,14 @@
 """DiT's Gaussian diffusion: linear beta schedule, epsilon prediction, learned variance.
 
-The tables are float64 like ADM / DiT (diffusers' float32 ones shift DDPM-250 samples slightly);
-diffusers' DDIM and DPM-Solver run on the same schedule (ddpm.py). The learned
-variance, the hybrid loss and the respacing are written by hand: diffusers has no training loss, and
-its respaced DDPM does not interpolate the learned variance over the respaced betas as DiT does.
+The tables are float64 like ADM / DiT (diffusers' float32 ones shift DDPM-250 samples slightly). The
+learned variance, the hybrid loss and the respacing are written by hand: diffusers has no training loss,
+and its respaced DDPM does not interpolate the learned variance over the respaced betas as DiT does.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Callable
 
 import numpy as np
@@ -32,15 +32,10 @@ def space_timesteps(num_timesteps: int, count: int) -> list[int]:
     """ADM's respacing with one section: `count` evenly strided steps over [0, T) ("250" -> 250 of 1000);
     DDPMObjective.check_steps keeps `count` within T."""
     stride = 1 if count <= 1 else (num_timesteps - 1) / (count - 1)
-    position, taken = 0.0, []
-    for _ in range(count):
-        taken.append(round(position))
-        position += stride
-    return sorted(set(taken))
+    return sorted({round(position) for position in accumulate([stride] * (count - 1), initial=0.0)})
 
 
-# The variational-bound term of the hybrid loss, as in Ho et al. 2020 and Nichol & Dhariwal 2021 (by hand:
-# no maintained library exposes these terms).
+# The hybrid loss's variational-bound term (Ho et al. 2020, Nichol & Dhariwal 2021); no library exposes it.
 def normal_kl(mean1: torch.Tensor, logvar1: torch.Tensor, mean2: torch.Tensor, logvar2: torch.Tensor) -> torch.Tensor:
     """KL( N(mean1, exp(logvar1)) || N(mean2, exp(logvar2)) ), elementwise, in nats."""
     return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2)
@@ -53,10 +48,8 @@ def approx_standard_normal_cdf(x: torch.Tensor) -> torch.Tensor:
 
 
 def discretized_gaussian_log_likelihood(x: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor) -> torch.Tensor:
-    """log-likelihood of data x in [-1, 1] quantised to 256 bins under N(means, exp(log_scales)^2).
-
-    The outermost bins extend to -inf / +inf, so the likelihood of the edge values is finite.
-    """
+    """log-likelihood of data x in [-1, 1] quantised to 256 bins under N(means, exp(log_scales)^2); the
+    outermost bins extend to -inf / +inf, so the edge values' likelihood is finite."""
     centered = x - means
     inv_std = torch.exp(-log_scales)
     cdf_plus = approx_standard_normal_cdf(inv_std * (centered + 1.0 / 255.0))
@@ -106,10 +99,9 @@ class GaussianDiffusion:
 
     def _table(self, name: str, device: torch.device) -> torch.Tensor:
         """The numpy table `name` as a tensor on `device`, copied there once."""
-        key = (name, device)
-        if key not in self._tables:
-            self._tables[key] = torch.from_numpy(np.asarray(getattr(self, name))).to(device)
-        return self._tables[key]
+        if (name, device) not in self._tables:
+            self._tables[name, device] = torch.from_numpy(np.asarray(getattr(self, name))).to(device)
+        return self._tables[name, device]
 
     def _extract(self, name: str, t: torch.Tensor, ndim: int) -> torch.Tensor:
         """Gathers table[t] (computed in float64, used in float32) shaped to broadcast over x."""
@@ -180,12 +172,11 @@ def create_diffusion(respacing: str | int | None = None, learn_sigma: bool = Tru
                      **schedule: Any) -> GaussianDiffusion:
     """DiT's linear schedule (DDPM_SCHEDULE, or num_timesteps / beta_start / beta_end given),
     optionally respaced (e.g. "250" for sampling)."""
-    schedule = {**DDPM_SCHEDULE, **schedule}
-    num_timesteps, betas = schedule["num_timesteps"], linear_betas(**schedule)
-    if respacing in (None, "", num_timesteps, str(num_timesteps)):
+    betas = linear_betas(**schedule)
+    if respacing in (None, "", len(betas), str(len(betas))):
         return GaussianDiffusion(betas, learn_sigma)
     # ADM's respacing: the kept steps' betas are chosen to keep their alphas_cumprod.
-    use = space_timesteps(num_timesteps, int(respacing))
+    use = space_timesteps(len(betas), int(respacing))
     alphas_cumprod = np.cumprod(1.0 - betas)[use]
     return GaussianDiffusion(1.0 - alphas_cumprod / np.append(1.0, alphas_cumprod[:-1]), learn_sigma, use)
 

@@ -18,7 +18,8 @@ from .flow_samplers import ode_sampler, sde_sampler
 
 OBJECTIVES = ("ddpm", "flow")
 # The flow objective's own settings and their defaults (a DDPM spec may hold them only at these).
-FLOW_ONLY = {"path": "linear", "prediction": "velocity", "loss_weight": "none", "cosine_loss_weight": 0.0}
+FLOW_ONLY = {"time_sampling": "uniform", "path": "linear", "prediction": "velocity", "loss_weight": "none",
+             "cosine_loss_weight": 0.0}
 
 
 def build_objective(spec: Mapping[str, Any] | Objective) -> Objective:
@@ -27,22 +28,16 @@ def build_objective(spec: Mapping[str, Any] | Objective) -> Objective:
         return spec
     name = spec.get("objective")
     if name == "ddpm":
-        if spec.get("time_sampling", "uniform") != "uniform":
-            raise UserError(f"diffusion.time_sampling={spec['time_sampling']} applies only to diffusion.objective=flow "
-                            "(DDPM draws integer timesteps uniformly)")
         for key, default in FLOW_ONLY.items():
             if spec.get(key, default) != default:
                 raise UserError(f"diffusion.{key}={spec[key]} applies only to diffusion.objective=flow (SiT's "
-                                f"interpolants); DDPM is DiT's epsilon prediction: drop it")
+                                "interpolants); DDPM is DiT's epsilon prediction on uniform integer timesteps: drop it")
         return DDPMObjective(learn_sigma=bool(spec.get("learn_sigma", True)), **schedule_of(spec))
     if name == "flow":
         if spec.get("learn_sigma"):
             raise UserError("the flow objective predicts a velocity and has no learned variance; "
                             "set model.learn_sigma=false")
-        return FlowObjective(str(spec.get("time_sampling", "uniform")), float(spec.get("logit_mean", 0.0)),
-                             float(spec.get("logit_std", 1.0)), float(spec.get("cosine_loss_weight", 0.0)),
-                             path=str(spec.get("path", "linear")), prediction=str(spec.get("prediction", "velocity")),
-                             loss_weight=str(spec.get("loss_weight", "none")))
+        return FlowObjective(**{key: spec[key] for key in (*FLOW_ONLY, "logit_mean", "logit_std") if key in spec})
     raise UserError(f"unknown diffusion objective {name!r}; choose {' or '.join(OBJECTIVES)}")
 
 
@@ -79,9 +74,6 @@ SAMPLERS: dict[str, SamplerEntry] = {
                         needs_two_steps="the SDE sampler needs at least 2 (SiT counts time points, steps - 1 "
                                         "Euler-Maruyama steps plus the last step)"),
 }
-
-ALL_SAMPLERS = SAMPLERS.keys()  # a live view: choice lists built at import follow the table
-
 
 def samplers_for(objective: str) -> tuple[str, ...]:
     """The samplers that fit the objective named `objective`, in table order."""

@@ -1,16 +1,13 @@
 """Python entry points: sample a batch from a DiT in memory (sample.py, the trainer's grids, the
-benchmarks). `plan_sampling` checks the sampling settings once (sampler against the objective, steps,
-guidance against the model, precision), then samples any number of batches; `sample_latents` /
-`sample_images` are the one-call forms.
+benchmarks). `plan_sampling` checks the settings once (sampler against the objective, steps, guidance
+against the model, precision), then samples any number of batches; `sample_latents` / `sample_images`
+are the one-call forms.
 
-Per-sample random streams and class labels, so that sample i depends only on (seed, i): each sample
-owns a CPU torch.Generator seeded from (seed, i); its initial noise and every per-step noise are drawn
-from that generator in a fixed order. A sample therefore comes out the same whatever the batch size,
-the number of processes or the other samples in its batch. Its label is balanced (default), drawn
-from its own label stream, or taken from a user list cycled.
-
-From the sampler's output to uint8 images: VAE decoding for latent models (ancre_dit.vae), a plain
-rescale for pixel-space models (digits)."""
+Sample i depends only on (seed, i), not on the batch size, the process count or its batch: it owns a
+CPU torch.Generator seeded from (seed, i) that draws its initial noise and every per-step noise in a
+fixed order, and its label is balanced (default), drawn from its own label stream, or taken from a
+user list cycled. Latent models decode through their VAE (ancre_dit.vae), pixel-space models (digits)
+by a plain rescale."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -84,8 +81,7 @@ Decoder = Callable[[torch.Tensor], np.ndarray]
 
 
 def decode_pixels(x: torch.Tensor) -> np.ndarray:
-    """Pixel-space models sample images directly: (N, C, H, W) in [-1, 1] -> uint8 (N, H, W, C),
-    clipped and rounded to nearest."""
+    """A pixel-space sample (N, C, H, W) in [-1, 1] -> uint8 (N, H, W, C), clipped and rounded to nearest."""
     return to_uint8(x).transpose(0, 2, 3, 1)
 
 
@@ -137,10 +133,9 @@ def plan_sampling(model: torch.nn.Module, objective: ObjectiveLike, *, sampler: 
                   sde: SDEOptions = SDEOptions(), time_shift: float = 1.0, compile: bool = False,
                   names: tuple[str, str, str] = ("sampler", "steps", "time_shift"),
                   guide: torch.nn.Module | None = None) -> SamplingPlan:
-    """Checks the settings once; sampler and steps default to the objective's (DDPM: ddpm-250; flow:
-    heun-25), and errors call sampler, steps and time shift `names` (sample.py: its flags). `compile`:
-    torch.compile the network with static shapes (feed it batches of one size). `guide`:
-    autoguidance's weak model."""
+    """Checks the settings once; sampler and steps default to the objective's (DDPM: ddpm-250; flow: heun-25),
+    errors call sampler, steps and time shift `names` (sample.py: its flags). `compile`: torch.compile the
+    network with static shapes (feed it batches of one size). `guide`: autoguidance's weak model."""
     objective = build_objective(objective)
     sampler, steps = resolve_sampler(objective, sampler, steps, names[:2])
     check_time_shift(sampler, time_shift, names[2])

@@ -20,15 +20,13 @@ from ..errors import UserError
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# The rules below take the name the caller knows the value by (a flag, a config key), so that each
-# error names what the user gave.
 def check_guidance_scale(name: str, scale: float) -> None:
-    """The one rule for a guidance scale wherever it is given (--cfg-scale, train.cfg_scale_for_grids,
-    eval.cfg_scales): finite and >= 0 (1 = the conditional model, 0 = the unconditional one)."""
-    if not math.isfinite(scale):
-        raise UserError(f"{name} {scale} is not a finite number; use 1 for no guidance or a value > 1 (e.g. 1.5)")
-    if scale < 0:
-        raise UserError(f"{name} {scale} is negative; use 1 for no guidance or a value > 1 (e.g. 1.5)")
+    """The one rule for a guidance scale wherever it is given, the error calling it `name` (--cfg-scale,
+    train.cfg_scale_for_grids, eval.cfg_scales): finite and >= 0 (1 = the conditional model, 0 = the
+    unconditional one)."""
+    if not math.isfinite(scale) or scale < 0:
+        problem = "is negative" if math.isfinite(scale) else "is not a finite number"
+        raise UserError(f"{name} {scale} {problem}; use 1 for no guidance or a value > 1 (e.g. 1.5)")
 
 
 @dataclass(frozen=True)
@@ -77,19 +75,15 @@ def parse_interval(text: str | None) -> tuple[float, float] | None:
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The DiT inside DDP (`.module`) or torch.compile (`._orig_mod`) wrappers."""
-    while True:
-        inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
+    inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+    return unwrap_model(inner) if isinstance(inner, torch.nn.Module) else model
 
 
 class GuidedDenoiser:
-    """`denoiser(x, t, y)` -> the model output (C or 2C channels) with guidance applied, float32. t holds
-    the objective's model times, the same for the whole batch (the samplers step in lockstep);
-    `normalized_time` (the objective's) maps them to the unit of the guidance interval. With `guide`
-    (autoguidance), that model's output on the first C channels stands in for the unconditional one;
-    the model's learned variance, if any, is kept as it is."""
+    """`denoiser(x, t, y)` -> the model output (C or 2C channels) with guidance applied, float32. t holds the
+    objective's model times, the same for the whole batch; `normalized_time` (the objective's) maps them to
+    the guidance interval's unit. With `guide` (autoguidance), that model's output on the first C channels
+    stands in for the unconditional one; the model's learned variance, if any, is kept as it is."""
 
     def __init__(self, model: torch.nn.Module, guidance: Guidance, precision: str = "fp32",
                  normalized_time: Callable[[float], float] | None = None, compile: bool = False,

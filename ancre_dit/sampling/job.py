@@ -79,10 +79,9 @@ def job_identity(settings: JobSettings, spec: dict) -> dict:
     keep = ("weights", "batch_size", "sampler", "steps", "cfg_scale", "cfg_channels", "guidance_interval",
             "seed", "label_mode", "classes", "precision", "vae", "sde_last_step", "sde_last_step_size",
             "sde_diffusion_norm")
-    identity = {k: v for k, v in asdict(settings).items() if k in keep}
+    identity = {**{k: v for k, v in asdict(settings).items() if k in keep}, "ckpt": str(Path(settings.ckpt).resolve()),
+                "step": spec.get("step")}
     identity["guidance_interval"] = list(settings.guidance_interval) if settings.guidance_interval else None
-    identity["ckpt"] = str(Path(settings.ckpt).resolve())
-    identity["step"] = spec.get("step")
     if settings.guide_ckpt:  # only when set: the identities of earlier jobs stay as they were
         identity["guide_ckpt"] = str(Path(settings.guide_ckpt).resolve())
     if settings.time_shift != 1:  # likewise
@@ -142,8 +141,7 @@ def _check_or_write_identity(folder: Path, identity: dict, is_main: bool) -> Non
 
 
 def merge_parts(folder: Path, ranges: list[tuple[int, int]], labels: np.ndarray, out: Path) -> np.ndarray:
-    """Parts in index order -> one ADM npz; filled into one preallocated array so the peak memory
-    is the merged array itself (about 9.8 GB for 50K 256x256 RGB images)."""
+    """Parts in index order -> one ADM npz, filled into one preallocated array (the peak memory)."""
     images = None
     for start, end in ranges:
         path = part_path(folder, start, end)
@@ -185,9 +183,8 @@ TRAINING_ONLY = ("learn_sigma", "time_sampling", "logit_mean", "logit_std", "cos
 
 
 def load_guide(path: str, spec: dict, device, name: str, sampled: str) -> torch.nn.Module:
-    """Autoguidance's weak model (its EMA weights) from the checkpoint folder `path`, refused in one
-    line unless it shares the sampled model's data (latent space, normalisation, classes) and
-    objective. `name` and `sampled`: how the message calls the two."""
+    """Autoguidance's weak model (EMA weights) from the folder `path`; refused unless it shares the sampled
+    model's data (latent space, normalisation, classes) and objective (the error calls them `name`, `sampled`)."""
     guide, guide_spec = load_trained_model(path, "ema", device)
     differs = data_differences(guide_spec["data"], spec["data"], where=("there", "here"))
     ours, theirs = ({k: v for k, v in d["diffusion"].items() if k not in TRAINING_ONLY} for d in (spec, guide_spec))
@@ -240,8 +237,7 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
         bar.update(end - start)
     bar.close()
     if not is_main:
-        # Done: no collective after this point, so a long merge on the main process (minutes at
-        # 50K images) never holds this process in a barrier that can time out.
+        # No collective after this point: the main process's long merge holds no other in a barrier.
         return out
 
     wait_for_parts(folder, ranges, log)
@@ -274,9 +270,8 @@ def _run_model(model: torch.nn.Module, spec: dict, s: JobSettings, guidance: Gui
 
 
 def wait_for_parts(folder: Path, ranges: list[tuple[int, int]], log=print, poll_seconds: float = 2.0) -> None:
-    """Blocks until every part file exists. A file wait, not a barrier: the processes may finish far
-    apart (a resumed job leaves some nothing to do) and no collective timeout applies; a process that
-    dies takes the job down under torchrun / accelerate launch, so this never outlives a failed job."""
+    """Blocks until every part file exists: a file wait, not a barrier, since the processes may finish far apart
+    (no collective timeout applies); a process that dies takes the whole job down under the launcher."""
     missing = [r for r in ranges if not part_path(folder, *r).is_file()]
     if missing:
         log(f"waiting for {len(missing)} part(s) from the other processes")

@@ -1,12 +1,11 @@
 """What a set of samples was drawn with: the published protocols' presets, and the record written
 next to every sample file so that evaluations say which protocol their numbers follow.
 
-A protocol is how a source sampled its headline FID, one entry of PROTOCOLS: the sampler, its steps
-and options, which channels are guided and when, the time shift, the label draw and the precision.
-`--protocol NAME` sets all of them and refuses a flag that contradicts one; the guidance scale is
-the headline number's unless --cfg-scale is given (the sources report several). Every source draws
-class labels at random from per-process seeds, which no other process count reproduces; ours draws
-them per sample from --seed, so the labels follow the same distribution, not the same stream.
+A protocol (an entry of PROTOCOLS) is how a source sampled its headline FID: the sampler, its steps and
+options, the guided channels and interval, the time shift, the label draw and the precision. `--protocol
+NAME` sets them all and refuses a flag that contradicts one; the guidance scale is the headline number's
+unless --cfg-scale is given. The sources draw labels at random from per-process seeds, which no other
+process count reproduces; ours draws them per sample from --seed (the same distribution, not stream).
 """
 from __future__ import annotations
 
@@ -18,12 +17,6 @@ from typing import Any
 from ..diffusion import build_objective
 from ..errors import UserError
 
-# A JobSettings field a protocol sets -> the flag that sets it (named when a flag contradicts it).
-FLAGS = {"sampler": "--sampler", "steps": "--steps", "cfg_channels": "--cfg-channels",
-         "guidance_interval": "--guidance-interval", "time_shift": "--time-shift",
-         "label_mode": "--random-classes / --classes", "precision": "--precision",
-         "sde_last_step": "--sde-last-step", "sde_last_step_size": "--sde-last-step-size",
-         "sde_diffusion_norm": "--sde-diffusion-norm"}
 _FIXED = {"label_mode": "random", "precision": "fp32"}  # every source below samples so
 _SIT_SDE = {"sampler": "sde", "steps": 250, "sde_last_step": "mean", "sde_last_step_size": 0.04,
             "sde_diffusion_norm": 1.0, "time_shift": 1.0}  # SiT's Euler-Maruyama defaults, 250 time points
@@ -32,7 +25,7 @@ _SIT_SDE = {"sampler": "sde", "steps": 250, "sde_last_step": "mean", "sde_last_s
 @dataclass(frozen=True)
 class Protocol:
     objective: str              # the objective of the checkpoints it describes
-    settings: dict[str, Any]    # JobSettings field -> value (keys of FLAGS)
+    settings: dict[str, Any]    # JobSettings field -> value
     cfg_scale: float            # the headline number's guidance scale (--cfg-scale overrides)
     describes: str              # whose numbers, in a few words
 
@@ -44,9 +37,8 @@ PROTOCOLS: dict[str, Protocol] = {
     # SiT's sample_ddp.py SDE mode with its defaults; SiT's forward_with_cfg keeps DiT's 3 channels.
     "sit": Protocol("flow", {**_FIXED, **_SIT_SDE, "cfg_channels": 3, "guidance_interval": None}, 1.5,
                     "SiT's SDE-250 numbers (SiT-XL/2, FID 2.06 at cfg 1.5)"),
-    # REPA's generate.py --mode sde --num-steps 250 --guidance-high 0.7: its Euler-Maruyama is SiT's
-    # (time points 1 -> 0.04, diffusion 2t, a mean last step), guiding every channel while t <= 0.7
-    # on its time axis, which runs from data (0) to noise (1) as our normalised time does.
+    # REPA's generate.py --mode sde --num-steps 250 --guidance-high 0.7: SiT's Euler-Maruyama, guiding
+    # every channel while t <= 0.7 on its time axis (0 = data, 1 = noise, as our normalised time).
     "repa": Protocol("flow", {**_FIXED, **_SIT_SDE, "cfg_channels": None, "guidance_interval": (0.0, 0.7)}, 1.8,
                      "REPA's SDE-250 numbers (SiT-XL/2 + REPA, FID 1.42 at cfg 1.8)"),
     # LightningDiT's inference.py: Euler on 250 time points (249 steps), timestep_shift 0.3, guidance
@@ -76,7 +68,8 @@ def apply_protocol(settings, name: str | None):
     for key, value in wanted.items():
         given = getattr(settings, key)
         if given != value and given != defaults[key]:
-            raise UserError(f"--protocol {name} samples with {key} {value}, but {FLAGS[key]} asks for {given}; "
+            flag = "--random-classes / --classes" if key == "label_mode" else "--" + key.replace("_", "-")
+            raise UserError(f"--protocol {name} samples with {key} {value}, but {flag} asks for {given}; "
                             f"drop that flag or drop --protocol")
     if settings.classes is not None:
         raise UserError(f"--protocol {name} draws class labels at random; drop --classes or drop --protocol")
