@@ -1,11 +1,9 @@
 """Training-side reader of the VAE latent shards written by scripts/extract_latents.py.
 
-Layout of LATENT_DIR: `manifest.json` plus `shard-XXXXX.safetensors`, each shard holding
-`mean`, `std` float16 (n, 2, C, h, w) (index 1 along dim 1 = horizontally flipped image; both already
-multiplied by the VAE scaling factor), `label` int64 (n,) and `index` int64 (n,) (position of the
-image in the sorted file list); with `extract_latents.py --keep-images` also `image` uint8
-(n, 3, S, S), the unflipped centre crop the VAE encoded, which REPA's encoder sees. Training draws
-a fresh posterior sample per step (`draw_latents_from_moments`).
+LATENT_DIR holds `manifest.json` and `shard-XXXXX.safetensors`, each with `mean`, `std` float16 (n, 2, C, h, w)
+(index 1 of dim 1: the flipped image; both times the VAE scaling factor), `label` and `index` int64 (n,)
+(position in the sorted file list) and, with `--keep-images`, `image` uint8 (n, 3, S, S), the unflipped crop
+the VAE encoded (REPA's encoder input). Training draws a fresh posterior sample per step.
 """
 from __future__ import annotations
 
@@ -22,6 +20,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
 from ..errors import UserError
 from ..files import file_problem
 
@@ -37,16 +37,15 @@ def shard_file_name(shard: int) -> str:
     return f"shard-{shard:05d}.safetensors"
 
 
-# safetensors dtype names -> the numpy dtype the bytes are read as and the torch dtype they are.
-# bfloat16 has no numpy dtype: its bytes are read as uint16 and reinterpreted by torch.
+# safetensors dtype -> (numpy dtype the bytes are read as, torch dtype); bfloat16's bytes are read as uint16.
 _DTYPES = {"F16": (np.dtype("<f2"), torch.float16), "BF16": (np.dtype("<u2"), torch.bfloat16),
            "F32": (np.dtype("<f4"), torch.float32), "I64": (np.dtype("<i8"), torch.int64),
            "U8": (np.dtype("u1"), torch.uint8)}
 
 
 class _ShardFile:
-    """An open shard read by positional reads (`os.preadv`) straight into the batch buffer: no
-    per-call Python objects as with safetensors' `get_slice`, no page faults as with re-created maps."""
+    """An open shard read by positional reads straight into the batch buffer: no per-call Python
+    objects as with safetensors' `get_slice`, no page faults as with re-created maps."""
 
     def __init__(self, path: Path, layout: tuple[int, dict]):
         start, tensors = layout
@@ -60,30 +59,23 @@ class _ShardFile:
             if name in tensors:
                 _, shape, begin, end = tensors[name]
                 self.offsets[name], self.row_bytes[name] = start + begin, (end - begin) // max(shape[0], 1)
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        dtype, shape, begin, end = tensors["label"]
-        raw = self.read_bytes(end - begin, start + begin)
-        self.labels = np.frombuffer(raw, _DTYPES[dtype][0]).astype(np.int64)
-
-    def read_bytes(self, size: int, offset: int) -> bytes:
-        if hasattr(os, "pread"):
-            return os.pread(self.fd, size, offset)
-        os.lseek(self.fd, offset, os.SEEK_SET)  # platforms without pread (Windows): not thread-safe, fine per process
-        return os.read(self.fd, size)
+        self.fd = os.open(path, os.O_RDONLY)
+        dtype, _, begin, end = tensors["label"]
+        self.labels = np.frombuffer(os.pread(self.fd, end - begin, start + begin), _DTYPES[dtype][0]).astype(np.int64)
 
     def read_row(self, name: str, row: int, halves: list[memoryview]) -> None:
         """Reads row `row` of tensor `name` into `halves`, filled in order."""
         offset = self.offsets[name] + row * self.row_bytes[name]
         if hasattr(os, "preadv"):
             os.preadv(self.fd, halves, offset)
-        else:
-            data = memoryview(self.read_bytes(self.row_bytes[name], offset))
+        else:  # platforms without preadv
+            data = memoryview(os.pread(self.fd, self.row_bytes[name], offset))
             for h in halves:
                 h[:], data = data[:len(h)], data[len(h):]
 
     def read_all(self, name: str) -> np.ndarray:
         """Every row of tensor `name` as bytes, uint8 (rows, row bytes)."""
-        data = self.read_bytes(self.row_bytes[name] * len(self.labels), self.offsets[name])
+        data = os.pread(self.fd, self.row_bytes[name] * len(self.labels), self.offsets[name])
         return np.frombuffer(data, np.uint8).reshape(len(self.labels), -1)
 
     def close(self) -> None:
@@ -129,9 +121,8 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
 def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int, int, int],
                         image_shape: tuple[int, int, int] | None) -> dict[str, tuple[int, dict]]:
     """Each shard listed once, readable, its header holding `count` rows of the manifest's latent shape (and
-    of clean images, with `image_shape`): a damaged, another extraction's or a miscounted shard would otherwise
-    be read as garbage or fail deep in a DataLoader worker. Returns each file's header layout, which the reads
-    use. Headers only: cheap."""
+    of clean images, with `image_shape`), checked up front rather than failing in a DataLoader worker.
+    Returns each file's header layout (data start, {name: (dtype, shape, begin, end)}) for the reads."""
     fix = f"run scripts/extract_latents.py --verify {root}, then re-extract the latents"
     files = [s["file"] for s in shards]
     twice = sorted({f for f in files if files.count(f) > 1})
@@ -143,14 +134,12 @@ def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int,
         if problem := file_problem(path):
             raise UserError(f"latent shard {problem}; run scripts/extract_latents.py --verify {root}, "
                             "then rerun the extraction to rewrite it")
-        # The header by hand: the positional reads need byte offsets, and safetensors' `get_slice` takes
-        # contiguous ranges only (256 rows, 256 calls).
-        with open(path, "rb") as f:
+        with open(path, "rb") as f:  # by hand: the positional reads need the byte offsets
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
         header.pop("__metadata__", None)
         tensors = {name: (v["dtype"], tuple(v["shape"]), *v["data_offsets"]) for name, v in header.items()}
-        layouts[s["file"]] = 8 + size, tensors  # (start of the data section, {name: (dtype, shape, begin, end)})
+        layouts[s["file"]] = 8 + size, tensors
         for name in ("mean", "std", "label"):
             if name not in tensors:
                 raise UserError(f"latent shard {path} holds no {name!r} tensor; {fix}")
@@ -173,13 +162,11 @@ def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int,
 class LatentShardDataset(Dataset):
     """Random access over all images of a latent directory.
 
-    `ds.get_batch(indices) -> (moments (N, 2, 2, C, h, w), labels int64 (N,))`, moments float16 indexed
-    [flip][0=mean, 1=std], one gather per shard (the loader calls it once per micro-batch); `ds[i]` is the
-    same for one index. Shards are opened lazily (each DataLoader worker opens its own descriptors), at
-    most `max_open_shards` per process. `in_memory=True` reads every shard once into shared memory
-    (ImageNet-256: about 42 GB; refused in one line when it does not fit); batches are then one
-    `index_select` of the same bytes. `images=True` (REPA, shards extracted with --keep-images) adds the
-    clean images uint8 (N, 3, S, S) third to `get_batch`'s result; `ds[i]` stays the moments only.
+    `ds.get_batch(indices) -> (moments (N, 2, 2, C, h, w) [flip][mean, std], labels int64 (N,))`, read shard by
+    shard (the loader calls it once per micro-batch); `ds[i]` is the same for one index. Shards are opened lazily,
+    at most `max_open_shards` per process. `in_memory=True` first reads every shard into shared memory (refused
+    in one line when it does not fit). `images=True` (REPA; --keep-images shards) adds the clean images uint8
+    (N, 3, S, S) third to `get_batch`'s result; `ds[i]` stays the moments only.
     """
 
     def __init__(self, root: str | os.PathLike, max_open_shards: int = 64, in_memory: bool = False,
@@ -214,15 +201,13 @@ class LatentShardDataset(Dataset):
             raise UserError(f"{self.root}/{MANIFEST_NAME} lists {self._len} images in its shards but "
                              f"num_images={self.manifest['num_images']}; run --verify and re-extract")
         # the stored mean/std dtype, from the first shard's header (an unknown one fails in _ShardFile)
-        stored = self._layouts[0][1]["mean"][0] if self._len else "F16"
-        self._dtype = _DTYPES[stored][1] if stored in _DTYPES else torch.float16
+        self._dtype = _DTYPES.get(self._layouts[0][1]["mean"][0] if self._len else "F16", (None, torch.float16))[1]
         self._max_open = max(1, max_open_shards)
         self._files_open: OrderedDict[int, _ShardFile] = OrderedDict()
         self._memory: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        if in_memory and (problem := self.memory_problem()):
+            raise UserError(problem)
         if in_memory:
-            problem = self.memory_problem()
-            if problem:
-                raise UserError(problem)
             self.load_into_memory()
 
     def __len__(self) -> int:
@@ -323,8 +308,6 @@ class LatentShardDataset(Dataset):
         process's shared memory (its DataLoader workers see them without a copy); with `backing`, a path
         prefix on a memory filesystem, files there mapped shared, so every process of a machine that maps
         the same prefix reads the same pages (one copy per node); `fill=False` maps arrays another filled."""
-        from tqdm.auto import tqdm
-
         def array(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             if backing is None:
                 return torch.empty(shape, dtype=dtype).share_memory_()
@@ -348,11 +331,8 @@ class LatentShardDataset(Dataset):
             self._files_open.clear()
         self._memory = moments, labels, images
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Open handles are not picklable (spawned DataLoader workers); each worker reopens lazily.
-        state = self.__dict__.copy()
-        state["_files_open"] = OrderedDict()
-        return state
+    def __getstate__(self) -> dict[str, Any]:  # open handles stay behind: each (spawned) worker reopens lazily
+        return {**self.__dict__, "_files_open": OrderedDict()}
 
 
 def _size(n: int) -> str:

@@ -88,16 +88,11 @@ def _check_labels(labels: list[int], class_names: list[str], where: Callable[[in
 def _class_indices(values: list[Any], where: str) -> list[int]:
     """Label column values as class indices (None: -1, unlabelled); anything that is not an integer
     is refused rather than cast (a float 1.7 would become class 1, a string cannot be placed)."""
-    out = []
     for i, y in enumerate(values):
-        if y is None:
-            out.append(-1)
-        elif isinstance(y, int) and not isinstance(y, bool):
-            out.append(y)
-        else:
+        if y is not None and (isinstance(y, bool) or not isinstance(y, int)):
             raise UserError(f"{where} row {i}: the label column holds {y!r} ({type(y).__name__}), not a class index; "
                             "store integer labels (or a ClassLabel feature), or name the right --label-column")
-    return out
+    return [-1 if y is None else y for y in values]
 
 
 def _decode(position: int, value: Any, image_size: int, min_side: int) -> LoadedImage:
