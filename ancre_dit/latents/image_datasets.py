@@ -169,8 +169,8 @@ def _open_parquet(root: Path, image_column: str, label_column: str, options: dic
     paths = sorted(root.rglob("*.parquet"))
     if not paths:
         raise MissingFileError(f"{root} holds no parquet files nor a save_to_disk dataset")
-    labels, files, names, counts = [], [], None, []
-    for p in paths:
+    labels, files, names, groups = [], [], None, []
+    for n, p in enumerate(paths):
         try:
             f = pq.ParquetFile(p)
         except (pa.ArrowException, OSError) as err:
@@ -184,7 +184,7 @@ def _open_parquet(root: Path, image_column: str, label_column: str, options: dic
         paths_here = (_image_paths(f.read(columns=[f"{image_column}.path"]).column(image_column)) if has_paths
                       else [None] * len(part))  # only the path field: the image bytes are not read here
         files += [f"{rel}:{i}" + (f" {q}" if q else "") for i, q in enumerate(paths_here)]
-        counts.append(len(part))
+        groups += [(n, g, f.metadata.row_group(g).num_rows) for g in range(f.num_row_groups)]
         # the class list each file's features carry (HF writes them in the schema): one for all files
         feature = datasets.Features.from_arrow_schema(f.schema_arrow).get(label_column)
         here = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
@@ -198,7 +198,7 @@ def _open_parquet(root: Path, image_column: str, label_column: str, options: dic
     _check_labels(labels, names, lambda i: f"{root} image {files[i]}")
     parquet = [str(p) for p in paths]
     return ImageSource("hf", str(root), files, labels, names,
-                       lambda size, min_side: _ParquetRows(parquet, counts, image_column, size, min_side), options)
+                       lambda size, min_side: _ParquetRows(parquet, groups, image_column, size, min_side), options)
 
 
 class _ArrowRows(Dataset):
@@ -216,37 +216,33 @@ class _ArrowRows(Dataset):
 
 
 class _ParquetRows(Dataset):
-    """Rows of parquet files -> LoadedImage; reads one row group at a time and keeps the last one,
-    since extraction asks for consecutive positions."""
+    """Rows of parquet files -> LoadedImage, given each row group as (file, group, rows) in order; reads one
+    row group at a time and keeps the last one, since extraction asks for consecutive positions."""
 
-    def __init__(self, paths: list[str], counts: list[int], column: str, image_size: int, min_side: int):
-        self.paths, self.column, self.image_size, self.min_side = paths, column, image_size, min_side
-        self.starts = [0, *itertools.accumulate(counts)]
+    def __init__(self, paths: list[str], groups: list[tuple[int, int, int]], column: str, image_size: int,
+                 min_side: int):
+        self.paths, self.groups, self.column = paths, groups, column
+        self.image_size, self.min_side = image_size, min_side
+        self.starts = [0, *itertools.accumulate(rows for _, _, rows in groups)]
         self._files: dict[int, Any] = {}
-        self._group: tuple[int, int, list] | None = None  # (file, first row, values) of the last row group read
+        self._group: tuple[int | None, list] = (None, [])  # (row group, values) of the last one read
 
     def __len__(self) -> int:
         return self.starts[-1]
 
     def __getstate__(self) -> dict[str, Any]:  # open files stay in the process that opened them
-        return {**self.__dict__, "_files": {}, "_group": None}
+        return {**self.__dict__, "_files": {}, "_group": (None, [])}
 
     def __getitem__(self, position: int) -> LoadedImage:
         import pyarrow.parquet as pq
 
-        k = bisect.bisect_right(self.starts, position) - 1
-        row = position - self.starts[k]
-        cached, first, values = self._group or (None, 0, [])
-        if cached != k or not first <= row < first + len(values):
+        g = bisect.bisect_right(self.starts, position) - 1  # an empty row group shares its start with the next
+        if self._group[0] != g:
+            k, group, _ = self.groups[g]
             if k not in self._files:
                 self._files[k] = pq.ParquetFile(self.paths[k])
-            meta = self._files[k].metadata
-            ends = list(itertools.accumulate(meta.row_group(i).num_rows for i in range(meta.num_row_groups)))
-            group = bisect.bisect_right(ends, row)
-            first = ends[group - 1] if group else 0
-            values = self._files[k].read_row_group(group, columns=[self.column]).column(self.column).to_pylist()
-            self._group = (k, first, values)
-        return _decode(position, values[row - first], self.image_size, self.min_side)
+            self._group = g, self._files[k].read_row_group(group, columns=[self.column]).column(self.column).to_pylist()
+        return _decode(position, self._group[1][position - self.starts[g]], self.image_size, self.min_side)
 
 
 # -- WebDataset tar shards -----------------------------------------------------------------------
