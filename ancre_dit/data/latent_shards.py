@@ -49,10 +49,6 @@ class _ShardFile:
 
     def __init__(self, path: Path, layout: tuple[int, dict]):
         start, tensors = layout
-        for name in ("mean", "std"):
-            if tensors[name][0] not in _DTYPES:
-                raise UserError(f"{path}: tensor {name} has dtype {tensors[name][0]}, which this reader does not "
-                                "know; re-extract the latents")
         self.torch_dtype = _DTYPES[tensors["std"][0]][1]
         self.offsets, self.row_bytes = {}, {}
         for name in ("mean", "std", IMAGE_KEY):
@@ -143,6 +139,9 @@ def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int,
         for name in ("mean", "std", "label"):
             if name not in tensors:
                 raise UserError(f"latent shard {path} holds no {name!r} tensor; {fix}")
+            if tensors[name][0] not in _DTYPES:
+                raise UserError(f"{path}: tensor {name} has dtype {tensors[name][0]}, which this reader does not "
+                                "know; re-extract the latents")
         shape = tensors["mean"][1]
         if len(shape) != 5 or tuple(shape[2:]) != latent_shape:
             raise UserError(f"latent shard {path} holds latents of shape {tuple(shape[2:])}, the manifest "
@@ -200,8 +199,7 @@ class LatentShardDataset(Dataset):
         if self._len != int(self.manifest["num_images"]):
             raise UserError(f"{self.root}/{MANIFEST_NAME} lists {self._len} images in its shards but "
                              f"num_images={self.manifest['num_images']}; run --verify and re-extract")
-        # the stored mean/std dtype, from the first shard's header (an unknown one fails in _ShardFile)
-        self._dtype = _DTYPES.get(self._layouts[0][1]["mean"][0] if self._len else "F16", (None, torch.float16))[1]
+        self._dtype = _DTYPES[self._layouts[0][1]["mean"][0] if self._len else "F16"][1]  # the first shard's
         self._max_open = max(1, max_open_shards)
         self._files_open: OrderedDict[int, _ShardFile] = OrderedDict()
         self._memory: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
@@ -241,9 +239,8 @@ class LatentShardDataset(Dataset):
         return entry
 
     def get_batch(self, indices: Sequence[int], shared: bool = True) -> tuple[torch.Tensor, ...]:
-        """`(stack of ds[i][0], tensor of ds[i][1])` over `indices` (with `images`, their clean images third).
-        With `shared`, inside a DataLoader worker the batch is allocated in shared memory, as torch's
-        default collate does, so handing it to the main process costs no copy."""
+        """`(stack of ds[i][0], tensor of ds[i][1])` over `indices` (with `images`, their clean images third);
+        with `shared`, allocated in shared memory inside a DataLoader worker, as default_collate does."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = len(idx)
         if n and not (-self._len <= idx.min() and idx.max() < self._len):
@@ -304,10 +301,9 @@ class LatentShardDataset(Dataset):
         return None
 
     def load_into_memory(self, backing: Path | None = None, fill: bool = True) -> None:
-        """Reads every shard once into arrays that batches are picked from. Without `backing` they are this
-        process's shared memory (its DataLoader workers see them without a copy); with `backing`, a path
-        prefix on a memory filesystem, files there mapped shared, so every process of a machine that maps
-        the same prefix reads the same pages (one copy per node); `fill=False` maps arrays another filled."""
+        """Reads every shard once into arrays that batches are picked from: this process's shared memory (its
+        workers see it without a copy), or with `backing`, a path prefix on a memory filesystem, files mapped
+        shared by every process of a node that maps it (one copy per node); `fill=False` maps arrays another filled."""
         def array(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             if backing is None:
                 return torch.empty(shape, dtype=dtype).share_memory_()
@@ -380,18 +376,16 @@ def _new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) 
     """An empty tensor; with `shared`, in shared memory inside a DataLoader worker (what default_collate does)."""
     if not shared or torch.utils.data.get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
-    numel = int(np.prod(shape))
-    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(numel)
-    return torch.empty(0, dtype=dtype).new(storage).view(shape)
+    empty = torch.empty(0, dtype=dtype)
+    return empty.new(empty._typed_storage()._new_shared(int(np.prod(shape)))).view(shape)
 
 
 def draw_latents_from_moments(moments: torch.Tensor, generator: torch.Generator | None = None,
                               return_flip: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """DiT's on-the-fly augmentation from stored moments (N, 2, 2, C, h, w): per sample a random flip, then a
     fresh posterior draw mean + std * eps. Returns float32 (N, C, h, w), with `return_flip` also the flips (N,)
-    (1 = flipped), so that REPA's clean images can be flipped alike. All randomness comes from `generator`
-    (drawn on its device, then moved), so the trainer's RNG state alone decides it and resumes repeat it exactly.
-    """
+    (1 = flipped, for REPA's clean images). All randomness comes from `generator` (drawn on its device, then
+    moved), so the trainer's RNG state alone decides it and resumes repeat it exactly."""
     if moments.ndim != 6 or tuple(moments.shape[1:3]) != (2, 2):
         raise ValueError(f"moments must be (N, 2, 2, C, h, w) [flip][mean, std], got {tuple(moments.shape)}")
     n = moments.shape[0]

@@ -1,9 +1,9 @@
 """Where extraction reads its images: an image folder, a Hugging Face dataset (save_to_disk folder or
 parquet files) or WebDataset tar shards, behind one interface (`open_source` picks it from the path).
 
-Each yields a listing (one name and one label per image, in a fixed order, plus the class names) and a
-Dataset mapping a position of it to a LoadedImage, decoded by the image folder's own `load_and_crop`: the
-same images give bitwise the same crops, hence the same latents, whatever container they come in.
+Each yields a listing (a name and a label per image, in a fixed order, and the class names) and a Dataset
+of LoadedImage decoded by the image folder's own `load_and_crop`: the same images give bitwise the same
+crops, hence latents, whatever container they come in.
 """
 from __future__ import annotations
 
@@ -60,9 +60,8 @@ def detect_format(path: str) -> str:
 
 def open_source(path: str, fmt: str | None = None, image_column: str = "image",
                 label_column: str = "label") -> ImageSource:
-    """Lists the images at `path`. Without `fmt`: tar files or a brace pattern are WebDataset, a
-    folder with save_to_disk's files or with parquet files is a Hugging Face dataset, any other
-    folder an image folder (one subfolder per class)."""
+    """Lists the images at `path`; without `fmt`, the format `detect_format` finds: tar files or a brace pattern
+    are WebDataset, a folder with save_to_disk's or parquet files Hugging Face, any other an image folder."""
     fmt = fmt or detect_format(path)
     if fmt not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {fmt}")
@@ -267,9 +266,8 @@ def _wds_urls(path: str) -> list[str]:
 
 def _index_tar(url: str) -> list[tuple[str, int, int, int]]:
     """(key, byte offset, size of the image member, label) of each sample of one tar, in order, grouped as
-    webdataset groups them (`base_plus_ext`, suffixes case-insensitive, a sample = consecutive members with
-    one key). Indexed with tarfile rather than streamed by webdataset because extraction reads by position:
-    shards are written by different processes, and a resumed run reads only the shards it misses."""
+    webdataset groups them (`base_plus_ext`, suffixes case-insensitive). Indexed, not streamed, because
+    extraction reads by position (shards split between processes, a resumed run reads only what it misses)."""
     from webdataset.tariterators import base_plus_ext
 
     samples: list[tuple[str, int, int, int]] = []
@@ -307,12 +305,10 @@ def _index_tar(url: str) -> list[tuple[str, int, int, int]]:
 
 def _open_wds(path: str) -> ImageSource:
     urls = _wds_urls(path)
-    files, labels, where = [], [], []
-    for t, url in enumerate(urls):
-        for key, offset, size, label in _index_tar(url):
-            files.append(f"{Path(url).name}/{key}")
-            labels.append(label)
-            where.append((t, offset, size))
+    indexed = [(t, url, *sample) for t, url in enumerate(urls) for sample in _index_tar(url)]
+    files = [f"{Path(url).name}/{key}" for _, url, key, *_ in indexed]
+    labels = [label for *_, label in indexed]
+    where = [(t, offset, size) for t, _, _, offset, size, _ in indexed]
     if not files:
         raise MissingFileError(f"no {'/'.join(WDS_IMAGE_KEYS)} samples in the tar files of {path}")
     names = _numbered_classes(labels)
@@ -336,8 +332,6 @@ class _TarMembers(Dataset):
 
     def __getitem__(self, position: int) -> LoadedImage:
         t, offset, size = self.where[position]
-        f = self._handles.get(t)
-        if f is None:
-            f = self._handles[t] = open(self.urls[t], "rb")
-        data = os.pread(f.fileno(), size, offset)
-        return _decode(position, data, self.image_size, self.min_side)
+        if t not in self._handles:
+            self._handles[t] = open(self.urls[t], "rb")
+        return _decode(position, os.pread(self._handles[t].fileno(), size, offset), self.image_size, self.min_side)
