@@ -62,10 +62,9 @@ class DigitsDataset(Dataset):
             raise UserError(f"unknown digits split {split!r}; choose one of {', '.join(DIGITS_SPLITS)}")
         images, labels = _all_digits()
         heldout = np.asarray(HELDOUT_INDICES, dtype=np.int64)
-        index = heldout if split == "heldout" else np.setdiff1d(np.arange(len(labels)), heldout)
-        self.split, self.indices = split, index
-        self.images = torch.from_numpy(images[index] / _MAX_PIXEL * 2.0 - 1.0).unsqueeze(1).contiguous()
-        self.labels = torch.from_numpy(labels[index])
+        self.indices = heldout if split == "heldout" else np.setdiff1d(np.arange(len(labels)), heldout)
+        self.images = torch.from_numpy(images[self.indices] / _MAX_PIXEL * 2.0 - 1.0).unsqueeze(1).contiguous()
+        self.labels = torch.from_numpy(labels[self.indices])
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +31,6 @@ from ancre_dit.latents.image_datasets import ImageSource, open_source
 from ancre_dit.latents.shards import (checksum_path, read_checksum, read_shard_meta, remove_stale_tmp,
                                       shard_is_complete, write_shard)
 from ancre_dit.vae import DTYPES, LoadedVAE, encode_moments, load_vae
-
-_SHARD_NAME = re.compile(r"shard-(\d{5})\.safetensors")
 
 
 @dataclass
@@ -114,8 +111,8 @@ def _check_compatible(out: Path, fingerprint: dict[str, Any], num_shards: int) -
             shown = ", ".join(f"{k}: {theirs.get(k)!r} there vs {fingerprint[k]!r} now" for k in diff[:3])
             raise UserError(f"{out}/{name} comes from a different extraction ({shown}); use a new --out "
                             "folder or delete the old shards, or rerun with the original flags to resume")
-    extra = [p.name for p in out.glob("shard-*.safetensors")
-             if not (m := _SHARD_NAME.fullmatch(p.name)) or int(m.group(1)) >= num_shards]
+    names = {shard_file_name(k) for k in range(num_shards)}
+    extra = [p.name for p in out.glob("shard-*.safetensors") if p.name not in names]
     if extra:
         raise UserError(f"{out} holds {extra[0]} beyond the {num_shards} shards of this data; use a new --out folder")
 
