@@ -162,8 +162,6 @@ def load_and_crop(path: str | os.PathLike, image_size: int, min_side: int) -> tu
         # PIL names an in-memory source by its repr, whose address changes from run to run.
         reason = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "(in-memory bytes)", reason)
         return None, "skipped", f"unreadable ({type(err).__name__}: {reason})"
-    if array.shape != (image_size, image_size, 3):
-        return None, "skipped", f"crop gave shape {array.shape}"
     if mode != "RGB":
         return array, "converted", f"{mode} -> RGB"
     return array, "ok", ""

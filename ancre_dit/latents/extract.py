@@ -275,12 +275,10 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: Load
                              "the images")
     channel_mean, channel_std = channel_statistics(stats)
     manifest = {
-        "format": FORMAT_NAME, "version": FORMAT_VERSION,
-        "num_images": num_images, "num_files": len(images.files),
+        "format": FORMAT_NAME, "version": FORMAT_VERSION, "num_images": num_images, "num_files": len(images.files),
         "num_skipped": sum(1 for row in report if row[2] == "skipped"),
         "num_converted": sum(1 for row in report if row[2] == "converted"),
-        "num_shards": num_shards, "shard_size": cfg.shard_size,
-        "latent_shape": list(latent_shape), "dtype": "float16",
+        "num_shards": num_shards, "shard_size": cfg.shard_size, "latent_shape": list(latent_shape), "dtype": "float16",
         # per channel, of the posterior samples over all images and flips (data.latent_norm=channel)
         "channel_mean": channel_mean, "channel_std": channel_std,
         "tensors": {"mean": "(n, 2, C, h, w) posterior mean * scaling_factor; [:, 1] = flipped image",
@@ -288,8 +286,7 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: Load
                     "label": "(n,) class index", "index": "(n,) position in the sorted file list",
                     **({IMAGE_KEY: "(n, 3, S, S) uint8 centre crop the VAE encoded (unflipped)"} if cfg.keep_images
                        else {})},
-        "images": cfg.keep_images,
-        "vae": vae.name, "vae_dtype": cfg.vae_dtype,
+        "images": cfg.keep_images, "vae": vae.name, "vae_dtype": cfg.vae_dtype,
         "scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor,
         "image_size": cfg.image_size, "crop": "adm_center_crop", "flip": True,
         "data_path": str(cfg.data_path), "source": {"format": images.format, "path": images.path, **images.options},
