@@ -61,13 +61,7 @@ class _ShardFile:
 
     def read_row(self, name: str, row: int, halves: list[memoryview]) -> None:
         """Reads row `row` of tensor `name` into `halves`, filled in order."""
-        offset = self.offsets[name] + row * self.row_bytes[name]
-        if hasattr(os, "preadv"):
-            os.preadv(self.fd, halves, offset)
-        else:  # platforms without preadv
-            data = memoryview(os.pread(self.fd, self.row_bytes[name], offset))
-            for h in halves:
-                h[:], data = data[:len(h)], data[len(h):]
+        os.preadv(self.fd, halves, self.offsets[name] + row * self.row_bytes[name])
 
     def read_all(self, name: str) -> np.ndarray:
         """Every row of tensor `name` as bytes, uint8 (rows, row bytes)."""
