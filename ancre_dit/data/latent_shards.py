@@ -218,8 +218,8 @@ class LatentShardDataset(Dataset):
         return moments[0], int(labels[0])
 
     def _shard_file(self, shard: int) -> _ShardFile:
-        """The shard opened for batched reads, the least recently used closed first; a shard whose
-        moments are not stored as the first shard's are is one clear error."""
+        """The shard opened for reads (the least recently used one closed beyond `max_open_shards`); its
+        moments must be stored in the first shard's dtype."""
         entry = self._files_open.get(shard)
         if entry is None:
             entry = self._files_open[shard] = _ShardFile(self._files[shard], self._layouts[shard])
@@ -236,11 +236,9 @@ class LatentShardDataset(Dataset):
         """`(stack of ds[i][0], tensor of ds[i][1])` over `indices` (with `images`, their clean images third);
         with `shared`, allocated in shared memory inside a DataLoader worker, as default_collate does."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = len(idx)
-        if n and not (-self._len <= idx.min() and idx.max() < self._len):
-            bad = idx[(idx < -self._len) | (idx >= self._len)][0]
-            raise IndexError(f"index {bad} out of range for {self._len} latents")
-        idx = idx % max(self._len, 1)
+        if (bad := idx[(idx < -self._len) | (idx >= self._len)]).size:
+            raise IndexError(f"index {bad[0]} out of range for {self._len} latents")
+        idx, n = idx % max(self._len, 1), len(idx)
         images = _new_batch_tensor((n, *self.image_shape), torch.uint8, shared) if self.images else None
         moments = _new_batch_tensor((n, 2, 2, *self.latent_shape), self._dtype, shared)
         if self._memory is not None:
@@ -278,8 +276,8 @@ class LatentShardDataset(Dataset):
         return labels
 
     def memory_problem(self) -> str | None:
-        """Why one in-memory copy of the latents does not fit (None: it fits) in free memory, in what the
-        job's cgroup limit leaves, or in the shared-memory filesystem (a container's /dev/shm: often 64 MB)."""
+        """Why one in-memory copy of the latents does not fit (None: it fits) in free memory, the job's cgroup
+        limit or the shared-memory filesystem (a container's /dev/shm)."""
         need = self._len * 4 * int(np.prod(self.latent_shape)) * self._dtype.itemsize
         need += self._len * int(np.prod(self.image_shape)) if self.images else 0
         shm = shared_memory_dir()

@@ -152,8 +152,7 @@ def _open_hf(path: str, image_column: str, label_column: str) -> ImageSource:
         labels = _class_indices(table.column(label_column).to_pylist(), path)
         feature = ds.features.get(label_column) if ds.features is not None else None
         names = list(feature.names) if isinstance(feature, datasets.ClassLabel) else _numbered_classes(labels)
-        paths = _image_paths(table.column(image_column))
-        files = [f"{i}" + (f" {p}" if p else "") for i, p in enumerate(paths)]
+        files = [f"{i}" + (f" {p}" if p else "") for i, p in enumerate(_image_paths(table.column(image_column)))]
         _check_labels(labels, names, lambda i: f"{path} row {i}")
         return ImageSource("hf", path, files, labels, names,
                            lambda size, min_side: _ArrowRows(ds, image_column, size, min_side), options)
