@@ -115,8 +115,7 @@ def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int,
     Returns each file's header layout (data start, {name: (dtype, shape, begin, end)}) for the reads."""
     fix = f"run scripts/extract_latents.py --verify {root}, then re-extract the latents"
     files = [s["file"] for s in shards]
-    twice = sorted({f for f in files if files.count(f) > 1})
-    if twice:
+    if twice := sorted({f for f in files if files.count(f) > 1}):
         raise UserError(f"{root}/{MANIFEST_NAME} lists {twice[0]} twice (its images would be trained on twice); {fix}")
     layouts = {}
     for s in shards:
@@ -169,8 +168,7 @@ class LatentShardDataset(Dataset):
         self.num_classes: int = int(self.manifest["num_classes"])
         self.latent_shape: tuple[int, int, int] = tuple(int(s) for s in self.manifest["latent_shape"])
         shards = self.manifest["shards"]
-        missing = [s["file"] for s in shards if not (self.root / s["file"]).is_file()]
-        if missing:
+        if missing := [s["file"] for s in shards if not (self.root / s["file"]).is_file()]:
             raise UserError(f"{self.root} lacks {len(missing)} shard(s) listed in its manifest "
                              f"(first: {missing[0]}); run scripts/extract_latents.py --verify {self.root}, "
                              "then rerun the extraction to rewrite them")
@@ -349,7 +347,7 @@ def cgroup_memory_left() -> int | None:
             usage = int((CGROUP_ROOT / usage_file).read_text().strip())
         except (OSError, ValueError):
             continue
-        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
+        if not limit.isdigit() or int(limit) >= 1 << 60:  # no limit: "max" (v2) or a huge number (v1)
             return None
         return max(0, int(limit) - usage)
     return None

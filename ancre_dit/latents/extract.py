@@ -112,8 +112,7 @@ def _check_compatible(out: Path, fingerprint: dict[str, Any], num_shards: int) -
             raise UserError(f"{out}/{name} comes from a different extraction ({shown}); use a new --out "
                             "folder or delete the old shards, or rerun with the original flags to resume")
     names = {shard_file_name(k) for k in range(num_shards)}
-    extra = [p.name for p in out.glob("shard-*.safetensors") if p.name not in names]
-    if extra:
+    if extra := [p.name for p in out.glob("shard-*.safetensors") if p.name not in names]:
         raise UserError(f"{out} holds {extra[0]} beyond the {num_shards} shards of this data; use a new --out folder")
 
 

@@ -117,8 +117,7 @@ def _numbered_classes(labels: list[int]) -> list[str]:
 # -- Hugging Face datasets -----------------------------------------------------------------------
 
 def _check_columns(names: list[str], image_column: str, label_column: str, where: str) -> None:
-    missing = [c for c in (image_column, label_column) if c not in names]
-    if missing:
+    if missing := [c for c in (image_column, label_column) if c not in names]:
         raise UserError(f"{where} has no column {', '.join(map(repr, missing))} (columns: {', '.join(names)}); "
                         "name them with --image-column / --label-column")
 
@@ -254,8 +253,7 @@ def _wds_urls(path: str) -> list[str]:
             raise MissingFileError(f"{path} holds no .tar files")
         return urls
     urls = expand_urls(path)
-    missing = [u for u in urls if not Path(u).is_file()]
-    if missing:
+    if missing := [u for u in urls if not Path(u).is_file()]:
         hint = ("; a folder whose name holds a brace is read as a pattern of tars: give --format imagefolder "
                 "or --format hf for a folder" if "{" in path and ".." not in path else "")
         raise MissingFileError(f"{missing[0]} (from --data-path {path}) does not exist; "
