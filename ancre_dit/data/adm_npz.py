@@ -60,10 +60,9 @@ def save_adm_npz(path: str | os.PathLike, images: np.ndarray | None, labels: np.
         if images is not None and len(labels) != len(arrays["arr_0"]):
             raise ValueError(f"{len(labels)} labels for {len(arrays['arr_0'])} images")
         arrays["arr_1"] = labels
-    for key, value in stats.items():
-        if key not in STAT_KEYS:
-            raise ValueError(f"unknown statistic {key!r}; ADM references hold {', '.join(STAT_KEYS)}")
-        arrays[key] = np.asarray(value)
+    if unknown := [key for key in stats if key not in STAT_KEYS]:
+        raise ValueError(f"unknown statistic {unknown[0]!r}; ADM references hold {', '.join(STAT_KEYS)}")
+    arrays.update((key, np.asarray(value)) for key, value in stats.items())
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:

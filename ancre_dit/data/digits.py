@@ -22,10 +22,9 @@ DIGITS_IMAGE_SIZE = 8
 DIGITS_SPLITS = ("train", "heldout")
 _MAX_PIXEL = 16.0
 
-# The held-out 10%: scikit-learn's train_test_split(arange(1797), test_size=0.1, random_state=0,
-# stratify=labels), sorted. Written out because importing scikit-learn is a slow part of a training
-# process's start-up; tests/test_digits.py checks it against scikit-learn. Changing it changes
-# every held-out number reported: keep it fixed.
+# The held-out 10%: scikit-learn's train_test_split(arange(1797), test_size=0.1, random_state=0, stratify=labels),
+# sorted; written out since importing scikit-learn slows start-up (tests/test_digits.py checks it). Keep it fixed:
+# every held-out number reported depends on it.
 HELDOUT_INDICES = tuple(int(i) for i in """
     24 28 35 37 39 57 77 78 87 99 102 103 105 110 131 132 148 159 170 186 188 197 202 211 214 245 252 283
     293 308 312 335 344 364 372 374 376 386 393 397 405 407 413 417 430 440 442 452 454 500 520 565 569 573
@@ -62,10 +61,9 @@ class DigitsDataset(Dataset):
             raise UserError(f"unknown digits split {split!r}; choose one of {', '.join(DIGITS_SPLITS)}")
         images, labels = _all_digits()
         heldout = np.asarray(HELDOUT_INDICES, dtype=np.int64)
-        index = heldout if split == "heldout" else np.setdiff1d(np.arange(len(labels)), heldout)
-        self.split, self.indices = split, index
-        self.images = torch.from_numpy(images[index] / _MAX_PIXEL * 2.0 - 1.0).unsqueeze(1).contiguous()
-        self.labels = torch.from_numpy(labels[index])
+        self.indices = heldout if split == "heldout" else np.setdiff1d(np.arange(len(labels)), heldout)
+        self.images = torch.from_numpy(images[self.indices] / _MAX_PIXEL * 2.0 - 1.0).unsqueeze(1).contiguous()
+        self.labels = torch.from_numpy(labels[self.indices])
 
     def __len__(self) -> int:
         return len(self.labels)

@@ -1,16 +1,14 @@
 """The one image-folder reader: how a folder is listed, how an image is opened, ADM's center crop.
 
-Extraction, image-folder training and Inception reference statistics all read folders here, so a folder
-gives each of them the same files, order and labels. The listing rule:
+Extraction, image-folder training and Inception reference statistics all read folders here, so each gets
+the same files, order and labels. The listing rule (image files: torchvision's IMG_EXTENSIONS, any case):
 
-- **Class tree** (subfolders hold the images): exactly torchvision's ImageFolder, DiT's order, so labels
-  match ImageNet's. Classes are the subfolder names sorted as strings, label = position in that list
-  (an empty class folder still takes its label); files are found recursively inside each class folder.
+- **Class tree** (subfolders hold the images): exactly torchvision's ImageFolder (DiT's order, ImageNet's
+  labels): classes are the subfolder names sorted as strings, label = position in that list; files are
+  found recursively inside each class folder.
 - **Flat folder** (images directly in it): its image files sorted by name, no labels; subfolders
   without images are ignored.
 - Images both directly and in subfolders are refused: which rule was meant is unclear.
-
-Image files are those with torchvision's IMG_EXTENSIONS (case-insensitive); anything else is ignored.
 """
 from __future__ import annotations
 
@@ -53,7 +51,7 @@ def list_image_folder(root: str | os.PathLike, require_classes: bool = False) ->
         class_names, class_to_idx = folder.find_classes(root)
     except FileNotFoundError:
         class_names, class_to_idx = [], {}
-    samples = _class_samples(root, class_to_idx) if class_names else []
+    samples = _class_samples(root, class_to_idx)
     top = sorted(entry.name for entry in os.scandir(root)
                  if entry.is_file() and folder.has_file_allowed_extension(entry.name, extensions))
     if samples and top:
@@ -108,23 +106,21 @@ def _class_samples(root: Path, class_to_idx: dict[str, int]) -> list[tuple[str, 
 
 
 def center_crop_arr(pil_image: Image.Image, image_size: int) -> Image.Image:
-    """ADM's center crop (used by DiT): halve with a box filter while the short side is at least twice the
-    target, resize the short side to `image_size` with bicubic, then crop the center. By hand because
-    torchvision's Resize+CenterCrop does not box-downsample first: other pixels than the references expect.
-    """
+    """ADM's center crop (DiT's): halve with a box filter while the short side is at least twice the target,
+    resize the short side to `image_size` (bicubic), crop the center. torchvision's Resize+CenterCrop does
+    not box-downsample first, so its pixels differ from the references'."""
     while min(*pil_image.size) >= 2 * image_size:
         pil_image = pil_image.resize(tuple(x // 2 for x in pil_image.size), resample=Image.BOX)
     scale = image_size / min(*pil_image.size)
     pil_image = pil_image.resize(tuple(round(x * scale) for x in pil_image.size), resample=Image.BICUBIC)
     arr = np.array(pil_image)
-    top = (arr.shape[0] - image_size) // 2
-    left = (arr.shape[1] - image_size) // 2
+    top, left = (arr.shape[0] - image_size) // 2, (arr.shape[1] - image_size) // 2
     return Image.fromarray(arr[top: top + image_size, left: left + image_size])
 
 
 def open_rgb(path: str | os.PathLike) -> tuple[Image.Image, str]:
-    """Decodes an image now (a truncated or corrupt file raises here) and converts any mode (CMYK,
-    grayscale, palette, RGBA) to RGB. Returns (RGB image, the file's own mode)."""
+    """Decodes an image now (a truncated or corrupt file raises here) and converts any mode to RGB.
+    Returns (RGB image, the file's own mode)."""
     with warnings.catch_warnings():
         # PIL warns (not raises) on EXIF oddities or large images; real decoding errors still raise.
         warnings.simplefilter("ignore")
@@ -166,8 +162,6 @@ def load_and_crop(path: str | os.PathLike, image_size: int, min_side: int) -> tu
         # PIL names an in-memory source by its repr, whose address changes from run to run.
         reason = re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "(in-memory bytes)", reason)
         return None, "skipped", f"unreadable ({type(err).__name__}: {reason})"
-    if array.shape != (image_size, image_size, 3):
-        return None, "skipped", f"crop gave shape {array.shape}"
     if mode != "RGB":
         return array, "converted", f"{mode} -> RGB"
     return array, "ok", ""

@@ -1,11 +1,9 @@
 """Training-side reader of the VAE latent shards written by scripts/extract_latents.py.
 
-Layout of LATENT_DIR: `manifest.json` plus `shard-XXXXX.safetensors`, each shard holding
-`mean`, `std` float16 (n, 2, C, h, w) (index 1 along dim 1 = horizontally flipped image; both already
-multiplied by the VAE scaling factor), `label` int64 (n,) and `index` int64 (n,) (position of the
-image in the sorted file list); with `extract_latents.py --keep-images` also `image` uint8
-(n, 3, S, S), the unflipped centre crop the VAE encoded, which REPA's encoder sees. Training draws
-a fresh posterior sample per step (`draw_latents_from_moments`).
+LATENT_DIR holds `manifest.json` and `shard-XXXXX.safetensors`, each with `mean`, `std` float16 (n, 2, C, h, w)
+(index 1 of dim 1: the flipped image; both times the VAE scaling factor), `label` and `index` int64 (n,)
+(position in the sorted file list) and, with `--keep-images`, `image` uint8 (n, 3, S, S), the unflipped crop
+the VAE encoded (REPA's encoder input). Training draws a fresh posterior sample per step.
 """
 from __future__ import annotations
 
@@ -22,6 +20,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
 from ..errors import UserError
 from ..files import file_problem
 
@@ -37,53 +37,35 @@ def shard_file_name(shard: int) -> str:
     return f"shard-{shard:05d}.safetensors"
 
 
-# safetensors dtype names -> the numpy dtype the bytes are read as and the torch dtype they are.
-# bfloat16 has no numpy dtype: its bytes are read as uint16 and reinterpreted by torch.
+# safetensors dtype -> (numpy dtype the bytes are read as, torch dtype); bfloat16's bytes are read as uint16.
 _DTYPES = {"F16": (np.dtype("<f2"), torch.float16), "BF16": (np.dtype("<u2"), torch.bfloat16),
            "F32": (np.dtype("<f4"), torch.float32), "I64": (np.dtype("<i8"), torch.int64),
            "U8": (np.dtype("u1"), torch.uint8)}
 
 
 class _ShardFile:
-    """An open shard read by positional reads (`os.preadv`) straight into the batch buffer: no
-    per-call Python objects as with safetensors' `get_slice`, no page faults as with re-created maps."""
+    """An open shard read by positional reads straight into the batch buffer: no per-call Python
+    objects as with safetensors' `get_slice`, no page faults as with re-created maps."""
 
     def __init__(self, path: Path, layout: tuple[int, dict]):
         start, tensors = layout
-        for name in ("mean", "std"):
-            if tensors[name][0] not in _DTYPES:
-                raise UserError(f"{path}: tensor {name} has dtype {tensors[name][0]}, which this reader does not "
-                                "know; re-extract the latents")
         self.torch_dtype = _DTYPES[tensors["std"][0]][1]
         self.offsets, self.row_bytes = {}, {}
         for name in ("mean", "std", IMAGE_KEY):
             if name in tensors:
                 _, shape, begin, end = tensors[name]
                 self.offsets[name], self.row_bytes[name] = start + begin, (end - begin) // max(shape[0], 1)
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        dtype, shape, begin, end = tensors["label"]
-        raw = self.read_bytes(end - begin, start + begin)
-        self.labels = np.frombuffer(raw, _DTYPES[dtype][0]).astype(np.int64)
-
-    def read_bytes(self, size: int, offset: int) -> bytes:
-        if hasattr(os, "pread"):
-            return os.pread(self.fd, size, offset)
-        os.lseek(self.fd, offset, os.SEEK_SET)  # platforms without pread (Windows): not thread-safe, fine per process
-        return os.read(self.fd, size)
+        self.fd = os.open(path, os.O_RDONLY)
+        dtype, _, begin, end = tensors["label"]
+        self.labels = np.frombuffer(os.pread(self.fd, end - begin, start + begin), _DTYPES[dtype][0]).astype(np.int64)
 
     def read_row(self, name: str, row: int, halves: list[memoryview]) -> None:
         """Reads row `row` of tensor `name` into `halves`, filled in order."""
-        offset = self.offsets[name] + row * self.row_bytes[name]
-        if hasattr(os, "preadv"):
-            os.preadv(self.fd, halves, offset)
-        else:
-            data = memoryview(self.read_bytes(self.row_bytes[name], offset))
-            for h in halves:
-                h[:], data = data[:len(h)], data[len(h):]
+        os.preadv(self.fd, halves, self.offsets[name] + row * self.row_bytes[name])
 
     def read_all(self, name: str) -> np.ndarray:
         """Every row of tensor `name` as bytes, uint8 (rows, row bytes)."""
-        data = self.read_bytes(self.row_bytes[name] * len(self.labels), self.offsets[name])
+        data = os.pread(self.fd, self.row_bytes[name] * len(self.labels), self.offsets[name])
         return np.frombuffer(data, np.uint8).reshape(len(self.labels), -1)
 
     def close(self) -> None:
@@ -129,13 +111,11 @@ def read_manifest(root: str | os.PathLike) -> dict[str, Any]:
 def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int, int, int],
                         image_shape: tuple[int, int, int] | None) -> dict[str, tuple[int, dict]]:
     """Each shard listed once, readable, its header holding `count` rows of the manifest's latent shape (and
-    of clean images, with `image_shape`): a damaged, another extraction's or a miscounted shard would otherwise
-    be read as garbage or fail deep in a DataLoader worker. Returns each file's header layout, which the reads
-    use. Headers only: cheap."""
+    of clean images, with `image_shape`), checked up front rather than failing in a DataLoader worker.
+    Returns each file's header layout (data start, {name: (dtype, shape, begin, end)}) for the reads."""
     fix = f"run scripts/extract_latents.py --verify {root}, then re-extract the latents"
     files = [s["file"] for s in shards]
-    twice = sorted({f for f in files if files.count(f) > 1})
-    if twice:
+    if twice := sorted({f for f in files if files.count(f) > 1}):
         raise UserError(f"{root}/{MANIFEST_NAME} lists {twice[0]} twice (its images would be trained on twice); {fix}")
     layouts = {}
     for s in shards:
@@ -143,17 +123,18 @@ def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int,
         if problem := file_problem(path):
             raise UserError(f"latent shard {problem}; run scripts/extract_latents.py --verify {root}, "
                             "then rerun the extraction to rewrite it")
-        # The header by hand: the positional reads need byte offsets, and safetensors' `get_slice` takes
-        # contiguous ranges only (256 rows, 256 calls).
-        with open(path, "rb") as f:
+        with open(path, "rb") as f:  # by hand: the positional reads need the byte offsets
             size = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(size))
         header.pop("__metadata__", None)
         tensors = {name: (v["dtype"], tuple(v["shape"]), *v["data_offsets"]) for name, v in header.items()}
-        layouts[s["file"]] = 8 + size, tensors  # (start of the data section, {name: (dtype, shape, begin, end)})
+        layouts[s["file"]] = 8 + size, tensors
         for name in ("mean", "std", "label"):
             if name not in tensors:
                 raise UserError(f"latent shard {path} holds no {name!r} tensor; {fix}")
+            if tensors[name][0] not in _DTYPES:
+                raise UserError(f"{path}: tensor {name} has dtype {tensors[name][0]}, which this reader does not "
+                                "know; re-extract the latents")
         shape = tensors["mean"][1]
         if len(shape) != 5 or tuple(shape[2:]) != latent_shape:
             raise UserError(f"latent shard {path} holds latents of shape {tuple(shape[2:])}, the manifest "
@@ -173,13 +154,11 @@ def _check_shards_match(root: Path, shards: list[dict], latent_shape: tuple[int,
 class LatentShardDataset(Dataset):
     """Random access over all images of a latent directory.
 
-    `ds.get_batch(indices) -> (moments (N, 2, 2, C, h, w), labels int64 (N,))`, moments float16 indexed
-    [flip][0=mean, 1=std], one gather per shard (the loader calls it once per micro-batch); `ds[i]` is the
-    same for one index. Shards are opened lazily (each DataLoader worker opens its own descriptors), at
-    most `max_open_shards` per process. `in_memory=True` reads every shard once into shared memory
-    (ImageNet-256: about 42 GB; refused in one line when it does not fit); batches are then one
-    `index_select` of the same bytes. `images=True` (REPA, shards extracted with --keep-images) adds the
-    clean images uint8 (N, 3, S, S) third to `get_batch`'s result; `ds[i]` stays the moments only.
+    `ds.get_batch(indices) -> (moments (N, 2, 2, C, h, w) [flip][mean, std], labels int64 (N,))`, read shard by
+    shard (the loader calls it once per micro-batch); `ds[i]` is the same for one index. Shards are opened lazily,
+    at most `max_open_shards` per process. `in_memory=True` first reads every shard into shared memory (refused
+    in one line when it does not fit). `images=True` (REPA; --keep-images shards) adds the clean images uint8
+    (N, 3, S, S) third to `get_batch`'s result; `ds[i]` stays the moments only.
     """
 
     def __init__(self, root: str | os.PathLike, max_open_shards: int = 64, in_memory: bool = False,
@@ -189,8 +168,7 @@ class LatentShardDataset(Dataset):
         self.num_classes: int = int(self.manifest["num_classes"])
         self.latent_shape: tuple[int, int, int] = tuple(int(s) for s in self.manifest["latent_shape"])
         shards = self.manifest["shards"]
-        missing = [s["file"] for s in shards if not (self.root / s["file"]).is_file()]
-        if missing:
+        if missing := [s["file"] for s in shards if not (self.root / s["file"]).is_file()]:
             raise UserError(f"{self.root} lacks {len(missing)} shard(s) listed in its manifest "
                              f"(first: {missing[0]}); run scripts/extract_latents.py --verify {self.root}, "
                              "then rerun the extraction to rewrite them")
@@ -213,16 +191,13 @@ class LatentShardDataset(Dataset):
         if self._len != int(self.manifest["num_images"]):
             raise UserError(f"{self.root}/{MANIFEST_NAME} lists {self._len} images in its shards but "
                              f"num_images={self.manifest['num_images']}; run --verify and re-extract")
-        # the stored mean/std dtype, from the first shard's header (an unknown one fails in _ShardFile)
-        stored = self._layouts[0][1]["mean"][0] if self._len else "F16"
-        self._dtype = _DTYPES[stored][1] if stored in _DTYPES else torch.float16
+        self._dtype = _DTYPES[self._layouts[0][1]["mean"][0] if self._len else "F16"][1]  # the first shard's
         self._max_open = max(1, max_open_shards)
         self._files_open: OrderedDict[int, _ShardFile] = OrderedDict()
         self._memory: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        if in_memory and (problem := self.memory_problem()):
+            raise UserError(problem)
         if in_memory:
-            problem = self.memory_problem()
-            if problem:
-                raise UserError(problem)
             self.load_into_memory()
 
     def __len__(self) -> int:
@@ -241,8 +216,8 @@ class LatentShardDataset(Dataset):
         return moments[0], int(labels[0])
 
     def _shard_file(self, shard: int) -> _ShardFile:
-        """The shard opened for batched reads, the least recently used closed first; a shard whose
-        moments are not stored as the first shard's are is one clear error."""
+        """The shard opened for reads (the least recently used one closed beyond `max_open_shards`); its
+        moments must be stored in the first shard's dtype."""
         entry = self._files_open.get(shard)
         if entry is None:
             entry = self._files_open[shard] = _ShardFile(self._files[shard], self._layouts[shard])
@@ -256,15 +231,12 @@ class LatentShardDataset(Dataset):
         return entry
 
     def get_batch(self, indices: Sequence[int], shared: bool = True) -> tuple[torch.Tensor, ...]:
-        """`(stack of ds[i][0], tensor of ds[i][1])` over `indices` (with `images`, their clean images third).
-        With `shared`, inside a DataLoader worker the batch is allocated in shared memory, as torch's
-        default collate does, so handing it to the main process costs no copy."""
+        """`(stack of ds[i][0], tensor of ds[i][1])` over `indices` (with `images`, their clean images third);
+        with `shared`, allocated in shared memory inside a DataLoader worker, as default_collate does."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        n = len(idx)
-        if n and not (-self._len <= idx.min() and idx.max() < self._len):
-            bad = idx[(idx < -self._len) | (idx >= self._len)][0]
-            raise IndexError(f"index {bad} out of range for {self._len} latents")
-        idx = idx % max(self._len, 1)
+        if (bad := idx[(idx < -self._len) | (idx >= self._len)]).size:
+            raise IndexError(f"index {bad[0]} out of range for {self._len} latents")
+        idx, n = idx % max(self._len, 1), len(idx)
         images = _new_batch_tensor((n, *self.image_shape), torch.uint8, shared) if self.images else None
         moments = _new_batch_tensor((n, 2, 2, *self.latent_shape), self._dtype, shared)
         if self._memory is not None:
@@ -302,8 +274,8 @@ class LatentShardDataset(Dataset):
         return labels
 
     def memory_problem(self) -> str | None:
-        """Why one in-memory copy of the latents does not fit (None: it fits) in free memory, in what the
-        job's cgroup limit leaves, or in the shared-memory filesystem (a container's /dev/shm: often 64 MB)."""
+        """Why one in-memory copy of the latents does not fit (None: it fits) in free memory, the job's cgroup
+        limit or the shared-memory filesystem (a container's /dev/shm)."""
         need = self._len * 4 * int(np.prod(self.latent_shape)) * self._dtype.itemsize
         need += self._len * int(np.prod(self.image_shape)) if self.images else 0
         shm = shared_memory_dir()
@@ -319,12 +291,9 @@ class LatentShardDataset(Dataset):
         return None
 
     def load_into_memory(self, backing: Path | None = None, fill: bool = True) -> None:
-        """Reads every shard once into arrays that batches are picked from. Without `backing` they are this
-        process's shared memory (its DataLoader workers see them without a copy); with `backing`, a path
-        prefix on a memory filesystem, files there mapped shared, so every process of a machine that maps
-        the same prefix reads the same pages (one copy per node); `fill=False` maps arrays another filled."""
-        from tqdm.auto import tqdm
-
+        """Reads every shard once into arrays that batches are picked from: this process's shared memory (its
+        workers see it without a copy), or with `backing`, a path prefix on a memory filesystem, files mapped
+        shared by every process of a node that maps it (one copy per node); `fill=False` maps arrays another filled."""
         def array(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             if backing is None:
                 return torch.empty(shape, dtype=dtype).share_memory_()
@@ -348,11 +317,8 @@ class LatentShardDataset(Dataset):
             self._files_open.clear()
         self._memory = moments, labels, images
 
-    def __getstate__(self) -> dict[str, Any]:
-        # Open handles are not picklable (spawned DataLoader workers); each worker reopens lazily.
-        state = self.__dict__.copy()
-        state["_files_open"] = OrderedDict()
-        return state
+    def __getstate__(self) -> dict[str, Any]:  # open handles stay behind: each (spawned) worker reopens lazily
+        return {**self.__dict__, "_files_open": OrderedDict()}
 
 
 def _size(n: int) -> str:
@@ -381,7 +347,7 @@ def cgroup_memory_left() -> int | None:
             usage = int((CGROUP_ROOT / usage_file).read_text().strip())
         except (OSError, ValueError):
             continue
-        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 says "no limit" with a huge number
+        if not limit.isdigit() or int(limit) >= 1 << 60:  # no limit: "max" (v2) or a huge number (v1)
             return None
         return max(0, int(limit) - usage)
     return None
@@ -400,18 +366,16 @@ def _new_batch_tensor(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) 
     """An empty tensor; with `shared`, in shared memory inside a DataLoader worker (what default_collate does)."""
     if not shared or torch.utils.data.get_worker_info() is None:
         return torch.empty(shape, dtype=dtype)
-    numel = int(np.prod(shape))
-    storage = torch.empty(0, dtype=dtype)._typed_storage()._new_shared(numel)
-    return torch.empty(0, dtype=dtype).new(storage).view(shape)
+    empty = torch.empty(0, dtype=dtype)
+    return empty.new(empty._typed_storage()._new_shared(int(np.prod(shape)))).view(shape)
 
 
 def draw_latents_from_moments(moments: torch.Tensor, generator: torch.Generator | None = None,
                               return_flip: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """DiT's on-the-fly augmentation from stored moments (N, 2, 2, C, h, w): per sample a random flip, then a
     fresh posterior draw mean + std * eps. Returns float32 (N, C, h, w), with `return_flip` also the flips (N,)
-    (1 = flipped), so that REPA's clean images can be flipped alike. All randomness comes from `generator`
-    (drawn on its device, then moved), so the trainer's RNG state alone decides it and resumes repeat it exactly.
-    """
+    (1 = flipped, for REPA's clean images). All randomness comes from `generator` (drawn on its device, then
+    moved), so the trainer's RNG state alone decides it and resumes repeat it exactly."""
     if moments.ndim != 6 or tuple(moments.shape[1:3]) != (2, 2):
         raise ValueError(f"moments must be (N, 2, 2, C, h, w) [flip][mean, std], got {tuple(moments.shape)}")
     n = moments.shape[0]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +31,6 @@ from ancre_dit.latents.image_datasets import ImageSource, open_source
 from ancre_dit.latents.shards import (checksum_path, read_checksum, read_shard_meta, remove_stale_tmp,
                                       shard_is_complete, write_shard)
 from ancre_dit.vae import DTYPES, LoadedVAE, encode_moments, load_vae
-
-_SHARD_NAME = re.compile(r"shard-(\d{5})\.safetensors")
 
 
 @dataclass
@@ -89,8 +86,8 @@ def _fingerprint(cfg: ExtractConfig, images: ImageSource, vae: LoadedVAE) -> dic
 
 
 def _check_compatible(out: Path, fingerprint: dict[str, Any], num_shards: int) -> None:
-    """Refuses to mix shards of another extraction into this one (every process runs the same check
-    on the same files, so all fail together instead of leaving some waiting at the barrier)."""
+    """Refuses to mix shards of another extraction into this one (every process checks the same files,
+    so all fail together rather than leave some waiting at the barrier)."""
     sources = []
     if (out / MANIFEST_NAME).is_file():  # written atomically: one we wrote is never torn
         try:
@@ -114,16 +111,14 @@ def _check_compatible(out: Path, fingerprint: dict[str, Any], num_shards: int) -
             shown = ", ".join(f"{k}: {theirs.get(k)!r} there vs {fingerprint[k]!r} now" for k in diff[:3])
             raise UserError(f"{out}/{name} comes from a different extraction ({shown}); use a new --out "
                             "folder or delete the old shards, or rerun with the original flags to resume")
-    extra = [p.name for p in out.glob("shard-*.safetensors")
-             if not (m := _SHARD_NAME.fullmatch(p.name)) or int(m.group(1)) >= num_shards]
-    if extra:
+    names = {shard_file_name(k) for k in range(num_shards)}
+    if extra := [p.name for p in out.glob("shard-*.safetensors") if p.name not in names]:
         raise UserError(f"{out} holds {extra[0]} beyond the {num_shards} shards of this data; use a new --out folder")
 
 
 def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageSource,
                   keep_images: bool) -> dict[str, torch.Tensor]:
-    """One batch's rows of the shard's tensors (the crops too with `keep_images`); nothing when every image
-    of the batch was skipped."""
+    """One batch's rows of the shard's tensors (with the crops, `keep_images`); {} when all were skipped."""
     good = [it for it in items if it.array is not None]
     if not good:
         return {}
@@ -132,8 +127,7 @@ def _encode_batch(vae: LoadedVAE, items: list[LoadedImage], images: ImageSource,
     mean, std = encode_moments(vae, torch.cat([pixels, pixels.flip(2)]))
     n = len(good)
     # (2n, C, h, w) -> (n, 2, C, h, w): row i holds [image i, flipped image i]; stored in float16
-    mean = mean.view(2, n, *mean.shape[1:]).transpose(0, 1).half().cpu()
-    std = std.view(2, n, *std.shape[1:]).transpose(0, 1).half().cpu()
+    mean, std = (m.view(2, n, *m.shape[1:]).transpose(0, 1).half().cpu() for m in (mean, std))
     if not (torch.isfinite(mean).all() and torch.isfinite(std).all()):
         dtype = next(vae.vae.parameters()).dtype
         cause = (f"an overflow of {dtype} is likely; rerun with --vae-dtype fp32 to resume" if dtype != torch.float32
@@ -199,10 +193,9 @@ def _extract_into(out: Path, cfg: ExtractConfig, ctx: DistContext, images: Image
     fingerprint = _fingerprint(cfg, images, vae)
     _check_compatible(out, fingerprint, num_shards)
 
-    # Shards with a checksum file are claimed done; the rest are split round-robin, and so is the
-    # hashing of the claimed ones (a claim that fails its checksum is redone by its checker). Both
-    # lists come from one look at the folder, taken by every process before any of them writes, so
-    # they agree; splitting what is left (not all shards) keeps a resumed run balanced.
+    # Shards with a checksum file are claimed done; the rest, and the hashing of the claimed ones (a claim
+    # failing its checksum is redone by its checker), are split round-robin. Every process looks at the folder
+    # before any writes, so all agree; splitting only what is left keeps a resumed run balanced.
     claimed = [k for k in range(num_shards) if checksum_path(out / shard_file_name(k)).is_file()]
     ctx.barrier()
     todo = sorted(set(range(num_shards)) - set(claimed))
@@ -223,7 +216,7 @@ def _extract_into(out: Path, cfg: ExtractConfig, ctx: DistContext, images: Image
                         num_workers=cfg.num_workers, collate_fn=list)
     bar = tqdm(total=sum(len(p) for _, p, _ in plan), unit="img", disable=ctx.rank != 0, smoothing=0.1,
                desc=f"encoding (process 0 of {ctx.world})")
-    # The tensors of a shard of no image (so that it has shapes), onto which each shard's batches are concatenated.
+    # A shard of no image (so that it has shapes), onto which each shard's batches are concatenated.
     latents, rows = torch.zeros((0, 2, *latent_shape), dtype=torch.float16), torch.zeros(0, dtype=torch.int64)
     empty = {"mean": latents, "std": latents, "label": rows, "index": rows}
     if cfg.keep_images:
@@ -251,8 +244,8 @@ def _extract_into(out: Path, cfg: ExtractConfig, ctx: DistContext, images: Image
 
 def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: LoadedVAE,
                    latent_shape: tuple[int, int, int], fingerprint: dict[str, Any], num_shards: int) -> Path | None:
-    """Writes manifest.json + the report when every shard is present (else says what is missing). Checksums
-    come from each shard's checksum file (hashed when written or verified when reused): no reread of the set."""
+    """Writes manifest.json + the report when every shard is present (else says what is missing), with the
+    checksums of the shards' checksum files (hashed when written or verified when reused)."""
     shards, report, missing, stats = [], [], [], []
     for k in range(num_shards):
         path = out / shard_file_name(k)
@@ -281,12 +274,10 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: Load
                              "the images")
     channel_mean, channel_std = channel_statistics(stats)
     manifest = {
-        "format": FORMAT_NAME, "version": FORMAT_VERSION,
-        "num_images": num_images, "num_files": len(images.files),
+        "format": FORMAT_NAME, "version": FORMAT_VERSION, "num_images": num_images, "num_files": len(images.files),
         "num_skipped": sum(1 for row in report if row[2] == "skipped"),
         "num_converted": sum(1 for row in report if row[2] == "converted"),
-        "num_shards": num_shards, "shard_size": cfg.shard_size,
-        "latent_shape": list(latent_shape), "dtype": "float16",
+        "num_shards": num_shards, "shard_size": cfg.shard_size, "latent_shape": list(latent_shape), "dtype": "float16",
         # per channel, of the posterior samples over all images and flips (data.latent_norm=channel)
         "channel_mean": channel_mean, "channel_std": channel_std,
         "tensors": {"mean": "(n, 2, C, h, w) posterior mean * scaling_factor; [:, 1] = flipped image",
@@ -294,8 +285,7 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: Load
                     "label": "(n,) class index", "index": "(n,) position in the sorted file list",
                     **({IMAGE_KEY: "(n, 3, S, S) uint8 centre crop the VAE encoded (unflipped)"} if cfg.keep_images
                        else {})},
-        "images": cfg.keep_images,
-        "vae": vae.name, "vae_dtype": cfg.vae_dtype,
+        "images": cfg.keep_images, "vae": vae.name, "vae_dtype": cfg.vae_dtype,
         "scaling_factor": vae.scaling_factor, "shift_factor": vae.shift_factor,
         "image_size": cfg.image_size, "crop": "adm_center_crop", "flip": True,
         "data_path": str(cfg.data_path), "source": {"format": images.format, "path": images.path, **images.options},
@@ -304,7 +294,6 @@ def write_manifest(out: Path, cfg: ExtractConfig, images: ImageSource, vae: Load
     }
     path = out / MANIFEST_NAME
     write_atomic(path, (json.dumps(manifest, indent=1) + "\n").encode())
-    skipped = manifest["num_skipped"]
-    print(f"wrote {num_images} images ({skipped} skipped, {manifest['num_converted']} converted; see "
+    print(f"wrote {num_images} images ({manifest['num_skipped']} skipped, {manifest['num_converted']} converted; see "
           f"{out / REPORT_NAME}) in {num_shards} shards; manifest {path}", flush=True)
     return path

@@ -1,9 +1,9 @@
 """Where extraction reads its images: an image folder, a Hugging Face dataset (save_to_disk folder or
 parquet files) or WebDataset tar shards, behind one interface (`open_source` picks it from the path).
 
-Each yields a listing (one name and one label per image, in a fixed order, plus the class names) and a
-Dataset mapping a position of it to a LoadedImage, decoded by the image folder's own `load_and_crop`: the
-same images give bitwise the same crops, hence the same latents, whatever container they come in.
+Each yields a listing (a name and a label per image, in a fixed order, and the class names) and a Dataset
+of LoadedImage decoded by the image folder's own `load_and_crop`: the same images give bitwise the same
+crops, hence latents, whatever container they come in.
 """
 from __future__ import annotations
 
@@ -60,9 +60,8 @@ def detect_format(path: str) -> str:
 
 def open_source(path: str, fmt: str | None = None, image_column: str = "image",
                 label_column: str = "label") -> ImageSource:
-    """Lists the images at `path`. Without `fmt`: tar files or a brace pattern are WebDataset, a
-    folder with save_to_disk's files or with parquet files is a Hugging Face dataset, any other
-    folder an image folder (one subfolder per class)."""
+    """Lists the images at `path`; without `fmt`, the format `detect_format` finds: tar files or a brace pattern
+    are WebDataset, a folder with save_to_disk's or parquet files Hugging Face, any other an image folder."""
     fmt = fmt or detect_format(path)
     if fmt not in FORMATS:
         raise UserError(f"--format must be one of {', '.join(FORMATS)}, got {fmt}")
@@ -88,16 +87,11 @@ def _check_labels(labels: list[int], class_names: list[str], where: Callable[[in
 def _class_indices(values: list[Any], where: str) -> list[int]:
     """Label column values as class indices (None: -1, unlabelled); anything that is not an integer
     is refused rather than cast (a float 1.7 would become class 1, a string cannot be placed)."""
-    out = []
     for i, y in enumerate(values):
-        if y is None:
-            out.append(-1)
-        elif isinstance(y, int) and not isinstance(y, bool):
-            out.append(y)
-        else:
+        if y is not None and (isinstance(y, bool) or not isinstance(y, int)):
             raise UserError(f"{where} row {i}: the label column holds {y!r} ({type(y).__name__}), not a class index; "
                             "store integer labels (or a ClassLabel feature), or name the right --label-column")
-    return out
+    return [-1 if y is None else y for y in values]
 
 
 def _decode(position: int, value: Any, image_size: int, min_side: int) -> LoadedImage:
@@ -123,8 +117,7 @@ def _numbered_classes(labels: list[int]) -> list[str]:
 # -- Hugging Face datasets -----------------------------------------------------------------------
 
 def _check_columns(names: list[str], image_column: str, label_column: str, where: str) -> None:
-    missing = [c for c in (image_column, label_column) if c not in names]
-    if missing:
+    if missing := [c for c in (image_column, label_column) if c not in names]:
         raise UserError(f"{where} has no column {', '.join(map(repr, missing))} (columns: {', '.join(names)}); "
                         "name them with --image-column / --label-column")
 
@@ -158,8 +151,7 @@ def _open_hf(path: str, image_column: str, label_column: str) -> ImageSource:
         labels = _class_indices(table.column(label_column).to_pylist(), path)
         feature = ds.features.get(label_column) if ds.features is not None else None
         names = list(feature.names) if isinstance(feature, datasets.ClassLabel) else _numbered_classes(labels)
-        paths = _image_paths(table.column(image_column))
-        files = [f"{i}" + (f" {p}" if p else "") for i, p in enumerate(paths)]
+        files = [f"{i}" + (f" {p}" if p else "") for i, p in enumerate(_image_paths(table.column(image_column)))]
         _check_labels(labels, names, lambda i: f"{path} row {i}")
         return ImageSource("hf", path, files, labels, names,
                            lambda size, min_side: _ArrowRows(ds, image_column, size, min_side), options)
@@ -174,8 +166,8 @@ def _open_parquet(root: Path, image_column: str, label_column: str, options: dic
     paths = sorted(root.rglob("*.parquet"))
     if not paths:
         raise MissingFileError(f"{root} holds no parquet files nor a save_to_disk dataset")
-    labels, files, names, counts = [], [], None, []
-    for p in paths:
+    labels, files, names, groups = [], [], None, []
+    for n, p in enumerate(paths):
         try:
             f = pq.ParquetFile(p)
         except (pa.ArrowException, OSError) as err:
@@ -189,7 +181,7 @@ def _open_parquet(root: Path, image_column: str, label_column: str, options: dic
         paths_here = (_image_paths(f.read(columns=[f"{image_column}.path"]).column(image_column)) if has_paths
                       else [None] * len(part))  # only the path field: the image bytes are not read here
         files += [f"{rel}:{i}" + (f" {q}" if q else "") for i, q in enumerate(paths_here)]
-        counts.append(len(part))
+        groups += [(n, g, f.metadata.row_group(g).num_rows) for g in range(f.num_row_groups)]
         # the class list each file's features carry (HF writes them in the schema): one for all files
         feature = datasets.Features.from_arrow_schema(f.schema_arrow).get(label_column)
         here = list(feature.names) if isinstance(feature, datasets.ClassLabel) else None
@@ -203,7 +195,7 @@ def _open_parquet(root: Path, image_column: str, label_column: str, options: dic
     _check_labels(labels, names, lambda i: f"{root} image {files[i]}")
     parquet = [str(p) for p in paths]
     return ImageSource("hf", str(root), files, labels, names,
-                       lambda size, min_side: _ParquetRows(parquet, counts, image_column, size, min_side), options)
+                       lambda size, min_side: _ParquetRows(parquet, groups, image_column, size, min_side), options)
 
 
 class _ArrowRows(Dataset):
@@ -221,37 +213,33 @@ class _ArrowRows(Dataset):
 
 
 class _ParquetRows(Dataset):
-    """Rows of parquet files -> LoadedImage; reads one row group at a time and keeps the last one,
-    since extraction asks for consecutive positions."""
+    """Rows of parquet files -> LoadedImage, given each row group as (file, group, rows) in order; reads one
+    row group at a time and keeps the last one, since extraction asks for consecutive positions."""
 
-    def __init__(self, paths: list[str], counts: list[int], column: str, image_size: int, min_side: int):
-        self.paths, self.column, self.image_size, self.min_side = paths, column, image_size, min_side
-        self.starts = [0, *itertools.accumulate(counts)]
+    def __init__(self, paths: list[str], groups: list[tuple[int, int, int]], column: str, image_size: int,
+                 min_side: int):
+        self.paths, self.groups, self.column = paths, groups, column
+        self.image_size, self.min_side = image_size, min_side
+        self.starts = [0, *itertools.accumulate(rows for _, _, rows in groups)]
         self._files: dict[int, Any] = {}
-        self._group: tuple[int, int, list] | None = None  # (file, first row, values) of the last row group read
+        self._group: tuple[int | None, list] = (None, [])  # (row group, values) of the last one read
 
     def __len__(self) -> int:
         return self.starts[-1]
 
     def __getstate__(self) -> dict[str, Any]:  # open files stay in the process that opened them
-        return {**self.__dict__, "_files": {}, "_group": None}
+        return {**self.__dict__, "_files": {}, "_group": (None, [])}
 
     def __getitem__(self, position: int) -> LoadedImage:
         import pyarrow.parquet as pq
 
-        k = bisect.bisect_right(self.starts, position) - 1
-        row = position - self.starts[k]
-        cached, first, values = self._group or (None, 0, [])
-        if cached != k or not first <= row < first + len(values):
+        g = bisect.bisect_right(self.starts, position) - 1  # an empty row group shares its start with the next
+        if self._group[0] != g:
+            k, group, _ = self.groups[g]
             if k not in self._files:
                 self._files[k] = pq.ParquetFile(self.paths[k])
-            meta = self._files[k].metadata
-            ends = list(itertools.accumulate(meta.row_group(i).num_rows for i in range(meta.num_row_groups)))
-            group = bisect.bisect_right(ends, row)
-            first = ends[group - 1] if group else 0
-            values = self._files[k].read_row_group(group, columns=[self.column]).column(self.column).to_pylist()
-            self._group = (k, first, values)
-        return _decode(position, values[row - first], self.image_size, self.min_side)
+            self._group = g, self._files[k].read_row_group(group, columns=[self.column]).column(self.column).to_pylist()
+        return _decode(position, self._group[1][position - self.starts[g]], self.image_size, self.min_side)
 
 
 # -- WebDataset tar shards -----------------------------------------------------------------------
@@ -265,8 +253,7 @@ def _wds_urls(path: str) -> list[str]:
             raise MissingFileError(f"{path} holds no .tar files")
         return urls
     urls = expand_urls(path)
-    missing = [u for u in urls if not Path(u).is_file()]
-    if missing:
+    if missing := [u for u in urls if not Path(u).is_file()]:
         hint = ("; a folder whose name holds a brace is read as a pattern of tars: give --format imagefolder "
                 "or --format hf for a folder" if "{" in path and ".." not in path else "")
         raise MissingFileError(f"{missing[0]} (from --data-path {path}) does not exist; "
@@ -276,9 +263,8 @@ def _wds_urls(path: str) -> list[str]:
 
 def _index_tar(url: str) -> list[tuple[str, int, int, int]]:
     """(key, byte offset, size of the image member, label) of each sample of one tar, in order, grouped as
-    webdataset groups them (`base_plus_ext`, suffixes case-insensitive, a sample = consecutive members with
-    one key). Indexed with tarfile rather than streamed by webdataset because extraction reads by position:
-    shards are written by different processes, and a resumed run reads only the shards it misses."""
+    webdataset groups them (`base_plus_ext`, suffixes case-insensitive). Indexed, not streamed, because
+    extraction reads by position (shards split between processes, a resumed run reads only what it misses)."""
     from webdataset.tariterators import base_plus_ext
 
     samples: list[tuple[str, int, int, int]] = []
@@ -316,12 +302,10 @@ def _index_tar(url: str) -> list[tuple[str, int, int, int]]:
 
 def _open_wds(path: str) -> ImageSource:
     urls = _wds_urls(path)
-    files, labels, where = [], [], []
-    for t, url in enumerate(urls):
-        for key, offset, size, label in _index_tar(url):
-            files.append(f"{Path(url).name}/{key}")
-            labels.append(label)
-            where.append((t, offset, size))
+    indexed = [(t, url, *sample) for t, url in enumerate(urls) for sample in _index_tar(url)]
+    files = [f"{Path(url).name}/{key}" for _, url, key, *_ in indexed]
+    labels = [label for *_, label in indexed]
+    where = [(t, offset, size) for t, _, _, offset, size, _ in indexed]
     if not files:
         raise MissingFileError(f"no {'/'.join(WDS_IMAGE_KEYS)} samples in the tar files of {path}")
     names = _numbered_classes(labels)
@@ -345,8 +329,6 @@ class _TarMembers(Dataset):
 
     def __getitem__(self, position: int) -> LoadedImage:
         t, offset, size = self.where[position]
-        f = self._handles.get(t)
-        if f is None:
-            f = self._handles[t] = open(self.urls[t], "rb")
-        data = os.pread(f.fileno(), size, offset)
-        return _decode(position, data, self.image_size, self.min_side)
+        if t not in self._handles:
+            self._handles[t] = open(self.urls[t], "rb")
+        return _decode(position, os.pread(self._handles[t].fileno(), size, offset), self.image_size, self.min_side)

@@ -1,10 +1,9 @@
 """The shard files: written atomically with a checksum, read back for resume, and checked by `--verify`.
 
-Each shard `shard-XXXXX.safetensors` comes with `shard-XXXXX.safetensors.sha256` (sha256sum format, so
-`sha256sum -c LATENT_DIR/*.sha256` works): a rerun skips a shard only if both exist and agree. Its
-safetensors metadata holds one key, `ancre_dit`, a JSON string (shard number, image count, extraction
-fingerprint, per-file report): one key because safetensors writes a map in arbitrary order, which
-would make the bytes (and the checksum) differ between identical runs.
+Each shard `shard-XXXXX.safetensors` comes with `shard-XXXXX.safetensors.sha256` (for `sha256sum -c`): a
+rerun skips a shard only if both exist and agree. Its safetensors metadata is one key, `ancre_dit`, a JSON
+string (shard number, image count, extraction fingerprint, per-file report): safetensors writes a map in
+arbitrary order, which would make identical runs' bytes (and checksums) differ.
 """
 from __future__ import annotations
 
