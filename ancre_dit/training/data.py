@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Subset
+from torch.utils.data import Dataset, Subset, default_collate
 
 from ..errors import UserError
 from ..data.image_folder import list_image_folder, load_rgb
@@ -250,15 +250,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
 
 def advance_position(epoch: int, offset: int, global_batch: int, num_samples: int) -> tuple[int, int]:
     """(epoch, offset) after one optimizer step; mirrors GlobalBatchSampler's epoch boundary."""
-    offset += global_batch
-    if offset + global_batch > num_samples:
-        return epoch + 1, 0
-    return epoch, offset
-
-
-def collate(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    xs, ys = zip(*items)
-    return torch.stack([torch.as_tensor(x) for x in xs]), torch.tensor([int(y) for y in ys])
+    return (epoch + 1, 0) if offset + 2 * global_batch > num_samples else (epoch, offset + global_batch)
 
 
 class _BatchReads(Dataset):
@@ -290,19 +282,16 @@ def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, p
                   worker_init_fn=worker_signal_handlers if workers else None)
     if hasattr(info.dataset, "get_batch"):
         return torch.utils.data.DataLoader(_BatchReads(info.dataset), sampler=sampler, batch_size=None, **common)
-    return torch.utils.data.DataLoader(info.dataset, batch_sampler=sampler, collate_fn=collate, **common)
+    return torch.utils.data.DataLoader(info.dataset, batch_sampler=sampler, collate_fn=default_collate, **common)
 
 
 def nonfinite_rows(info: DataInfo, global_batch: int, seed: int, position: tuple[int, int]) -> str:
     """Which samples of the global batch at `position` = (epoch, offset) hold non-finite values (shard
     file and row for latents), read again for the non-finite guard's report."""
     dataset = info.dataset
-    describe_row = getattr(dataset, "describe_row", None)  # latent shards name file and row
-    found = []
-    for i in next(iter(GlobalBatchSampler(len(dataset), global_batch, 1, 0, 1, seed, *position))):
-        sample = dataset[i][0]
-        if not torch.isfinite(torch.as_tensor(sample).float()).all():
-            found.append(describe_row(i) if describe_row is not None else f"sample {i}")
+    describe = getattr(dataset, "describe_row", lambda i: f"sample {i}")  # latent shards name file and row
+    found = [describe(i) for i in next(iter(GlobalBatchSampler(len(dataset), global_batch, 1, 0, 1, seed, *position)))
+             if not torch.isfinite(torch.as_tensor(dataset[i][0]).float()).all()]
     if not found:
         return "its stored rows are finite: the non-finite values arose after reading them"
     more = f" and {len(found) - 5} more" if len(found) > 5 else ""

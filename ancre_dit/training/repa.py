@@ -53,10 +53,9 @@ def make_projector(hidden_size: int, projector_dim: int, encoder_dim: int) -> nn
     of linears (xavier-uniform weights, zero biases)."""
     layers = nn.Sequential(nn.Linear(hidden_size, projector_dim), nn.SiLU(), nn.Linear(projector_dim, projector_dim),
                            nn.SiLU(), nn.Linear(projector_dim, encoder_dim))
-    for layer in layers:
-        if isinstance(layer, nn.Linear):
-            nn.init.xavier_uniform_(layer.weight)
-            nn.init.zeros_(layer.bias)
+    for linear in layers[::2]:
+        nn.init.xavier_uniform_(linear.weight)
+        nn.init.zeros_(linear.bias)
     return layers
 
 
@@ -115,10 +114,12 @@ def _create(cfg: RepaConfig, **extra: Any) -> nn.Module:
                         f"{cfg.encoder_kwargs} ({' '.join(str(err).split())})") from None
 
 
-def encoder_resolution(cfg: RepaConfig, grid: int) -> int:
-    """The encoder's input side: the DiT token grid x the encoder's patch size (read from the encoder
-    built on the meta device, or the CPU where that fails), or the configured one giving the same grid."""
-    with torch.random.fork_rng(devices=[]):  # the training streams do not move
+def build_encoder(cfg: RepaConfig, grid: int, device: torch.device | str = "cpu", bf16: bool = False,
+                  load_weights: bool = True) -> FrozenEncoder:
+    """The frozen encoder for a `grid` x `grid` DiT token grid, fed images of side grid x its patch size (read
+    from the encoder built on the meta device, or the CPU where that fails), which repa.encoder_resolution may
+    restate; `load_weights=False` keeps the random init (benchmarks time the architecture)."""
+    with torch.random.fork_rng(devices=[]):  # the random inits (overwritten) do not move the training streams
         try:
             with torch.device("meta"):
                 probe = _create(cfg)
@@ -131,30 +132,19 @@ def encoder_resolution(cfg: RepaConfig, grid: int) -> int:
     patch = tuple(patch) if isinstance(patch, (tuple, list)) else (patch, patch)
     if patch[0] != patch[1]:
         raise UserError(f"repa.encoder {cfg.encoder} has non-square patches {patch}; use one with square patches")
-    p = int(patch[0])
-    if cfg.encoder_resolution is None:
-        return grid * p
-    r = cfg.encoder_resolution
-    if r % p or r // p != grid:
+    p, r = int(patch[0]), cfg.encoder_resolution
+    if r is not None and r != grid * p:
         raise UserError(f"repa.encoder_resolution={r} gives the encoder a {r / p:g} x {r / p:g} patch grid (patch "
                         f"{p}), but the DiT has {grid} x {grid} tokens; set repa.encoder_resolution={grid * p} or null")
-    return r
-
-
-def build_encoder(cfg: RepaConfig, grid: int, device: torch.device | str = "cpu", bf16: bool = False,
-                  load_weights: bool = True) -> FrozenEncoder:
-    """The frozen encoder for a `grid` x `grid` DiT token grid; `load_weights=False` keeps the random
-    init (benchmarks time the architecture)."""
-    resolution = encoder_resolution(cfg, grid)
-    with torch.random.fork_rng(devices=[]):  # its random init (overwritten) must not move the training streams
-        model = _create(cfg, img_size=resolution)
+    with torch.random.fork_rng(devices=[]):
+        model = _create(cfg, img_size=grid * p)
     if load_weights:
         load_timm_weights(model, cfg.encoder_weights, cfg.encoder)
     tokens = int(model.patch_embed.num_patches)
     if tokens != grid * grid:
-        raise UserError(f"repa.encoder {cfg.encoder} gives {tokens} patch tokens at {resolution} px, the DiT "
+        raise UserError(f"repa.encoder {cfg.encoder} gives {tokens} patch tokens at {grid * p} px, the DiT "
                         f"{grid * grid}; REPA needs one encoder token per DiT token")
-    return FrozenEncoder(model, resolution, bf16).to(device)
+    return FrozenEncoder(model, grid * p, bf16).to(device)
 
 
 class RepaAlignment:
