@@ -23,11 +23,7 @@ class EMA:
         """DiT's constant, or with warm-up timm's ModelEmaV3 ramp 1 - (1 + n)^(-2/3) capped at the set
         decay (0 first: a copy), for short runs: a 0.999 EMA still holds ~13% of the initial weights
         after 2000 steps. (Written here: importing timm costs seconds in every process.)"""
-        if not self.warmup:
-            return self.max_decay
-        if updates <= 0:
-            return 0.0
-        return min(1 - (1 + updates) ** (-2 / 3), self.max_decay)
+        return min(1 - (1 + updates) ** (-2 / 3), self.max_decay) if self.warmup else self.max_decay
 
 
 def ema_names(train) -> list[str]:
@@ -37,7 +33,10 @@ def ema_names(train) -> list[str]:
 
 
 def check_ema_choices(train, evaluated: list[str]) -> None:
-    """Each EMA kept once (its weights file is named by its decay), and `evaluated` (eval.emas) among them."""
+    """Each EMA kept once (its weights file is named by its decay), `evaluated` (eval.emas) among them, and
+    train.phema's stds inside a power-function profile's range, distinct, with a snapshot period."""
+    from .phema import check_std
+
     for d in train.ema_decays:
         if d == train.ema_decay or train.ema_decays.count(d) > 1:
             what = "the decay of train.ema_decay" if d == train.ema_decay else "given twice"
@@ -47,6 +46,16 @@ def check_ema_choices(train, evaluated: list[str]) -> None:
         if name not in kept:
             raise UserError(f"eval.emas names {name}, which this run does not keep; choose from {', '.join(kept)} "
                             "(more with train.ema_decays or train.phema.stds)")
+    stds, snapshot_every = train.phema.stds, train.phema.snapshot_every
+    for std in stds:
+        check_std(std, "train.phema.stds")
+    if len(set(stds)) != len(stds):
+        raise UserError(f"train.phema.stds {list(stds)} repeats a std; give each once")
+    if stds and not snapshot_every:
+        raise UserError("train.phema.stds needs train.phema.snapshot_every (steps between snapshots; the "
+                        "reconstruction wants a few hundred of them over a run)")
+    if snapshot_every and not stds:
+        raise UserError("train.phema.snapshot_every needs train.phema.stds (e.g. [0.05, 0.10])")
 
 
 def ema_update_(emas: EMA | Sequence[EMA], model: torch.nn.Module, updates: int, skip: torch.Tensor | None) -> None:

@@ -23,9 +23,8 @@ def model_kwargs(m: ModelConfig, input_size: int, in_channels: int, num_classes:
     kwargs: dict[str, Any] = dict(topology=m.topology, input_size=input_size, in_channels=in_channels,
                                   num_classes=num_classes, learn_sigma=m.learn_sigma,
                                   class_dropout_prob=m.class_dropout, **topology_options_of(m))
-    for key in ("depth", "hidden_size", "num_heads", "patch_size"):
-        if getattr(m, key) is not None:
-            kwargs[key] = getattr(m, key)
+    kwargs.update({key: getattr(m, key) for key in ("depth", "hidden_size", "num_heads", "patch_size")
+                   if getattr(m, key) is not None})
     # The architecture choices only where they differ from the DiT's defaults: specs of default runs
     # (and of runs from before a choice existed) stay what they were, so those runs resume.
     kwargs.update({key: getattr(m, key) for key, default in ARCHITECTURE_DEFAULTS.items()

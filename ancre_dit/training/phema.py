@@ -2,12 +2,10 @@
 power-function EMAs tracked during training, and the EMA of any length rebuilt from their snapshots.
 
 A power-function EMA with exponent g, read at step t, averages the weights of steps s in [0, t] with
-density p(s) = (g + 1) s^g / t^(g + 1). Its length is given as the relative standard deviation of
-that density, std = sqrt((g + 1) / ((g + 2)^2 (g + 3))) (0.05 to 0.10 are EDM2's). Tracking it
-takes one lerp a step with beta_t = (1 - 1/t)^(g + 1). From snapshots of two such EMAs at many
-steps, the EMA of another std at step T is the combination of snapshots whose density is closest
-to the target's in L2: a linear solve of the snapshots' inner products (the paper's equations,
-written here for a step count rather than images seen).
+density p(s) = (g + 1) s^g / t^(g + 1), of relative std sqrt((g + 1) / ((g + 2)^2 (g + 3))) (EDM2: 0.05
+to 0.10); tracking it is one lerp a step with beta_t = (1 - 1/t)^(g + 1). The EMA of another std at
+step T is the combination of snapshots whose density is closest to the target's in L2: a linear solve
+of their inner products (the paper's equations, counted in steps rather than images seen).
 """
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ def exponent_of_std(std: float) -> float:
 
 
 def std_of_exponent(exponent: float) -> float:
-    g = float(exponent)
-    return float(np.sqrt((g + 1) / ((g + 2) ** 2 * (g + 3))))
+    return float(np.sqrt((exponent + 1) / ((exponent + 2) ** 2 * (exponent + 3))))
 
 
 def tracking_beta(std: float, step: int) -> float:
@@ -72,19 +69,6 @@ def reconstruction_weights(snapshot_steps: Sequence[int], snapshot_stds: Sequenc
     target = profile_inner_product(t, g, np.float64(target_step), np.float64(exponent_of_std(target_std)))
     x = np.linalg.solve(gram, target)
     return x / x.sum()
-
-
-def check_phema_settings(stds: Sequence[float], snapshot_every: int) -> None:
-    """train.phema: stds inside a power-function profile's range, distinct, with a snapshot period."""
-    for std in stds:
-        check_std(std, "train.phema.stds")
-    if len(set(stds)) != len(stds):
-        raise UserError(f"train.phema.stds {list(stds)} repeats a std; give each once")
-    if stds and not snapshot_every:
-        raise UserError("train.phema.stds needs train.phema.snapshot_every (steps between snapshots; the "
-                        "reconstruction wants a few hundred of them over a run)")
-    if snapshot_every and not stds:
-        raise UserError("train.phema.snapshot_every needs train.phema.stds (e.g. [0.05, 0.10])")
 
 
 class PowerFunctionEMA(EMA):
@@ -139,11 +123,9 @@ def reconstruct(run_dir: Path, std: float, at: int | None = None, name: str = "-
     out = {}
     for name in sorted({key.split("/", 1)[1] for key in last}):
         reference = last[f"{last_stds[0]:g}/{name}"]
-        if not reference.is_floating_point():
-            out[name] = reference
-            continue
-        total = sum(float(w) * snapshots[i][1][f"{d:g}/{name}"].double() for w, (i, d) in zip(weights, tracked))
-        out[name] = total.to(reference.dtype)
+        out[name] = reference if not reference.is_floating_point() else sum(
+            float(w) * snapshots[i][1][f"{d:g}/{name}"].double() for w, (i, d) in zip(weights, tracked)
+        ).to(reference.dtype)
     return out, target, steps
 
 
