@@ -113,8 +113,7 @@ def config_to_dict(config: Config) -> dict[str, Any]:
 
 
 def save_config(config: Config, path: str | Path) -> None:
-    """Writes config.yaml (load_config reads it back to an equal Config), atomically and only when its
-    bytes change."""
+    """Writes config.yaml (read back by load_config to an equal Config), atomically, only when its bytes change."""
     path = Path(path)
     data = yaml.safe_dump(config_to_dict(config), sort_keys=False).encode()
     try:

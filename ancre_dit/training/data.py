@@ -92,8 +92,7 @@ def check_batch_layout(config: Config, num_processes: int) -> int:
 
 
 def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
-    """Opens config.data's dataset, checking that the model's patch size (default: config.model.name's)
-    divides it."""
+    """Opens config.data's dataset, checking that the model's patch size (default: config.model.name's) divides it."""
     d = config.data
     if patch_size is None:
         patch_size = config.model.patch_size or DIT_MODELS[config.model.name][1]
@@ -200,9 +199,8 @@ def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
 
 def prepare_batch(info: DataInfo, batch: tuple, device: torch.device, generator: torch.Generator,
                   clean_images: bool = False) -> tuple[torch.Tensor, ...]:
-    """A batch on `device` with the step's augmentation from `generator` (flip + posterior draw for
-    latents, a flip for image folders) -> (x, y), with `clean_images` (REPA) also the clean image in
-    [0, 255], flipped as x is. The draws are the same either way."""
+    """A batch on `device` with the step's augmentation from `generator` (flip + posterior draw for latents, a flip
+    for image folders) -> (x, y), with `clean_images` (REPA) also the clean image in [0, 255], flipped as x is."""
     x, y, *stored = batch  # latents read with their clean images: (moments, labels, images)
     x, y, images = x.to(device, non_blocking=True), y.to(device, non_blocking=True), None
     if info.kind == "latents":
@@ -225,10 +223,9 @@ def prepare_batch(info: DataInfo, batch: tuple, device: torch.device, generator:
 
 
 class GlobalBatchSampler(torch.utils.data.Sampler):
-    """Infinite stream of this rank's micro-batches, starting at (epoch, offset). Epoch e is `randperm(n)`
-    seeded by (seed, e); global batch s covers positions [s*B, (s+1)*B) of it (an incomplete last one is
-    dropped); rank r takes the r-th of `world` slices, cut into `accum` micro-batches: the same global
-    batches whatever the process layout."""
+    """Infinite stream of this rank's micro-batches, starting at (epoch, offset). Epoch e is `randperm(n)` seeded
+    by (seed, e); global batch s covers positions [s*B, (s+1)*B) of it (an incomplete last one is dropped); rank r
+    takes the r-th of `world` slices, cut into `accum` micro-batches: the same batches whatever the layout."""
 
     def __init__(self, num_samples: int, global_batch: int, world: int, rank: int, accum: int, seed: int,
                  epoch: int = 0, offset: int = 0):
@@ -273,9 +270,9 @@ class _SubsetBatches(Subset):
 
 def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool
                 ) -> torch.utils.data.DataLoader:
-    """The training DataLoader over `sampler`'s micro-batches ((x, y), with REPA's images third); a
-    dataset with `get_batch` (the latent shards) is read a micro-batch per call. Its private generator:
-    DataLoader would otherwise seed its workers from the global RNG (label dropout's) and break exact resume."""
+    """The training DataLoader over `sampler`'s micro-batches ((x, y), REPA's images third), a micro-batch per call
+    where the dataset has `get_batch` (the latent shards). Its private generator: DataLoader would otherwise seed
+    its workers from the global RNG (label dropout's) and break exact resume."""
     workers = num_workers > 0
     common = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=workers,
                   generator=torch.Generator(), prefetch_factor=4 if workers else None,

@@ -44,10 +44,9 @@ def topology_options_of(m: ModelConfig) -> dict[str, Any]:
 
 
 def check_model(config: Config, found: Callable[..., bool]) -> None:
-    """At config load: the network on the meta device (no memory, no initialisation), so its size,
-    layers, topology and aggregation settings check themselves; records the topology's options in
-    model.topology_options. The data's shape is build_data's check; a stand-in here. `found`: as
-    config_checks.validate_config's (a topology's file missing where paths are not checked skips the build)."""
+    """At config load: the network on the meta device, so its size, layers, topology and aggregation settings
+    check themselves (the data's shape, build_data's check, a stand-in); records model.topology_options.
+    `found`: validate_config's (a topology's file missing where paths are not checked skips the build)."""
     m = config.model
     if not _resolve_topology_options(m, found):
         return
@@ -69,9 +68,8 @@ def check_model(config: Config, found: Callable[..., bool]) -> None:
 
 
 def _resolve_topology_options(m: ModelConfig, found: Callable[..., bool]) -> bool:
-    """Checks the topology options given and the files they name; records them with the defaults, in
-    the registry's order (config.yaml then holds them, byte-stable); other topologies' options stay
-    as given. False when a file it names is missing here (unchecked)."""
+    """Checks the topology options given and the files they name; records them with the defaults, in the registry's
+    order (byte-stable config.yaml), others' as given. False when a file it names is missing here (unchecked)."""
     resolved = resolve_options(m.topology, m.topology_options, prefix="model.", keep_others=True)
     files = {key: option for key, option in topology_entry(m.topology).options.items()
              if option.file and resolved[key] is not None}
@@ -83,9 +81,8 @@ def _resolve_topology_options(m: ModelConfig, found: Callable[..., bool]) -> boo
 
 
 def param_groups(model, weight_decay_of_routing: float, extra=None) -> tuple[list[dict[str, Any]], int | None]:
-    """AdamW's groups of trainable parameters: the backbone, the topology's routing parameters (their
-    own weight decay and lr), then `extra`'s (REPA's projector). Empty groups are left out; returns
-    the groups and the index of the routing group (None when it is empty)."""
+    """AdamW's groups of trainable parameters: the backbone, the topology's routing parameters (own weight decay and
+    lr), then `extra`'s (REPA's projector), empty ones left out; and the routing group's index (None: empty)."""
     routing = {id(p) for p in model.topology.routing_parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trainable if id(p) not in routing]},

@@ -100,9 +100,8 @@ def write_snapshot(run_dir: Path, step: int, emas: dict[float, dict[str, torch.T
 
 def reconstruct(run_dir: Path, std: float, at: int | None = None, name: str = "--std"
                 ) -> tuple[dict[str, torch.Tensor], int, list[int]]:
-    """The EMA of length `std` at step `at` (default: the last snapshot), rebuilt from the snapshots up
-    to it: (state dict, step, snapshot steps used). Non-float tensors are the last snapshot's. `name`:
-    what the caller calls `std`."""
+    """The EMA of length `std` (`name`: what the caller calls it) at step `at` (default: the last snapshot), rebuilt
+    from the snapshots up to it: (state dict, step, snapshot steps used); non-float tensors are the last one's."""
     from safetensors import safe_open
 
     check_std(std, name)
@@ -130,9 +129,8 @@ def reconstruct(run_dir: Path, std: float, at: int | None = None, name: str = "-
 
 
 def write_reconstruction(run_dir: Path, std: float, at: int | None, out: Path) -> dict:
-    """A checkpoint folder (model_spec.json + ema.safetensors) holding the rebuilt EMA, read like any
-    other; its spec (returned) is the run's newest checkpoint's, at the step rebuilt, with the std and
-    snapshots."""
+    """A checkpoint folder (model_spec.json + ema.safetensors) holding the rebuilt EMA, read like any other; its
+    spec (returned) is the run's newest checkpoint's, at the step rebuilt, with the std and snapshots."""
     from ..checkpoint import SPEC_FILE, WEIGHT_FILES, load_model_spec, save_safetensors
     from .checkpointing import list_checkpoints
 

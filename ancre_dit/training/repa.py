@@ -89,9 +89,8 @@ class FrozenEncoder(nn.Module):
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """The image is resized, not the features interpolated, so that token i of both grids covers the
-        same region (DINOv2-B/14 under a 256 px DiT-B/2: 16 x 16 patches of 14 px at 224 px). Downsizing
-        antialiases, as the encoder's own (PIL) preprocessing did when it was trained."""
+        """Resizes the image, not the features, so that token i of both grids covers the same region (DINOv2-B/14
+        under a 256 px DiT-B/2: 16 x 16 patches of 14 px at 224 px), antialiased as in the encoder's training."""
         x = images.float() / 255.0
         if x.shape[1] == 1:  # grey (the digits): the same value in R, G and B
             x = x.expand(-1, 3, -1, -1)
