@@ -97,10 +97,9 @@ def _config_error(err: ValidationError) -> UserError:
         owner: Any = Config
         for part in loc[:-1]:
             owner = owner.__pydantic_fields__[part].annotation
-        names = list(owner.__pydantic_fields__)
         extra = f"; or a topology option: {', '.join(all_topology_options())}" if owner is ModelConfig else ""
         return UserError(f"unknown config key {key}; valid keys{f' of {loc[-2]}' if len(loc) > 1 else ''}: "
-                         f"{', '.join(names)}{extra}")
+                         f"{', '.join(owner.__pydantic_fields__)}{extra}")
     return invalid_value(err)
 
 

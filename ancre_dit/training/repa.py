@@ -222,10 +222,9 @@ def check_resume(folder: Path, state: dict[str, Any], repa: RepaAlignment | None
         diff = next((k for k in shapes if saved_shapes.get(k) != shapes[k]), next(iter(saved_shapes), ""))
         raise UserError(f"--resume {folder}: its REPA projector has {diff} {saved_shapes.get(diff)}, this config's "
                         f"{shapes.get(diff)} (repa.projector_dim or repa.encoder differ); resume with the run's config")
-    saved, own = state.get("repa"), repa.settings(cfg)
+    saved, own = state.get("repa"), json.loads(json.dumps(repa.settings(cfg)))  # tuples -> lists, as read back
     diffs = [f"repa.{k} {saved.get(k)!r} in the checkpoint, {own[k]!r} in the config"
-             for k in own
-             if saved is not None and json.loads(json.dumps(saved.get(k))) != json.loads(json.dumps(own[k]))]
+             for k in own if saved is not None and saved.get(k) != own[k]]
     if diffs:
         raise UserError(f"--resume {folder} was trained with other REPA settings ({'; '.join(diffs)}); resume with "
                         f"the config the run was started with ({run_config}), or start a new run_dir")
