@@ -22,7 +22,7 @@ from ..models.topologies import all_topology_options
 from .config_checks import validate_config
 from .config_sections import Config, ModelConfig
 
-# -- reading: YAML file + overrides ----------------------------------------------------------------
+
 def load_config(path: str | Path | None, overrides: Iterable[str] = (), check_paths: bool = True) -> Config:
     """The YAML at `path` (None: the defaults) with `a.b=value` overrides, checked; without
     `check_paths` the paths it names need not exist here (config_checks.validate_config)."""
@@ -103,7 +103,6 @@ def _config_error(err: ValidationError) -> UserError:
     return invalid_value(err)
 
 
-# -- writing ---------------------------------------------------------------------------------------
 def config_to_dict(config: Config) -> dict[str, Any]:
     """The config as config.yaml holds it: topology options flat in the model section, as they are given."""
     out = dataclasses.asdict(config)

@@ -291,5 +291,4 @@ def nonfinite_rows(info: DataInfo, global_batch: int, seed: int, position: tuple
              if not torch.isfinite(torch.as_tensor(dataset[i][0]).float()).all()]
     if not found:
         return "its stored rows are finite: the non-finite values arose after reading them"
-    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
-    return "non-finite data: " + ", ".join(found[:5]) + more
+    return "non-finite data: " + ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")

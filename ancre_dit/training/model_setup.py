@@ -54,8 +54,7 @@ def check_model(config: Config, found: Callable[..., bool]) -> None:
         raise UserError(f"model.topology_entropy_weight needs the ancre topology (a learned softmax over each "
                         f"block's incoming edges), not {m.topology}; set it to 0 or use model.topology=ancre")
     kwargs = model_kwargs(m, input_size=8 * (m.patch_size or 1), in_channels=4, num_classes=10)  # a fitting stand-in
-    # The topology on the CPU (small; some read their values at build), the rest on meta. Its options
-    # were checked just above (resolve_options): the entry's builder trusts them.
+    # The topology on the CPU (small; some read their values at build; its options checked above), the rest on meta.
     size = {**model_size(m.name), **kwargs}
     kwargs["topology"] = topology_entry(m.topology).build(size["depth"], size["hidden_size"], **topology_options_of(m))
     with torch.device("meta"):

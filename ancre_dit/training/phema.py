@@ -82,8 +82,7 @@ class PowerFunctionEMA(EMA):
         return tracking_beta(self.std, updates + 1)
 
 
-# -- snapshots: RUN/phema/<step>.safetensors, every tracked std's weights at one step ---------------
-SNAPSHOT_DIR = "phema"
+SNAPSHOT_DIR = "phema"  # RUN/phema/<step>.safetensors: every tracked std's weights at one step
 
 
 def write_snapshot(run_dir: Path, step: int, emas: dict[float, dict[str, torch.Tensor]]) -> Path:

@@ -167,8 +167,7 @@ class RepaAlignment:
 
     def loss(self, projector: nn.Module, images: torch.Tensor) -> torch.Tensor:
         """The unweighted loss of the state the tap caught; `projector`: self.projector as prepared (DDP)."""
-        z = self.tap.take()
-        return alignment_loss(projector(z), self.encoder(images))
+        return alignment_loss(projector(self.tap.take()), self.encoder(images))
 
 
 def check_repa_settings(r: RepaConfig, found: Callable[[str, str], bool]) -> None:
