@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import default_collate
 
 from ancre_dit.data.latent_shards import LatentShardDataset
-from ancre_dit.training.data import DataInfo, GlobalBatchSampler, load_latents_in_memory, make_loader
+from ancre_dit.training.data import DataInfo, GlobalBatchSampler, collate, load_latents_in_memory, make_loader
 from benchmarks import bench_loader
 
 
@@ -80,7 +79,7 @@ def test_the_loader_stacks_datasets_read_one_sample_at_a_time():
     info = DataInfo(ds, "digits", 8, 1, 10, 8, 1)
     loader = make_loader(info, GlobalBatchSampler(len(ds), 8, 1, 0, 1, seed=0), 0, pin_memory=False)
     for (x, y), indices in zip(itertools.islice(iter(loader), 3), GlobalBatchSampler(len(ds), 8, 1, 0, 1, seed=0)):
-        ref_x, ref_y = default_collate([ds[i] for i in indices])
+        ref_x, ref_y = collate([ds[i] for i in indices])
         assert torch.equal(x, ref_x) and torch.equal(y, ref_y) and y.dtype == torch.int64
 
 

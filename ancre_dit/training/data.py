@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, Subset, default_collate
+from torch.utils.data import Dataset, Subset
 
 from ..errors import UserError
 from ..data.image_folder import list_image_folder, load_rgb
@@ -250,6 +250,11 @@ def advance_position(epoch: int, offset: int, global_batch: int, num_samples: in
     return (epoch + 1, 0) if offset + 2 * global_batch > num_samples else (epoch, offset + global_batch)
 
 
+def collate(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    xs, ys = zip(*items)
+    return torch.stack([torch.as_tensor(x) for x in xs]), torch.tensor([int(y) for y in ys])
+
+
 class _BatchReads(Dataset):
     """`reads[indices]` -> `dataset.get_batch(indices)`: the DataLoader (batch_size=None) hands each
     worker a whole micro-batch, which the latent shards read in one pass per file."""
@@ -279,7 +284,7 @@ def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, p
                   worker_init_fn=worker_signal_handlers if workers else None)
     if hasattr(info.dataset, "get_batch"):
         return torch.utils.data.DataLoader(_BatchReads(info.dataset), sampler=sampler, batch_size=None, **common)
-    return torch.utils.data.DataLoader(info.dataset, batch_sampler=sampler, collate_fn=default_collate, **common)
+    return torch.utils.data.DataLoader(info.dataset, batch_sampler=sampler, collate_fn=collate, **common)
 
 
 def nonfinite_rows(info: DataInfo, global_batch: int, seed: int, position: tuple[int, int]) -> str:
