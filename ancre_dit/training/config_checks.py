@@ -11,9 +11,9 @@ from ..evaluation.evaluator import check_evaluation
 from ..sampling.guidance import check_guidance_scale
 from .config_sections import Config
 from .data import check_data_path
-from .ema import check_ema_choices
 from .lr_schedule import check_lr_schedule
 from .model_setup import check_model, diffusion_spec
+from .phema import check_ema_choices
 from .repa import check_repa_settings
 
 

@@ -8,7 +8,6 @@ from typing import Sequence
 
 import torch
 
-from ..errors import UserError
 
 
 class EMA:
@@ -29,32 +28,6 @@ def ema_names(train) -> list[str]:
     """The weights-file names of a run's EMAs, in the trainer's order: ema (train.ema_decay), ema-<decay>
     (train.ema_decays), phema-<std> (train.phema.stds)."""
     return ["ema", *(f"ema-{d:g}" for d in train.ema_decays), *(f"phema-{s:g}" for s in train.phema.stds)]
-
-
-def check_ema_choices(train, evaluated: list[str]) -> None:
-    """Each EMA kept once (its weights file is named by its decay), `evaluated` (eval.emas) among them, and
-    train.phema's stds inside a power-function profile's range, distinct, with a snapshot period."""
-    from .phema import check_std
-
-    for d in train.ema_decays:
-        if d == train.ema_decay or train.ema_decays.count(d) > 1:
-            what = "the decay of train.ema_decay" if d == train.ema_decay else "given twice"
-            raise UserError(f"train.ema_decays holds {d:g}, {what}; keep each EMA once")
-    kept = ema_names(train)
-    for name in evaluated:
-        if name not in kept:
-            raise UserError(f"eval.emas names {name}, which this run does not keep; choose from {', '.join(kept)} "
-                            "(more with train.ema_decays or train.phema.stds)")
-    stds, snapshot_every = train.phema.stds, train.phema.snapshot_every
-    for std in stds:
-        check_std(std, "train.phema.stds")
-    if len(set(stds)) != len(stds):
-        raise UserError(f"train.phema.stds {list(stds)} repeats a std; give each once")
-    if stds and not snapshot_every:
-        raise UserError("train.phema.stds needs train.phema.snapshot_every (steps between snapshots; the "
-                        "reconstruction wants a few hundred of them over a run)")
-    if snapshot_every and not stds:
-        raise UserError("train.phema.snapshot_every needs train.phema.stds (e.g. [0.05, 0.10])")
 
 
 def ema_update_(emas: EMA | Sequence[EMA], model: torch.nn.Module, updates: int, skip: torch.Tensor | None) -> None:

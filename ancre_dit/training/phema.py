@@ -19,7 +19,7 @@ import torch
 
 from ..errors import UserError
 from ..files import write_atomic
-from .ema import EMA
+from .ema import EMA, ema_names
 
 
 MAX_STD = 12 ** -0.5  # g = 0, the plain average, is the widest profile: std 1/sqrt(12)
@@ -69,6 +69,30 @@ def reconstruction_weights(snapshot_steps: Sequence[int], snapshot_stds: Sequenc
     target = profile_inner_product(t, g, np.float64(target_step), np.float64(exponent_of_std(target_std)))
     x = np.linalg.solve(gram, target)
     return x / x.sum()
+
+
+def check_ema_choices(train, evaluated: list[str]) -> None:
+    """Each EMA kept once (its weights file is named by its decay), `evaluated` (eval.emas) among them, and
+    train.phema's stds inside a power-function profile's range, distinct, with a snapshot period."""
+    for d in train.ema_decays:
+        if d == train.ema_decay or train.ema_decays.count(d) > 1:
+            what = "the decay of train.ema_decay" if d == train.ema_decay else "given twice"
+            raise UserError(f"train.ema_decays holds {d:g}, {what}; keep each EMA once")
+    kept = ema_names(train)
+    for name in evaluated:
+        if name not in kept:
+            raise UserError(f"eval.emas names {name}, which this run does not keep; choose from {', '.join(kept)} "
+                            "(more with train.ema_decays or train.phema.stds)")
+    stds, snapshot_every = train.phema.stds, train.phema.snapshot_every
+    for std in stds:
+        check_std(std, "train.phema.stds")
+    if len(set(stds)) != len(stds):
+        raise UserError(f"train.phema.stds {list(stds)} repeats a std; give each once")
+    if stds and not snapshot_every:
+        raise UserError("train.phema.stds needs train.phema.snapshot_every (steps between snapshots; the "
+                        "reconstruction wants a few hundred of them over a run)")
+    if snapshot_every and not stds:
+        raise UserError("train.phema.snapshot_every needs train.phema.stds (e.g. [0.05, 0.10])")
 
 
 class PowerFunctionEMA(EMA):
