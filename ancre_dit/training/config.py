@@ -22,7 +22,7 @@ from ..models.topologies import all_topology_options
 from .config_checks import validate_config
 from .config_sections import Config, ModelConfig
 
-# -- reading: YAML file + overrides ----------------------------------------------------------------
+
 def load_config(path: str | Path | None, overrides: Iterable[str] = (), check_paths: bool = True) -> Config:
     """The YAML at `path` (None: the defaults) with `a.b=value` overrides, checked; without
     `check_paths` the paths it names need not exist here (config_checks.validate_config)."""
@@ -97,14 +97,12 @@ def _config_error(err: ValidationError) -> UserError:
         owner: Any = Config
         for part in loc[:-1]:
             owner = owner.__pydantic_fields__[part].annotation
-        names = list(owner.__pydantic_fields__)
         extra = f"; or a topology option: {', '.join(all_topology_options())}" if owner is ModelConfig else ""
         return UserError(f"unknown config key {key}; valid keys{f' of {loc[-2]}' if len(loc) > 1 else ''}: "
-                         f"{', '.join(names)}{extra}")
+                         f"{', '.join(owner.__pydantic_fields__)}{extra}")
     return invalid_value(err)
 
 
-# -- writing ---------------------------------------------------------------------------------------
 def config_to_dict(config: Config) -> dict[str, Any]:
     """The config as config.yaml holds it: topology options flat in the model section, as they are given."""
     out = dataclasses.asdict(config)
@@ -113,8 +111,7 @@ def config_to_dict(config: Config) -> dict[str, Any]:
 
 
 def save_config(config: Config, path: str | Path) -> None:
-    """Writes config.yaml (load_config reads it back to an equal Config), atomically and only when its
-    bytes change."""
+    """Writes config.yaml (read back by load_config to an equal Config), atomically, only when its bytes change."""
     path = Path(path)
     data = yaml.safe_dump(config_to_dict(config), sort_keys=False).encode()
     try:

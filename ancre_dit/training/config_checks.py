@@ -11,10 +11,9 @@ from ..evaluation.evaluator import check_evaluation
 from ..sampling.guidance import check_guidance_scale
 from .config_sections import Config
 from .data import check_data_path
-from .ema import check_ema_choices
 from .lr_schedule import check_lr_schedule
 from .model_setup import check_model, diffusion_spec
-from .phema import check_phema_settings
+from .phema import check_ema_choices
 from .repa import check_repa_settings
 
 
@@ -35,7 +34,6 @@ def validate_config(config: Config, check_paths: bool = True) -> list[str]:
     _check_sparsify_step(config)
     check_lr_schedule(config.train)
     check_ema_choices(config.train, config.eval.emas)
-    check_phema_settings(config.train.phema.stds, config.train.phema.snapshot_every)
     check_data_path(config, found)
     objective = build_objective(diffusion_spec(config))
     check_repa_settings(config.repa, found)

@@ -91,8 +91,7 @@ class TrainConfig:
     topology_lr_mult: Float = Field(1.0, ge=0)
     topology_warmup_steps: Int = Field(0, ge=0)
     topology_weight_decay: Float = Field(0.0, ge=0)
-    # With model.topology_topk: the step after which the topology is sparsified (dense up to it).
-    topology_sparsify_step: Int = Field(0, ge=0)
+    topology_sparsify_step: Int = Field(0, ge=0)  # with model.topology_topk: dense up to it, then sparsified
     grad_clip: Float = Field(0.0, ge=0)  # max global grad norm; 0 = off
     ema_decay: Float = Field(0.9999, ge=0, le=1)
     ema_warmup: Bool = False          # ramp the decay up from 0 (timm's warmup), for short runs
@@ -105,8 +104,7 @@ class TrainConfig:
     ckpt_every: Int = Field(50_000, ge=1)
     keep_last: Int = Field(0, ge=0)   # keep the newest N checkpoints; 0 = keep all
     log_every: Int = Field(100, ge=1)
-    # Depth diagnostics of a fixed batch every log_every steps (logs/diagnostics.jsonl).
-    diagnostics: Bool = True
+    diagnostics: Bool = True  # depth diagnostics of a fixed batch every log_every steps (logs/diagnostics.jsonl)
     sample_every: Int = Field(10_000, ge=0)  # EMA sample grid every N steps; 0 = never
     num_sample_images: Int = Field(16, ge=0)
     cfg_scale_for_grids: Float = 4.0
@@ -119,8 +117,7 @@ class TrainConfig:
     compile: Bool = False
     grad_checkpointing: Bool = False  # recompute each block's activations in backward (less memory, ~1 more forward)
     tf32: Bool = True
-    # Ranks agree on a stop signal every N steps (a host-side all-reduce; docs/cluster.md).
-    stop_check_every: Int = Field(10, ge=1)
+    stop_check_every: Int = Field(10, ge=1)  # ranks agree on a stop signal (a host all-reduce; docs/cluster.md)
     # Seconds a rank waits in a collective (NCCL's 600 is short for the main rank's lone work at start-up).
     collective_timeout_s: Float = Field(1800.0, gt=0)
     # Peak dense bf16 TFLOP/s of one device for the logged MFU; null = from the GPU's name (hardware.py).
@@ -186,8 +183,7 @@ class RepaConfig:
 @section
 class LogConfig:
     tensorboard: Bool = True
-    # The PNG figures (their data, topology.json and the jsonl logs, is written either way).
-    figures: Bool = True
+    figures: Bool = True  # the PNG figures (their data, topology.json and the jsonl logs, is written either way)
     wandb: Bool = False
     project: Str = "ancre-dit"
 

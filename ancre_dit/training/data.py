@@ -92,8 +92,7 @@ def check_batch_layout(config: Config, num_processes: int) -> int:
 
 
 def build_data(config: Config, patch_size: int | None = None) -> DataInfo:
-    """Opens config.data's dataset, checking that the model's patch size (default: config.model.name's)
-    divides it."""
+    """Opens config.data's dataset, checking that the model's patch size (default: config.model.name's) divides it."""
     d = config.data
     if patch_size is None:
         patch_size = config.model.patch_size or DIT_MODELS[config.model.name][1]
@@ -200,9 +199,8 @@ def _split_latents(ds, config: Config) -> tuple[Dataset, Dataset | None]:
 
 def prepare_batch(info: DataInfo, batch: tuple, device: torch.device, generator: torch.Generator,
                   clean_images: bool = False) -> tuple[torch.Tensor, ...]:
-    """A batch on `device` with the step's augmentation from `generator` (flip + posterior draw for
-    latents, a flip for image folders) -> (x, y), with `clean_images` (REPA) also the clean image in
-    [0, 255], flipped as x is. The draws are the same either way."""
+    """A batch on `device` with the step's augmentation from `generator` (flip + posterior draw for latents, a flip
+    for image folders) -> (x, y), with `clean_images` (REPA) also the clean image in [0, 255], flipped as x is."""
     x, y, *stored = batch  # latents read with their clean images: (moments, labels, images)
     x, y, images = x.to(device, non_blocking=True), y.to(device, non_blocking=True), None
     if info.kind == "latents":
@@ -225,10 +223,9 @@ def prepare_batch(info: DataInfo, batch: tuple, device: torch.device, generator:
 
 
 class GlobalBatchSampler(torch.utils.data.Sampler):
-    """Infinite stream of this rank's micro-batches, starting at (epoch, offset). Epoch e is `randperm(n)`
-    seeded by (seed, e); global batch s covers positions [s*B, (s+1)*B) of it (an incomplete last one is
-    dropped); rank r takes the r-th of `world` slices, cut into `accum` micro-batches: the same global
-    batches whatever the process layout."""
+    """Infinite stream of this rank's micro-batches, starting at (epoch, offset). Epoch e is `randperm(n)` seeded
+    by (seed, e); global batch s covers positions [s*B, (s+1)*B) of it (an incomplete last one is dropped); rank r
+    takes the r-th of `world` slices, cut into `accum` micro-batches: the same batches whatever the layout."""
 
     def __init__(self, num_samples: int, global_batch: int, world: int, rank: int, accum: int, seed: int,
                  epoch: int = 0, offset: int = 0):
@@ -250,10 +247,7 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
 
 def advance_position(epoch: int, offset: int, global_batch: int, num_samples: int) -> tuple[int, int]:
     """(epoch, offset) after one optimizer step; mirrors GlobalBatchSampler's epoch boundary."""
-    offset += global_batch
-    if offset + global_batch > num_samples:
-        return epoch + 1, 0
-    return epoch, offset
+    return (epoch + 1, 0) if offset + 2 * global_batch > num_samples else (epoch, offset + global_batch)
 
 
 def collate(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,9 +275,9 @@ class _SubsetBatches(Subset):
 
 def make_loader(info: DataInfo, sampler: GlobalBatchSampler, num_workers: int, pin_memory: bool
                 ) -> torch.utils.data.DataLoader:
-    """The training DataLoader over `sampler`'s micro-batches ((x, y), with REPA's images third); a
-    dataset with `get_batch` (the latent shards) is read a micro-batch per call. Its private generator:
-    DataLoader would otherwise seed its workers from the global RNG (label dropout's) and break exact resume."""
+    """The training DataLoader over `sampler`'s micro-batches ((x, y), REPA's images third), a micro-batch per call
+    where the dataset has `get_batch` (the latent shards). Its private generator: DataLoader would otherwise seed
+    its workers from the global RNG (label dropout's) and break exact resume."""
     workers = num_workers > 0
     common = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=workers,
                   generator=torch.Generator(), prefetch_factor=4 if workers else None,
@@ -297,13 +291,9 @@ def nonfinite_rows(info: DataInfo, global_batch: int, seed: int, position: tuple
     """Which samples of the global batch at `position` = (epoch, offset) hold non-finite values (shard
     file and row for latents), read again for the non-finite guard's report."""
     dataset = info.dataset
-    describe_row = getattr(dataset, "describe_row", None)  # latent shards name file and row
-    found = []
-    for i in next(iter(GlobalBatchSampler(len(dataset), global_batch, 1, 0, 1, seed, *position))):
-        sample = dataset[i][0]
-        if not torch.isfinite(torch.as_tensor(sample).float()).all():
-            found.append(describe_row(i) if describe_row is not None else f"sample {i}")
+    describe = getattr(dataset, "describe_row", lambda i: f"sample {i}")  # latent shards name file and row
+    found = [describe(i) for i in next(iter(GlobalBatchSampler(len(dataset), global_batch, 1, 0, 1, seed, *position)))
+             if not torch.isfinite(torch.as_tensor(dataset[i][0]).float()).all()]
     if not found:
         return "its stored rows are finite: the non-finite values arose after reading them"
-    more = f" and {len(found) - 5} more" if len(found) > 5 else ""
-    return "non-finite data: " + ", ".join(found[:5]) + more
+    return "non-finite data: " + ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")

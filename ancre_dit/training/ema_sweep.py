@@ -81,8 +81,7 @@ def compare_sweeps(sweeps: dict[str, dict[str, Any]], metric: str) -> str:
         return "\n".join(lines + [f"one run: difference {diffs[0]:+.4g}, no interval (sweep a run per seed)"])
     better = interval.high < 0 if lower else interval.low > 0
     worse = interval.low > 0 if lower else interval.high < 0
-    verdict = ("post-hoc EMA is better" if better else "post-hoc EMA is worse" if worse
-               else "no measurable difference")
+    verdict = "post-hoc EMA is better" if better else "post-hoc EMA is worse" if worse else "no measurable difference"
     lines.append(f"paired difference (post-hoc - fixed) over {len(diffs)} seed(s): {interval.mean:+.4g}, 95% interval "
                  f"[{interval.low:+.4g}, {interval.high:+.4g}]: {verdict}")
     return "\n".join(lines)

@@ -23,9 +23,8 @@ def model_kwargs(m: ModelConfig, input_size: int, in_channels: int, num_classes:
     kwargs: dict[str, Any] = dict(topology=m.topology, input_size=input_size, in_channels=in_channels,
                                   num_classes=num_classes, learn_sigma=m.learn_sigma,
                                   class_dropout_prob=m.class_dropout, **topology_options_of(m))
-    for key in ("depth", "hidden_size", "num_heads", "patch_size"):
-        if getattr(m, key) is not None:
-            kwargs[key] = getattr(m, key)
+    kwargs.update({key: getattr(m, key) for key in ("depth", "hidden_size", "num_heads", "patch_size")
+                   if getattr(m, key) is not None})
     # The architecture choices only where they differ from the DiT's defaults: specs of default runs
     # (and of runs from before a choice existed) stay what they were, so those runs resume.
     kwargs.update({key: getattr(m, key) for key, default in ARCHITECTURE_DEFAULTS.items()
@@ -45,10 +44,9 @@ def topology_options_of(m: ModelConfig) -> dict[str, Any]:
 
 
 def check_model(config: Config, found: Callable[..., bool]) -> None:
-    """At config load: the network on the meta device (no memory, no initialisation), so its size,
-    layers, topology and aggregation settings check themselves; records the topology's options in
-    model.topology_options. The data's shape is build_data's check; a stand-in here. `found`: as
-    config_checks.validate_config's (a topology's file missing where paths are not checked skips the build)."""
+    """At config load: the network on the meta device, so its size, layers, topology and aggregation settings
+    check themselves (the data's shape, build_data's check, a stand-in); records model.topology_options.
+    `found`: validate_config's (a topology's file missing where paths are not checked skips the build)."""
     m = config.model
     if not _resolve_topology_options(m, found):
         return
@@ -56,8 +54,7 @@ def check_model(config: Config, found: Callable[..., bool]) -> None:
         raise UserError(f"model.topology_entropy_weight needs the ancre topology (a learned softmax over each "
                         f"block's incoming edges), not {m.topology}; set it to 0 or use model.topology=ancre")
     kwargs = model_kwargs(m, input_size=8 * (m.patch_size or 1), in_channels=4, num_classes=10)  # a fitting stand-in
-    # The topology on the CPU (small; some read their values at build), the rest on meta. Its options
-    # were checked just above (resolve_options): the entry's builder trusts them.
+    # The topology on the CPU (small; some read their values at build; its options checked above), the rest on meta.
     size = {**model_size(m.name), **kwargs}
     kwargs["topology"] = topology_entry(m.topology).build(size["depth"], size["hidden_size"], **topology_options_of(m))
     with torch.device("meta"):
@@ -70,9 +67,8 @@ def check_model(config: Config, found: Callable[..., bool]) -> None:
 
 
 def _resolve_topology_options(m: ModelConfig, found: Callable[..., bool]) -> bool:
-    """Checks the topology options given and the files they name; records them with the defaults, in
-    the registry's order (config.yaml then holds them, byte-stable); other topologies' options stay
-    as given. False when a file it names is missing here (unchecked)."""
+    """Checks the topology options given and the files they name; records them with the defaults, in the registry's
+    order (byte-stable config.yaml), others' as given. False when a file it names is missing here (unchecked)."""
     resolved = resolve_options(m.topology, m.topology_options, prefix="model.", keep_others=True)
     files = {key: option for key, option in topology_entry(m.topology).options.items()
              if option.file and resolved[key] is not None}
@@ -84,9 +80,8 @@ def _resolve_topology_options(m: ModelConfig, found: Callable[..., bool]) -> boo
 
 
 def param_groups(model, weight_decay_of_routing: float, extra=None) -> tuple[list[dict[str, Any]], int | None]:
-    """AdamW's groups of trainable parameters: the backbone, the topology's routing parameters (their
-    own weight decay and lr), then `extra`'s (REPA's projector). Empty groups are left out; returns
-    the groups and the index of the routing group (None when it is empty)."""
+    """AdamW's groups of trainable parameters: the backbone, the topology's routing parameters (own weight decay and
+    lr), then `extra`'s (REPA's projector), empty ones left out; and the routing group's index (None: empty)."""
     routing = {id(p) for p in model.topology.routing_parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in trainable if id(p) not in routing]},

@@ -2,12 +2,10 @@
 power-function EMAs tracked during training, and the EMA of any length rebuilt from their snapshots.
 
 A power-function EMA with exponent g, read at step t, averages the weights of steps s in [0, t] with
-density p(s) = (g + 1) s^g / t^(g + 1). Its length is given as the relative standard deviation of
-that density, std = sqrt((g + 1) / ((g + 2)^2 (g + 3))) (0.05 to 0.10 are EDM2's). Tracking it
-takes one lerp a step with beta_t = (1 - 1/t)^(g + 1). From snapshots of two such EMAs at many
-steps, the EMA of another std at step T is the combination of snapshots whose density is closest
-to the target's in L2: a linear solve of the snapshots' inner products (the paper's equations,
-written here for a step count rather than images seen).
+density p(s) = (g + 1) s^g / t^(g + 1), of relative std sqrt((g + 1) / ((g + 2)^2 (g + 3))) (EDM2: 0.05
+to 0.10); tracking it is one lerp a step with beta_t = (1 - 1/t)^(g + 1). The EMA of another std at
+step T is the combination of snapshots whose density is closest to the target's in L2: a linear solve
+of their inner products (the paper's equations, counted in steps rather than images seen).
 """
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ import torch
 
 from ..errors import UserError
 from ..files import write_atomic
-from .ema import EMA
+from .ema import EMA, ema_names
 
 
 MAX_STD = 12 ** -0.5  # g = 0, the plain average, is the widest profile: std 1/sqrt(12)
@@ -45,8 +43,7 @@ def exponent_of_std(std: float) -> float:
 
 
 def std_of_exponent(exponent: float) -> float:
-    g = float(exponent)
-    return float(np.sqrt((g + 1) / ((g + 2) ** 2 * (g + 3))))
+    return float(np.sqrt((exponent + 1) / ((exponent + 2) ** 2 * (exponent + 3))))
 
 
 def tracking_beta(std: float, step: int) -> float:
@@ -74,8 +71,19 @@ def reconstruction_weights(snapshot_steps: Sequence[int], snapshot_stds: Sequenc
     return x / x.sum()
 
 
-def check_phema_settings(stds: Sequence[float], snapshot_every: int) -> None:
-    """train.phema: stds inside a power-function profile's range, distinct, with a snapshot period."""
+def check_ema_choices(train, evaluated: list[str]) -> None:
+    """Each EMA kept once (its weights file is named by its decay), `evaluated` (eval.emas) among them, and
+    train.phema's stds inside a power-function profile's range, distinct, with a snapshot period."""
+    for d in train.ema_decays:
+        if d == train.ema_decay or train.ema_decays.count(d) > 1:
+            what = "the decay of train.ema_decay" if d == train.ema_decay else "given twice"
+            raise UserError(f"train.ema_decays holds {d:g}, {what}; keep each EMA once")
+    kept = ema_names(train)
+    for name in evaluated:
+        if name not in kept:
+            raise UserError(f"eval.emas names {name}, which this run does not keep; choose from {', '.join(kept)} "
+                            "(more with train.ema_decays or train.phema.stds)")
+    stds, snapshot_every = train.phema.stds, train.phema.snapshot_every
     for std in stds:
         check_std(std, "train.phema.stds")
     if len(set(stds)) != len(stds):
@@ -98,8 +106,7 @@ class PowerFunctionEMA(EMA):
         return tracking_beta(self.std, updates + 1)
 
 
-# -- snapshots: RUN/phema/<step>.safetensors, every tracked std's weights at one step ---------------
-SNAPSHOT_DIR = "phema"
+SNAPSHOT_DIR = "phema"  # RUN/phema/<step>.safetensors: every tracked std's weights at one step
 
 
 def write_snapshot(run_dir: Path, step: int, emas: dict[float, dict[str, torch.Tensor]]) -> Path:
@@ -116,9 +123,8 @@ def write_snapshot(run_dir: Path, step: int, emas: dict[float, dict[str, torch.T
 
 def reconstruct(run_dir: Path, std: float, at: int | None = None, name: str = "--std"
                 ) -> tuple[dict[str, torch.Tensor], int, list[int]]:
-    """The EMA of length `std` at step `at` (default: the last snapshot), rebuilt from the snapshots up
-    to it: (state dict, step, snapshot steps used). Non-float tensors are the last snapshot's. `name`:
-    what the caller calls `std`."""
+    """The EMA of length `std` (`name`: what the caller calls it) at step `at` (default: the last snapshot), rebuilt
+    from the snapshots up to it: (state dict, step, snapshot steps used); non-float tensors are the last one's."""
     from safetensors import safe_open
 
     check_std(std, name)
@@ -139,18 +145,15 @@ def reconstruct(run_dir: Path, std: float, at: int | None = None, name: str = "-
     out = {}
     for name in sorted({key.split("/", 1)[1] for key in last}):
         reference = last[f"{last_stds[0]:g}/{name}"]
-        if not reference.is_floating_point():
-            out[name] = reference
-            continue
-        total = sum(float(w) * snapshots[i][1][f"{d:g}/{name}"].double() for w, (i, d) in zip(weights, tracked))
-        out[name] = total.to(reference.dtype)
+        out[name] = reference if not reference.is_floating_point() else sum(
+            float(w) * snapshots[i][1][f"{d:g}/{name}"].double() for w, (i, d) in zip(weights, tracked)
+        ).to(reference.dtype)
     return out, target, steps
 
 
 def write_reconstruction(run_dir: Path, std: float, at: int | None, out: Path) -> dict:
-    """A checkpoint folder (model_spec.json + ema.safetensors) holding the rebuilt EMA, read like any
-    other; its spec (returned) is the run's newest checkpoint's, at the step rebuilt, with the std and
-    snapshots."""
+    """A checkpoint folder (model_spec.json + ema.safetensors) holding the rebuilt EMA, read like any other; its
+    spec (returned) is the run's newest checkpoint's, at the step rebuilt, with the std and snapshots."""
     from ..checkpoint import SPEC_FILE, WEIGHT_FILES, load_model_spec, save_safetensors
     from .checkpointing import list_checkpoints
 

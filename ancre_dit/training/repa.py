@@ -53,10 +53,9 @@ def make_projector(hidden_size: int, projector_dim: int, encoder_dim: int) -> nn
     of linears (xavier-uniform weights, zero biases)."""
     layers = nn.Sequential(nn.Linear(hidden_size, projector_dim), nn.SiLU(), nn.Linear(projector_dim, projector_dim),
                            nn.SiLU(), nn.Linear(projector_dim, encoder_dim))
-    for layer in layers:
-        if isinstance(layer, nn.Linear):
-            nn.init.xavier_uniform_(layer.weight)
-            nn.init.zeros_(layer.bias)
+    for linear in layers[::2]:
+        nn.init.xavier_uniform_(linear.weight)
+        nn.init.zeros_(linear.bias)
     return layers
 
 
@@ -90,9 +89,8 @@ class FrozenEncoder(nn.Module):
 
     @torch.no_grad()
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        """The image is resized, not the features interpolated, so that token i of both grids covers the
-        same region (DINOv2-B/14 under a 256 px DiT-B/2: 16 x 16 patches of 14 px at 224 px). Downsizing
-        antialiases, as the encoder's own (PIL) preprocessing did when it was trained."""
+        """Resizes the image, not the features, so that token i of both grids covers the same region (DINOv2-B/14
+        under a 256 px DiT-B/2: 16 x 16 patches of 14 px at 224 px), antialiased as in the encoder's training."""
         x = images.float() / 255.0
         if x.shape[1] == 1:  # grey (the digits): the same value in R, G and B
             x = x.expand(-1, 3, -1, -1)
@@ -115,10 +113,12 @@ def _create(cfg: RepaConfig, **extra: Any) -> nn.Module:
                         f"{cfg.encoder_kwargs} ({' '.join(str(err).split())})") from None
 
 
-def encoder_resolution(cfg: RepaConfig, grid: int) -> int:
-    """The encoder's input side: the DiT token grid x the encoder's patch size (read from the encoder
-    built on the meta device, or the CPU where that fails), or the configured one giving the same grid."""
-    with torch.random.fork_rng(devices=[]):  # the training streams do not move
+def build_encoder(cfg: RepaConfig, grid: int, device: torch.device | str = "cpu", bf16: bool = False,
+                  load_weights: bool = True) -> FrozenEncoder:
+    """The frozen encoder for a `grid` x `grid` DiT token grid, fed images of side grid x its patch size (read
+    from the encoder built on the meta device, or the CPU where that fails), which repa.encoder_resolution may
+    restate; `load_weights=False` keeps the random init (benchmarks time the architecture)."""
+    with torch.random.fork_rng(devices=[]):  # the random inits (overwritten) do not move the training streams
         try:
             with torch.device("meta"):
                 probe = _create(cfg)
@@ -131,30 +131,19 @@ def encoder_resolution(cfg: RepaConfig, grid: int) -> int:
     patch = tuple(patch) if isinstance(patch, (tuple, list)) else (patch, patch)
     if patch[0] != patch[1]:
         raise UserError(f"repa.encoder {cfg.encoder} has non-square patches {patch}; use one with square patches")
-    p = int(patch[0])
-    if cfg.encoder_resolution is None:
-        return grid * p
-    r = cfg.encoder_resolution
-    if r % p or r // p != grid:
+    p, r = int(patch[0]), cfg.encoder_resolution
+    if r is not None and r != grid * p:
         raise UserError(f"repa.encoder_resolution={r} gives the encoder a {r / p:g} x {r / p:g} patch grid (patch "
                         f"{p}), but the DiT has {grid} x {grid} tokens; set repa.encoder_resolution={grid * p} or null")
-    return r
-
-
-def build_encoder(cfg: RepaConfig, grid: int, device: torch.device | str = "cpu", bf16: bool = False,
-                  load_weights: bool = True) -> FrozenEncoder:
-    """The frozen encoder for a `grid` x `grid` DiT token grid; `load_weights=False` keeps the random
-    init (benchmarks time the architecture)."""
-    resolution = encoder_resolution(cfg, grid)
-    with torch.random.fork_rng(devices=[]):  # its random init (overwritten) must not move the training streams
-        model = _create(cfg, img_size=resolution)
+    with torch.random.fork_rng(devices=[]):
+        model = _create(cfg, img_size=grid * p)
     if load_weights:
         load_timm_weights(model, cfg.encoder_weights, cfg.encoder)
     tokens = int(model.patch_embed.num_patches)
     if tokens != grid * grid:
-        raise UserError(f"repa.encoder {cfg.encoder} gives {tokens} patch tokens at {resolution} px, the DiT "
+        raise UserError(f"repa.encoder {cfg.encoder} gives {tokens} patch tokens at {grid * p} px, the DiT "
                         f"{grid * grid}; REPA needs one encoder token per DiT token")
-    return FrozenEncoder(model, resolution, bf16).to(device)
+    return FrozenEncoder(model, grid * p, bf16).to(device)
 
 
 class RepaAlignment:
@@ -178,8 +167,7 @@ class RepaAlignment:
 
     def loss(self, projector: nn.Module, images: torch.Tensor) -> torch.Tensor:
         """The unweighted loss of the state the tap caught; `projector`: self.projector as prepared (DDP)."""
-        z = self.tap.take()
-        return alignment_loss(projector(z), self.encoder(images))
+        return alignment_loss(projector(self.tap.take()), self.encoder(images))
 
 
 def check_repa_settings(r: RepaConfig, found: Callable[[str, str], bool]) -> None:
@@ -233,10 +221,9 @@ def check_resume(folder: Path, state: dict[str, Any], repa: RepaAlignment | None
         diff = next((k for k in shapes if saved_shapes.get(k) != shapes[k]), next(iter(saved_shapes), ""))
         raise UserError(f"--resume {folder}: its REPA projector has {diff} {saved_shapes.get(diff)}, this config's "
                         f"{shapes.get(diff)} (repa.projector_dim or repa.encoder differ); resume with the run's config")
-    saved, own = state.get("repa"), repa.settings(cfg)
+    saved, own = state.get("repa"), json.loads(json.dumps(repa.settings(cfg)))  # tuples -> lists, as read back
     diffs = [f"repa.{k} {saved.get(k)!r} in the checkpoint, {own[k]!r} in the config"
-             for k in own
-             if saved is not None and json.loads(json.dumps(saved.get(k))) != json.loads(json.dumps(own[k]))]
+             for k in own if saved is not None and saved.get(k) != own[k]]
     if diffs:
         raise UserError(f"--resume {folder} was trained with other REPA settings ({'; '.join(diffs)}); resume with "
                         f"the config the run was started with ({run_config}), or start a new run_dir")
