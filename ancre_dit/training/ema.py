@@ -9,7 +9,6 @@ from typing import Sequence
 import torch
 
 
-
 class EMA:
     """`module`: a frozen copy of the model in eval mode; `decay(updates)` the decay of the update
     that follows `updates` earlier ones."""
@@ -19,8 +18,8 @@ class EMA:
         self.max_decay, self.warmup = decay, warmup
 
     def decay(self, updates: int) -> float:
-        """DiT's constant, or with warm-up timm's ModelEmaV3 ramp 1 - (1 + n)^(-2/3) capped at the set decay (0 first),
-        for short runs (a 0.999 EMA keeps ~13% of the initial weights after 2000 steps); timm's import is slow."""
+        """DiT's constant, or with warm-up timm's ModelEmaV3 ramp 1 - (1 + n)^(-2/3) capped at the set decay (0 first: a
+        copy), for short runs: a 0.999 EMA still holds ~13% of the initial weights after 2000 steps."""
         return min(1 - (1 + updates) ** (-2 / 3), self.max_decay) if self.warmup else self.max_decay
 
 
