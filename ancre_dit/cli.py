@@ -13,10 +13,6 @@ from typing import Callable, Iterator, NoReturn, Sequence
 
 from .errors import UserError
 
-BUG_REPORT = ("this is a bug in ancre-dit, not a problem with your input; please report it to the ancre-dit "
-              "issue tracker with the traceback above and the command you ran")
-
-
 # -- where a command writes (one rule for every --out; docs/reliability.md, "Where outputs go") ------------------
 def output_file(path: str | os.PathLike, suffixes: Sequence[str], flag: str = "--out") -> Path:
     """A file a command writes: ending in one of `suffixes`, not a folder, no parent a file. An existing
@@ -91,7 +87,8 @@ def run_cli(main: Callable[[], int | None]) -> None:
     except Exception:  # noqa: BLE001 - a bug: show where it happened
         _close_progress_bars()
         traceback.print_exc()
-        print(f"internal error: {BUG_REPORT}", file=sys.stderr)
+        print("internal error: this is a bug in ancre-dit, not a problem with your input; please report it to the "
+              "ancre-dit issue tracker with the traceback above and the command you ran", file=sys.stderr)
         sys.exit(1)
     sys.exit(code or 0)
 
@@ -118,9 +115,8 @@ class SingleProcess:
         pass
 
 
-# Seconds a process waits in a collective before the job fails (train.collective_timeout_s, and the
-# commands' --collective-timeout-s): NCCL's own default, 10 minutes, is less than the main process
-# may work alone (a checkpoint on a slow filesystem, the reference features).
+# Seconds a process waits in a collective before the job fails (train.collective_timeout_s, --collective-timeout-s):
+# NCCL's 10 minutes are less than the main process may work alone (a slow checkpoint, the reference features).
 COLLECTIVE_TIMEOUT_S = 1800.0
 
 

@@ -8,9 +8,8 @@ from typing import Iterator
 
 import torch
 
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity, the vendors' data sheets; SXM parts are the bare
-# names) by a fragment of torch.cuda.get_device_name: the first fragment the name contains wins, so
-# the most specific come first ("H100 PCIe" before "H100", "H200" before "H20", "L40S" before "L4").
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity, vendors' data sheets; SXM parts are the bare names) by a
+# fragment of torch.cuda.get_device_name: the first one the name contains wins, so the most specific come first.
 PEAK_BF16_TFLOPS = (("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 PCIe", 756.0),
                     ("H100 NVL", 835.0), ("H100", 989.0), ("H800 PCIe", 756.0), ("H800", 989.0), ("H20", 148.0),
                     ("GB200", 2500.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
@@ -31,8 +30,7 @@ def peak_tflops(device: torch.device | str, override: float | None = None) -> tu
     if device.type != "cuda":
         return None, "no peak known for a CPU: set it to get an MFU"
     name = torch.cuda.get_device_name(device)
-    found = table_peak(name)
-    if found is None:
+    if (found := table_peak(name)) is None:
         return None, f"unknown device {name!r}: set its peak to get an MFU"
     return found[0], f"table entry {found[1]} ({name})"
 

@@ -22,7 +22,7 @@ class Asset:
 
     @property
     def source(self) -> str:
-        return self.url if self.url else f"https://huggingface.co/{self.repo} ({self.revision}): {', '.join(self.files)}"
+        return self.url or f"https://huggingface.co/{self.repo} ({self.revision}): {', '.join(self.files)}"
 
     @property
     def file_names(self) -> tuple[str, ...]:
