@@ -1,6 +1,5 @@
-"""What the package needs to know about the device it runs on: the matmul precision every command
-sets up the same way (training, sampling and evaluation of the same weights must agree), and the
-peak dense bf16 throughput that turns counted FLOPs into MFU."""
+"""The device: the matmul precision every command sets up the same way (training, sampling and evaluation of
+the same weights must agree), and the peak dense bf16 throughput that turns counted FLOPs into MFU."""
 from __future__ import annotations
 
 import contextlib
@@ -36,8 +35,7 @@ def peak_tflops(device: torch.device | str, override: float | None = None) -> tu
 
 
 def configure_precision(device: torch.device | str, tf32: bool = True) -> None:
-    """TF32 for fp32 matrix products and convolutions on CUDA (the DiT recipe's setting). Every command
-    calls it, so an in-training evaluation and a later `evaluate.py --run` compute the same way."""
+    """TF32 for fp32 matrix products and convolutions on CUDA (DiT's setting), set alike by every command."""
     if torch.device(device).type != "cuda":
         return
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -47,8 +45,7 @@ def configure_precision(device: torch.device | str, tf32: bool = True) -> None:
 
 @contextlib.contextmanager
 def full_fp32() -> Iterator[None]:
-    """Full fp32 products and convolutions meanwhile, for evaluation features and distances: TF32
-    perturbs features at the 1e-3 level, and ADM's reference numbers were computed in full fp32."""
+    """Full fp32 products and convolutions meanwhile, for evaluation (TF32 perturbs features; ADM used fp32)."""
     saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:

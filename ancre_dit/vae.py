@@ -67,8 +67,7 @@ def locate_vae(name: str) -> tuple[str, str | None, str, dict | None]:
 
 def load_vae(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32,
              scaling_factor: float | None = None) -> LoadedVAE:
-    """Loads the VAE in eval mode on `device` in `dtype` (any failure is one UserError); scaling and
-    shift factors come from its config (`scaling_factor` overrides the first)."""
+    """The VAE in eval mode on `device` in `dtype` (any failure is one UserError), its factors from its config."""
     import diffusers  # heavy import, only when a VAE is really needed
 
     source, subfolder, kind, folder_config = locate_vae(name)
@@ -90,8 +89,8 @@ def load_vae(name: str, device: torch.device | str, dtype: torch.dtype = torch.f
 
 
 def _scaling_factor(name: str, config) -> float:
-    """The VAE config's scaling_factor, refused when its config.json does not give one (diffusers
-    would take SD's 0.18215 without a word, wrong for most other VAEs) or gives no positive number."""
+    """The VAE config's scaling_factor; refused when its config.json gives none (diffusers would silently take
+    SD's 0.18215) or no positive number."""
     if "scaling_factor" in getattr(config, "_use_default_values", ()):
         raise UserError(f"the VAE config of {name} sets no scaling_factor (diffusers would take SD's 0.18215, wrong "
                         "for most other VAEs); add it to its config.json or pass --scaling-factor")
@@ -107,8 +106,8 @@ def _scaling_factor(name: str, config) -> float:
 
 
 def check_vae_fits(name: str, latent_shape: tuple[int, int, int], image_size: int) -> None:
-    """Refuses a local VAE folder whose latents (channels, downsampling) are not those of the data,
-    from its config alone, so a run fails at start rather than at its first grid."""
+    """Refuses a local VAE folder whose latents are not the data's, from its config alone: at start, not at
+    the first grid."""
     _, _, kind, config = locate_vae(name)
     if config is None:
         return  # a hub id: checked when it is loaded
@@ -149,8 +148,7 @@ def encode_moments(loaded: LoadedVAE, images: torch.Tensor) -> tuple[torch.Tenso
 
 def load_run_vae(data_spec: dict[str, Any], latent_channels: int, vae: str | None = None,
                  device: torch.device | str = "cpu") -> LoadedVAE:
-    """The VAE a trained latent model decodes with: `vae`, else the one its run names in `data_spec`,
-    with the run's scaling factor; checked against the model's latent channels."""
+    """The VAE a trained latent model decodes with (`vae`, else its run's), with the run's scaling factor."""
     named = vae or data_spec.get("vae")
     if not named:
         raise UserError("this checkpoint samples VAE latents but its run names no VAE; pass --vae DIR "

@@ -1,8 +1,6 @@
-"""Fetching assets into OUT/<name>/<file>, each verified before it counts.
-
-Plain URLs resume a cut download (<file>.part) with a `Range` request; hub files resume on their own.
-A file is checked against its published checksum, else the SHA-256 the hub reports; else its SHA-256
-is recorded in OUT/assets.json and checked by later fetches. A failing file is removed.
+"""Fetching assets into OUT/<name>/<file>, each verified before it counts. Plain URLs resume a cut download
+(<file>.part) with a `Range` request; hub files resume on their own. A file is checked against its published
+checksum, else the hub's SHA-256, else the one OUT/assets.json recorded at its first fetch; a failing one is removed.
 """
 from __future__ import annotations
 

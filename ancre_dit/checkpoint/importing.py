@@ -145,14 +145,12 @@ def safe_torch_load(path: str | Path) -> Any:
 
 def _select_weights(raw: Mapping[str, Any], weights: str | None) -> tuple[Mapping[str, Any], str]:
     """The state dict to import and which it is ("ema", "model" or "state dict" for a bare one)."""
-    if weights not in (None, "ema", "model"):
-        raise UserError(f"--weights must be ema or model, got {weights!r}")
     wrapped = [k for k in ("ema", "model") if isinstance(raw.get(k), Mapping)]
     if not wrapped:
         if not any(isinstance(v, torch.Tensor) for v in raw.values()):
             raise UserError(f"the file holds neither a state dict nor 'ema' / 'model' entries (keys: "
                             f"{', '.join(map(str, list(raw)[:8]))})")
-        if weights == "model":
+        if weights not in (None, "ema"):
             raise UserError("the file is a bare state dict (one set of weights, EMA in the DiT release); "
                             "drop --weights")
         return raw, "state dict"

@@ -69,8 +69,8 @@ DATA_KEYS = ("kind", "image_size", "image_channels", "num_classes", "scaling_fac
 
 def data_differences(saved: dict[str, Any], wanted: dict[str, Any],
                      where: tuple[str, str] = ("in the checkpoint", "in the config")) -> list[str]:
-    """'data.key A in the checkpoint, B in the config' for each DATA_KEYS entry that differs between two
-    specs' "data" (floats to 1e-6 relative: they went through JSON)."""
+    """'data.key A in the checkpoint, B in the config' for each DATA_KEYS entry two specs' "data" differ in
+    (floats to 1e-6 relative: they went through JSON)."""
     saved, wanted = {"latent_norm": "scale", **saved}, {"latent_norm": "scale", **json.loads(json.dumps(wanted))}
     return [f"data.{key} {saved.get(key)} {where[0]}, {wanted.get(key)} {where[1]}"
             for key in DATA_KEYS if not _same_value(saved.get(key), wanted.get(key))]
