@@ -25,8 +25,7 @@ def peak_tflops(device: torch.device | str, override: float | None = None) -> tu
     """(peak dense bf16 TFLOP/s or None when unknown, where the figure came from)."""
     if override:
         return float(override), "given"
-    device = torch.device(device)
-    if device.type != "cuda":
+    if torch.device(device).type != "cuda":
         return None, "no peak known for a CPU: set it to get an MFU"
     name = torch.cuda.get_device_name(device)
     if (found := table_peak(name)) is None:

@@ -56,7 +56,6 @@ def plot_topology_panels(topologies: Mapping[str, object], path: str | Path, tit
     cols = min(max_columns, len(mats))
     rows = -(-len(mats) // cols)
     fig, axes = subplots(rows, cols, figsize=(2.6 * cols + 0.8, 2.6 * rows + (0.4 if title else 0.0)), squeeze=False)
-    image = None
     for ax, (name, P) in zip(axes.flat, mats.items()):
         image = _draw_topology(ax, P, vmax, name, fontsize=7)
     for ax in list(axes.flat)[len(mats):]:
