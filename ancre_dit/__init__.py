@@ -4,8 +4,7 @@ __all__ = ["DIT_MODELS", "DiT", "create_model", "convert_official_state_dict", "
 
 
 def __getattr__(name: str):
-    """The model names load on first use, so that a command needing no model (evaluate.py on
-    samples, the study runner, --help) starts without the model stack's imports (timm, torchvision)."""
+    """The model names load on first use: a command needing no model starts without timm and torchvision."""
     if name in __all__:
         from . import models
         return getattr(models, name)

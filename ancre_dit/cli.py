@@ -1,5 +1,5 @@
-"""Shared behaviour of the command-line faces and the jobs they launch: one clear line for a user's
-mistake, a traceback for a bug; the processes of a launched job."""
+"""What every command shares: where it writes, one clear line for a user's mistake, a traceback for a bug,
+and the processes of a launched job."""
 from __future__ import annotations
 
 import argparse
@@ -13,14 +13,10 @@ from typing import Callable, Iterator, NoReturn, Sequence
 
 from .errors import UserError
 
-BUG_REPORT = ("this is a bug in ancre-dit, not a problem with your input; please report it to the ancre-dit "
-              "issue tracker with the traceback above and the command you ran")
-
-
 # -- where a command writes (one rule for every --out; docs/reliability.md, "Where outputs go") ------------------
 def output_file(path: str | os.PathLike, suffixes: Sequence[str], flag: str = "--out") -> Path:
-    """A file a command writes: ending in one of `suffixes`, not a folder, no parent a file. An existing
-    file is replaced: files are derived outputs (figures, reports, sample sets) a rerun regenerates."""
+    """A file a command writes: ending in one of `suffixes`, not a folder, no parent a file; an existing one is
+    replaced (a derived output a rerun regenerates)."""
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{flag} {path} is a folder; give a file name ending in {suffixes[0]}")
@@ -33,9 +29,8 @@ def output_file(path: str | os.PathLike, suffixes: Sequence[str], flag: str = "-
 
 def output_folder(path: str | os.PathLike, kind: str, marker: str | tuple[str, ...], flag: str = "--out",
                   replace_own: bool = True, overwrite: bool = False) -> Path:
-    """A folder a command fills: a new or empty one, or one of its own kind (holding a file that matches
-    `marker`, one glob pattern or several), updated when `replace_own`, else only with --overwrite. A
-    non-empty folder of another kind is refused: no command mixes its files into someone else's."""
+    """A folder a command fills: new or empty, or of its own kind (a file matches a `marker` glob), updated when
+    `replace_own`, else only with --overwrite; a non-empty folder of another kind is refused."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise UserError(f"{flag} {path} is a file; give a folder for the {kind}")
@@ -52,8 +47,7 @@ def output_folder(path: str | os.PathLike, kind: str, marker: str | tuple[str, .
 
 
 def _check_parents(path: Path, flag: str) -> None:
-    """No parent is a file and the nearest existing folder is writable: found before the work, not
-    when its result is written."""
+    """No parent is a file and the nearest existing folder is writable: found before the work, not after."""
     for parent in path.parents:
         if parent.exists() and not parent.is_dir():
             raise UserError(f"{flag} {path}: {parent} is a file, not a folder")
@@ -64,49 +58,42 @@ def _check_parents(path: Path, flag: str) -> None:
 
 
 class CommandParser(argparse.ArgumentParser):
-    """argparse whose usage mistakes are UserErrors: the same one `error:` line as any other input
-    mistake, pointing to --help instead of printing the usage block."""
+    """argparse whose usage mistakes are UserErrors: one `error:` line pointing to --help, no usage block."""
 
     def error(self, message: str) -> NoReturn:
         raise UserError(f"{message}; see {self.prog} --help")
 
 
 def run_cli(main: Callable[[], int | None]) -> None:
-    """Runs `main`. A `UserError` prints `error: <message>` (once per launched job) and exits 2
-    (ANCRE_DEBUG=1 shows its traceback); any other exception is a bug: its traceback, one line saying
-    so, exit 1. Ctrl-C exits 130 after `main` has had its chance to save."""
+    """Runs `main`: a `UserError` prints `error: <message>` once per job and exits 2 (ANCRE_DEBUG=1: its traceback);
+    any other exception is a bug: its traceback, a line saying so, exit 1. Ctrl-C exits 130 after `main` saved."""
     try:
         code = main()
     except UserError as err:
         if os.environ.get("ANCRE_DEBUG"):
             raise
-        _close_progress_bars()
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike: one copy of the line
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _exit(2, f"error: {err}" if os.environ.get("RANK", "0") == "0" else None)  # every rank fails alike: one line
     except KeyboardInterrupt:
-        _close_progress_bars()
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        _exit(130, "interrupted")
     except Exception:  # noqa: BLE001 - a bug: show where it happened
-        _close_progress_bars()
-        traceback.print_exc()
-        print(f"internal error: {BUG_REPORT}", file=sys.stderr)
-        sys.exit(1)
+        _exit(1, f"{traceback.format_exc()}internal error: this is a bug in ancre-dit, not a problem with your input; "
+              "please report it to the ancre-dit issue tracker with the traceback above and the command you ran")
     sys.exit(code or 0)
 
 
-def _close_progress_bars() -> None:
-    """Closes the progress bars an error left open, so the message starts a line of its own and no
-    redraw follows it."""
+def _exit(code: int, message: str | None) -> NoReturn:
+    """Closes the progress bars an error left open (so the message starts a line of its own and no redraw
+    follows it), prints the message and exits."""
     if "tqdm" in sys.modules:  # no bar was ever drawn otherwise
         for bar in list(getattr(sys.modules["tqdm"].tqdm, "_instances", ())):
             bar.close()
+    if message is not None:
+        print(message, file=sys.stderr)
+    sys.exit(code)
 
 
 class SingleProcess:
-    """The slice of accelerate's PartialState a one-process job uses (device, rank, world, barrier),
-    so in-process callers (tests, notebooks) leave no accelerate singleton behind."""
+    """The slice of accelerate's PartialState a one-process job uses, leaving no accelerate singleton behind."""
 
     process_index, num_processes, is_main_process = 0, 1, True
 
@@ -118,18 +105,16 @@ class SingleProcess:
         pass
 
 
-# Seconds a process waits in a collective before the job fails (train.collective_timeout_s, and the
-# commands' --collective-timeout-s): NCCL's own default, 10 minutes, is less than the main process
-# may work alone (a checkpoint on a slow filesystem, the reference features).
+# Seconds a process waits in a collective before the job fails (train.collective_timeout_s, --collective-timeout-s):
+# NCCL's 10 minutes are less than the main process may work alone (a slow checkpoint, the reference features).
 COLLECTIVE_TIMEOUT_S = 1800.0
 
 
 @contextlib.contextmanager
 def job_processes(cpu: bool = False, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> Iterator:
-    """The processes of a job: this one alone, or under torchrun (WORLD_SIZE > 1) accelerate's
-    PartialState, whose process group is destroyed on the way out (one left open makes gloo abort the
-    process at exit). Without a GPU, or with ACCELERATE_USE_CPU=1 or `cpu`, the group runs on gloo:
-    PartialState alone would treat each process as a lone one."""
+    """This process alone, or under torchrun (WORLD_SIZE > 1) accelerate's PartialState, its process group
+    destroyed on the way out (gloo aborts at exit otherwise). Without a GPU, with ACCELERATE_USE_CPU=1 or `cpu`,
+    the group runs on gloo (PartialState alone would treat each process as a lone one)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         yield SingleProcess(cpu)
         return

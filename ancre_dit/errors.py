@@ -1,9 +1,6 @@
-"""The one exception type that means "the user can fix this": commands print it as one line.
-
-Every input check raises `UserError` (or `MissingFileError`); `ancre_dit.cli.run_cli` catches only
-these, so anything else is a bug and keeps its traceback. They subclass ValueError (and
-FileNotFoundError) so library callers that catch the built-in types keep working.
-"""
+"""The one exception type that means "the user can fix this", printed as one line: every input check raises
+`UserError` (or `MissingFileError`), and `ancre_dit.cli.run_cli` catches only these, so anything else is a bug
+and keeps its traceback. They subclass ValueError (and FileNotFoundError) for callers of the built-in types."""
 from __future__ import annotations
 
 import re
@@ -24,8 +21,8 @@ def or_list(names) -> str:
 
 
 def invalid_value(err, prefix: str = "") -> UserError:
-    """The first problem of a pydantic ValidationError as one line naming the key (`prefix` + its
-    location), pydantic's words for what is wrong, and the value given."""
+    """A pydantic ValidationError's first problem in one line: the key (`prefix` + its location), pydantic's
+    words for what is wrong, the value given."""
     first = err.errors()[0]
     key = prefix + ".".join(str(part) for part in first["loc"] if not isinstance(part, int))
     problem = re.split(r", got |, unable | after validation", first["msg"])[0]

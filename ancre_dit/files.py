@@ -68,9 +68,8 @@ def load_yaml_unique(text: str):
 
 
 def read_yaml_mapping(path: Path, kind: str, fix_missing: str, contents: str) -> dict:
-    """A hand-written YAML file (a training config, a study) as a mapping: a missing, empty or non-YAML
-    file, a key given twice or anything but a mapping is one UserError naming the file (`contents`:
-    what it must hold)."""
+    """A hand-written YAML file (a config, a study) as a mapping; a missing, empty or non-YAML file, a key
+    given twice or anything but a mapping is one UserError naming it (`contents`: what it must hold)."""
     if not path.is_file():
         raise UserError(f"{kind} file {path} not found; {fix_missing}")
     try:
@@ -113,9 +112,8 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 
 def append_jsonl(path: str | os.PathLike, record: dict) -> None:
-    """Appends `record` as one line, in one write, to an append-only log. A torn last line left by a
-    writer killed mid-record is cut off first (with a warning naming the file and the line), so the
-    new record starts on a line of its own instead of being glued to the fragment and lost with it."""
+    """Appends `record` as one line, in one write, to an append-only log. A torn last line (a writer killed
+    mid-record) is cut off first, with a warning, so the record is not glued to the fragment and lost with it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = (json.dumps(record) + "\n").encode()  # a record that does not serialise leaves the file alone
@@ -136,9 +134,8 @@ def append_jsonl(path: str | os.PathLike, record: dict) -> None:
 
 
 def file_problem(path: Path) -> str | None:
-    """Why `path` cannot be read, judged from its structure without loading it (None = readable): a
-    safetensors header that does not cover the file, a zip archive whose directory or checksums are
-    broken, a pickle without its end, invalid JSON. Truncation (a killed copy) fails all of them."""
+    """Why `path` cannot be read, judged from its structure without loading it (None = readable): a short
+    safetensors file, a broken zip directory or checksum, a pickle without its end, invalid JSON."""
     try:
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt"):

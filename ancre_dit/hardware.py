@@ -1,6 +1,5 @@
-"""What the package needs to know about the device it runs on: the matmul precision every command
-sets up the same way (training, sampling and evaluation of the same weights must agree), and the
-peak dense bf16 throughput that turns counted FLOPs into MFU."""
+"""The device: the matmul precision every command sets up the same way (training, sampling and evaluation of
+the same weights must agree), and the peak dense bf16 throughput that turns counted FLOPs into MFU."""
 from __future__ import annotations
 
 import contextlib
@@ -8,9 +7,8 @@ from typing import Iterator
 
 import torch
 
-# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity, the vendors' data sheets; SXM parts are the bare
-# names) by a fragment of torch.cuda.get_device_name: the first fragment the name contains wins, so
-# the most specific come first ("H100 PCIe" before "H100", "H200" before "H20", "L40S" before "L4").
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity, vendors' data sheets; SXM parts are the bare names) by a
+# fragment of torch.cuda.get_device_name: the first one the name contains wins, so the most specific come first.
 PEAK_BF16_TFLOPS = (("GH200", 989.0), ("H200 NVL", 835.0), ("H200", 989.0), ("H100 PCIe", 756.0),
                     ("H100 NVL", 835.0), ("H100", 989.0), ("H800 PCIe", 756.0), ("H800", 989.0), ("H20", 148.0),
                     ("GB200", 2500.0), ("B200", 2250.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
@@ -27,19 +25,16 @@ def peak_tflops(device: torch.device | str, override: float | None = None) -> tu
     """(peak dense bf16 TFLOP/s or None when unknown, where the figure came from)."""
     if override:
         return float(override), "given"
-    device = torch.device(device)
-    if device.type != "cuda":
+    if torch.device(device).type != "cuda":
         return None, "no peak known for a CPU: set it to get an MFU"
     name = torch.cuda.get_device_name(device)
-    found = table_peak(name)
-    if found is None:
+    if (found := table_peak(name)) is None:
         return None, f"unknown device {name!r}: set its peak to get an MFU"
     return found[0], f"table entry {found[1]} ({name})"
 
 
 def configure_precision(device: torch.device | str, tf32: bool = True) -> None:
-    """TF32 for fp32 matrix products and convolutions on CUDA (the DiT recipe's setting). Every command
-    calls it, so an in-training evaluation and a later `evaluate.py --run` compute the same way."""
+    """TF32 for fp32 matrix products and convolutions on CUDA (DiT's setting), set alike by every command."""
     if torch.device(device).type != "cuda":
         return
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -49,8 +44,7 @@ def configure_precision(device: torch.device | str, tf32: bool = True) -> None:
 
 @contextlib.contextmanager
 def full_fp32() -> Iterator[None]:
-    """Full fp32 products and convolutions meanwhile, for evaluation features and distances: TF32
-    perturbs features at the 1e-3 level, and ADM's reference numbers were computed in full fp32."""
+    """Full fp32 products and convolutions meanwhile, for evaluation (TF32 perturbs features; ADM used fp32)."""
     saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:

@@ -1,11 +1,8 @@
-"""The VAE of latent models: loading a diffusers autoencoder (a local folder; a hub id only when the
-user passes one), encoding images to scaled moments (latent extraction) and decoding latents to
-uint8 images in chunks (sampling and the trainer's sample grids).
-
-The autoencoder class is picked by the folder's config `_class_name` (`VAE_CLASSES`): AutoencoderKL
-of any latent channel count (SD's 4, SD3 / FLUX's 16, ...) or AutoencoderDC (DC-AE, deterministic:
-its posterior std is 0). With `data.latent_norm: channel`, `LoadedVAE.latent_norm` undoes the
-per-channel normalisation before decoding."""
+"""The VAE of latent models: loading a diffusers autoencoder (a local folder; a hub id only when the user
+passes one), encoding images to scaled moments (latent extraction) and decoding latents to uint8 images in
+chunks (sampling, the trainer's grids). The class is the folder config's `_class_name` (`VAE_CLASSES`):
+AutoencoderKL of any latent channel count, or AutoencoderDC (DC-AE, deterministic: its posterior std is 0).
+With `data.latent_norm: channel`, `LoadedVAE.latent_norm` undoes the per-channel normalisation first."""
 from __future__ import annotations
 
 import json
@@ -52,14 +49,11 @@ def locate_vae(name: str) -> tuple[str, str | None, str, dict | None]:
                             "(config.json + weights), or a hub id such as stabilityai/sd-vae-ft-ema if you have "
                             "network")
         return name, None, "AutoencoderKL", None  # hub ids: as before
-    if (path / "config.json").is_file():
-        subfolder = None
-    elif (path / "vae" / "config.json").is_file():
-        subfolder = "vae"
-    else:
+    subfolder = next((sub for sub in ("", "vae") if (path / sub / "config.json").is_file()), None)
+    if subfolder is None:
         raise UserError(f"--vae {name} holds no config.json (nor vae/config.json); pass the folder of a "
                         "diffusers AutoencoderKL (e.g. a local copy of stabilityai/sd-vae-ft-ema)")
-    config_path = path / (subfolder or "") / "config.json"
+    config_path = path / subfolder / "config.json"
     try:
         config = json.loads(config_path.read_text())
         kind = config.get("_class_name", "AutoencoderKL")
@@ -68,13 +62,12 @@ def locate_vae(name: str) -> tuple[str, str | None, str, dict | None]:
     if kind not in VAE_CLASSES:
         raise UserError(f"{config_path} names the class {kind}, which is not a VAE this package loads; pass a "
                         f"folder of one of {', '.join(VAE_CLASSES)}")
-    return str(path), subfolder, kind, config
+    return str(path), subfolder or None, kind, config
 
 
 def load_vae(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32,
              scaling_factor: float | None = None) -> LoadedVAE:
-    """Loads the VAE in eval mode on `device` in `dtype` (any failure is one UserError); scaling and
-    shift factors come from its config (`scaling_factor` overrides the first)."""
+    """The VAE in eval mode on `device` in `dtype` (any failure is one UserError), its factors from its config."""
     import diffusers  # heavy import, only when a VAE is really needed
 
     source, subfolder, kind, folder_config = locate_vae(name)
@@ -87,18 +80,17 @@ def load_vae(name: str, device: torch.device | str, dtype: torch.dtype = torch.f
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UserError(f"could not load {kind} from {where} {name}: {first}") from None
     config = vae.config
-    factor = _scaling_factor(name, config) if scaling_factor is None else scaling_factor
     shift = getattr(config, "shift_factor", None)
-    vae = vae.to(device=device).eval().requires_grad_(False)
-    return LoadedVAE(vae=vae, name=name, scaling_factor=factor,
+    return LoadedVAE(vae=vae.to(device=device).eval().requires_grad_(False), name=name,
+                     scaling_factor=_scaling_factor(name, config) if scaling_factor is None else scaling_factor,
                      shift_factor=None if shift is None else float(shift),
                      downsample=2 ** (len(getattr(config, VAE_CLASSES[kind])) - 1),
                      latent_channels=int(config.latent_channels), kind=kind)
 
 
 def _scaling_factor(name: str, config) -> float:
-    """The VAE config's scaling_factor, refused when its config.json does not give one (diffusers
-    would take SD's 0.18215 without a word, wrong for most other VAEs) or gives no positive number."""
+    """The VAE config's scaling_factor; refused when its config.json gives none (diffusers would silently take
+    SD's 0.18215) or no positive number."""
     if "scaling_factor" in getattr(config, "_use_default_values", ()):
         raise UserError(f"the VAE config of {name} sets no scaling_factor (diffusers would take SD's 0.18215, wrong "
                         "for most other VAEs); add it to its config.json or pass --scaling-factor")
@@ -114,8 +106,8 @@ def _scaling_factor(name: str, config) -> float:
 
 
 def check_vae_fits(name: str, latent_shape: tuple[int, int, int], image_size: int) -> None:
-    """Refuses a local VAE folder whose latents (channels, downsampling) are not those of the data,
-    from its config alone, so a run fails at start rather than at its first grid."""
+    """Refuses a local VAE folder whose latents are not the data's, from its config alone: at start, not at
+    the first grid."""
     _, _, kind, config = locate_vae(name)
     if config is None:
         return  # a hub id: checked when it is loaded
@@ -141,14 +133,13 @@ def to_vae_input(images: torch.Tensor) -> torch.Tensor:
 def encode_moments(loaded: LoadedVAE, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 (N, H, W, 3) -> float32 (mean, std), each (N, C, h, w), already shifted and scaled
     ((z - shift) * scale, so a sample is mean + std * eps in the space the DiT is trained on)."""
-    vae = loaded.vae
-    param = next(vae.parameters())
+    param = next(loaded.vae.parameters())
     x = to_vae_input(images).to(device=param.device, dtype=param.dtype)
     if loaded.kind == "AutoencoderDC":  # deterministic
-        mean = vae.encode(x).latent.float()
+        mean = loaded.vae.encode(x).latent.float()
         std = torch.zeros_like(mean)
     else:
-        posterior = vae.encode(x).latent_dist
+        posterior = loaded.vae.encode(x).latent_dist
         mean, std = posterior.mean.float(), posterior.std.float()
     if loaded.shift_factor is not None:
         mean = mean - loaded.shift_factor
@@ -157,8 +148,7 @@ def encode_moments(loaded: LoadedVAE, images: torch.Tensor) -> tuple[torch.Tenso
 
 def load_run_vae(data_spec: dict[str, Any], latent_channels: int, vae: str | None = None,
                  device: torch.device | str = "cpu") -> LoadedVAE:
-    """The VAE a trained latent model decodes with: `vae`, else the one its run names in `data_spec`,
-    with the run's scaling factor; checked against the model's latent channels."""
+    """The VAE a trained latent model decodes with (`vae`, else its run's), with the run's scaling factor."""
     named = vae or data_spec.get("vae")
     if not named:
         raise UserError("this checkpoint samples VAE latents but its run names no VAE; pass --vae DIR "
@@ -177,8 +167,7 @@ def load_run_vae(data_spec: dict[str, Any], latent_channels: int, vae: str | Non
 @torch.no_grad()
 def decode_to_uint8(loaded: LoadedVAE, z: torch.Tensor, chunk: int = 32) -> np.ndarray:
     """Latents (N, C, h, w), scaled as trained -> uint8 RGB (N, H, W, 3), decoded `chunk` at a time."""
-    vae = loaded.vae
-    param = next(vae.parameters())
+    param = next(loaded.vae.parameters())
     out = []
     for part in z.split(chunk):
         if loaded.latent_norm is not None:
@@ -186,5 +175,5 @@ def decode_to_uint8(loaded: LoadedVAE, z: torch.Tensor, chunk: int = 32) -> np.n
         latents = part.to(param.device, param.dtype) / loaded.scaling_factor
         if loaded.shift_factor is not None:
             latents = latents + loaded.shift_factor
-        out.append(to_uint8(vae.decode(latents).sample).transpose(0, 2, 3, 1))
+        out.append(to_uint8(loaded.vae.decode(latents).sample).transpose(0, 2, 3, 1))
     return np.concatenate(out)

@@ -6,9 +6,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class Asset:
-    """`url`: one plain file; `repo` + `files`: files of a hub repository. `sha256`: published checksums,
-    or `hash_prefix` (as torch.hub names files); else the hub's LFS ETag. `settings`: how configs point
-    at it, `{path}` standing for where it lands."""
+    """`url`: one plain file; `repo` + `files`: files of a hub repository. `sha256`: published checksums, or
+    `hash_prefix` (torch.hub's file names), else the hub's ETag. `settings`: how configs point at it ({path})."""
 
     name: str
     what: str
@@ -22,7 +21,7 @@ class Asset:
 
     @property
     def source(self) -> str:
-        return self.url if self.url else f"https://huggingface.co/{self.repo} ({self.revision}): {', '.join(self.files)}"
+        return self.url or f"https://huggingface.co/{self.repo} ({self.revision}): {', '.join(self.files)}"
 
     @property
     def file_names(self) -> tuple[str, ...]:

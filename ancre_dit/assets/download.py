@@ -1,8 +1,6 @@
-"""Fetching assets into OUT/<name>/<file>, each verified before it counts.
-
-Plain URLs resume a cut download (<file>.part) with a `Range` request; hub files resume on their own.
-A file is checked against its published checksum, else the SHA-256 the hub reports; else its SHA-256
-is recorded in OUT/assets.json and checked by later fetches. A failing file is removed.
+"""Fetching assets into OUT/<name>/<file>, each verified before it counts. Plain URLs resume a cut download
+(<file>.part) with a `Range` request; hub files resume on their own. A file is checked against its published
+checksum, else the hub's SHA-256, else the one OUT/assets.json recorded at its first fetch; a failing one is removed.
 """
 from __future__ import annotations
 
@@ -77,19 +75,18 @@ def _download_url(url: str, path: Path, log: Callable[[str], None]) -> None:
 
     part = path.with_name(path.name + ".part")
     done = part.stat().st_size if part.is_file() else 0
-    headers = {"Range": f"bytes={done}-"} if done else {}
     try:
-        with requests.get(url, headers=headers, stream=True, timeout=60) as response:
-            if response.status_code == 404:
+        with requests.get(url, headers={"Range": f"bytes={done}-"} if done else {}, stream=True, timeout=60) as reply:
+            if reply.status_code == 404:
                 raise UserError(f"{url} was not found (HTTP 404); the asset moved: download it by hand into {path}")
-            response.raise_for_status()
-            if done and response.status_code != 206:  # the server ignored the range: start over
+            reply.raise_for_status()
+            if done and reply.status_code != 206:  # the server ignored the range: start over
                 done = 0
-            total = int(response.headers.get("Content-Length", 0)) + done
+            total = int(reply.headers.get("Content-Length", 0)) + done
             log(f"downloading {url} -> {path}" + (f" (resuming at {done} bytes)" if done else ""))
             with open(part, "ab" if done else "wb") as f, tqdm(total=total or None, initial=done, unit="B",
                                                                unit_scale=True, desc=path.name) as bar:
-                for block in response.iter_content(1 << 16):  # small: a cut loses at most one block
+                for block in reply.iter_content(1 << 16):  # small: a cut loses at most one block
                     f.write(block)
                     bar.update(len(block))
     except requests.RequestException as err:

@@ -1,10 +1,9 @@
-"""Published checkpoints (.pt) -> a checkpoint folder that sample.py and evaluate.py read, by source:
-- dit: the DiT release; ancre: official ANCRe training checkpoints (the outgoing ablation's per-source
-  logits and the Constant ablation's frozen zero logits, as fixed-dense, included);
-- sit, repa: with their flow objective (REPA's `projectors.*` dropped, its reversed time axis turned into
-  SiT's exactly); lightningdit: its block mapped exactly onto ours, its objective and VA-VAE latents.
-The architecture comes from the file's `args`, else the caller, checked by a strict load. Unpickling can
-run code: files are read with `torch.load(weights_only=True)`, plus argparse.Namespace.
+"""Published checkpoints (.pt) -> a checkpoint folder that sample.py and evaluate.py read. Sources: dit (the
+DiT release); ancre (official ANCRe training checkpoints, the outgoing ablation's per-source logits and the
+Constant ablation, as fixed-dense, included); sit and repa with their flow objective (REPA's projectors
+dropped, its reversed time axis turned into SiT's exactly); lightningdit (its block, objective and VA-VAE
+latents mapped exactly). The architecture comes from the file's `args`, else the caller, checked by a strict
+load. Files are read with `torch.load(weights_only=True)` (plus argparse.Namespace): unpickling runs no code.
 """
 from __future__ import annotations
 
@@ -72,7 +71,7 @@ def _flow_source(source: str, args: Mapping[str, Any], state: dict[str, torch.Te
     if any(".q_norm." in k for k in state):
         raise UserError("the file was trained with REPA's --qk-norm (timm's LayerNorm on q and k), which our "
                         "QK-norm (RMSNorm) does not reproduce; it cannot be imported")
-    dropped = sorted({k.split(".")[1] for k in state if k.startswith("projectors.")})
+    dropped = {k.split(".")[1] for k in state if k.startswith("projectors.")}
     for key in [k for k in state if k.startswith("projectors.")]:
         del state[key]
     reverse_time_axis(state)
@@ -131,8 +130,6 @@ def safe_torch_load(path: str | Path) -> Any:
     path = Path(path)
     if not path.is_file():
         raise MissingFileError(f"{path} not found; pass the .pt file to import")
-    unreadable = (f"{path} is not a readable PyTorch checkpoint ({{}}); pass a .pt file written by torch.save "
-                  f"(the DiT release or an official ANCRe training checkpoint)")
     try:
         with torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -142,19 +139,18 @@ def safe_torch_load(path: str | Path) -> Any:
             what = f" ({wanted.group(1)})" if wanted else ""
             raise UserError(f"{path} wants to run code when unpickled{what} and was not loaded; only tensors, "
                             f"plain containers and argparse.Namespace are accepted") from None
-        raise UserError(unreadable.format(_reason(path, err))) from None
+        raise UserError(f"{path} is not a readable PyTorch checkpoint ({_reason(path, err)}); pass a .pt file written "
+                        f"by torch.save (the DiT release or an official ANCRe training checkpoint)") from None
 
 
 def _select_weights(raw: Mapping[str, Any], weights: str | None) -> tuple[Mapping[str, Any], str]:
     """The state dict to import and which it is ("ema", "model" or "state dict" for a bare one)."""
-    if weights not in (None, "ema", "model"):
-        raise UserError(f"--weights must be ema or model, got {weights!r}")
     wrapped = [k for k in ("ema", "model") if isinstance(raw.get(k), Mapping)]
     if not wrapped:
         if not any(isinstance(v, torch.Tensor) for v in raw.values()):
             raise UserError(f"the file holds neither a state dict nor 'ema' / 'model' entries (keys: "
                             f"{', '.join(map(str, list(raw)[:8]))})")
-        if weights == "model":
+        if weights not in (None, "ema"):
             raise UserError("the file is a bare state dict (one set of weights, EMA in the DiT release); "
                             "drop --weights")
         return raw, "state dict"
@@ -242,9 +238,8 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
     if layout is None and topology != "cascaded" and parameterization != "Constant":
         raise UserError(f"{src} holds no ANCRe logits (ancre.shortcut_params.*): it is a plain DiT; drop --topology")
 
-    proj = state.get("x_embedder.proj.weight")
-    final = state.get("final_layer.linear.weight")
-    table = state.get("y_embedder.embedding_table.weight")
+    proj, final, table = (state.get(f"{key}.weight")
+                          for key in ("x_embedder.proj", "final_layer.linear", "y_embedder.embedding_table"))
     if proj is None or final is None or table is None:
         raise UserError(f"{src} is not a DiT state dict (no x_embedder / final_layer / y_embedder weights)")
     in_channels, patch = int(proj.shape[1]), int(proj.shape[2])
@@ -253,8 +248,7 @@ def import_checkpoint(src: str | Path, out: str | Path, *, model: str | None = N
         topology=topology, input_size=image_size // downsample, in_channels=in_channels, num_classes=num_classes,
         learn_sigma=final.shape[0] == 2 * in_channels * patch * patch,
         class_dropout_prob=0.1 if table.shape[0] == num_classes + 1 else 0.0, **block, **(overrides or {}))
-    tau_option = topology_entry(topology).options.get("tau")
-    if tau_option is not None:
+    if (tau_option := topology_entry(topology).options.get("tau")) is not None:
         file_tau = float(state["topology.tau"]) if "topology.tau" in state else args.get("tau")
         kwargs["tau"] = float(_pick("tau", tau, file_tau, tau_option.default))
         state.setdefault("topology.tau", torch.tensor(kwargs["tau"]))

@@ -1,13 +1,8 @@
 """What a checkpoint folder says about its model, so sample.py (or user code) rebuilds the exact network
-without the training config or Accelerate.
-
-RUN/checkpoints/<step>/ holds, next to Accelerate's state:
-    model_spec.json     {"model": {"name", "kwargs"}, "diffusion": {...}, "data": {...}, "step"}
-    ema.safetensors     EMA weights (what sampling uses by default)
-    model.safetensors   raw training weights
-
-Its readers name a damaged file in one line (safetensors' and json's own errors do not name it); every
-reader of a checkpoint goes through them.
+without the training config or Accelerate. RUN/checkpoints/<step>/ holds, next to Accelerate's state,
+model_spec.json ({"model": {"name", "kwargs"}, "diffusion", "data", "step"}), ema.safetensors (what sampling
+uses by default) and model.safetensors (raw weights). Every reader of a checkpoint goes through the readers
+here, which name a damaged file in one line (safetensors' and json's own errors do not name it).
 """
 from __future__ import annotations
 
@@ -74,8 +69,8 @@ DATA_KEYS = ("kind", "image_size", "image_channels", "num_classes", "scaling_fac
 
 def data_differences(saved: dict[str, Any], wanted: dict[str, Any],
                      where: tuple[str, str] = ("in the checkpoint", "in the config")) -> list[str]:
-    """'data.key A in the checkpoint, B in the config' for each DATA_KEYS entry that differs between two
-    specs' "data" (floats to 1e-6 relative: they went through JSON)."""
+    """'data.key A in the checkpoint, B in the config' for each DATA_KEYS entry two specs' "data" differ in
+    (floats to 1e-6 relative: they went through JSON)."""
     saved, wanted = {"latent_norm": "scale", **saved}, {"latent_norm": "scale", **json.loads(json.dumps(wanted))}
     return [f"data.{key} {saved.get(key)} {where[0]}, {wanted.get(key)} {where[1]}"
             for key in DATA_KEYS if not _same_value(saved.get(key), wanted.get(key))]
@@ -107,10 +102,9 @@ def write_model_files(folder: str | Path, spec: dict[str, Any], model_state: dic
 
 
 def load_model_spec(folder: str | Path) -> dict[str, Any]:
-    folder = Path(folder)
-    path = folder / SPEC_FILE
+    path = Path(folder) / SPEC_FILE
     if not path.is_file():
-        raise MissingFileError(f"{folder} is not a checkpoint folder ({SPEC_FILE} missing); pass "
+        raise MissingFileError(f"{path.parent} is not a checkpoint folder ({SPEC_FILE} missing); pass "
                                f"RUN/checkpoints/<step> of a training run")
     spec = read_json_checked(path)
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict) or "kwargs" not in spec["model"]:

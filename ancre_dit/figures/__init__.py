@@ -1,5 +1,4 @@
-"""Every figure ancre-dit draws (Agg backend, no display). Callers import this package inside the
-function that draws: commands that draw nothing never pay matplotlib's import."""
+"""Every figure ancre-dit draws (Agg, no display), imported inside the function that draws (matplotlib is slow)."""
 from .curves import plot_panels
 from .depth_profile import plot_diagnosis, plot_diagnostics
 from .grids import save_image_grid

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .canvas import save_figure, subplots
+from .curves import save_figure, subplots
 
 PROFILES = (("rms", "forward: RMS of z_k", True), ("grad_rms", "backward: RMS of dL/dz_k", True),
             ("cosine", "redundancy: cos(z_k, z_k+1)", False))
@@ -22,15 +22,13 @@ def _plot_profiles(axes, profiles: list[tuple[str, dict[str, Any]]], colours, co
             ax.plot(range(start, start + len(profile[key])), profile[key], marker="o", markersize=3, color=colour,
                     label=label)
         ax.set_title(title, fontsize=10)
-        ax.set_xlabel(cosine_xlabel if key == "cosine" else "k (0 = embedding)")
-        ax.set_yscale("log" if log_y else "linear")
+        ax.set(xlabel=cosine_xlabel if key == "cosine" else "k (0 = embedding)", yscale="log" if log_y else "linear")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
 
 
 def plot_diagnostics(records: Sequence[dict[str, Any]], path: str | Path, snapshots: int = 4) -> Path | None:
-    """Top row: depth profiles at a few steps (darker = later); bottom row, for learned routings, their
-    statistics against step. None without records."""
+    """Depth profiles at a few steps (darker = later); below, a learned routing's statistics. None without records."""
     from matplotlib import colormaps
 
     records = sorted(records, key=lambda r: r["step"])

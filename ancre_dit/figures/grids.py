@@ -9,8 +9,8 @@ from torchvision.utils import make_grid, save_image
 
 
 def save_image_grid(images, path: str | Path, nrow: int = 8, scale: int | None = None) -> Path:
-    """A grid PNG of uint8 NHWC (ADM layout) or float NCHW images in [-1, 1], upscaled `scale` times
-    (nearest; by default to at least 64 pixels a side)."""
+    """A grid PNG of uint8 NHWC or float NCHW images in [-1, 1], upscaled `scale` times (nearest; by default
+    to at least 64 pixels a side)."""
     x = torch.as_tensor(np.asarray(images)) if not isinstance(images, torch.Tensor) else images.detach().cpu()
     if x.ndim != 4:
         raise ValueError(f"images must be a 4-D batch (NHWC uint8 or NCHW float), got shape {tuple(x.shape)}")

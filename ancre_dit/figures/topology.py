@@ -9,7 +9,7 @@ from typing import Mapping
 import numpy as np
 
 from ..models.topologies.analysis import square_topology
-from .canvas import save_figure, subplots
+from .curves import save_figure, subplots
 
 
 def _draw_topology(ax, P: np.ndarray, vmax: float, title: str | None, dense: int = 12, spacing: int = 6,
@@ -34,8 +34,7 @@ def plot_topology_heatmap(P, path: str | Path, title: str | None = None) -> Path
     fig, ax = subplots(figsize=(size + 1.0, size))
     image = _draw_topology(ax, P, max(1e-12, float(np.nanmax(P))), None, dense=16, spacing=12)
     fig.colorbar(image, ax=ax, label="p_ij")
-    ax.set_xlabel("source i (0 = embedding)")
-    ax.set_ylabel("target block j")
+    ax.set(xlabel="source i (0 = embedding)", ylabel="target block j")
     if K <= 16:
         threshold = 0.6 * float(np.nanmax(P))
         for j in range(K):
@@ -57,7 +56,6 @@ def plot_topology_panels(topologies: Mapping[str, object], path: str | Path, tit
     cols = min(max_columns, len(mats))
     rows = -(-len(mats) // cols)
     fig, axes = subplots(rows, cols, figsize=(2.6 * cols + 0.8, 2.6 * rows + (0.4 if title else 0.0)), squeeze=False)
-    image = None
     for ax, (name, P) in zip(axes.flat, mats.items()):
         image = _draw_topology(ax, P, vmax, name, fontsize=7)
     for ax in list(axes.flat)[len(mats):]:
