@@ -59,8 +59,7 @@ def checkpoint_problem(folder: Path) -> str | None:
 
 
 def check_resume_path(resume: str) -> Path:
-    """A --resume PATH that is a checkpoint folder by its layout (cheap: checked before the run folder
-    is claimed); its files are checked by resolve_resume."""
+    """A --resume PATH that is a checkpoint folder by its layout (checked before the run folder is claimed)."""
     path = Path(resume)
     if path.is_dir() and (path / STATE_FILE).is_file() and (path / ACCELERATE_DIR).is_dir():
         return path
@@ -118,8 +117,7 @@ def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
         raise UserError(f"--resume {folder} holds another model than the config builds ({'; '.join(diffs)}); "
                         f"resume with the config the run was started with ({folder.parent.parent / 'config.yaml'}), "
                         f"or start a new run_dir")
-    diffs = data_differences(saved.get("data") or {}, wanted_spec.get("data") or {})
-    if diffs:
+    if diffs := data_differences(saved.get("data") or {}, wanted_spec.get("data") or {}):
         raise UserError(f"--resume {folder} was trained on data the config changes ({'; '.join(diffs)}): the "
                         "resumed steps would learn from other inputs; resume with the run's own data settings "
                         f"({folder.parent.parent / 'config.yaml'}), or start a new run_dir")
@@ -138,9 +136,8 @@ def rng_file(folder: Path, rank: int) -> Path:
 
 def save_checkpoint(accelerator, run_dir: str | Path, step: int, generator: torch.Generator,
                     write_files: Callable[[Path], None], trainer_state: dict[str, Any], keep_last: int = 0) -> Path:
-    """Collective. `write_files(folder)` (main process only) writes the trained-model files and the
-    topology; the trainer state goes last, then the rename. A write that fails (no space, any OS
-    error) removes the temporary folder and raises one UserError on every rank."""
+    """Collective. `write_files(folder)` (main process) writes the model files and the topology, the trainer
+    state goes last, then the rename; a failed write removes the temporary folder, one UserError everywhere."""
     root = checkpoints_dir(run_dir)
     final, tmp = root / step_name(step), root / f"{TMP_PREFIX}{step_name(step)}"
 
@@ -237,13 +234,12 @@ def topology_matrix(model: torch.nn.Module) -> torch.Tensor | None:
 
 
 class CheckpointManager:
-    """The run's checkpoints: `save()` writes the current step of `ctx.progress` (collective), `load(folder)`
-    restores the weights, Accelerate's state, this rank's generator and the progress. Accelerate's state
-    keeps the optimizer, scaler and RNG only; the weights are the unwrapped modules' own files (the ones
+    """The checkpoints of the run of `ctx` (a periodic.RunContext): `save()` writes its current step
+    (collective), `load(folder)` restores the weights, Accelerate's state (optimizer, scaler and RNG only),
+    this rank's generator and the progress. The weights are the unwrapped modules' own files (the ones
     sample.py reads), so a run resumes at another world size, with compile or DDP switched."""
 
     def __init__(self, ctx, model_kwargs: dict[str, Any], repa, generator: torch.Generator):
-        """`ctx`: the run's periodic.RunContext."""
         self.ctx, self.repa, self.generator = ctx, repa, generator
         self.spec = make_model_spec(ctx.config.model.name, model_kwargs, ctx.objective.spec(), data_spec(ctx.data), 0)
         ctx.accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: weights.clear())

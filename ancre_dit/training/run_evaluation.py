@@ -111,8 +111,7 @@ def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overri
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise UserError(f"{run_dir} is not a training run ({CONFIG_FILE} missing); pass the run_dir a training wrote")
-    bad = [o for o in overrides if not o.strip().startswith("eval.")]
-    if bad:
+    if bad := [o for o in overrides if not o.strip().startswith("eval.")]:
         raise UserError(f"evaluate.py --run takes eval.* overrides only, got {bad[0]!r} (e.g. eval.num_samples=5000)")
     config = load_config(path, list(overrides))
     selected = found = ckpt.list_checkpoints(run_dir)
@@ -120,8 +119,7 @@ def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overri
         raise UserError(f"{run_dir} has no complete checkpoint in {ckpt.checkpoints_dir(run_dir)}; train first")
     if steps is not None:
         have = dict(found)
-        missing = [s for s in steps if s not in have]
-        if missing:
+        if missing := [s for s in steps if s not in have]:
             raise UserError(f"no checkpoint for step(s) {', '.join(map(str, missing))} in {run_dir}; available: "
                             f"{', '.join(str(s) for s, _ in found)}")
         selected = [(s, have[s]) for s in sorted(set(steps))]

@@ -64,8 +64,7 @@ def acquire_run_dir(run_dir: str | Path) -> None:
         raise UserError(f"run_dir {run_dir} is in use by another training ({holder or 'another process'}); wait "
                         f"for it to finish or stop it, or set another run_dir") from None
     try:
-        f.seek(0)
-        f.truncate()
+        f.truncate(0)  # (in append mode the write goes to the new end)
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
     except OSError as err:
