@@ -180,9 +180,8 @@ DIAGNOSTICS_FILE = "diagnostics.jsonl"
 
 
 class DiagnosticsTask(PeriodicTask):
-    """Every train.log_every steps on the main process: the raw model's depth diagnostics on a fixed
-    probe batch (held-out examples, fixed noise and times) and the routing's, to RUN/logs/diagnostics.jsonl
-    and the trackers; RUN/diagnostics.png at the end."""
+    """Every train.log_every steps (main process): the raw model's depth diagnostics on a fixed probe batch
+    and the routing's, to RUN/logs/diagnostics.jsonl and the trackers; RUN/diagnostics.png at the end."""
     name = "diagnostics"
     PROBE_SIZE = 16
 
@@ -228,8 +227,7 @@ class DiagnosticsTask(PeriodicTask):
 
 class SparsifyTopologyTask(PeriodicTask):
     """Sparse ANCRe: at train.topology_sparsify_step each block keeps its model.topology_topk strongest
-    incoming edges of the training weights, every EMA the same ones. Runs on every process (the weights
-    are equal on all), first among that step's tasks."""
+    incoming edges of the training weights, every EMA the same ones; on every process, first at that step."""
     name = "topology sparsify"
 
     def __init__(self, step: int):
