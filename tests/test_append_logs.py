@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ancre_dit.training.run_evaluation import append_eval, evals_path, read_evals
+from ancre_dit.training.run_evaluation import evals_path, read_evals
 from ancre_dit.files import append_jsonl, read_jsonl
 
 from helpers import subprocess_env
@@ -52,7 +52,7 @@ def write_study_event(run, entry):
 # Every append-only log and the writer that appends to it: (file under the run, write(run, entry) -> path).
 LOGS = {
     "metrics": lambda run, entry: (append_jsonl(run / "logs" / "metrics.jsonl", entry), run / "logs" / "metrics.jsonl")[1],
-    "evals": lambda run, entry: (append_eval(run, entry), evals_path(run))[1],  # training and evaluate.py --run
+    "evals": lambda run, entry: (append_jsonl(evals_path(run), entry), evals_path(run))[1],  # training and evaluate.py --run
     "diagnostics": lambda run, entry: (append_jsonl(run / "logs" / "diagnostics.jsonl", entry),
                                        run / "logs" / "diagnostics.jsonl")[1],
     "study status": write_study_event,

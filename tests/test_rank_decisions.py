@@ -14,7 +14,8 @@ from helpers import ROOT, free_port, subprocess_env
 from ancre_dit.cli import SingleProcess
 from ancre_dit.errors import UserError
 from ancre_dit.training.rank_decisions import agree_on_resume, main_decides
-from ancre_dit.training.run_evaluation import agree_on_evaluated, append_eval
+from ancre_dit.files import append_jsonl
+from ancre_dit.training.run_evaluation import agree_on_evaluated, evals_path
 
 
 def _damaged_checkpoint(run_dir: Path) -> None:
@@ -26,8 +27,8 @@ def _damaged_checkpoint(run_dir: Path) -> None:
 def _views(base: Path) -> None:
     """Rank 0 sees step 2 evaluated, an empty run, and one with only a damaged checkpoint; rank 1
     sees no evaluation and a damaged checkpoint where rank 0 sees none."""
-    append_eval(base / "view0", {"step": 2, "settings": {"num_samples": 4}})
-    append_eval(base / "view0", {"step": 3, "settings": {"num_samples": 9}})  # other settings: not this one
+    append_jsonl(evals_path(base / "view0"), {"step": 2, "settings": {"num_samples": 4}})
+    append_jsonl(evals_path(base / "view0"), {"step": 3, "settings": {"num_samples": 9}})  # other settings: not this one
     (base / "view0" / "empty-or-damaged").mkdir()
     _damaged_checkpoint(base / "view0" / "damaged")
     (base / "view1").mkdir()

@@ -1,7 +1,5 @@
-"""Atomic, resumable checkpoints: RUN/checkpoints/<step>/.
-
-Layout of one checkpoint (folder name = the optimizer step, zero-padded to 7 digits):
-    accelerate/          Accelerate's save_state: model, optimizer, grad scaler, RNG state of every rank
+"""Atomic, resumable checkpoints: RUN/checkpoints/<step>/ (the optimizer step, zero-padded to 7 digits):
+    accelerate/          Accelerate's save_state: optimizer, grad scaler, RNG state of every rank
     rng/rank<R>.pt       the trainer's own per-rank generator (t, noise, flips, posterior draws)
     model_spec.json      \
     model.safetensors     > the trained-model files read by sample.py (ancre_dit.checkpoint)
@@ -9,7 +7,6 @@ Layout of one checkpoint (folder name = the optimizer step, zero-padded to 7 dig
     topology.json/.png   the learned topology of the EMA model
     repa_projector.safetensors   with REPA only: its projector, for inspection (resume reads accelerate/)
     trainer_state.json   step, data position, layout; written last
-
 Everything is written to checkpoints/.tmp-<step>/ and renamed when complete, so a crash mid-save
 leaves earlier checkpoints untouched and `--resume auto` never sees a half-written folder.
 """
@@ -55,19 +52,14 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 def checkpoint_problem(folder: Path) -> str | None:
     """Why a complete-looking checkpoint cannot be resumed from (a file missing, or one whose
     structure is broken: see ancre_dit.files.file_problem), or None when it looks sound."""
-    required = [folder / STATE_FILE, folder / SPEC_FILE, *(folder / name for name in WEIGHT_FILES.values())]
-    for path in required:
-        if not path.is_file():
-            return f"{path} is missing"
-    if not (folder / ACCELERATE_DIR).is_dir():
-        return f"{folder / ACCELERATE_DIR} is missing"
-    files = sorted(p for p in folder.rglob("*") if p.is_file())
-    return next((problem for problem in map(file_problem, files) if problem), None)
+    for name in (STATE_FILE, SPEC_FILE, *WEIGHT_FILES.values(), ACCELERATE_DIR):
+        if not ((folder / name).is_dir() if name == ACCELERATE_DIR else (folder / name).is_file()):
+            return f"{folder / name} is missing"
+    return next(filter(None, map(file_problem, sorted(p for p in folder.rglob("*") if p.is_file()))), None)
 
 
 def check_resume_path(resume: str) -> Path:
-    """A --resume PATH that is a checkpoint folder by its layout (cheap: checked before the run folder
-    is claimed); its files are checked by resolve_resume."""
+    """A --resume PATH that is a checkpoint folder by its layout (checked before the run folder is claimed)."""
     path = Path(resume)
     if path.is_dir() and (path / STATE_FILE).is_file() and (path / ACCELERATE_DIR).is_dir():
         return path
@@ -83,23 +75,21 @@ def resolve_resume(resume: str | None, run_dir: str | Path, warn: Callable[[str]
     skipped with a warning); a path -> that checkpoint (a UserError if it is incomplete or damaged)."""
     if not resume:
         return None
-    if resume == "auto":
-        found = list_checkpoints(run_dir)
-        for _, folder in reversed(found):
-            problem = checkpoint_problem(folder)
-            if problem is None:
-                return folder
-            warn(f"--resume auto: skipping damaged checkpoint {folder} ({problem}); trying the previous one")
-        if found:
-            raise UserError(f"--resume auto: every checkpoint in {checkpoints_dir(run_dir)} is damaged; resume from a "
-                            f"copy of a good one with --resume PATH, or use a new run_dir to start over")
-        return None
-    path = check_resume_path(resume)
-    problem = checkpoint_problem(path)
-    if problem:
-        raise UserError(f"--resume {resume}: the checkpoint is damaged ({problem}); pass another checkpoint, "
-                        f"or --resume auto to take the newest sound one")
-    return path
+    if resume != "auto":
+        path = check_resume_path(resume)
+        if problem := checkpoint_problem(path):
+            raise UserError(f"--resume {resume}: the checkpoint is damaged ({problem}); pass another checkpoint, "
+                            f"or --resume auto to take the newest sound one")
+        return path
+    found = list_checkpoints(run_dir)
+    for _, folder in reversed(found):
+        if (problem := checkpoint_problem(folder)) is None:
+            return folder
+        warn(f"--resume auto: skipping damaged checkpoint {folder} ({problem}); trying the previous one")
+    if found:
+        raise UserError(f"--resume auto: every checkpoint in {checkpoints_dir(run_dir)} is damaged; resume from a "
+                        f"copy of a good one with --resume PATH, or use a new run_dir to start over")
+    return None
 
 
 def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
@@ -111,9 +101,8 @@ def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
         raise UserError(f"{folder / SPEC_FILE} is damaged (not a JSON object); pick another checkpoint")
     wanted = json.loads(json.dumps(wanted_spec))  # tuples -> lists, as the saved JSON has them
     saved_model, diffs = saved.get("model", {}), []
-    if saved_model.get("name") != wanted["model"]["name"]:
-        diffs.append(f"model {saved_model.get('name')} in the checkpoint, {wanted['model']['name']} in the config")
-    pairs = [(saved_model.get("kwargs", {}), wanted["model"]["kwargs"])]
+    pairs = [({"model": saved_model.get("name")}, {"model": wanted["model"]["name"]}),
+             (saved_model.get("kwargs", {}), wanted["model"]["kwargs"])]
     pairs += [(saved.get(k), wanted.get(k)) for k in sorted(set(saved) | set(wanted))
               if k not in ("model", "data", "step")]
     for old, new in pairs:
@@ -128,8 +117,7 @@ def check_same_model(folder: Path, wanted_spec: dict[str, Any]) -> None:
         raise UserError(f"--resume {folder} holds another model than the config builds ({'; '.join(diffs)}); "
                         f"resume with the config the run was started with ({folder.parent.parent / 'config.yaml'}), "
                         f"or start a new run_dir")
-    diffs = data_differences(saved.get("data") or {}, wanted_spec.get("data") or {})
-    if diffs:
+    if diffs := data_differences(saved.get("data") or {}, wanted_spec.get("data") or {}):
         raise UserError(f"--resume {folder} was trained on data the config changes ({'; '.join(diffs)}): the "
                         "resumed steps would learn from other inputs; resume with the run's own data settings "
                         f"({folder.parent.parent / 'config.yaml'}), or start a new run_dir")
@@ -148,12 +136,10 @@ def rng_file(folder: Path, rank: int) -> Path:
 
 def save_checkpoint(accelerator, run_dir: str | Path, step: int, generator: torch.Generator,
                     write_files: Callable[[Path], None], trainer_state: dict[str, Any], keep_last: int = 0) -> Path:
-    """Collective. `write_files(folder)` (main process only) writes the trained-model files and the
-    topology; the trainer state goes last, then the rename. A write that fails (no space, any OS
-    error) removes the temporary folder and raises one UserError on every rank."""
+    """Collective. `write_files(folder)` (main process) writes the model files and the topology, the trainer
+    state goes last, then the rename; a failed write removes the temporary folder, one UserError everywhere."""
     root = checkpoints_dir(run_dir)
-    final = root / step_name(step)
-    tmp = root / f"{TMP_PREFIX}{step_name(step)}"
+    final, tmp = root / step_name(step), root / f"{TMP_PREFIX}{step_name(step)}"
 
     def main_first() -> None:
         if tmp.exists():  # left over by a crash during an earlier save of this step
@@ -182,23 +168,17 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, generator: torc
     return final
 
 
-def _is_disk_full(err: BaseException, free: int, needed: int) -> bool:
-    """ENOSPC / EDQUOT as an OSError, or as safetensors' text; torch.save (Accelerate's optimizer
-    file) reports a short write only as "unexpected pos", so a failed write with less free space
-    than a checkpoint takes counts as a full disk too."""
-    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    if any(s in str(err) for s in ("No space left", "os error 28", "code: 28", "Disk quota exceeded")):
-        return True
-    return isinstance(err, (RuntimeError, SafetensorError)) and free < max(needed, 1 << 20)
-
-
 def _write_problem(err: BaseException, root: Path, tmp: Path) -> str | None:
-    """The one line for a failed checkpoint write, or None when `err` is no file-system failure (a bug)."""
+    """The one line for a failed checkpoint write, or None when `err` is no file-system failure (a bug).
+    A full disk is ENOSPC / EDQUOT as an OSError or in safetensors' text; torch.save (Accelerate's
+    optimizer file) reports a short write only as "unexpected pos", so a failed write with less free
+    space than a checkpoint takes counts as one too."""
     earlier = [_folder_bytes(p) for _, p in list_checkpoints(root.parent)]
     needed = max(earlier) if earlier else _folder_bytes(tmp)
     free = shutil.disk_usage(root).free if root.is_dir() else 0
-    if _is_disk_full(err, free, needed):
+    if (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+            or any(s in str(err) for s in ("No space left", "os error 28", "code: 28", "Disk quota exceeded"))
+            or isinstance(err, (RuntimeError, SafetensorError)) and free < max(needed, 1 << 20)):
         return (f"no space left on the device while writing the checkpoint {tmp} (a checkpoint needs "
                 f"{'about' if earlier else 'over'} {needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free in {root}); "
                 f"the temporary folder is removed and earlier checkpoints are intact: free space, then rerun with "
@@ -254,67 +234,63 @@ def topology_matrix(model: torch.nn.Module) -> torch.Tensor | None:
 
 
 class CheckpointManager:
-    """The run's checkpoints: `save()` writes the current step of `progress` (collective), `load(folder)`
-    restores the weights, Accelerate's state, this rank's generator and `progress`. Accelerate's state
-    keeps the optimizer, scaler and RNG only; the weights are the unwrapped modules' own files (the ones
+    """The checkpoints of the run of `ctx` (a periodic.RunContext): `save()` writes its current step
+    (collective), `load(folder)` restores the weights, Accelerate's state (optimizer, scaler and RNG only),
+    this rank's generator and the progress. The weights are the unwrapped modules' own files (the ones
     sample.py reads), so a run resumes at another world size, with compile or DDP switched."""
 
-    def __init__(self, accelerator, config, run_dir: Path, model_kwargs: dict[str, Any], objective, data,
-                 raw_model: torch.nn.Module, emas: dict, repa, generator: torch.Generator, progress, log):
-        """`emas`: every EMA by the name of its weights file, "ema" (what sampling reads) first."""
-        self.accelerator, self.config, self.run_dir = accelerator, config, run_dir
-        self.raw_model, self.emas, self.ema, self.repa, self.generator, self.progress, self.log = (
-            raw_model, emas, emas["ema"], repa, generator, progress, log)
-        self.spec = make_model_spec(config.model.name, model_kwargs, objective.spec(), data_spec(data), 0)
-        accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: weights.clear())
-        accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
+    def __init__(self, ctx, model_kwargs: dict[str, Any], repa, generator: torch.Generator):
+        self.ctx, self.repa, self.generator = ctx, repa, generator
+        self.spec = make_model_spec(ctx.config.model.name, model_kwargs, ctx.objective.spec(), data_spec(ctx.data), 0)
+        ctx.accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: weights.clear())
+        ctx.accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
 
     def save(self) -> Path:
-        c, p = self.config, self.progress
+        ctx, c, p = self.ctx, self.ctx.config, self.ctx.progress
         state = {"step": p.step, "data": {"epoch": p.epoch, "offset": p.offset},
-                 "num_processes": self.accelerator.num_processes, "global_batch_size": c.train.global_batch_size,
+                 "num_processes": ctx.accelerator.num_processes, "global_batch_size": c.train.global_batch_size,
                  "seed": c.train.seed, "model": c.model.name, "train_seconds": round(p.train_seconds, 3)}
         if self.repa is not None:
             state["repa"] = self.repa.settings(c.repa)
-        path = save_checkpoint(self.accelerator, self.run_dir, p.step, self.generator, self._write_files, state,
+        path = save_checkpoint(ctx.accelerator, ctx.run_dir, p.step, self.generator, self._write_files, state,
                                keep_last=c.train.keep_last)
-        self.log.info("step %d: checkpoint saved to %s", p.step, path)
+        ctx.log.info("step %d: checkpoint saved to %s", p.step, path)
         p.last_saved = p.step
         return path
 
     def _write_files(self, folder: Path) -> None:
-        step, topology = self.progress.step, self.config.model.topology
-        write_model_files(folder, {**self.spec, "step": step}, self.raw_model.state_dict(),
-                          self.ema.module.state_dict())
-        for name, ema in self.emas.items():
+        ctx, step, topology = self.ctx, self.ctx.progress.step, self.ctx.config.model.topology
+        ema = ctx.emas["ema"].module
+        write_model_files(folder, {**self.spec, "step": step}, ctx.raw_model.state_dict(), ema.state_dict())
+        for name, other in ctx.emas.items():
             if name != "ema":  # (written with the model above)
-                save_safetensors(ema.module.state_dict(), folder / weights_file(name))
+                save_safetensors(other.module.state_dict(), folder / weights_file(name))
         if self.repa is not None:  # resume reads it (sampling never does)
             save_safetensors(self.repa.projector.state_dict(), folder / self.repa.PROJECTOR_FILE)
         # The EMA's topology (JSON, and its PNG) here and in the run dir; none for HC / mHC (no matrix).
-        P, P_raw = topology_matrix(self.ema.module), topology_matrix(self.raw_model)
+        P, P_raw = topology_matrix(ema), topology_matrix(ctx.raw_model)
         if P is None:
             return
-        for target in (folder, self.run_dir):
+        for target in (folder, ctx.run_dir):
             save_topology_json(target / "topology.json", P, step=step, topology=topology, weights="ema",
                                training_probabilities=P_raw.tolist())
-        if self.config.log.figures:
+        if ctx.config.log.figures:
             from ..figures import plot_topology_heatmap
             png = plot_topology_heatmap(P, folder / "topology.png", title=f"{topology} topology (EMA), step {step}")
-            write_atomic(self.run_dir / "topology.png", png.read_bytes())  # drawn once, copied
+            write_atomic(ctx.run_dir / "topology.png", png.read_bytes())  # drawn once, copied
 
     def load(self, folder: Path, seed_of_rank: Callable[[int], int]) -> None:
         """`seed_of_rank(step)`: this rank's generator seed when the checkpoint has no file for it
         (written with fewer processes: the resume is then not bitwise exact)."""
         from .repa import check_resume as check_same_repa
 
-        acc, p = self.accelerator, self.progress
+        ctx, acc, p = self.ctx, self.ctx.accelerator, self.ctx.progress
         check_same_model(folder, self.spec)  # one line on a mismatch, before Accelerate reads anything
         state = read_json_checked(folder / STATE_FILE)
-        check_same_repa(folder, state, self.repa, self.config.repa)
+        check_same_repa(folder, state, self.repa, ctx.config.repa)
         # Read on the host (a rank's device name such as cpu:0 is no valid safetensors device).
-        self.raw_model.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["model"], device="cpu"))
-        for name, ema in self.emas.items():
+        ctx.raw_model.load_state_dict(load_safetensors_checked(folder / WEIGHT_FILES["model"], device="cpu"))
+        for name, ema in ctx.emas.items():
             path = folder / weights_file(name)
             if not path.is_file():
                 raise UserError(f"--resume {folder} holds no {path.name}: train.ema_decays or train.phema.stds "
@@ -324,19 +300,18 @@ class CheckpointManager:
             self.repa.projector.load_state_dict(
                 load_safetensors_checked(folder / self.repa.PROJECTOR_FILE, device="cpu"))
         acc.load_state(str(folder / ACCELERATE_DIR))  # optimizer, scaler, RNG (the hooks drop the models)
-        p.step = int(state["step"])
+        p.step = p.last_saved = int(state["step"])
         p.epoch, p.offset = int(state["data"]["epoch"]), int(state["data"]["offset"])
         p.train_seconds = float(state.get("train_seconds", 0.0))
-        p.last_saved = p.step
         path = rng_file(folder, acc.process_index)
         if path.is_file():
             self.generator.set_state(torch.load(path, map_location="cpu", weights_only=True)["generator"])
         else:
             self.generator.manual_seed(seed_of_rank(p.step))
-            self.log.warning("%s was written by %d process(es); rank %d starts a fresh random stream, so this "
-                             "resume is not bitwise exact", folder, state["num_processes"], acc.process_index)
-        self.log.info("resumed from %s at step %d", folder, p.step)
+            ctx.log.warning("%s was written by %d process(es); rank %d starts a fresh random stream, so this "
+                            "resume is not bitwise exact", folder, state["num_processes"], acc.process_index)
+        ctx.log.info("resumed from %s at step %d", folder, p.step)
 
     def last_good(self) -> str:
-        found = list_checkpoints(self.run_dir)
+        found = list_checkpoints(self.ctx.run_dir)
         return str(found[-1][1]) if found else "none (no checkpoint saved yet)"

@@ -1,13 +1,10 @@
 """The non-finite guard of the training step: a NaN / inf loss or gradient norm never becomes an update
 (else AdamW writes NaN into the weights, the EMA follows, and `keep_last` replaces the good checkpoints).
 
-The decision stays on the device: `flag()` returns a 0-d tensor, 1.0 when the step must be skipped,
-agreed by all ranks through a device all-reduce, which the fused optimizer and the EMA take as a mask.
-`report()` reads it at log steps and before any periodic task (so no checkpoint is written before a
-stop is decided), warns, names the data rows when the inputs were non-finite, and raises NonFiniteStop.
-
-Policies (train.nonfinite): `skip` drops the update up to train.nonfinite_max_skips times in a row,
-then stops; `stop` stops at the first one. Either way a run where most steps were skipped stops too.
+`flag()` decides on the device (a 0-d mask agreed by all ranks, which the fused optimizer and the EMA
+take); `report()` reads it at log steps and before any periodic task, warns, names the data rows when
+the inputs were non-finite, and raises NonFiniteStop. train.nonfinite: `skip` drops the update up to
+train.nonfinite_max_skips times in a row, `stop` stops at the first; a run mostly skipped stops too.
 """
 from __future__ import annotations
 
@@ -29,15 +26,13 @@ class NonFiniteStop(UserError):
 
 class NonFiniteGuard:
     """`flag(...)` -> a device mask for this step (1.0: skip); `report()` warns or raises for the steps
-    since the last report. `scaler_handles_grads`: with fp16 the GradScaler already skips (routine)
-    gradient overflows, so only a non-finite loss counts. `bad_rows(position)` names a step's bad data."""
+    since the last report. With fp16 the GradScaler already skips (routine) gradient overflows, so only
+    a non-finite loss counts. `ctx`: the run's periodic.RunContext; `bad_rows(position)` names a step's bad data."""
 
-    def __init__(self, accelerator, policy: str, max_skips: int, last_checkpoint: Callable[[], str],
-                 warn: Callable[[str], None], scaler_handles_grads: bool = False,
-                 bad_rows: Callable[[tuple[int, int]], str] | None = None):
-        self.accelerator, self.policy, self.max_skips = accelerator, policy, max_skips
-        self.last_checkpoint, self.warn, self.bad_rows = last_checkpoint, warn, bad_rows
-        self.scaler_handles_grads = scaler_handles_grads
+    def __init__(self, ctx, last_checkpoint: Callable[[], str], bad_rows: Callable[[tuple[int, int]], str]):
+        self.ctx, self.warn, self.last_checkpoint, self.bad_rows = ctx, ctx.log.warning, last_checkpoint, bad_rows
+        self.policy, self.max_skips = ctx.config.train.nonfinite, ctx.config.train.nonfinite_max_skips
+        self.scaler_handles_grads = ctx.config.train.mixed_precision == "fp16"
         self.in_a_row = self.total_skipped = self.steps_seen = 0
         # (step, data position, term names, device [terms..., grad_norm, local bad, agreed bad, inputs finite])
         self._pending: list[tuple[int, tuple[int, int], tuple[str, ...], torch.Tensor]] = []
@@ -49,12 +44,10 @@ class NonFiniteGuard:
         values = torch.stack([terms[k].detach().float().reshape(()) for k in keys])
         norm = grad_norm.detach().float().reshape(())
         bad = ~torch.isfinite(values).all()
-        if not self.scaler_handles_grads:
-            bad = bad | ~torch.isfinite(norm)
-        local = bad.float()
+        local = (bad if self.scaler_handles_grads else bad | ~torch.isfinite(norm)).float()
         agreed = local
-        if self.accelerator.num_processes > 1:
-            agreed = (self.accelerator.reduce(local.clone(), reduction="sum") > 0).float()
+        if self.ctx.accelerator.num_processes > 1:
+            agreed = (self.ctx.accelerator.reduce(local.clone(), reduction="sum") > 0).float()
         record = torch.cat([values, torch.stack([norm, local, agreed, inputs_finite.float().reshape(())])])
         self._pending.append((step, position, keys, record))
         return agreed
@@ -81,8 +74,7 @@ class NonFiniteGuard:
         what = (f"step {step}: non-finite loss or gradient ({shown}, grad_norm {norm:.4g}"
                 f"{'' if local else ' here; non-finite on another rank'})")
         if not inputs_finite:
-            what += "; its input batch itself is non-finite"
-            what += f" ({self.bad_rows(position)})" if self.bad_rows else ""
+            what += f"; its input batch itself is non-finite ({self.bad_rows(position)})"
         if self.policy == "stop":
             reason = "train.nonfinite=stop"
         elif self.in_a_row > self.max_skips:

@@ -3,14 +3,14 @@ diagnostics, the evaluation, sparsifying the topology, post-hoc EMA snapshots, c
 
 Tasks see a `RunContext`, the slice of the run they may use (never the trainer), and never draw from
 the training random streams. The loop calls `task.start(ctx)` once, `task.maybe_run(ctx)` after every
-optimizer step, and `task.finish(ctx, stopped)` once at the end.
+optimizer step, and `task.finish(ctx, stopped)` once at the end (timed by the loop).
 """
 from __future__ import annotations
 
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
@@ -36,7 +36,7 @@ class TrainProgress:
 
 @dataclass
 class RunContext:
-    """What a periodic task may use of the run it serves."""
+    """What the checkpoints, the metrics and the periodic tasks may use of the run they serve."""
     run_dir: Path
     config: Config
     accelerator: Any                # accelerate.Accelerator (process index, device, logging to trackers)
@@ -44,10 +44,9 @@ class RunContext:
     objective: Any                  # ancre_dit.diffusion.Objective
     raw_model: torch.nn.Module
     emas: dict[str, Any]            # every training.ema.EMA by its weights file's name; "ema" is sampling's
-    data_spec: dict[str, Any]       # the checkpoint spec's "data" entry (decoder choice)
     log: logging.Logger
-    progress: TrainProgress
-    save: Callable[[], Path]        # writes a checkpoint of the current step (collective)
+    progress: TrainProgress = field(default_factory=TrainProgress)
+    save: Callable[[], Path] | None = None  # writes a checkpoint of the current step (collective)
     stop_requested: Callable[[], bool] = lambda: False  # a stop signal arrived (agreed by all processes)
 
     @property
@@ -58,7 +57,7 @@ class RunContext:
     def decoder(self):
         """Samples -> uint8 images (the run's VAE, loaded once and shared by grids and evaluation)."""
         from ..sampling.api import build_decoder
-        return build_decoder(self.data_spec, self.data.in_channels, device=self.accelerator.device)
+        return build_decoder(ckpt.data_spec(self.data), self.data.in_channels, device=self.accelerator.device)
 
 
 class PeriodicTask:
@@ -170,23 +169,19 @@ class EvaluationTask(PeriodicTask):
     def finish(self, ctx: RunContext, stopped: bool) -> None:
         from .run_evaluation import plot_run_quality
 
-        start = time.perf_counter()
         step = ctx.progress.step
         if not stopped and step == ctx.config.train.max_steps and step not in self.done:
             self.run(ctx)
-        # Drawn once at the end: matplotlib costs seconds per figure.
-        if ctx.accelerator.is_main_process and ctx.config.log.figures:
+        if ctx.accelerator.is_main_process and ctx.config.log.figures:  # once: matplotlib takes seconds a figure
             plot_run_quality(ctx.run_dir, self.evaluator.identity)
-        self.seconds += time.perf_counter() - start
 
 
 DIAGNOSTICS_FILE = "diagnostics.jsonl"
 
 
 class DiagnosticsTask(PeriodicTask):
-    """Every train.log_every steps on the main process: the raw model's depth diagnostics on a fixed
-    probe batch (held-out examples, fixed noise and times) and the routing's, to RUN/logs/diagnostics.jsonl
-    and the trackers; RUN/diagnostics.png at the end."""
+    """Every train.log_every steps (main process): the raw model's depth diagnostics on a fixed probe batch
+    and the routing's, to RUN/logs/diagnostics.jsonl and the trackers; RUN/diagnostics.png at the end."""
     name = "diagnostics"
     PROBE_SIZE = 16
 
@@ -227,15 +222,12 @@ class DiagnosticsTask(PeriodicTask):
             from ..figures import plot_diagnostics
             from ..files import read_jsonl
 
-            start = time.perf_counter()
             plot_diagnostics(read_jsonl(ctx.run_dir / "logs" / DIAGNOSTICS_FILE), ctx.run_dir / "diagnostics.png")
-            self.seconds += time.perf_counter() - start
 
 
 class SparsifyTopologyTask(PeriodicTask):
     """Sparse ANCRe: at train.topology_sparsify_step each block keeps its model.topology_topk strongest
-    incoming edges of the training weights, every EMA the same ones. Runs on every process (the weights
-    are equal on all), first among that step's tasks."""
+    incoming edges of the training weights, every EMA the same ones; on every process, first at that step."""
     name = "topology sparsify"
 
     def __init__(self, step: int):
@@ -282,9 +274,7 @@ class CheckpointTask(PeriodicTask):
 
     def finish(self, ctx: RunContext, stopped: bool) -> None:
         if ctx.progress.last_saved != ctx.progress.step:
-            start = time.perf_counter()
             ctx.save()
-            self.seconds += time.perf_counter() - start
 
 
 def build_tasks(ctx: RunContext) -> list[PeriodicTask]:

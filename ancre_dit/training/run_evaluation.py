@@ -1,9 +1,8 @@
 """Evaluating a training run: one builder and one record for both the in-training evaluation
-(periodic.EvaluationTask) and `evaluate.py --run RUN_DIR`, on one process or many.
-
-Entries go to the run's logs/evals.jsonl (source "train" or "evaluate.py") with the settings of the
-run's `eval` section (plus evaluate.py's `eval.*` overrides); a checkpoint with an entry of these
-settings is skipped, so an interrupted evaluation resumes where it stopped.
+(periodic.EvaluationTask) and `evaluate.py --run RUN_DIR`, on one process or many. Entries go to
+RUN/logs/evals.jsonl (source "train" or "evaluate.py") with the run's `eval` settings (plus evaluate.py's
+`eval.*` overrides); a checkpoint with an entry of these settings is skipped, so an interrupted
+evaluation resumes where it stopped.
 """
 from __future__ import annotations
 
@@ -20,8 +19,6 @@ from .config import Config, load_config
 from .rank_decisions import main_decides
 
 CONFIG_FILE = "config.yaml"
-QUALITY_PLOT = "quality.png"
-EVALS_FILE = "evals.jsonl"
 
 
 def build_run_evaluator(config: Config, data, objective, decoder, state, log: Callable[[str], Any]):
@@ -71,7 +68,7 @@ def record_evaluation(run_dir: Path, result: dict[str, Any], identity: dict[str,
     Accelerator) when given; returns the entry."""
     entry = {"step": step, "images_seen": images_seen, "train_seconds": train_seconds, "source": source, **result,
              "settings": identity}
-    append_eval(run_dir, entry)
+    append_jsonl(evals_path(run_dir), entry)
     log(format_eval(entry))
     if tracker is not None:
         tracker.log({f"eval/{k}": v for k, v in entry["metrics"].items()}, step=step)
@@ -89,18 +86,17 @@ def plot_run_quality(run_dir: Path, identity: dict[str, Any]) -> Path | None:
     for e in sorted(entries, key=lambda e: e["step"]):
         for k, v in e["metrics"].items():
             metric, _, ema = k.partition("@")
-            if is_heldout_part(metric):
-                continue
-            label = ema or ("raw weights" if metric.endswith("_raw") else "ema")
-            steps, values = series.setdefault(metric, {}).setdefault(label, ([], []))
-            steps.append(e["step"])
-            values.append(v)
+            if not is_heldout_part(metric):
+                label = ema or ("raw weights" if metric.endswith("_raw") else "ema")
+                steps, values = series.setdefault(metric, {}).setdefault(label, ([], []))
+                steps.append(e["step"])
+                values.append(v)
     if not series:
         return None
     several = any(len(lines) > 1 or next(iter(lines)) not in ("ema", "raw weights") for lines in series.values())
     panels = {k: {(name if several else ""): (np.asarray(steps), np.asarray(values), None)
                   for name, (steps, values) in lines.items()} for k, lines in series.items()}
-    return plot_panels(panels, Path(run_dir) / QUALITY_PLOT, xlabel="step",
+    return plot_panels(panels, Path(run_dir) / "quality.png", xlabel="step",
                        title="evaluation (digits_*: digits metric, not FID)")
 
 
@@ -115,8 +111,7 @@ def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overri
     path = run_dir / CONFIG_FILE
     if not path.is_file():
         raise UserError(f"{run_dir} is not a training run ({CONFIG_FILE} missing); pass the run_dir a training wrote")
-    bad = [o for o in overrides if not o.strip().startswith("eval.")]
-    if bad:
+    if bad := [o for o in overrides if not o.strip().startswith("eval.")]:
         raise UserError(f"evaluate.py --run takes eval.* overrides only, got {bad[0]!r} (e.g. eval.num_samples=5000)")
     config = load_config(path, list(overrides))
     selected = found = ckpt.list_checkpoints(run_dir)
@@ -124,8 +119,7 @@ def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overri
         raise UserError(f"{run_dir} has no complete checkpoint in {ckpt.checkpoints_dir(run_dir)}; train first")
     if steps is not None:
         have = dict(found)
-        missing = [s for s in steps if s not in have]
-        if missing:
+        if missing := [s for s in steps if s not in have]:
             raise UserError(f"no checkpoint for step(s) {', '.join(map(str, missing))} in {run_dir}; available: "
                             f"{', '.join(str(s) for s, _ in found)}")
         selected = [(s, have[s]) for s in sorted(set(steps))]
@@ -170,18 +164,14 @@ def evaluation_inputs(config: Config, folder: Path, state) -> tuple[dict[str, An
     decoder = build_decoder(spec["data"], data.in_channels, config.data.vae, state.device)
     return spec, data, build_objective(spec["diffusion"]), decoder
 
-# -- the evals file --------------------------------------------------------------------------------
+
 def evals_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "logs" / EVALS_FILE
+    return Path(run_dir) / "logs" / "evals.jsonl"
 
 
 def read_evals(run_dir: str | Path) -> list[dict[str, Any]]:
     """Entries of RUN/logs/evals.jsonl in file order (a torn line, from a kill, is skipped and reported)."""
     return read_jsonl(evals_path(run_dir))
-
-
-def append_eval(run_dir: str | Path, entry: dict[str, Any]) -> None:
-    append_jsonl(evals_path(run_dir), entry)
 
 
 def agree_on_evaluated(state: Any, run_dir: str | Path, identity: dict[str, Any]) -> set[int]:

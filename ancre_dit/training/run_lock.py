@@ -1,10 +1,9 @@
 """An exclusive claim on a run folder: one training writes to it at a time (two would replace each
 other's checkpoints and mix their logs).
 
-The main process holds an OS file lock (flock) on RUN/.lock: the kernel drops it however the process
-ends (kill -9 included), so a crash never leaves the folder claimed; the file's pid and host only name
-the holder in the refusal. A process keeps its claims until it exits or calls `release_run_dir`, so
-several trainings in one process (a notebook, the tests) may reuse a folder one after another.
+The main process holds an OS file lock (flock) on RUN/.lock, which the kernel drops however the process
+ends (kill -9 included); the file's pid and host only name the holder in the refusal. A process keeps
+its claims until it exits or calls `release_run_dir`, so trainings in one process may reuse a folder.
 """
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ from .rank_decisions import main_decides
 
 LOCK_FILE = ".lock"
 
-_held: dict[Path, IO[str]] = {}  # resolved run folder -> the open lock file this process holds
-_created: set[Path] = set()  # the claimed folders this process created
+_held: dict[Path, tuple[IO[str], bool]] = {}  # resolved run folder -> (its open lock file, created by this process)
 
 
 def acquire_run_dir(run_dir: str | Path) -> None:
@@ -44,7 +42,7 @@ def acquire_run_dir(run_dir: str | Path) -> None:
                         f"folder") from None
     key = run_dir.resolve()
     if key in _held:  # claimed by an earlier training of this process
-        _created.discard(key)
+        _held[key] = (_held[key][0], False)
         return
     lock_path = run_dir / LOCK_FILE
     try:
@@ -66,17 +64,14 @@ def acquire_run_dir(run_dir: str | Path) -> None:
         raise UserError(f"run_dir {run_dir} is in use by another training ({holder or 'another process'}); wait "
                         f"for it to finish or stop it, or set another run_dir") from None
     try:
-        f.seek(0)
-        f.truncate()
+        f.truncate(0)  # (in append mode the write goes to the new end)
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         f.flush()
     except OSError as err:
         f.close()
         raise UserError(f"run_dir {run_dir} is not writable ({err.strerror}); free space or set run_dir to a "
                         f"writable folder") from None
-    _held[key] = f
-    if created:
-        _created.add(key)
+    _held[key] = (f, created)
     # Claimed, no save is in progress: checkpoints/.tmp-* and write_atomic's `<file>.tmp<pid>` are leftovers.
     for folder in checkpoints_dir(run_dir).glob(f"{TMP_PREFIX}*"):
         shutil.rmtree(folder, ignore_errors=True)
@@ -87,9 +82,7 @@ def acquire_run_dir(run_dir: str | Path) -> None:
 
 def release_run_dir(run_dir: str | Path) -> None:
     """Gives up this process's claim on `run_dir` (no-op when it holds none)."""
-    key = Path(run_dir).resolve()
-    _created.discard(key)
-    f = _held.pop(key, None)
+    f, _ = _held.pop(Path(run_dir).resolve(), (None, False))
     if f is not None:
         f.close()  # closing the last descriptor drops the flock
 
@@ -98,9 +91,7 @@ def abandon_new_run_dir(run_dir: str | Path) -> None:
     """After a start that failed: releases the claim and removes the folder when this process created
     it and it holds no checkpoint (a refused start leaves nothing behind)."""
     key = Path(run_dir).resolve()
-    if key not in _held:
-        return
-    created = key in _created
+    created = key in _held and _held[key][1]
     release_run_dir(run_dir)
     if created and not any(True for _ in checkpoints_dir(key).glob("[0-9]*")):
         shutil.rmtree(key, ignore_errors=True)

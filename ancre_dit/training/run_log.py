@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ..files import append_jsonl, read_jsonl
+from .checkpointing import topology_matrix
 
 LOG_FILE = "log.txt"
 METRICS_FILE = "metrics.jsonl"
@@ -31,14 +32,14 @@ def make_logger(run_dir: Path, main: bool) -> logging.Logger:
 
 class MetricsLog:
     """Sums each step's loss terms on the device (`add`, no host read); `write` (collective) averages
-    them over the steps since the last record and over all processes, and writes one record."""
+    them over the steps since the last record and over all processes, and writes one record.
+    `peak_source` names what the MFU's `peak_tflops` is (hardware.peak_tflops)."""
 
-    def __init__(self, accelerator, run_dir: Path, global_batch_size: int, flops_per_image: float,
-                 peak_tflops: float | None, log: logging.Logger, topology_matrix=None, peak_source: str = ""):
-        self.accelerator, self.path, self.log = accelerator, run_dir / "logs" / METRICS_FILE, log
-        self.global_batch_size, self.flops_per_image, self.peak_tflops = global_batch_size, flops_per_image, peak_tflops
-        self.peak_source = peak_source  # which peak the MFU is against (hardware.peak_tflops)
-        self.topology_matrix = topology_matrix  # () -> the (K, K) matrix to track, or None
+    def __init__(self, ctx, flops_per_image: float, peak_tflops: float | None, peak_source: str):
+        self.ctx, self.flops_per_image, self.peak_tflops, self.peak_source = (ctx, flops_per_image, peak_tflops,
+                                                                               peak_source)
+        self.path = ctx.run_dir / "logs" / METRICS_FILE
+        self.learned_topology = any(True for _ in ctx.raw_model.topology.parameters())  # its matrix is tracked
         self.last: dict[str, float] = {}
         self.start(0.0)
 
@@ -53,38 +54,37 @@ class MetricsLog:
         self.lr_sum += lr
         self.count += 1
 
-    def write(self, step: int, train_seconds: float, now: float, progress=None) -> dict[str, float]:
-        """The record of the interval ending at `step`: metrics.jsonl and the trackers (main process),
-        the progress bar and one log line."""
-        acc, count = self.accelerator, self.count
+    def write(self, now: float, progress_bar) -> dict[str, float]:
+        """The record of the interval ending at the current step: metrics.jsonl and the trackers (main
+        process), the progress bar and one log line."""
+        acc, count, step = self.ctx.accelerator, self.count, self.ctx.progress.step
         keys = sorted(self.sums)
         local = torch.stack([self.sums[k] / count for k in keys])
         mean = acc.reduce(local, reduction="mean")  # the logged loss is averaged over all processes
         metrics = {k: float(v) for k, v in zip(keys, mean.tolist())}
         metrics["lr"] = self.lr_sum / count
         # Rates per process are per GPU; MFU is against the device's peak (None when that is unknown).
-        elapsed, images = now - self.started, count * self.global_batch_size
+        elapsed, images = now - self.started, count * self.ctx.config.train.global_batch_size
         per_process = images / elapsed / acc.num_processes
         tflops = per_process * self.flops_per_image / 1e12
         metrics.update(steps_per_s=count / elapsed, images_per_s_total=images / elapsed,
                        images_per_s_per_process=per_process, tflops_per_s=tflops,
                        mfu=tflops / self.peak_tflops if self.peak_tflops else None)
-        metrics["train_seconds"] = round(train_seconds, 3)
+        metrics["train_seconds"] = round(self.ctx.progress.train_seconds, 3)
         if acc.is_main_process:
             append_jsonl(self.path, {"step": step, **metrics, "peak_tflops": self.peak_tflops,
                                      "peak_source": self.peak_source})
             tracked = {f"train/{k}": v for k, v in metrics.items() if v is not None}
-            P = self.topology_matrix() if self.topology_matrix is not None else None
+            P = topology_matrix(self.ctx.raw_model) if self.learned_topology else None
             if P is not None:  # the lower triangle, row by row
                 tracked.update({f"topology/p_{j + 1}_{i}": float(P[j, i]) for j, i in zip(*np.tril_indices(len(P)))})
             acc.log(tracked, step=step)
         mfu = metrics["mfu"]
-        if progress is not None:
-            progress.set_postfix(loss=f"{metrics['loss']:.4f}", img_s_gpu=f"{metrics['images_per_s_per_process']:.1f}",
+        progress_bar.set_postfix(loss=f"{metrics['loss']:.4f}", img_s_gpu=f"{metrics['images_per_s_per_process']:.1f}",
                                  **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
-        self.log.info("step %d: loss %.4f, %.2f steps/s, %.1f images/s (%.1f per process)%s", step, metrics["loss"],
-                      metrics["steps_per_s"], metrics["images_per_s_total"], metrics["images_per_s_per_process"],
-                      f", MFU {mfu:.1%}" if mfu is not None else "")
+        self.ctx.log.info("step %d: loss %.4f, %.2f steps/s, %.1f images/s (%.1f per process)%s", step,
+                          metrics["loss"], metrics["steps_per_s"], metrics["images_per_s_total"],
+                          metrics["images_per_s_per_process"], f", MFU {mfu:.1%}" if mfu is not None else "")
         self.last = metrics
         self.start(now)
         return metrics

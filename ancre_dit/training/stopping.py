@@ -1,13 +1,10 @@
 """Stop signals: SIGTERM, SIGINT and SIGUSR1 ask for a clean stop (finish the step, checkpoint, exit).
 
-A signal also reaches the rank's DataLoader workers (they share its process group); one killed by
-it would make the loader raise and lose every step since the last checkpoint, so workers pass the
-request on to the rank as SIGUSR1 and keep serving (the rank's handler is installed before they fork).
-A second Ctrl-C (SIGINT more than REPEAT_SECONDS after the first) interrupts at once; copies of one
-request (SIGUSR1, a SIGINT that torchrun also forwards) never escalate.
-
-Ranks agree on stopping every `check_every` steps over a CPU (gloo) group, which never waits on the
-GPU queue; a multi-node group that would bind to a loopback address, or cannot connect, fails at start-up.
+The rank's DataLoader workers get the signal too (same process group): rather than die (the loader
+would raise, losing the steps since the last checkpoint) they pass it on to the rank as SIGUSR1 and keep
+serving. A second Ctrl-C more than REPEAT_SECONDS after the first interrupts at once; copies of one
+request (SIGUSR1, a SIGINT torchrun forwards too) never escalate. Ranks agree on stopping every
+`check_every` steps over a CPU (gloo) group, which never waits on the GPU queue.
 """
 from __future__ import annotations
 
@@ -32,9 +29,7 @@ class StopSignals:
     """Context manager: while active, a stop signal sets `requested` instead of killing the process."""
 
     def __init__(self):
-        self.requested = False
-        self.signal_name: str | None = None
-        self._first_sigint: float | None = None
+        self.requested, self.signal_name, self._first_sigint = False, None, None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -56,10 +51,9 @@ class StopSignals:
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
-            # Once a stop was asked for, the work is saved and the process is leaving: a scheduler's
-            # repeated SIGTERM must not turn that exit into a kill (SIGINT is given back for Ctrl-C).
-            keep_out = self.requested and sig != signal.SIGINT
-            signal.signal(sig, signal.SIG_IGN if keep_out else handler)
+            # After a stop the work is saved and the process is leaving: a scheduler's repeated SIGTERM
+            # must not turn that exit into a kill (SIGINT is given back for Ctrl-C).
+            signal.signal(sig, signal.SIG_IGN if self.requested and sig != signal.SIGINT else handler)
         self._previous.clear()
 
 
@@ -81,9 +75,8 @@ GLOO_HINT = ("set GLOO_SOCKET_IFNAME to the network interface the nodes reach ea
 
 
 def check_gloo_address() -> None:
-    """Refuses a multi-node job whose gloo group would bind to a loopback address: with no
-    GLOO_SOCKET_IFNAME gloo takes the host name's address, on many clusters 127.0.1.1 (Debian's
-    /etc/hosts), unreachable from the other nodes, so the group would hang."""
+    """Refuses a multi-node job whose gloo group would bind to a loopback address (with no
+    GLOO_SOCKET_IFNAME, the host name's: on many clusters 127.0.1.1, so the group would hang)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= int(os.environ.get("LOCAL_WORLD_SIZE", world)) or os.environ.get("GLOO_SOCKET_IFNAME"):
         return
@@ -104,28 +97,24 @@ class StopAgreement:
 
     def __init__(self, num_processes: int, check_every: int, timeout_s: float = 1800.0):
         self.num_processes, self.check_every = num_processes, max(1, check_every)
-        self._group = None
-        if num_processes > 1:
-            # Gloo even when training uses NCCL: this flag must not queue behind GPU work (a device sync).
-            if dist.get_backend() == "gloo":
-                self._group = dist.group.WORLD
-                return
-            check_gloo_address()
-            try:
-                self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-                self.agree(False)  # the first exchange: a rank that cannot reach the others fails here, at start-up
-            except (RuntimeError, dist.DistBackendError) as err:
-                first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-                raise UserError(f"the ranks could not connect over gloo for the stop agreement ({first}); "
-                                f"{GLOO_HINT}") from None
+        self._group = dist.group.WORLD if num_processes > 1 and dist.get_backend() == "gloo" else None
+        if num_processes == 1 or self._group is not None:
+            return
+        # Gloo even when training uses NCCL: this flag must not queue behind GPU work (a device sync).
+        check_gloo_address()
+        try:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self.agree(False)  # the first exchange: a rank that cannot reach the others fails here, at start-up
+        except (RuntimeError, dist.DistBackendError) as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+            raise UserError(f"the ranks could not connect over gloo for the stop agreement ({first}); "
+                            f"{GLOO_HINT}") from None
 
     def should_stop(self, step: int, signals: StopSignals | None, force: bool = False) -> bool:
         local = bool(signals is not None and signals.requested)
         if self.num_processes == 1:
             return local
-        if not force and step % self.check_every:
-            return False
-        return self.agree(local)
+        return (force or step % self.check_every == 0) and self.agree(local)
 
     def agree(self, local: bool) -> bool:
         """True on every rank when any rank's flag is set (a host-side all-reduce of one integer)."""

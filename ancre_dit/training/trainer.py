@@ -2,10 +2,9 @@
 
 Read it top-down, as DiT's train.py: `Trainer.__init__` builds the run, `run()` is the loop,
 `train_step()` one optimizer step (one global batch = per-device batch x processes x accumulation).
-
-Every random draw is reproducible from saved state: the data order is a function of (seed, epoch),
-the timesteps / noise / flips / posterior draws come from a per-rank generator saved in checkpoints,
-and the model's label dropout uses the global RNG, which Accelerate saves and restores per rank.
+Every random draw is reproducible from saved state: the data order from (seed, epoch), the times, noise,
+flips and posterior draws from a per-rank generator in the checkpoints, label dropout from the global
+RNG (which Accelerate saves per rank).
 """
 from __future__ import annotations
 
@@ -37,8 +36,8 @@ from .guards import NonFiniteGuard
 from .lr_schedule import lr_at
 from .phema import PowerFunctionEMA
 from .stopping import StopAgreement, StopSignals
-from .periodic import PeriodicTask, RunContext, TrainProgress, build_tasks
-from .data import (DataInfo, GlobalBatchSampler, advance_position, build_data, check_batch_layout, check_enough_samples,
+from .periodic import PeriodicTask, RunContext, build_tasks
+from .data import (GlobalBatchSampler, advance_position, build_data, check_batch_layout, check_enough_samples,
                    load_latents_in_memory, make_loader, nonfinite_rows, prepare_batch)
 from .repa import build_repa
 from .run_lock import abandon_new_run_dir, claim_run_dir, release_run_dir
@@ -92,14 +91,12 @@ class Trainer:
         # Same seed on every rank for the model (DDP also broadcasts rank 0's weights), then a
         # distinct seed per rank for everything random during training.
         set_seed(c.train.seed)
-        self.data: DataInfo = build_data(c)
-        check_enough_samples(len(self.data.dataset), c.train.global_batch_size, c.data.path or c.data.kind)
-        if c.data.in_memory and self.data.latents is not None:
-            load_latents_in_memory(self.data, acc, self.run_dir)
-        d = self.data
+        self.data = d = build_data(c)
+        check_enough_samples(len(d.dataset), c.train.global_batch_size, c.data.path or c.data.kind)
+        if c.data.in_memory and d.latents is not None:
+            load_latents_in_memory(d, acc, self.run_dir)
         self.model_kwargs = model_kwargs(c.model, d.input_size, d.in_channels, d.num_classes)  # checked with the config
-        self.raw_model = create_model(c.model.name, **self.model_kwargs).to(acc.device)
-        self.raw_model.train()
+        self.raw_model = create_model(c.model.name, **self.model_kwargs).to(acc.device).train()
         # Every EMA by the name of its weights file; "ema" (train.ema_decay) is the one sampling reads.
         emas = [EMA(self.raw_model, d, warmup=c.train.ema_warmup) for d in (c.train.ema_decay, *c.train.ema_decays)]
         emas += [PowerFunctionEMA(self.raw_model, s) for s in c.train.phema.stds]
@@ -126,11 +123,12 @@ class Trainer:
         self.projector = prepared[0] if prepared else None
         self.trained_modules = (self.model, *prepared)
 
-        # Checkpoints and resume: one rank picks the checkpoint, every rank loads it.
-        self.progress = TrainProgress()
-        self.checkpoints = ckpt.CheckpointManager(acc, c, self.run_dir, self.model_kwargs, self.objective, d,
-                                                  self.raw_model, self.emas, self.repa, self.generator, self.progress,
-                                                  self.log)
+        # Checkpoints and resume (one rank picks the checkpoint, every rank loads it); the tasks share the context.
+        self.context = ctx = RunContext(self.run_dir, c, acc, d, self.objective, self.raw_model, self.emas, self.log,
+                                        stop_requested=self._stop_requested)
+        self.progress = ctx.progress
+        self.checkpoints = ckpt.CheckpointManager(ctx, self.model_kwargs, self.repa, self.generator)
+        ctx.save = self.checkpoints.save
         resumed_from = agree_on_resume(acc, resume, self.run_dir, warn=self.log.warning)
         if resumed_from is not None:
             self.checkpoints.load(resumed_from, lambda step: _seed(c.train.seed, rank, 1, step))
@@ -142,24 +140,15 @@ class Trainer:
         acc.init_trackers(c.log.project, config=flat_config(c))
 
         # What runs beside the steps: the non-finite guard, the stop agreement, metrics, periodic tasks.
-        self.guard = NonFiniteGuard(acc, c.train.nonfinite, c.train.nonfinite_max_skips, self.checkpoints.last_good,
-                                    self.log.warning, scaler_handles_grads=c.train.mixed_precision == "fp16",
-                                    bad_rows=lambda position: nonfinite_rows(d, c.train.global_batch_size,
-                                                                             c.train.seed, position))
+        self.guard = NonFiniteGuard(ctx, self.checkpoints.last_good, lambda position: nonfinite_rows(
+            d, c.train.global_batch_size, c.train.seed, position))
         self.stop_agreement = StopAgreement(acc.num_processes, c.train.stop_check_every, c.train.collective_timeout_s)
         self._signals: StopSignals | None = None
         self.flops_per_image = flops_per_training_image(lambda device: create_model(c.model.name, **self.model_kwargs),
                                                         d.in_channels, d.input_size)
         self.peak_tflops, self.peak_source = peak_tflops(acc.device, c.train.peak_tflops)
-        learnable_topology = any(True for _ in self.raw_model.topology.parameters())
-        tracked = (lambda: ckpt.topology_matrix(self.raw_model)) if learnable_topology else None
-        self.metrics = MetricsLog(acc, self.run_dir, c.train.global_batch_size, self.flops_per_image, self.peak_tflops,
-                                  self.log, tracked, peak_source=self.peak_source)
-        self.context = RunContext(run_dir=self.run_dir, config=c, accelerator=acc, data=d,
-                                  objective=self.objective, raw_model=self.raw_model, emas=self.emas,
-                                  data_spec=self.checkpoints.spec["data"], log=self.log, progress=self.progress,
-                                  save=self.checkpoints.save, stop_requested=self._stop_requested)
-        self.tasks = build_tasks(self.context)
+        self.metrics = MetricsLog(ctx, self.flops_per_image, self.peak_tflops, self.peak_source)
+        self.tasks = build_tasks(ctx)
 
     @property
     def step(self) -> int:
@@ -188,15 +177,14 @@ class Trainer:
                 self.progress.train_seconds += time.perf_counter() - started
                 self.metrics.add(terms, self.lr)
                 progress.update(1)
-                # 2. The guard's verdict, at log steps and before any periodic task (no checkpoint is
-                # written before a stop is decided); the base rule of `due`, the same on every rank,
-                # since the report is collective while a task may be due on the main process only.
+                # 2. The guard's verdict (collective), at log steps and before any periodic task, so no checkpoint
+                # is written before a stop is decided; by the base rule of `due`, the same on every rank.
                 log_step = self.step % c.log_every == 0 or self.step == c.max_steps
                 if log_step or any(PeriodicTask.due(task, self.context) for task in self.tasks):
                     with self._ends_on_user_error(progress):
                         self.guard.report()
                 if log_step:
-                    self.metrics.write(self.step, self.progress.train_seconds, time.perf_counter(), progress)
+                    self.metrics.write(time.perf_counter(), progress)
                 # 3. The periodic tasks due now, in order.
                 for task in self.tasks:
                     task.maybe_run(self.context)
@@ -209,7 +197,9 @@ class Trainer:
                 self.guard.report()
             progress.close()
             for task in self.tasks:  # the last evaluation and checkpoint
+                started = time.perf_counter()
                 task.finish(self.context, stopped)
+                task.seconds += time.perf_counter() - started
             # Still under the handlers: a repeated SIGTERM must not kill the process after its work is saved.
             if acc.is_main_process and self.config.log.figures:
                 plot_loss(self.run_dir)
@@ -220,7 +210,7 @@ class Trainer:
 
     def train_step(self, batches) -> dict[str, torch.Tensor]:
         """One optimizer step over grad_accum micro-batches; returns this rank's mean terms as device
-        tensors. Nothing here reads a value back to the host (that would drain the GPU queue every step)."""
+        tensors, with no read back to the host (that would drain the GPU queue every step)."""
         acc, c = self.accelerator, self.config.train
         self.lr = lr = lr_at(c, self.step)  # by hand: Accelerate steps prepared schedulers once per process
         for group, group_lr in zip(self.optimizer.param_groups, self._group_lrs(lr)):
@@ -271,9 +261,8 @@ class Trainer:
         return torch.nn.utils.get_total_norm([p.grad for p in params])
 
     def _optimizer_step(self, skip: torch.Tensor) -> None:
-        """The update, masked by the guard's flag: the fused AdamW takes it as found_inf, so a flagged step
-        changes no weight, moment or step count. fp16's GradScaler owns found_inf, and an optimizer
-        without a fused kernel has no mask: those read the flag."""
+        """The update, masked by the guard's flag: the fused AdamW takes it as found_inf (a flagged step changes
+        no weight, moment or step count); with fp16's GradScaler or no fused kernel the flag is read."""
         torch_optimizer = self.optimizer.optimizer
         if self.fused and self.accelerator.scaler is None:
             torch_optimizer.found_inf = skip
@@ -300,8 +289,7 @@ class Trainer:
 
     def _group_lrs(self, lr: float) -> list[float]:
         """Each group's lr: the routing group's is lr x train.topology_lr_mult, 0 for its first
-        train.topology_warmup_steps steps (AdamW then leaves it exactly in place while its moments
-        warm up)."""
+        train.topology_warmup_steps steps (AdamW leaves it in place while its moments warm up)."""
         c = self.config.train
         routing_lr = lr * c.topology_lr_mult if self.step >= c.topology_warmup_steps else 0.0
         return [routing_lr if k == self.routing_group else lr for k in range(len(self.optimizer.param_groups))]
