@@ -34,7 +34,7 @@ from ..models.timm_weights import weights_hint as timm_weights_hint
 from ..sampling.guidance import check_guidance_scale
 from .inception import InceptionExtractor, InceptionFeatures, loaded
 from .inception import weights_hint as inception_weights_hint
-from .metric_registry import FEATURES, METRICS, TRAINING_METRICS, Side, metric_names, stored_stat_keys
+from .metric_registry import FEATURES, METRICS, Side, metric_names, stored_stat_keys
 from .metrics import feature_statistics
 
 EVAL_METRICS = metric_names(training=True)  # what eval.metrics accepts
@@ -62,9 +62,10 @@ def check_evaluation(e, data_kind: str, objective: Objective, found: Callable[..
         raise MissingFileError(f"eval.guide_ckpt {e.guide_ckpt} is no checkpoint folder ({SPEC_FILE} missing); "
                                "point it at RUN/checkpoints/<step> of a model of the same data")
     metrics = resolve_metrics(e, data_kind)
+    offered = metric_names(training=True)  # read now: the table may have grown since import
     for name in metrics:
-        if name not in TRAINING_METRICS:
-            raise UserError(f"unknown metric {name!r} in eval.metrics; choose {or_list(TRAINING_METRICS)}")
+        if name not in offered:
+            raise UserError(f"unknown metric {name!r} in eval.metrics; choose {or_list(offered)}")
         only = METRICS[name].only_for
         if only is not None and only[0] != data_kind:
             raise UserError(f"eval.metrics={name} scores {only[1]}, but data.kind={data_kind}; use fid (with eval.ref)")
@@ -320,10 +321,10 @@ class Evaluator:
 
     def _dinov2_reference(self) -> tuple[np.ndarray, np.ndarray]:
         """eval.ref's DINOv2 (mu, sigma): stored in it, else from its images (once per run)."""
-        from .pipeline import default_batch_size, dinov2_reference
+        from .pipeline import default_batch_size, dinov2_reference, open_side
 
         if self._dinov2_ref is None:
-            ref, _ = dinov2_reference(self.settings.ref, self._dinov2_extractor(),
+            ref, _ = dinov2_reference(open_side(self.settings.ref, "reference"), self._dinov2_extractor(),
                                       default_batch_size(torch.device(self.state.device)))
             self._dinov2_ref = ref if isinstance(ref, tuple) else feature_statistics(ref)
         return self._dinov2_ref
@@ -335,12 +336,10 @@ class Evaluator:
 
     def _reference_side(self):
         """eval.ref for the Inception metrics: its stored statistics, or its images' features (once per run)."""
-        from .pipeline import default_batch_size, has_stored_stats, load_side
+        from .pipeline import default_batch_size, open_side, reference_features
 
         if self._ref_side is None:
-            ref = self.settings.ref
-            needs_images = any(METRICS[m].needs == "reference images" for m in self.inception)
             batch_size = default_batch_size(torch.device(self.state.device))
-            self._ref_side = load_side(ref, "reference", self._get_extractor, batch_size,
-                                       need_features=needs_images or not has_stored_stats(ref, self.inception))
+            self._ref_side = reference_features(open_side(self.settings.ref, "reference"), self.inception,
+                                                self._get_extractor, batch_size)
         return self._ref_side
