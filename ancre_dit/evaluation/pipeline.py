@@ -1,20 +1,15 @@
 """Samples + reference -> FID, sFID, IS, precision, recall (+ KID, FD-DINOv2), as ADM's evaluator
-scores them; and a reference's statistics from a folder of real images.
+(guided-diffusion evaluations/evaluator.py) scores them; and a reference's statistics from a folder of
+real images.
 
-Each side (samples, reference) is an ADMBatch, an ADM .npz (images and/or mu, sigma, mu_s,
-sigma_s) or a folder of images (listed and read by ancre_dit.data.image_folder). As in ADM,
-statistics stored in an npz are used as they are for FID / sFID; otherwise they come from the
-side's Inception features. IS uses the samples alone; precision / recall and KID need the
-reference's images.
+Each side (samples, reference) is an ADMBatch, an ADM .npz (images and/or mu, sigma, mu_s, sigma_s)
+or a folder of images (listed and read by ancre_dit.data.image_folder). As in ADM, statistics stored
+in an npz are used as they are for FID / sFID; otherwise they come from the side's Inception features.
+IS uses the samples alone; precision / recall and KID need the reference's images. Where the numbers
+differ from ADM's: see inception.py and metrics.py.
 
-50K samples at 256x256 are 9.8 GB of uint8: `open_adm_npz` memory-maps `arr_0` when the npz
-stores it uncompressed (np.savez, what sample.py and ADM write), so features are computed batch
-by batch without holding every image in memory. Anything else falls back to `load_adm_npz`.
-
-Differences from ADM's evaluator (guided-diffusion evaluations/evaluator.py), all checked there:
-torch-fidelity's PyTorch port of the same Inception graph, float32 (inception.py); float64
-statistics and log-softmax (metrics.py); float32 distances for precision / recall where ADM first
-tries float16 (metrics.py); KID, which ADM lacks (torch-fidelity's estimator).
+50K samples at 256x256 are 9.8 GB of uint8: `open_adm_npz` memory-maps `arr_0` when the npz stores it
+uncompressed (np.savez, what sample.py and ADM write), so features are computed batch by batch.
 """
 from __future__ import annotations
 
@@ -70,12 +65,9 @@ def _memmap_member(path: Path, member: str) -> np.ndarray | None:
         name_len, extra_len = struct.unpack("<HH", local[26:30])
         f.seek(info.header_offset + 30 + name_len + extra_len)
         version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
+        if version not in ((1, 0), (2, 0)):
             return None
+        shape, fortran, dtype = getattr(np.lib.format, f"read_array_header_{version[0]}_0")(f)
         if fortran or dtype.hasobject:
             return None
         offset = f.tell()
@@ -168,12 +160,11 @@ def side_features(side: Side, extractor, batch_size: int, desc: str, workers: in
     return extractor.extract(batches, total=side.num_images, desc=desc)
 
 
-def reference_features(side: Side, metrics, extractor_fn, batch_size: int, workers: int = 0) -> Side:
-    """Adds the reference's Inception features when `metrics` need its images, or statistics it does
-    not store. `extractor_fn()` loads the network lazily, so a statistics-only run never needs it twice."""
+def reference_features(side: Side, metrics, extractor, batch_size: int, workers: int = 0) -> Side:
+    """Adds the reference's Inception features when `metrics` need its images, or statistics it does not store."""
     if (any(METRIC_TABLE[m].needs == "reference images" for m in metrics)
             or not set(stored_stat_keys(metrics)) <= set(side.stats)):
-        side.features = side_features(side, extractor_fn(), batch_size, "inception: reference", workers)
+        side.features = side_features(side, extractor, batch_size, "inception: reference", workers)
     return side
 
 
@@ -225,11 +216,10 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
         if not metrics:
             return dinov2
     start = time.time()
-    extractor_fn = lambda: loaded(InceptionExtractor, weights, device)  # noqa: E731
     ref_metrics = [m for m in metrics if METRIC_TABLE[m].needs != "features"]  # IS looks at the samples alone
     if ref_metrics and ref is None:
         raise UserError(f"{', '.join(ref_metrics)} need a reference (--ref)")
-    extractor_fn()  # fail on bad weights before reading 50K images
+    extractor = loaded(InceptionExtractor, weights, device)  # fail on bad weights before reading 50K images
     sample_side = open_side(samples, "samples")
     ref_side = Side("reference (none)", stats_source="none")
     if ref is not None:  # an empty or unreadable reference is found before the samples' features
@@ -238,9 +228,9 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
     if image_metrics and ref_side.images is None:
         raise UserError(f"{', '.join(image_metrics)} need reference images but {ref} holds statistics only "
                          f"(no arr_0); pass a reference with images, or drop them from --metrics")
-    sample_side.features = side_features(sample_side, extractor_fn(), batch_size, "inception: samples", workers)
+    sample_side.features = side_features(sample_side, extractor, batch_size, "inception: samples", workers)
     if ref is not None:
-        reference_features(ref_side, ref_metrics, extractor_fn, batch_size, workers)
+        reference_features(ref_side, ref_metrics, extractor, batch_size, workers)
     if ref_metrics and sample_side.image_size and ref_side.image_size and sample_side.image_size != ref_side.image_size:
         _log.warning("warning: the samples are %dx%d but the reference images %dx%d: Inception resizes both to 299, "
                      "which hides the difference; FID against a reference of another resolution is not comparable "
@@ -248,7 +238,6 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
                      ref_side.image_size)
     values = score(sample_side, ref_side, metrics, is_split_size=is_split_size, pr_k=pr_k, fid_method=fid_method,
                    kid_subsets=kid_subsets, kid_subset_size=kid_subset_size, device=device)
-    extractor = extractor_fn()
     import torch_fidelity
 
     settings = {"is_split_size": is_split_size, "pr_k": pr_k, "fid_method": fid_method, "batch_size": batch_size,
