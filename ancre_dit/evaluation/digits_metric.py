@@ -1,20 +1,14 @@
 """The digits metric for the 8x8 digits default. It is NOT FID-50K and not comparable with any paper.
 
 Inception does not fit 8x8 grayscale images, so generated digits are scored by:
-- accuracy (`digits_acc` during training): how often an independent classifier, an RBF SVC
-  (C=10, gamma=0.001) fitted on the "train" split of scikit-learn's digits (the split the DiT
-  trains on), assigns a generated image its conditioning label. Chance is 0.10; real held-out
-  digits score `real_heldout_acc` (0.99);
-- pixel Fréchet distance (`digits_fd`): between generated images and the real "train" digits in
-  raw 64-d pixel space (sklearn's 0..16 scale); the real held-out digits give `real_heldout_fd`,
-  the floor a perfect model reaches with that many images (the distance grows with fewer).
-
-Why this classifier: scikit-learn fits it deterministically in a fraction of a second, so every
-process of every run gets the same one with no network to train, threads to seed or weights to
-cache; its 99% on real held-out digits leaves a >= 95% goal on samples well below its ceiling; and
-the distance, on pixels, depends on no learned features.
-Pixel mapping: generated uint8 u in 0..255 -> u * 16 / 255 (the training data maps sklearn's 0..16
-linearly to [-1, 1], sampling maps [-1, 1] linearly to 0..255).
+- accuracy (`digits_acc`): how often an independent classifier, an RBF SVC (C=10, gamma=0.001) fitted
+  on the "train" split of scikit-learn's digits (the split the DiT trains on), assigns a generated image
+  its conditioning label. Chance is 0.10; real held-out digits score `real_heldout_acc` (0.99);
+- pixel Fréchet distance (`digits_fd`): against the real "train" digits in raw 64-d pixel space
+  (sklearn's 0..16 scale); the real held-out digits give `real_heldout_fd`, the floor a perfect model
+  reaches with that many images (the distance grows with fewer).
+The SVC fits deterministically in a fraction of a second (every process gets the same one, with no
+weights to cache), and depends on no learned features. Generated uint8 u in 0..255 maps to u * 16 / 255.
 """
 from __future__ import annotations
 
@@ -92,11 +86,10 @@ def digits_reference_scores() -> dict[str, float]:
 def digits_report(images: np.ndarray, labels: np.ndarray) -> dict[str, float]:
     """The digits metric of a batch of samples with its reference (NOT FID-50K; see the module docstring)."""
     pixels, predictions = classify(images)
-    scores = digits_metric(pixels, predictions, labels)
-    ref = digits_reference_scores()
+    scores, ref = digits_metric(pixels, predictions, labels), _reference()
     return {"accuracy": scores["digits_acc"], "pixel_fd": scores["digits_fd"], "num_samples": float(len(pixels)),
             "chance_accuracy": 0.1, "real_heldout_accuracy": ref["real_heldout_acc"],
-            "real_heldout_pixel_fd": ref["real_heldout_fd"], "real_heldout_count": float(_reference()["count"])}
+            "real_heldout_pixel_fd": ref["real_heldout_fd"], "real_heldout_count": float(ref["count"])}
 
 
 def format_digits_report(report: dict[str, float]) -> str:

@@ -1,16 +1,12 @@
 """FD-DINOv2: the Fréchet distance between DINOv2 ViT-L/14 CLS features (Stein et al.'s dgm-eval,
 EDM2's second metric), from a local timm weights file.
 
-Protocol (EDM2's / dgm-eval's): uint8 images -> [0, 1], resized to 224 x 224 (bicubic, antialiased:
-EDM2's F.interpolate call), normalised with ImageNet's mean and std; the feature is the CLS token
-after the final norm (1024-d for ViT-L/14); the statistics and the distance are FID's. A reference
-npz stores them as `mu_dinov2` / `sigma_dinov2` (evaluate.py --save-ref-stats with --dinov2-weights).
-
-Values agree closely with EDM2's and dgm-eval's but not to the digit: they load Meta's model through
-torch.hub, which interpolates its 37 x 37 position embedding to the 224 px grid at every forward,
-where timm resamples it once at load (bicubic). torch-fidelity's `fd-dinov2` (torch.hub too) resizes
-TF1-style bilinear without antialiasing, hence different numbers: compare FD-DINOv2 values only
-between runs of one implementation.
+EDM2's / dgm-eval's protocol: uint8 images -> [0, 1], resized to 224 x 224 (bicubic, antialiased),
+normalised with ImageNet's mean and std; the feature is the CLS token after the final norm; the
+statistics and the distance are FID's (a reference npz stores them as `mu_dinov2` / `sigma_dinov2`).
+Values agree closely with EDM2's and dgm-eval's, not to the digit: their torch.hub model interpolates
+its position embedding at every forward, timm once at load; torch-fidelity's `fd-dinov2` resizes
+bilinear without antialiasing. Compare FD-DINOv2 values only between runs of one implementation.
 """
 from __future__ import annotations
 

@@ -1,18 +1,16 @@
 """One evaluation of a model in memory, on every process: held-out loss + sample metrics.
 
-Used by the training loop (every train.eval_every steps) and by `evaluate.py --run` (every
-checkpoint of a finished run), so both write the same numbers for the same weights:
+Used by the training loop (every train.eval_every steps) and by `evaluate.py --run` (every checkpoint
+of a finished run), so both write the same numbers for the same weights:
 - samples: `num_samples` images per cfg scale from the given (EMA) weights, with a fixed seed, sampler
-  and step count, in parts of `batch_size` as a sampling job cuts them (part j on process j % world,
-  the same whatever the process count). Each process computes its parts' features (the digits
-  classifier's, Inception's, DINOv2's); the main process gathers them in index order and scores;
-- held-out loss: the training objective on fixed held-out rows, sharded the same way. The cheap
-  quality curve: it needs no sampling and no Inception weights. Every example is repeated `draws`
-  times; the times are stratified over the whole chain (M = examples x draws evenly spaced
-  timesteps, shuffled with a fixed seed so each example sees spread-out times) and the noise is
-  drawn once from a seeded generator, so two evaluations differ only by the weights.
-Every random draw comes from generators seeded here, inside a fork of the global RNGs: the training
-random streams are untouched, so a run with evaluation on trains the same weights as one without.
+  and step count, in parts of `batch_size` as a sampling job cuts them (part j on process j % world).
+  Each process computes its parts' features; the main process gathers them in index order and scores;
+- held-out loss: the training objective on fixed held-out rows, sharded the same way; no sampling, no
+  Inception weights. Each example is repeated `draws` times at stratified times (examples x draws
+  evenly spaced, shuffled with a fixed seed), with noise drawn once from a seeded generator, so two
+  evaluations differ only by the weights.
+Every draw comes from generators seeded here, inside a fork of the global RNGs: a run with evaluation
+on trains the same weights as one without.
 """
 from __future__ import annotations
 
@@ -34,7 +32,7 @@ from ..models.timm_weights import weights_hint as timm_weights_hint
 from ..sampling.guidance import check_guidance_scale
 from .inception import InceptionExtractor, InceptionFeatures, loaded
 from .inception import weights_hint as inception_weights_hint
-from .metric_registry import FEATURES, METRICS, TRAINING_METRICS, Side, metric_names, stored_stat_keys
+from .metric_registry import FEATURES, METRICS, Side, metric_names, stored_stat_keys
 from .metrics import feature_statistics
 
 EVAL_METRICS = metric_names(training=True)  # what eval.metrics accepts
@@ -62,22 +60,23 @@ def check_evaluation(e, data_kind: str, objective: Objective, found: Callable[..
         raise MissingFileError(f"eval.guide_ckpt {e.guide_ckpt} is no checkpoint folder ({SPEC_FILE} missing); "
                                "point it at RUN/checkpoints/<step> of a model of the same data")
     metrics = resolve_metrics(e, data_kind)
+    offered = metric_names(training=True)  # read now: the table may have grown since import
     for name in metrics:
-        if name not in TRAINING_METRICS:
-            raise UserError(f"unknown metric {name!r} in eval.metrics; choose {or_list(TRAINING_METRICS)}")
+        if name not in offered:
+            raise UserError(f"unknown metric {name!r} in eval.metrics; choose {or_list(offered)}")
         only = METRICS[name].only_for
         if only is not None and only[0] != data_kind:
             raise UserError(f"eval.metrics={name} scores {only[1]}, but data.kind={data_kind}; use fid (with eval.ref)")
-    dinov2 = ", ".join(m for m in metrics if METRICS[m].features == "dinov2")
+    on = {family: [m for m in metrics if METRICS[m].features == family] for family in FEATURES}
+    dinov2, inception = ", ".join(on["dinov2"]), ", ".join(on["inception"])
     if dinov2:
-        keys = " / ".join(stored_stat_keys(m for m in metrics if METRICS[m].features == "dinov2"))
+        keys = " / ".join(stored_stat_keys(on["dinov2"]))
         if not e.ref or not found("eval.ref", e.ref, "any"):
             raise MissingFileError(f"eval.metrics {dinov2} needs eval.ref (an npz with images or {keys}, "
                                    f"or a folder of images); got {e.ref}")
         if not e.dinov2_weights or not found("eval.dinov2_weights", e.dinov2_weights):
             raise MissingFileError(f"eval.metrics {dinov2} needs eval.dinov2_weights (got {e.dinov2_weights}); "
                                    f"{timm_weights_hint(e.dinov2_model, 'eval.dinov2_weights=PATH')}")
-    inception = ", ".join(m for m in metrics if METRICS[m].features == "inception")
     if not inception:
         return
     if not e.ref:
@@ -195,18 +194,16 @@ class Evaluator:
     one gets the results."""
 
     def __init__(self, settings, *, data_kind: str, num_classes: int, objective: Objective,
-                 heldout: HeldOutSet | None, decoder, state, log=print, guide: torch.nn.Module | None = None):
-        self.settings, self.data_kind, self.num_classes, self.guide = settings, data_kind, num_classes, guide
-        self.objective, self.heldout = objective, heldout
+                 heldout: HeldOutSet | None, decoder, state, guide: torch.nn.Module | None = None):
+        self.settings, self.num_classes, self.objective, self.heldout = settings, num_classes, objective, heldout
+        self.decoder, self.state, self.guide = decoder, state, guide
         self.sampler, self.steps = resolve_sampler(objective, settings.sampler, settings.steps)  # null: the default
-        self.decoder, self.state, self.log = decoder, state, log
         self.metrics = resolve_metrics(settings, data_kind)  # checked with the config, before the run folder existed
         self.identity = evaluation_identity(settings, data_kind)
         self.features = {METRICS[m].features for m in self.metrics}  # the networks run on each sampled part
         self.inception = [m for m in self.metrics if METRICS[m].features == "inception"]
         if self.metrics and decoder is None:
             raise UserError("the evaluation samples images but no decoder is available; set data.vae")
-        self._extractor = None
         self._ref_side = None
         self._dinov2_ref: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -320,27 +317,23 @@ class Evaluator:
 
     def _dinov2_reference(self) -> tuple[np.ndarray, np.ndarray]:
         """eval.ref's DINOv2 (mu, sigma): stored in it, else from its images (once per run)."""
-        from .pipeline import default_batch_size, dinov2_reference
+        from .pipeline import default_batch_size, dinov2_reference, open_side
 
         if self._dinov2_ref is None:
-            ref, _ = dinov2_reference(self.settings.ref, self._dinov2_extractor(),
+            ref, _ = dinov2_reference(open_side(self.settings.ref, "reference"), self._dinov2_extractor(),
                                       default_batch_size(torch.device(self.state.device)))
             self._dinov2_ref = ref if isinstance(ref, tuple) else feature_statistics(ref)
         return self._dinov2_ref
 
     def _get_extractor(self):
-        if self._extractor is None:
-            self._extractor = loaded(InceptionExtractor, self.settings.inception_weights, self.state.device)
-        return self._extractor
+        return loaded(InceptionExtractor, self.settings.inception_weights, self.state.device)
 
     def _reference_side(self):
         """eval.ref for the Inception metrics: its stored statistics, or its images' features (once per run)."""
-        from .pipeline import default_batch_size, has_stored_stats, load_side
+        from .pipeline import default_batch_size, open_side, reference_features
 
         if self._ref_side is None:
-            ref = self.settings.ref
-            needs_images = any(METRICS[m].needs == "reference images" for m in self.inception)
             batch_size = default_batch_size(torch.device(self.state.device))
-            self._ref_side = load_side(ref, "reference", self._get_extractor, batch_size,
-                                       need_features=needs_images or not has_stored_stats(ref, self.inception))
+            self._ref_side = reference_features(open_side(self.settings.ref, "reference"), self.inception,
+                                                self._get_extractor(), batch_size)
         return self._ref_side

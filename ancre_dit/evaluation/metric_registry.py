@@ -43,6 +43,7 @@ class Side:
     num_images: int = 0
     stats_source: str = "features"
     image_size: int | None = None  # height of the images, when the side has images of one size
+    images: Any = None  # what holds its images, read for its features: an (N, H, W[, C]) array or image files
 
     def statistics(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
         """(mu, sigma) of the "pool" or "spatial" features: the stored ones, else the features'."""
@@ -188,22 +189,6 @@ def metric_entry(name: str) -> MetricEntry:
 def metric_names(**where: bool | str) -> tuple[str, ...]:
     """The table's names (in table order) whose entries have the given values (evaluate=True, ...)."""
     return tuple(name for name, e in METRICS.items() if all(getattr(e, k) == v for k, v in where.items()))
-
-
-class MetricNames:
-    """`metric_names(**where)`, read anew each time: a choice list built at import that follows the table."""
-
-    def __init__(self, **where: bool | str):
-        self.where = where
-
-    def __iter__(self):
-        return iter(metric_names(**self.where))
-
-    def __contains__(self, name: object) -> bool:
-        return name in metric_names(**self.where)
-
-
-TRAINING_METRICS = MetricNames(training=True)  # what eval.metrics accepts
 
 
 def reported_values(metrics: Any) -> dict[str, Value]:

@@ -1,32 +1,24 @@
-"""FID / sFID, Inception Score, KID, precision and recall on precomputed features, with ADM's definitions.
-
-Checked against guided-diffusion's evaluations/evaluator.py (ADM):
-- Statistics: mu = mean, sigma = np.cov(rowvar=False) (ddof 1), accumulated in float64 (ADM's mean
-  stays float32: differences ~1e-7 relative).
-- Fréchet distance, method "sqrtm" (default, ADM's handling): scipy.linalg.sqrtm(sigma1 @ sigma2); if
-  not finite, retry with 1e-6 added to both diagonals; a complex result whose diagonal has an
-  imaginary part above 1e-3 is an error, otherwise its real part is used.
-  Method "eigh": the same trace, tr sqrt(A sigma2 A) with A = sigma1^(1/2), from two symmetric
-  eigendecompositions: faster, and stable with fewer samples than dimensions (where sqrtm of the
-  singular product can fail); ~1e-6 relative from sqrtm on well-conditioned 50K statistics. With raw
-  features of N < D images on one side it works in the N-dim sample space
-  (`frechet_distance_to_features`): the nonzero eigenvalues of sigma1 sigma2 are those of
+"""FID / sFID, Inception Score, KID, precision and recall on precomputed features, with the definitions
+of ADM's evaluator (guided-diffusion evaluations/evaluator.py):
+- Statistics: mu = mean, sigma = np.cov(rowvar=False) (ddof 1), in float64 (ADM's mean stays float32).
+- Fréchet distance, method "sqrtm" (default, as ADM): scipy.linalg.sqrtm(sigma1 @ sigma2), retried with
+  1e-6 added to both diagonals when not finite; an imaginary diagonal part above 1e-3 is an error, else
+  the real part is used. Method "eigh": the same trace, tr sqrt(A sigma2 A) with A = sigma1^(1/2), from
+  two symmetric eigendecompositions: faster, and stable with fewer samples than dimensions (where sqrtm
+  of the singular product can fail). With raw features of N < D images on one side it works in the N-dim
+  sample space (`frechet_distance_to_features`): the nonzero eigenvalues of sigma1 sigma2 are those of
   Xc sigma2 Xc^T / (N - 1), Xc the centred features.
-- Inception Score: softmax of the unbiased logits (pool_3 @ W, no bias) in consecutive splits of
-  `split_size` images (ADM: 5000; the last may be smaller, as in ADM), exp(mean KL) per split, mean
-  over splits, no shuffling (as ADM; torch-fidelity shuffles and uses a split count). float64
-  log-softmax (torch-fidelity's isc_features_to_metric per split) where ADM takes np.log of a float32 softmax.
-- KID (not in ADM): torch-fidelity's unbiased MMD with the cubic polynomial kernel on pool
-  features, averaged over random subsets.
-- Improved precision and recall (Kynkäänniemi et al. 2019) as ADM's ManifoldEstimator computes them:
-  each feature vector's radius is the distance to its k-th nearest neighbour in its own set, itself the 0th (k = 3: the 4th smallest
-  distance); precision is the fraction of sample features within the radius of some reference
-  feature, recall the converse; features are Inception pool_3 (not torch-fidelity's VGG16); distances
-  come in row x column blocks of `batch_size` (ADM: 10000 x 10000).
-  Where ADM compares squared distances in float16 (float32 when that overflows), we use float32 (or
-  float64 on the CPU for tiny test sets): radii tied at float16 resolution can flip a membership, so
-  values may differ from ADM's in the 4th decimal. Written by hand because torch-fidelity's
-  calculate_precision_recall_part moves every distance block to the host; here blocks stay on the GPU.
+- Inception Score: exp(mean KL) of the softmax of the unbiased logits (pool_3 @ W, no bias) in
+  consecutive splits of `split_size` images (ADM: 5000; the last may be smaller; no shuffling, unlike
+  torch-fidelity), averaged over splits; a float64 log-softmax (torch-fidelity's isc_features_to_metric
+  per split) where ADM takes np.log of a float32 softmax.
+- KID (not in ADM): torch-fidelity's unbiased MMD, cubic polynomial kernel on pool features.
+- Improved precision and recall (Kynkäänniemi et al. 2019) as ADM's ManifoldEstimator: a vector's
+  radius is the distance to its k-th nearest neighbour in its own set (itself the 0th); precision is the
+  fraction of samples within some reference vector's radius, recall the converse; on Inception pool_3,
+  distances in row x column blocks of `batch_size` (ADM: 10000). Squared distances in float32 (float64
+  on the CPU for tiny sets) where ADM uses float16: radii tied at float16 resolution can flip a
+  membership (4th decimal). Written here because torch-fidelity moves every distance block to the host.
 """
 from __future__ import annotations
 

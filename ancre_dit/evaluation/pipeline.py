@@ -1,20 +1,15 @@
 """Samples + reference -> FID, sFID, IS, precision, recall (+ KID, FD-DINOv2), as ADM's evaluator
-scores them; and a reference's statistics from a folder of real images.
+(guided-diffusion evaluations/evaluator.py) scores them; and a reference's statistics from a folder of
+real images.
 
-Each side (samples, reference) is an ADMBatch, an ADM .npz (images and/or mu, sigma, mu_s,
-sigma_s) or a folder of images (listed and read by ancre_dit.data.image_folder). As in ADM,
-statistics stored in an npz are used as they are for FID / sFID; otherwise they come from the
-side's Inception features. IS uses the samples alone; precision / recall and KID need the
-reference's images.
+Each side (samples, reference) is an ADMBatch, an ADM .npz (images and/or mu, sigma, mu_s, sigma_s)
+or a folder of images (listed and read by ancre_dit.data.image_folder). As in ADM, statistics stored
+in an npz are used as they are for FID / sFID; otherwise they come from the side's Inception features.
+IS uses the samples alone; precision / recall and KID need the reference's images. Where the numbers
+differ from ADM's: see inception.py and metrics.py.
 
-50K samples at 256x256 are 9.8 GB of uint8: `open_adm_npz` memory-maps `arr_0` when the npz
-stores it uncompressed (np.savez, what sample.py and ADM write), so features are computed batch
-by batch without holding every image in memory. Anything else falls back to `load_adm_npz`.
-
-Differences from ADM's evaluator (guided-diffusion evaluations/evaluator.py), all checked there:
-torch-fidelity's PyTorch port of the same Inception graph, float32 (inception.py); float64
-statistics and log-softmax (metrics.py); float32 distances for precision / recall where ADM first
-tries float16 (metrics.py); KID, which ADM lacks (torch-fidelity's estimator).
+50K samples at 256x256 are 9.8 GB of uint8: `open_adm_npz` memory-maps `arr_0` when the npz stores it
+uncompressed (np.savez, what sample.py and ADM write), so features are computed batch by batch.
 """
 from __future__ import annotations
 
@@ -70,12 +65,9 @@ def _memmap_member(path: Path, member: str) -> np.ndarray | None:
         name_len, extra_len = struct.unpack("<HH", local[26:30])
         f.seek(info.header_offset + 30 + name_len + extra_len)
         version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version == (2, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
+        if version not in ((1, 0), (2, 0)):
             return None
+        shape, fortran, dtype = getattr(np.lib.format, f"read_array_header_{version[0]}_0")(f)
         if fortran or dtype.hasobject:
             return None
         offset = f.tell()
@@ -134,31 +126,45 @@ class ImageFolderBatches:
         yield from DataLoader(self, batch_size=self.batch_size, num_workers=self.workers, collate_fn=np.stack)
 
 
-def load_side(source: ADMBatch | str | os.PathLike, name: str, extractor_fn, batch_size: int,
-              need_features: bool, image_size: int | None = None, workers: int = 0) -> Side:
-    """Reads a side and, when needed (`need_features`) and possible, extracts its Inception features.
-    `extractor_fn()` loads the network lazily, so a statistics-only run never needs it twice."""
+def open_side(source: ADMBatch | str | os.PathLike, name: str, image_size: int | None = None,
+              fix: str = "pass an .npz with samples") -> Side:
+    """A side without its features: its label, stored statistics, image count and size (a folder's
+    images are center-cropped to `image_size`) and what holds its images (an ADMBatch, given or an npz
+    opened by open_adm_npz, or a folder's image files). arr_0 empty with no statistics is an error ending in `fix`."""
     if isinstance(source, ADMBatch):
-        batch, label = source, name
+        label, batch = name, source
     else:
         path = Path(source)
         label = f"{name} ({path})"
         if path.is_dir():
             files = list_image_folder(path).paths()
-            side = Side(label, num_images=len(files), image_size=image_size)
-            if need_features:
-                batches = ImageFolderBatches(files, image_size, batch_size, workers)
-                side.features = extractor_fn().extract(batches, total=len(files), desc=f"inception: {name}")
-            return side
+            return Side(label, num_images=len(files), image_size=image_size, images=files)
         batch = open_adm_npz(path)
-    side = Side(label, stats=dict(batch.stats), num_images=0 if batch.images is None else len(batch.images),
+    images = batch.images
+    if images is not None and len(images) == 0 and not batch.stats:
+        raise UserError(f"{label} holds no images to evaluate (arr_0 is empty); {fix}")
+    return Side(label, stats=dict(batch.stats), num_images=0 if images is None else len(images),
                 stats_source="stored" if batch.stats else "features",
-                image_size=None if batch.images is None else int(batch.images.shape[1]))
-    if batch.images is not None and len(batch.images) == 0 and (need_features or not side.stats):
-        raise UserError(f"{label} holds no images to evaluate (arr_0 is empty); pass an .npz with samples")
-    if batch.images is not None and need_features:
-        side.features = extractor_fn().extract(iterate_batches(batch.images, batch_size), total=len(batch.images),
-                                               desc=f"inception: {name}")
+                image_size=None if images is None else int(images.shape[1]), images=images)
+
+
+def side_features(side: Side, extractor, batch_size: int, desc: str, workers: int = 0):
+    """`extractor.extract` (Inception's or DINOv2's) over the side's images, read batch by batch; None
+    when it has none."""
+    if side.images is None:
+        return None
+    if isinstance(side.images, list):
+        batches = ImageFolderBatches(side.images, side.image_size, batch_size, workers)
+    else:
+        batches = iterate_batches(side.images, batch_size)
+    return extractor.extract(batches, total=side.num_images, desc=desc)
+
+
+def reference_features(side: Side, metrics, extractor, batch_size: int, workers: int = 0) -> Side:
+    """Adds the reference's Inception features when `metrics` need its images, or statistics it does not store."""
+    if (any(METRIC_TABLE[m].needs == "reference images" for m in metrics)
+            or not set(stored_stat_keys(metrics)) <= set(side.stats)):
+        side.features = side_features(side, extractor, batch_size, "inception: reference", workers)
     return side
 
 
@@ -210,25 +216,21 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
         if not metrics:
             return dinov2
     start = time.time()
-    extractor_fn = lambda: loaded(InceptionExtractor, weights, device)  # noqa: E731
     ref_metrics = [m for m in metrics if METRIC_TABLE[m].needs != "features"]  # IS looks at the samples alone
     if ref_metrics and ref is None:
         raise UserError(f"{', '.join(ref_metrics)} need a reference (--ref)")
+    extractor = loaded(InceptionExtractor, weights, device)  # fail on bad weights before reading 50K images
+    sample_side = open_side(samples, "samples")
+    ref_side = Side("reference (none)", stats_source="none")
+    if ref is not None:  # an empty or unreadable reference is found before the samples' features
+        ref_side = open_side(ref, "reference", image_size or sample_side.image_size, fix="pass another --ref")
     image_metrics = [m for m in metrics if METRIC_TABLE[m].needs == "reference images"]
-    members = _npz_members(ref) if image_metrics and ref is not None else None
-    if members is not None and "arr_0" not in members:
+    if image_metrics and ref_side.images is None:
         raise UserError(f"{', '.join(image_metrics)} need reference images but {ref} holds statistics only "
                          f"(no arr_0); pass a reference with images, or drop them from --metrics")
-    extractor_fn()  # fail on bad weights before reading 50K images
-    if ref is not None:  # an empty or unreadable reference is found before the samples' features
-        _check_readable(ref)
-    sample_side = load_side(samples, "samples", extractor_fn, batch_size, need_features=True, workers=workers)
-    if ref is None:
-        ref_side = Side("reference (none)", stats_source="none")
-    else:
-        ref_needs = bool(image_metrics) or not has_stored_stats(ref, ref_metrics)
-        ref_side = load_side(ref, "reference", extractor_fn, batch_size, need_features=ref_needs,
-                             image_size=image_size or sample_side.image_size, workers=workers)
+    sample_side.features = side_features(sample_side, extractor, batch_size, "inception: samples", workers)
+    if ref is not None:
+        reference_features(ref_side, ref_metrics, extractor, batch_size, workers)
     if ref_metrics and sample_side.image_size and ref_side.image_size and sample_side.image_size != ref_side.image_size:
         _log.warning("warning: the samples are %dx%d but the reference images %dx%d: Inception resizes both to 299, "
                      "which hides the difference; FID against a reference of another resolution is not comparable "
@@ -236,7 +238,6 @@ def evaluate(samples: ADMBatch | str | os.PathLike, ref: ADMBatch | str | os.Pat
                      ref_side.image_size)
     values = score(sample_side, ref_side, metrics, is_split_size=is_split_size, pr_k=pr_k, fid_method=fid_method,
                    kid_subsets=kid_subsets, kid_subset_size=kid_subset_size, device=device)
-    extractor = extractor_fn()
     import torch_fidelity
 
     settings = {"is_split_size": is_split_size, "pr_k": pr_k, "fid_method": fid_method, "batch_size": batch_size,
@@ -261,11 +262,11 @@ def _dinov2_metrics(metrics: tuple[str, ...], samples, ref, weights, model, batc
     model = model or DINOV2_MODEL
     extractor = loaded(DinoV2Extractor, weights, model, device)  # fail on bad weights before reading images
     start = time.time()
-    batch = _open_npz(samples)
-    feats = dinov2_features(samples if batch is None else batch, extractor, batch_size, None, workers, "samples")
+    sample_side = open_side(samples, "samples")
+    feats = dinov2_features(sample_side, extractor, batch_size, "samples", workers)
     # A folder reference is cropped to the samples' size.
-    size = image_size or (None if batch is None or batch.images is None else int(batch.images.shape[1]))
-    reference, source = dinov2_reference(ref, extractor, batch_size, size, workers)
+    ref_side = open_side(ref, "reference", image_size or sample_side.image_size, fix="pass another --ref")
+    reference, source = dinov2_reference(ref_side, extractor, batch_size, workers)
     values = score(feats, reference, metrics, fid_method=fid_method, device=device)
     info = {"num_samples": len(feats), "samples": _describe(samples), "reference": _describe(ref),
             "dinov2_model": model, "dinov2_weights": str(Path(weights).resolve()),
@@ -274,34 +275,22 @@ def _dinov2_metrics(metrics: tuple[str, ...], samples, ref, weights, model, batc
     return EvaluationResult(values, info)
 
 
-def _open_npz(source) -> ADMBatch | None:
-    """An ADMBatch as it is, an npz opened (see open_adm_npz); None for a folder."""
-    return source if isinstance(source, ADMBatch) else (open_adm_npz(source) if Path(source).is_file() else None)
-
-
-def dinov2_reference(ref, extractor, batch_size: int, image_size: int | None = None,
+def dinov2_reference(side: Side, extractor, batch_size: int,
                      workers: int = 0) -> tuple[tuple[np.ndarray, np.ndarray] | np.ndarray, str]:
-    """`ref`'s stored DINOv2 (mu, sigma), else its images' features; and which it is ("stored", "features")."""
-    batch, keys = _open_npz(ref), stored_stat_keys(["fd_dinov2"])
-    if batch is not None and set(keys) <= set(batch.stats):
-        return tuple(batch.stats[k] for k in keys), "stored"
-    return dinov2_features(ref if batch is None else batch, extractor, batch_size, image_size, workers,
-                           "reference"), "features"
+    """The reference's stored DINOv2 (mu, sigma), else its images' features; and which it is ("stored", "features")."""
+    keys = stored_stat_keys(["fd_dinov2"])
+    if set(keys) <= set(side.stats):
+        return tuple(side.stats[k] for k in keys), "stored"
+    return dinov2_features(side, extractor, batch_size, "reference", workers), "features"
 
 
-def dinov2_features(source, extractor, batch_size: int, image_size: int | None = None, workers: int = 0,
-                    name: str = "images") -> np.ndarray:
-    """DINOv2 CLS features of every image of an ADMBatch, an npz or a folder (centre-cropped to
-    `image_size`, as the Inception path reads folders)."""
-    if not isinstance(source, ADMBatch) and Path(source).is_dir():
-        files = list_image_folder(source).paths()
-        return extractor.extract(ImageFolderBatches(files, image_size, batch_size, workers), len(files),
-                                 desc=f"dinov2: {name}")
-    batch = source if isinstance(source, ADMBatch) else open_adm_npz(source)
-    if batch.images is None:
+def dinov2_features(side: Side, extractor, batch_size: int, name: str, workers: int = 0) -> np.ndarray:
+    """DINOv2 CLS features of every image of the side (the `name` one)."""
+    features = side_features(side, extractor, batch_size, f"dinov2: {name}", workers)
+    if features is None:
         raise UserError(f"fd_dinov2 needs images of the {name} (arr_0) or its stored mu_dinov2 / sigma_dinov2 "
                         "(evaluate.py --save-ref-stats ... --dinov2-weights FILE)")
-    return extractor.extract(iterate_batches(batch.images, batch_size), len(batch.images), desc=f"dinov2: {name}")
+    return features
 
 
 def compute_metrics(samples: ADMBatch | str | os.PathLike, ref: str | os.PathLike | ADMBatch | None,
@@ -310,33 +299,6 @@ def compute_metrics(samples: ADMBatch | str | os.PathLike, ref: str | os.PathLik
     """FID / sFID / IS / precision / recall / KID of `samples` against `ref` (see `evaluate` for options).
     Keys: the requested metric names ('fid', 'sfid', 'is', 'precision', 'recall', 'kid' + 'kid_std')."""
     return evaluate(samples, ref, weights, metrics, batch_size, device, **options).metrics
-
-
-def _npz_members(source) -> set[str] | None:
-    """What an ADMBatch or an npz holds ("arr_0" for its images, its statistics' keys); None for a
-    folder (or a missing path: reading it gives the clear error)."""
-    if isinstance(source, ADMBatch):
-        return set(source.stats) | ({"arr_0"} if source.images is not None else set())
-    if Path(source).is_file():
-        with np.load(source) as data:
-            return set(data.files)
-    return None
-
-
-def has_stored_stats(ref, metrics) -> bool:
-    """Does `ref` (a path or an ADMBatch) carry every statistic the given metrics can use instead of its images?"""
-    members = _npz_members(ref)
-    return members is not None and set(stored_stat_keys(metrics)) <= members
-
-
-def _check_readable(ref) -> None:
-    """The cheap part of load_side (a folder's listing, an npz's header): raises what reading `ref` would."""
-    if isinstance(ref, ADMBatch):
-        return
-    if Path(ref).is_dir():
-        list_image_folder(ref)
-    elif (batch := open_adm_npz(ref)).images is not None and len(batch.images) == 0 and not batch.stats:
-        raise UserError(f"reference ({Path(ref)}) holds no images to evaluate (arr_0 is empty); pass another --ref")
 
 
 def check_replaceable(out: Path) -> None:

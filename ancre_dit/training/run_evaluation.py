@@ -37,7 +37,7 @@ def build_run_evaluator(config: Config, data, objective, decoder, state, log: Ca
         spec = {"data": ckpt.data_spec(data), "diffusion": objective.spec()}
         guide = load_guide(e.guide_ckpt, spec, state.device, f"eval.guide_ckpt {e.guide_ckpt}", "this run")
     evaluator = Evaluator(e, data_kind=data.kind, num_classes=data.num_classes, objective=objective, heldout=heldout,
-                          decoder=decoder, state=state, log=log, guide=guide)
+                          decoder=decoder, state=state, guide=guide)
     # The reference's features now, on the main process, while the others wait with nothing queued;
     # a bad reference stops every process here.
     main_decides(state, evaluator.prepare_reference)
