@@ -45,7 +45,7 @@ def sweep_ema(run_dir: Path, stds: Sequence[float], seeds: tuple[int, int] = (0,
             models[f"std {std:g}"] = model.to(state.device).eval()
         metrics: dict[str, list] = {name: [] for name in models}
         for config in configs:
-            evaluator = build_run_evaluator(config, data, objective, decoder, state, lambda *a: None)
+            evaluator = build_run_evaluator(config, data, objective, decoder, state)
             for name, model in models.items():
                 result = evaluator.evaluate(model)
                 if result is not None:

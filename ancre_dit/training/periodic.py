@@ -133,8 +133,7 @@ class EvaluationTask(PeriodicTask):
         super().__init__(ctx.config.train.eval_every)
         needs_decoder = bool(resolve_metrics(ctx.config.eval, ctx.data.kind))  # only sample metrics decode images
         self.evaluator = build_run_evaluator(ctx.config, ctx.data, ctx.objective,
-                                             decoder=ctx.decoder if needs_decoder else None,
-                                             state=ctx.accelerator, log=ctx.log.info)
+                                             decoder=ctx.decoder if needs_decoder else None, state=ctx.accelerator)
         # Read once, before anyone writes, by one process for all.
         self.done = agree_on_evaluated(ctx.accelerator, ctx.run_dir, self.evaluator.identity)
 

@@ -21,7 +21,7 @@ from .rank_decisions import main_decides
 CONFIG_FILE = "config.yaml"
 
 
-def build_run_evaluator(config: Config, data, objective, decoder, state, log: Callable[[str], Any]):
+def build_run_evaluator(config: Config, data, objective, decoder, state):
     """The Evaluator of a run's `eval` settings: fixed held-out examples (when the data has a held-out
     split and eval.heldout_loss) and the sample metrics, whose images `decoder` makes."""
     from ..evaluation.evaluator import Evaluator, build_heldout_set
@@ -126,7 +126,7 @@ def evaluate_run(run_dir: str | Path, steps: Sequence[int] | None = None, overri
     with job_processes(cpu, config.train.collective_timeout_s) as state:  # the run's own setting
         log = log if state.is_main_process else (lambda *a, **k: None)
         _, data, objective, decoder = evaluation_inputs(config, selected[-1][1], state)
-        evaluator = build_run_evaluator(config, data, objective, decoder, state, log)
+        evaluator = build_run_evaluator(config, data, objective, decoder, state)
         done = agree_on_evaluated(state, run_dir, evaluator.identity)
         todo = [(s, p) for s, p in selected if s not in done]
         log(f"evaluating {len(todo)} checkpoint(s) of {run_dir} ({len(selected) - len(todo)} already in "
