@@ -6,14 +6,11 @@ aggregator) reads h_l = sum_i alpha_{i->l} v_i over its sources S_l, per token
     alpha_{i->l} = softmax_i( q_l . RMSNorm_l(v_i) / s )       (s = sqrt(d) for DAR, 1 for AttnRes)
 
 Zero queries and adaLN-Zero (v_l = 0) make h_l = v_0 / |S_l| at init: after LayerNorm, the plain DiT.
-Queries: `static` (q_l = w_l), `static-t` (plus the timestep embedding through a zero-initialised head,
-so adaLN keeps its timestep conditioning at init), `dynamic` (q_l = W_l v_{l-1}, per token). Chunked DAR
-(chunk S): a chunk's summary is its last output; block AttnRes (block S): the SUM of its outputs. Sublayer
-l sees the earlier summaries plus its own group's outputs (partial sum) so far; S = 1 (block 0) is dense.
-
-The key norm is folded into the dot product (q . (g * v / rms(v)) = ((q * g) . v) / rms(v)): no normalised
-copy of a source is kept for the backward; with static queries a source's logits for every aggregator are
-one matrix product taken when it is made.
+Queries: `static` (q_l = w_l), `static-t` (plus the timestep embedding through a zero-initialised head),
+`dynamic` (q_l = W_l v_{l-1}, per token). Chunked DAR (chunk S): a chunk's summary is its last output;
+block AttnRes (block S): the SUM of its outputs. Sublayer l sees the earlier summaries plus its own
+group's outputs (partial sum) so far; S = 1 (block 0) is dense. The key norm is folded into the dot
+product, (q * g) . v / rms(v), so no normalised copy of a source is kept for the backward.
 """
 from __future__ import annotations
 
