@@ -251,8 +251,6 @@ def get_2d_sincos_pos_embed(embed_dim: int, grid_size: int) -> np.ndarray:
         raise ValueError(f"sin-cos position embedding needs an even width, got {half}")
     omega = 1.0 / 10000 ** (np.arange(half // 2, dtype=np.float64) / (half / 2.0))
     positions = np.arange(grid_size, dtype=np.float32)
-    tables = []
-    for grid in np.meshgrid(positions, positions):  # the column (varying fastest), then the row, as in DiT / MAE
-        out = np.einsum("m,d->md", grid.reshape(-1).astype(np.float64), omega)
-        tables += [np.sin(out), np.cos(out)]
-    return np.concatenate(tables, axis=1)
+    outs = [np.einsum("m,d->md", grid.reshape(-1).astype(np.float64), omega)  # the column (varying fastest), the row
+            for grid in np.meshgrid(positions, positions)]
+    return np.concatenate([table(out) for out in outs for table in (np.sin, np.cos)], axis=1)

@@ -10,14 +10,13 @@ import torch
 
 def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
                          autocast_dtype: torch.dtype | None = torch.bfloat16) -> int:
-    """FLOPs of one forward + backward on (x, t, y) by `FlopCounterMode`; `autocast_dtype` None runs in fp32
-    (the same count, faster on a CPU); the gradients are dropped. SDPA's math backend: the counter's
-    formulas for fused attention kernels depend on backend and torch version (CPU flash is not counted)."""
+    """FLOPs of one forward + backward on (x, t, y) by `FlopCounterMode` (gradients dropped); `autocast_dtype`
+    None runs in fp32 (the same count, faster on a CPU). SDPA's math backend: the counter's formulas for fused
+    attention kernels depend on backend and torch version."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
-    # Autocast only when asked: it refuses the meta device, where counting costs no compute.
+    counter = FlopCounterMode(display=False)  # (autocast refuses the meta device: only when asked)
     amp = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
     with counter, sdpa_kernel(SDPBackend.MATH):
         with amp:

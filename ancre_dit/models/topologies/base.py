@@ -1,5 +1,4 @@
 """The residual-topology interface: the module that owns the loop over the transformer blocks.
-
 `forward(h0, blocks, c)` runs the trunk; `probabilities()` is the (K, K) matrix whose row j holds block
 j+1's incoming weights over sources i = 0..j (h_0, then the blocks' outputs): the skip sum added *on top
 of* each block's own residual adds (`mode="add"`, the official form; a plain DiT is the zero matrix), or
@@ -115,8 +114,8 @@ class WeightedHistoryTopology(ResidualTopology):
 
     @contextlib.contextmanager
     def exact_state_gradients(self) -> Iterator[None]:
-        """The plain chain meanwhile: the stacked backward adds the later blocks' reads of a history tensor
-        to the gradient of the node that made it, so autograd never sees that part reach the state."""
+        """The plain chain meanwhile: the stacked backward adds the later reads of a history tensor to the
+        gradient of the node that made it, which autograd never sees reach the state."""
         chain, self.use_chain = self.use_chain, True
         try:
             yield

@@ -1,11 +1,7 @@
-"""Name -> residual topology: the one place a topology name is interpreted.
-
-    @register_topology("ancre", options={"tau": TopologyOption(PositiveFloat, 0.01, "softmax temperature")},
-                       summary="ANCRe: ingoing softmax over all earlier outputs")
-    def build_ancre(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology: ...
-
-`resolve_options` checks the options (config keys) once, so builders trust them. An entry also declares
-what tools need to know of the topology, so no code outside this package tests names or classes.
+"""Name -> residual topology: the one place a topology name is interpreted. `register_topology` adds a
+builder `build(num_blocks, hidden_size, **options)`; `resolve_options` checks the options (config keys)
+once, so builders trust them. An entry also declares what tools need to know of the topology, so no code
+outside this package tests names or classes.
 """
 from __future__ import annotations
 
