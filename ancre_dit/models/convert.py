@@ -10,7 +10,7 @@ from ..errors import UserError
 from .dit import DIT_SIZES, TimestepEmbedder
 
 _PREFIXES = ("module.", "_orig_mod.")
-_LOGITS = "topology.logits"
+_LOGITS, _TAU = "topology.logits", "topology.tau"
 
 
 def convert_official_state_dict(checkpoint: Mapping[str, Any], prefer: str = "ema") -> dict[str, torch.Tensor]:
@@ -22,8 +22,7 @@ def convert_official_state_dict(checkpoint: Mapping[str, Any], prefer: str = "em
     if official_logit_layout(converted) == "per-source":  # (renaming our own names changes nothing)
         K = converted[f"{_LOGITS}.0"].numel()  # source 0 has an edge to every block
         source = {i: converted.pop(f"{_LOGITS}.{i}") for i in range(K)}
-        for j in range(K):
-            converted[f"{_LOGITS}.{j}"] = torch.stack([source[i][j - i] for i in range(j + 1)])
+        converted.update({f"{_LOGITS}.{j}": torch.stack([source[i][j - i] for i in range(j + 1)]) for j in range(K)})
     return converted
 
 
@@ -39,9 +38,7 @@ def _renamed(checkpoint: Mapping[str, Any], prefer: str) -> dict[str, torch.Tens
             continue
         while key.startswith(_PREFIXES):  # in any order
             key = key.split(".", 1)[1]
-        key = key.replace("ancre.shortcut_params.", f"{_LOGITS}.")
-        key = key.replace("ancre.softmax_temp", "topology.tau")
-        converted[key] = value
+        converted[key.replace("ancre.shortcut_params.", f"{_LOGITS}.").replace("ancre.softmax_temp", _TAU)] = value
     return converted
 
 

@@ -132,7 +132,6 @@ class DiT(nn.Module):
         self.out_channels = in_channels * 2 if learn_sigma else in_channels
         self.patch_size = patch_size
         self.input_size = input_size
-        self.num_heads = num_heads
         self.num_classes = num_classes
 
         self.x_embedder = PatchEmbed(img_size=input_size, patch_size=patch_size, in_chans=in_channels,

@@ -24,8 +24,8 @@ def autocast_off(device: torch.device):
     return nullcontext()
 
 
-# mHC's paper fixes no initialisation; ours puts this much weight off HC's (stream l mod n as the branch
-# input, identity mixing). The mixing leak is larger: Sinkhorn-Knopp converges slowly near a permutation.
+# mHC's paper fixes no initialisation; ours moves this much weight off HC's to the other streams, evenly.
+# The mixing leak is larger: Sinkhorn-Knopp converges slowly near a permutation.
 MHC_PRE_LEAK = 0.05
 MHC_RES_LEAK = 0.25
 # HC (dynamic): the paper initialises the tanh scales s_alpha, s_beta to 0.01 and W to 0.
@@ -108,7 +108,6 @@ class HyperConnectionTopology(_StreamTopology):
     with A_m (n,), A_r (n, n), B (n,) learned per sublayer (static HC). Dynamic HC adds, with H' =
     LayerNorm(H): B += s_beta tanh(H' W_beta)^T, A_m += s_alpha tanh(H' W_m), A_r += s_alpha tanh(H' W_r)
     (`dynamic_weights[l]` = [W_beta | W_m | W_r], `dynamic_scales[l]` = [s_alpha, s_beta]).
-
     Init (the paper's Pre-Norm-equivalent): A_m = e_{l mod n}, A_r = I, B = 1, W = 0, s = 0.01. Every
     stream is then the cascaded hidden state; the trunk returns n * h_K, which the final LayerNorm undoes.
     """
@@ -183,10 +182,8 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
         x     <- H_res x + H_post^T F(H_pre x)
 
     (`phi[l]` = [phi_pre | phi_post | phi_res], (n d, 2n + n^2); `alpha[l]` = [a_pre, a_post, a_res]).
-
-    Init (ours): phi = 0, alpha = 0.01, H_post = 1, H_pre = 1 - p on stream l mod n and p / (n - 1)
-    elsewhere, H_res = (1 - r) I + r / (n - 1) (1 1^T - I) (p, r = MHC_PRE_LEAK, MHC_RES_LEAK). The
-    streams equal the cascaded hidden state, as in HC; favouring stream l mod n lets them diverge.
+    Init (ours): phi = 0, alpha = 0.01, H_post = 1, H_pre and H_res HC's (e_{l mod n}, I) with leaks: the
+    streams equal the cascaded hidden state, as in HC, and favouring stream l mod n lets them diverge.
     """
 
     def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, sinkhorn_iters: int = 20):

@@ -48,8 +48,7 @@ class TopologyEntry:
     build: Callable[..., ResidualTopology]  # build(num_blocks, hidden_size, **options)
     options: Mapping[str, TopologyOption] = field(default_factory=dict)
     check: Callable[[dict[str, Any]], None] | None = None  # raises UserError on bad option values
-    # Rebuilds the module from its state dict (keys without "topology.") and options, e.g. a frozen one.
-    restore: Callable[..., ResidualTopology] | None = None
+    restore: Callable[..., ResidualTopology] | None = None  # (state dict without "topology.", options) -> module
     summary: str = ""
     # What tools need to know (the module declares `takes_time_embedding`, which can depend on its options):
     sparse: bool = False  # it can keep each block's model.topology_topk strongest edges (`enable_topk`, `sparsify`)
