@@ -2,7 +2,7 @@
 widths can be compared at equal compute (MFU, the FLOPs axis of a study's curves)."""
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from typing import Callable
 
 import torch
@@ -46,10 +46,8 @@ def flops_per_training_image(build: Callable[[str], torch.nn.Module], in_channel
     with torch.random.fork_rng(devices=[]):  # the build's initialisation and the forward's label dropout
         if device is not None:
             return count(built(device), device)
-        try:
+        with suppress(RuntimeError, NotImplementedError):  # (a layer with no meta kernel)
             model = built("meta")
             if sum(p.numel() for p in model.parameters()) * input_size ** 2 * batch >= CPU_COUNT_LIMIT:
                 return count(model, "meta")
-        except (RuntimeError, NotImplementedError):  # a layer with no meta kernel
-            pass
         return count(built("cpu"), "cpu")

@@ -63,9 +63,6 @@ class ResidualTopology(nn.Module):
         """While on, a gradient with respect to a state given to `state_hook` is its whole gradient."""
         yield
 
-    def forward(self, h0: torch.Tensor, blocks: Sequence[nn.Module], c: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
     def probabilities(self) -> torch.Tensor:
         raise NotImplementedError
 
