@@ -3,7 +3,3 @@ from .convert import architecture_of, convert_official_state_dict, load_state_di
 from .dit import DIT_MODELS, DiT, DiTBlock, create_model
 from .topologies import (TOPOLOGIES, ResidualTopology, TopologyNotDefined, build_topology, load_topology_json,
                          register_topology, save_topology_json)
-
-__all__ = ["DIT_MODELS", "DiT", "DiTBlock", "create_model", "TOPOLOGIES", "ResidualTopology", "TopologyNotDefined",
-           "build_topology", "register_topology", "load_topology_json", "save_topology_json", "architecture_of",
-           "convert_official_state_dict", "load_state_dict_checked", "official_logit_layout"]

@@ -10,21 +10,19 @@ from ..errors import UserError
 from .dit import DIT_SIZES, TimestepEmbedder
 
 _PREFIXES = ("module.", "_orig_mod.")
-_LOGITS = "topology.logits"
+_LOGITS, _TAU = "topology.logits", "topology.tau"
 
 
 def convert_official_state_dict(checkpoint: Mapping[str, Any], prefer: str = "ema") -> dict[str, torch.Tensor]:
     """A DiT or official-ANCRe state dict (or a {"model":..., "ema":...} wrapper) under our names: `module.`
-    (DDP) and `_orig_mod.` (torch.compile) stripped, `ancre.shortcut_params.N` -> `topology.logits.N`,
-    `ancre.softmax_temp` -> `topology.tau`. Logits per target (block j+1's over sources 0..j, as we store
-    them) stay; per source (source i's edges to blocks i+1..K, the outgoing ablation's layout) are
-    remapped as `logits.j[i] = shortcut_params.i[j - i]`."""
+    and `_orig_mod.` stripped, `ancre.shortcut_params.N` -> `topology.logits.N`, `ancre.softmax_temp` ->
+    `topology.tau`. Logits per target (block j+1's over sources 0..j, ours) stay; per source (source i's
+    edges to blocks i+1..K) are remapped as `logits.j[i] = shortcut_params.i[j - i]`."""
     converted = _renamed(checkpoint, prefer)
     if official_logit_layout(converted) == "per-source":  # (renaming our own names changes nothing)
         K = converted[f"{_LOGITS}.0"].numel()  # source 0 has an edge to every block
         source = {i: converted.pop(f"{_LOGITS}.{i}") for i in range(K)}
-        for j in range(K):
-            converted[f"{_LOGITS}.{j}"] = torch.stack([source[i][j - i] for i in range(j + 1)])
+        converted.update({f"{_LOGITS}.{j}": torch.stack([source[i][j - i] for i in range(j + 1)]) for j in range(K)})
     return converted
 
 
@@ -40,9 +38,7 @@ def _renamed(checkpoint: Mapping[str, Any], prefer: str) -> dict[str, torch.Tens
             continue
         while key.startswith(_PREFIXES):  # in any order
             key = key.split(".", 1)[1]
-        key = key.replace("ancre.shortcut_params.", f"{_LOGITS}.")
-        key = key.replace("ancre.softmax_temp", "topology.tau")
-        converted[key] = value
+        converted[key.replace("ancre.shortcut_params.", f"{_LOGITS}.").replace("ancre.softmax_temp", _TAU)] = value
     return converted
 
 
@@ -53,9 +49,9 @@ def official_logit_layout(checkpoint: Mapping[str, Any], prefer: str = "ema") ->
     K = len(found)
     if sorted(found) != list(range(K)):
         raise UserError(f"the ANCRe logits are numbered {sorted(found)}, not 0..{K - 1}; the file is incomplete")
-    lengths = [found[n] for n in range(K)]
     if K == 0:
         return None
+    lengths = [found[n] for n in range(K)]
     if lengths == list(range(1, K + 1)):
         return "per-target"
     if lengths == list(range(K, 0, -1)):
@@ -102,14 +98,13 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Ten
 
 
 def reverse_time_axis(state: dict[str, torch.Tensor]) -> None:
-    """Turns a DiT on t' = 1 - t with output -v (REPA: t' = 1 noise, velocity noise - data) into one on t
-    with output v (SiT: t = 1 data), in place, exact up to rounding. The sinusoidal code of 1 - t is a fixed
-    linear map of t's (cos f(1-t) = cos f cos ft + sin f sin ft, sin f(1-t) = sin f cos ft - cos f sin ft),
-    folded into the timestep MLP's first matrix; the sign goes into the final linear layer."""
+    """Turns a DiT on t' = 1 - t with output -v (REPA: t' = 1 noise) into one on t with output v (SiT: t = 1
+    data), in place, exact up to rounding. The sinusoidal code of 1 - t is a fixed linear map of t's (cos
+    f(1-t) = cos f cos ft + sin f sin ft, ...), folded into the timestep MLP's first matrix; the sign goes
+    into the final linear layer."""
     first = state["t_embedder.mlp.0.weight"]
-    dim = first.shape[1]
-    code_at_one = TimestepEmbedder.timestep_embedding(torch.ones(1, dtype=torch.float64), dim)[0].double()
-    half = dim // 2
+    half = first.shape[1] // 2
+    code_at_one = TimestepEmbedder.timestep_embedding(torch.ones(1, dtype=torch.float64), 2 * half)[0].double()
     cos, sin = code_at_one[:half], code_at_one[half:2 * half]
     w = first.double()
     folded = w.clone()

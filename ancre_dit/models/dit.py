@@ -35,18 +35,14 @@ class TimestepEmbedder(nn.Module):
 
     @staticmethod
     def timestep_embedding(t: torch.Tensor, dim: int, max_period: int = 10000) -> torch.Tensor:
-        """Sinusoidal code of (possibly fractional) timesteps t, shape (N,) -> (N, dim)."""
+        """Sinusoidal code of (possibly fractional) timesteps t, shape (N,) -> (N, dim), dim even."""
         half = dim // 2
         freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         args = t[:, None].float() * freqs[None]
-        embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
-        if dim % 2:
-            embedding = torch.cat([embedding, torch.zeros_like(embedding[:, :1])], dim=-1)
-        return embedding
+        return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        t_freq = self.timestep_embedding(t, self.frequency_embedding_size)
-        return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
+        return self.mlp(self.timestep_embedding(t, self.frequency_embedding_size).to(self.mlp[0].weight.dtype))
 
 
 class LabelEmbedder(nn.Module):
@@ -55,15 +51,12 @@ class LabelEmbedder(nn.Module):
 
     def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float):
         super().__init__()
-        use_cfg_embedding = dropout_prob > 0
-        self.embedding_table = nn.Embedding(num_classes + use_cfg_embedding, hidden_size)
+        self.embedding_table = nn.Embedding(num_classes + (dropout_prob > 0), hidden_size)  # the null row for CFG
         self.num_classes = num_classes
         self.dropout_prob = dropout_prob
 
-    def forward(self, labels: torch.Tensor, train: bool, force_drop_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if force_drop_ids is not None:
-            labels = torch.where(force_drop_ids == 1, self.num_classes, labels)
-        elif train and self.dropout_prob > 0:
+    def forward(self, labels: torch.Tensor, train: bool) -> torch.Tensor:
+        if train and self.dropout_prob > 0:
             drop_ids = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
             labels = torch.where(drop_ids, self.num_classes, labels)
         return self.embedding_table(labels)
@@ -139,16 +132,14 @@ class DiT(nn.Module):
         self.out_channels = in_channels * 2 if learn_sigma else in_channels
         self.patch_size = patch_size
         self.input_size = input_size
-        self.num_heads = num_heads
         self.num_classes = num_classes
 
         self.x_embedder = PatchEmbed(img_size=input_size, patch_size=patch_size, in_chans=in_channels,
                                      embed_dim=hidden_size, bias=True)
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
-        num_patches = self.x_embedder.num_patches
         # Fixed sin-cos embedding, a frozen parameter as in DiT so its checkpoints load unchanged.
-        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.x_embedder.num_patches, hidden_size), requires_grad=False)
         self.pos_embed_kind = pos_embed
         rope = axial_rope(hidden_size // num_heads, input_size // patch_size) if "rope2d" in pos_embed else None
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio, norm=norm, mlp=mlp,
@@ -173,9 +164,8 @@ class DiT(nn.Module):
             if name != "topology":
                 child.apply(_basic_init)
 
-        grid_size = int(self.x_embedder.num_patches ** 0.5)
         if "sincos" in self.pos_embed_kind:  # with rope2d alone the positions enter through q and k: it stays zero
-            pos_embed = get_2d_sincos_pos_embed(self.pos_embed.shape[-1], grid_size)
+            pos_embed = get_2d_sincos_pos_embed(self.pos_embed.shape[-1], int(self.x_embedder.num_patches ** 0.5))
             self.pos_embed.data.copy_(torch.from_numpy(pos_embed).float().unsqueeze(0))
 
         # Patch embedding like nn.Linear (instead of nn.Conv2d's default).
@@ -203,8 +193,7 @@ class DiT(nn.Module):
 
     def embed(self, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Tokens h_0, the conditioning vector c = t-embedding + y-embedding, and the t-embedding alone."""
-        # Contiguous: PatchEmbed returns a transposed view, whose layout every residual add would keep,
-        # so each flattening of a history tensor (the Gram product) would copy it. One copy here instead.
+        # Contiguous: else every residual add keeps PatchEmbed's transposed layout and each history flattening copies.
         h0 = (self.x_embedder(x) + self.pos_embed).contiguous()
         t_emb = self.t_embedder(t)
         return h0, t_emb + self.y_embedder(y, self.training), t_emb
@@ -224,7 +213,7 @@ class DiT(nn.Module):
         g = self.in_channels if guided_channels is None else guided_channels
         cond_eps, uncond_eps = torch.split(out[:, :g], len(out) // 2, dim=0)
         guided = uncond_eps + cfg_scale * (cond_eps - uncond_eps)
-        return torch.cat([torch.cat([guided, guided], dim=0), out[:, g:]], dim=1)  # (the rest, variance included)
+        return torch.cat([torch.cat([guided, guided], dim=0), out[:, g:]], dim=1)  # (the rest unguided)
 
 
 # A model spec records an architecture choice only where it differs from these (older specs stay the same).
@@ -261,8 +250,6 @@ def get_2d_sincos_pos_embed(embed_dim: int, grid_size: int) -> np.ndarray:
         raise ValueError(f"sin-cos position embedding needs an even width, got {half}")
     omega = 1.0 / 10000 ** (np.arange(half // 2, dtype=np.float64) / (half / 2.0))
     positions = np.arange(grid_size, dtype=np.float32)
-    tables = []
-    for grid in np.meshgrid(positions, positions):  # the column (varying fastest), then the row, as in DiT / MAE
-        out = np.einsum("m,d->md", grid.reshape(-1).astype(np.float64), omega)
-        tables += [np.sin(out), np.cos(out)]
-    return np.concatenate(tables, axis=1)
+    outs = [np.einsum("m,d->md", grid.reshape(-1).astype(np.float64), omega)  # the column (varying fastest), the row
+            for grid in np.meshgrid(positions, positions)]
+    return np.concatenate([table(out) for out in outs for table in (np.sin, np.cos)], axis=1)

@@ -2,7 +2,7 @@
 widths can be compared at equal compute (MFU, the FLOPs axis of a study's curves)."""
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from typing import Callable
 
 import torch
@@ -10,14 +10,13 @@ import torch
 
 def count_training_flops(model: torch.nn.Module, x: torch.Tensor, t: torch.Tensor, y: torch.Tensor,
                          autocast_dtype: torch.dtype | None = torch.bfloat16) -> int:
-    """FLOPs of one forward + backward on (x, t, y) by `FlopCounterMode`; `autocast_dtype` None runs in fp32
-    (the same count, faster on a CPU); the gradients are dropped. SDPA's math backend: the counter's
-    formulas for fused attention kernels depend on backend and torch version (CPU flash is not counted)."""
+    """FLOPs of one forward + backward on (x, t, y) by `FlopCounterMode` (gradients dropped); `autocast_dtype`
+    None runs in fp32 (the same count, faster on a CPU). SDPA's math backend: the counter's formulas for fused
+    attention kernels depend on backend and torch version."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    counter = FlopCounterMode(display=False)
-    # Autocast only when asked: it refuses the meta device, where counting costs no compute.
+    counter = FlopCounterMode(display=False)  # (autocast refuses the meta device: only when asked)
     amp = torch.autocast(x.device.type, dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
     with counter, sdpa_kernel(SDPBackend.MATH):
         with amp:
@@ -47,10 +46,8 @@ def flops_per_training_image(build: Callable[[str], torch.nn.Module], in_channel
     with torch.random.fork_rng(devices=[]):  # the build's initialisation and the forward's label dropout
         if device is not None:
             return count(built(device), device)
-        try:
+        with suppress(RuntimeError, NotImplementedError):  # (a layer with no meta kernel)
             model = built("meta")
             if sum(p.numel() for p in model.parameters()) * input_size ** 2 * batch >= CPU_COUNT_LIMIT:
                 return count(model, "meta")
-        except (RuntimeError, NotImplementedError):  # a layer with no meta kernel
-            pass
         return count(built("cpu"), "cpu")

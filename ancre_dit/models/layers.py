@@ -25,9 +25,7 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 def make_norm(kind: str, dim: int) -> nn.Module:
     """The pre-norm of a branch (or of the final layer): no affine weights, adaLN supplies them."""
     check_choice("norm", kind, NORMS)
-    if kind == "rmsnorm":
-        return nn.RMSNorm(dim, eps=1e-6, elementwise_affine=False)
-    return nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+    return (nn.RMSNorm if kind == "rmsnorm" else nn.LayerNorm)(dim, eps=1e-6, elementwise_affine=False)
 
 
 def swiglu_hidden(dim: int, mlp_ratio: float) -> int:

@@ -2,6 +2,7 @@
 conversions: for REPA's encoder and the FD-DINOv2 feature extractor."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -13,11 +14,9 @@ from ..errors import UserError
 def weights_hint(encoder: str, flag: str = "repa.encoder_weights=PATH") -> str:
     """How to get an encoder's weights file, for the one-line errors (no network is assumed here)."""
     hub = None
-    try:
+    with contextlib.suppress(Exception):  # only the wording of a hint depends on it
         import timm
         hub = getattr(timm.models.get_pretrained_cfg(encoder), "hf_hub_id", None)
-    except Exception:  # noqa: BLE001 - only the wording of a hint depends on it
-        pass
     sources = [f"timm's copy: huggingface-cli download {hub} model.safetensors --local-dir weights/"] if hub else []
     if "dinov2" in encoder:
         sources.append("Meta's DINOv2 release, e.g. dinov2_vitb14_pretrain.pth for ViT-B/14")

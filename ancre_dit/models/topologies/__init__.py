@@ -11,11 +11,3 @@ from .base import (HISTORY_DTYPES, CascadedTopology, FixedTopology, ResidualTopo
 from .peers import DenseFormerTopology, HyperConnectionTopology, ManifoldHyperConnectionTopology, sinkhorn_knopp
 from .registry import (TOPOLOGIES, TopologyEntry, TopologyOption, all_topology_options, build_topology,
                        register_topology, resolve_options, restore_topology, topology_entry, unregister_topology)
-
-__all__ = ["TOPOLOGIES", "TopologyEntry", "TopologyOption", "register_topology", "unregister_topology",
-           "topology_entry", "all_topology_options", "resolve_options", "build_topology", "restore_topology",
-           "ResidualTopology", "TopologyNotDefined", "CascadedTopology", "WeightedHistoryTopology", "FixedTopology",
-           "ANCReTopology", "OutgoingANCReTopology", "UnnormalizedTopology", "LearnableScalarsTopology",
-           "DenseFormerTopology", "HyperConnectionTopology", "DepthAttentionTopology",
-           "ManifoldHyperConnectionTopology", "sinkhorn_knopp", "fixed_dense_weights", "first_previous_weights",
-           "load_topology_json", "save_topology_json", "HISTORY_DTYPES", "AGGREGATION_KERNELS", "configure_aggregation"]

@@ -1,14 +1,13 @@
 """ANCRe's aggregation in eager mode, stacked: the history in one store, one product per block forward
-and per source backward, the weights' gradient one Gram product.
-
-By hand (no library offers a weighted history sum): autograd's backward of the plain `addcmul` chain
-allocates grad * h_i, its sum and grad * w_i per edge. torch.compile fuses that chain itself, so this
-runs outside it; on CUDA the sums and the Gram product can be Triton kernels (aggregation_triton.py).
+and per source backward, the weights' gradient one Gram product. By hand: autograd's backward of the plain
+`addcmul` chain allocates grad * h_i, its sum and grad * w_i per edge. torch.compile fuses that chain
+itself, so this runs outside it; on CUDA the sums and the Gram product can be Triton kernels.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import os
 from types import ModuleType
 
@@ -37,12 +36,10 @@ def check_aggregation_kernel(choice: str, cuda: bool | None = None) -> None:
     has no CUDA device) outside Triton's interpreter."""
     if choice not in AGGREGATION_KERNELS:
         raise UserError(f"unknown aggregation_kernel {choice!r}; choose one of {', '.join(AGGREGATION_KERNELS)}")
-    if choice != "triton":
-        return
-    if not triton_installed():
+    if choice == "triton" and not triton_installed():
         raise UserError("aggregation_kernel=triton needs the triton package (pip install 'ancre-dit[triton]'); "
                         "or use aggregation_kernel=torch")
-    if cuda is False and not triton_interpreting():
+    if choice == "triton" and cuda is False and not triton_interpreting():
         raise UserError("aggregation_kernel=triton runs its kernels on a CUDA device and none is in use; "
                         "use aggregation_kernel=torch")
 
@@ -57,16 +54,12 @@ def aggregation_kernels(choice: str, device: torch.device) -> ModuleType | None:
 
 
 class StackedPlan:
-    """What the stacked aggregation needs of `edges` (a block that reads no source passes its output
-    through). The history h_0..h_{K-1} is one (K, N) store, so a block's skip sum is one matrix-vector
-    product over its sources; the backward keeps the nodes' output gradients in one (K, N) buffer, so
-    h_i's skip gradient is one product over its readers', the weights' one Gram product at the end.
-    """
+    """What the stacked aggregation needs of `edges`: each source's readers, and index tensors per device.
+    A block that reads no source passes its output through."""
 
     def __init__(self, edges: list[list[int]]):
-        K = len(edges)
         self.edges = edges
-        self.readers = [[r for r in range(K) if i in edges[r]] for i in range(K)]  # readers of source i
+        self.readers = [[r for r, e in enumerate(edges) if i in e] for i in range(len(edges))]  # readers of source i
         self._indices: dict[tuple, torch.Tensor] = {}
 
     def device_indices(self, indices: list[int], device: torch.device) -> torch.Tensor:
@@ -87,13 +80,8 @@ def _row_alias(store: torch.Tensor, k: int, shape: torch.Size) -> torch.Tensor:
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:
     """Sorted indices as maximal runs of consecutive ones: [0, 1, 4] -> [(0, 2), (4, 5)]."""
-    runs: list[tuple[int, int]] = []
-    for i in indices:
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
+    runs = [[i for _, i in run] for _, run in itertools.groupby(enumerate(indices), lambda n_i: n_i[1] - n_i[0])]
+    return [(run[0], run[-1] + 1) for run in runs]
 
 
 def _sum_rows(kernels: ModuleType | None, plan: StackedPlan, into: torch.Tensor, base: torch.Tensor | None,
@@ -101,8 +89,7 @@ def _sum_rows(kernels: ModuleType | None, plan: StackedPlan, into: torch.Tensor,
               copy_to: torch.Tensor | None = None) -> None:
     """into = base + sum_i weights[i] * rows[i] over `indices` (flat; no base: zero), by the Triton kernels
     if given; `copy_to` gets the same sum. The torch ops: one matrix-vector product per run of consecutive
-    rows (one addcmul per row across dtypes); slices, not a gather by a Python list, which would copy the
-    list to the device every call."""
+    rows (slices: a gather by a Python list would copy it to the device), one addcmul per row across dtypes."""
     if kernels is not None:
         kernels.sum_rows(into, base, rows, plan.device_indices(indices, into.device), weights, copy_to=copy_to)
         return
@@ -118,10 +105,7 @@ def _sum_rows(kernels: ModuleType | None, plan: StackedPlan, into: torch.Tensor,
             else:
                 torch.addmv(base, block, part, out=into)
     else:
-        if base is None:
-            into.zero_()
-        else:
-            into.copy_(base)
+        into.zero_() if base is None else into.copy_(base)
         for i in indices:
             into.addcmul_(rows[i], weights[i])
     if copy_to is not None:
@@ -133,21 +117,17 @@ class StackedTrunk:
 
     def __init__(self, plan: StackedPlan, edge_mask: torch.Tensor, h0: torch.Tensor, dtype: torch.dtype,
                  kernels: ModuleType | None = None):
-        K = len(plan.edges)
-        self.plan, self.edge_mask, self.shape = plan, edge_mask, h0.shape
-        self.kernels = kernels  # aggregation_triton, or None: the torch ops
-        self.store = torch.empty((K, h0.numel()), dtype=dtype, device=h0.device)
+        self.plan, self.edge_mask, self.shape, self.kernels = plan, edge_mask, h0.shape, kernels  # None: torch ops
+        self.store = torch.empty((len(plan.edges), h0.numel()), dtype=dtype, device=h0.device)
         self.store[0].copy_(h0.detach().reshape(-1))
         self.grads: torch.Tensor | None = None
         self.done: list[bool] = []
 
 
 class _StackedNode(torch.autograd.Function):
-    """h_{j+1} = out + sum_i w[j, i] h_i over node j's sources, `StackedTrunk` holding the history.
-
-    Node j's backward returns what autograd brought plus the later nodes' reads of h_{j+1}. Node 0, whose
-    backward runs last, also returns the weight matrix's gradient (the Gram product) and h_0's.
-    """
+    """h_{j+1} = out + sum_i w[j, i] h_i over node j's sources, `StackedTrunk` holding the history. Node j's
+    backward returns what autograd brought plus the later nodes' reads of h_{j+1}; node 0's, which runs
+    last, also the weight matrix's gradient (the Gram product) and h_0's."""
 
     @staticmethod
     def forward(ctx, out, weights, h0, trunk: StackedTrunk, j: int):
@@ -157,12 +137,10 @@ class _StackedNode(torch.autograd.Function):
         in_store = j < K - 1 and dtype == store.dtype  # the output is itself the store's next row
         result = _row_alias(store, j + 1, out.shape) if in_store else torch.empty(out.shape, dtype=dtype,
                                                                                   device=out.device)
-        flat = result.view(-1)
         copy = j < K - 1 and not in_store  # e.g. a bf16 history under a fp32 stream
         kernels = trunk.kernels if trunk.kernels is not None and trunk.kernels.supports(out, store, weights) else None
-        _sum_rows(kernels, trunk.plan, flat, out, store, edges, weights[j], store[j + 1] if copy else None)
-        ctx.trunk, ctx.j = trunk, j
-        ctx.weights = weights.detach()
+        _sum_rows(kernels, trunk.plan, result.view(-1), out, store, edges, weights[j], store[j + 1] if copy else None)
+        ctx.trunk, ctx.j, ctx.weights = trunk, j, weights.detach()
         return result
 
     @staticmethod

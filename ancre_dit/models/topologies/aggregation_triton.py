@@ -1,9 +1,7 @@
-"""Triton kernels for the stacked aggregation (`_StackedNode`) on CUDA, imported only when chosen.
-
-The torch ops read a bf16 history edge by edge (a read-modify-write of the fp32 sum per source) and copy
-it in a second pass; one kernel reads each source row once, adds in fp32 and writes the sum (and its bf16
-copy) once. The weights' gradient is one pass, each program's Gram partial summed in a fixed order (no
-atomics: the same result run to run). Under TRITON_INTERPRET=1 it runs on CPU tensors.
+"""Triton kernels for the stacked aggregation (`_StackedNode`) on CUDA, imported only when chosen: each
+source row read once, summed in fp32, the sum (and its bf16 copy) written once; the weights' gradient in
+one pass, each program's Gram partial summed in a fixed order (no atomics: the same result run to run).
+Under TRITON_INTERPRET=1 they run on CPU tensors.
 """
 from __future__ import annotations
 
@@ -71,9 +69,8 @@ def supports(*tensors: torch.Tensor) -> bool:
 
 def sum_rows(into: torch.Tensor, base: torch.Tensor | None, rows: torch.Tensor, index: torch.Tensor,
              weight_line: torch.Tensor, copy_to: torch.Tensor | None = None) -> None:
-    """into = base + sum_k weight_line[index[k]] * rows[index[k]] (flat tensors; no base: zero), summed
-    in fp32 in that order, each row read once; `copy_to` (e.g. the bf16 history row) gets the same
-    sum in its own dtype from the same pass."""
+    """into = base + sum_k weight_line[index[k]] * rows[index[k]] (flat; no base: zero), summed in fp32 in
+    that order; `copy_to` (e.g. the bf16 history row) gets the same sum in its own dtype."""
     n, has_base = into.numel(), base is not None
     base = base.reshape(-1) if has_base else into  # a view where one exists (e.g. an expanded gradient)
     grid = (triton.cdiv(n, SUM_BLOCK),)
@@ -83,8 +80,7 @@ def sum_rows(into: torch.Tensor, base: torch.Tensor | None, rows: torch.Tensor, 
 
 
 def gram(grads: torch.Tensor, store: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """(K, K) matrix of <grads[r], store[i]>, accumulated in fp32, each tensor read once; None when
-    the trunk is deeper than one tile holds."""
+    """(K, K) matrix of <grads[r], store[i]>, accumulated in fp32; None if the trunk is deeper than a tile."""
     K, n = grads.shape
     if K > MAX_ROWS:
         return None

@@ -1,7 +1,6 @@
 """The paper's topology tools (scripts/topology.py is their command line): compare learned topologies
 across runs, summarise one per block, prune one to a sparse frozen topology, the Tsallis-entropy regulariser.
-
-A topology is the (K, K) matrix P of `probabilities()`. Block 1's single edge is 1 in every normalised
+A topology is the (K, K) matrix P of `probabilities()`; block 1's single edge is 1 in every normalised
 topology, so comparisons use the *learned* edges only: rows 2..K (K(K+1)/2 - 1 edges).
 """
 from __future__ import annotations
@@ -175,13 +174,9 @@ def write_topology(path: str | Path, P, **extra) -> Path:
 
 
 def tsallis_entropy(P: torch.Tensor, q: float = 2.0) -> torch.Tensor:
-    """Mean Tsallis entropy of the incoming weights p = P[j, 0..j] of blocks 2..K (differentiable):
-
-        S_q(p) = (1 - sum_i p_i^q) / (q - 1),    q > 0, q != 1;   S_1(p) = -sum_i p_i log p_i
-
-    q = 2, unlike Shannon's entropy, keeps a finite gradient as weights reach 0; adding w * S_q to the
-    loss pushes rows toward few edges.
-    """
+    """Mean Tsallis entropy S_q(p) = (1 - sum_i p_i^q) / (q - 1) (q = 1: Shannon's) of the incoming weights
+    p = P[j, 0..j] of blocks 2..K, differentiable; q = 2 keeps a finite gradient as weights reach 0. Added
+    to the loss, it pushes rows toward few edges."""
     if not q > 0:
         raise UserError(f"the Tsallis entropy index q must be positive, got {q}")
     rows = P.tril()[1:]  # (anything above the diagonal is no edge)

@@ -1,6 +1,5 @@
-"""ANCRe (Zhang et al., arXiv 2602.09009) and the ablations of its paper, written by hand on
-`WeightedHistoryTopology`'s trunk (base.py); also registers the plain DiT ("cascaded") and "frozen".
-"""
+"""ANCRe (Zhang et al., arXiv 2602.09009) and its paper's ablations on `WeightedHistoryTopology`'s trunk
+(base.py); also registers the plain DiT ("cascaded") and "frozen"."""
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -72,8 +71,6 @@ class ANCReTopology(_PerBlockLogits):
 
     def enable_topk(self, topk: int) -> None:
         """Makes `sparsify()` keep each block's `topk` strongest edges, in the buffer `kept` checkpoints carry."""
-        if self.softmax_dim != 1:
-            raise UserError("topology_topk needs the ingoing softmax (topology ancre)")
         if not 1 <= topk < self.num_blocks:
             raise UserError(f"topology_topk={topk} must be between 1 and {self.num_blocks - 1} (the deepest of the "
                             f"{self.num_blocks} blocks has {self.num_blocks} sources); lower it")
@@ -99,8 +96,7 @@ class ANCReTopology(_PerBlockLogits):
         self._edges_from_mask()
 
     def _edges_from_mask(self) -> None:
-        kept = self.kept.cpu()
-        self.set_edges([[i for i in range(j + 1) if kept[j, i]] for j in range(self.num_blocks)])
+        self.set_edges([row.nonzero().flatten().tolist() for row in self.kept.cpu()])  # (kept is lower-triangular)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -117,6 +113,7 @@ class OutgoingANCReTopology(ANCReTopology):
 
     softmax_dim = 0  # over targets j: the outgoing edges of each source
     frozen_block = None
+    enable_topk = ResidualTopology.enable_topk  # sparse routing keeps incoming edges: not for this softmax
 
 
 class UnnormalizedTopology(_PerBlockLogits):

@@ -1,5 +1,4 @@
 """The residual-topology interface: the module that owns the loop over the transformer blocks.
-
 `forward(h0, blocks, c)` runs the trunk; `probabilities()` is the (K, K) matrix whose row j holds block
 j+1's incoming weights over sources i = 0..j (h_0, then the blocks' outputs): the skip sum added *on top
 of* each block's own residual adds (`mode="add"`, the official form; a plain DiT is the zero matrix), or
@@ -32,11 +31,9 @@ class ResidualTopology(nn.Module):
         super().__init__()
         self.num_blocks = num_blocks
         self.grad_checkpointing = False
-        # Called as state_hook(k, z_k) with z_0 = h_0 and z_k the state after block k (the input of
-        # block k + 1; the trunk's output for k = K). None in training: no cost, no graph break.
+        # state_hook(k, z_k): z_0 = h_0, z_k the state after block k (the trunk's output for k = K). None in training.
         self.state_hook: Callable[[int, torch.Tensor], None] | None = None
-        # True: the trunk also takes the timestep embedding alone (forward(h0, blocks, c, t_emb)).
-        self.takes_time_embedding = False
+        self.takes_time_embedding = False  # True: forward(h0, blocks, c, t_emb) also takes the timestep embedding
 
     def routing_parameters(self) -> list[nn.Parameter]:
         """What the trainer's topology learning rate, warmup and weight decay apply to (default: all)."""
@@ -66,9 +63,6 @@ class ResidualTopology(nn.Module):
         """While on, a gradient with respect to a state given to `state_hook` is its whole gradient."""
         yield
 
-    def forward(self, h0: torch.Tensor, blocks: Sequence[nn.Module], c: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
     def probabilities(self) -> torch.Tensor:
         raise NotImplementedError
 
@@ -90,10 +84,8 @@ class CascadedTopology(ResidualTopology):
 
 class WeightedHistoryTopology(ResidualTopology):
     """h_j = B_j(h_{j-1}) + sum_{i<j} P[j-1, i] h_i, P = `probabilities()`, over the sources `edges[j-1]`.
-
-    In eager mode each block's sum is one `_StackedNode` over a stacked history (aggregation.py); under
-    torch.compile it is the plain `addcmul` chain, which the compiler fuses.
-    """
+    In eager mode each sum is a `_StackedNode` over a stacked history (aggregation.py); under torch.compile
+    the plain `addcmul` chain, which the compiler fuses."""
 
     MODES = ("add", "replace")
     # True: the plain addcmul chain in eager mode too (inside `exact_state_gradients`; the tests' reference).
@@ -119,8 +111,8 @@ class WeightedHistoryTopology(ResidualTopology):
 
     @contextlib.contextmanager
     def exact_state_gradients(self) -> Iterator[None]:
-        """The plain chain meanwhile: the stacked backward adds the later blocks' reads of a history tensor
-        to the gradient of the node that made it, so autograd never sees that part reach the state."""
+        """The plain chain meanwhile: the stacked backward adds the later reads of a history tensor to the
+        gradient of the node that made it, which autograd never sees reach the state."""
         chain, self.use_chain = self.use_chain, True
         try:
             yield
@@ -137,11 +129,10 @@ class WeightedHistoryTopology(ResidualTopology):
     def forward(self, h0, blocks, c):
         self.check_blocks(blocks)
         weights = self.mixing_weights()
-        # The history kept in bf16 only under bf16 autocast (and a stream not in bf16 already).
-        device = h0.device.type
-        bf16 = (self.history_dtype == torch.bfloat16 and torch.is_autocast_enabled(device)
-                and torch.get_autocast_dtype(device) == torch.bfloat16 and h0.dtype != torch.bfloat16)
-        cast = torch.bfloat16 if bf16 else None
+        device = h0.device.type  # the history kept in bf16 only under bf16 autocast, with a stream not in bf16
+        cast = torch.bfloat16 if (self.history_dtype == torch.bfloat16 and torch.is_autocast_enabled(device)
+                                  and torch.get_autocast_dtype(device) == torch.bfloat16
+                                  and h0.dtype != torch.bfloat16) else None
         h = h0
         self.emit_state(0, h)
         if self.use_chain or torch.compiler.is_compiling():

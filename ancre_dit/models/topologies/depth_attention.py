@@ -6,14 +6,11 @@ aggregator) reads h_l = sum_i alpha_{i->l} v_i over its sources S_l, per token
     alpha_{i->l} = softmax_i( q_l . RMSNorm_l(v_i) / s )       (s = sqrt(d) for DAR, 1 for AttnRes)
 
 Zero queries and adaLN-Zero (v_l = 0) make h_l = v_0 / |S_l| at init: after LayerNorm, the plain DiT.
-Queries: `static` (q_l = w_l), `static-t` (plus the timestep embedding through a zero-initialised head,
-so adaLN keeps its timestep conditioning at init), `dynamic` (q_l = W_l v_{l-1}, per token). Chunked DAR
-(chunk S): a chunk's summary is its last output; block AttnRes (block S): the SUM of its outputs. Sublayer
-l sees the earlier summaries plus its own group's outputs (partial sum) so far; S = 1 (block 0) is dense.
-
-The key norm is folded into the dot product (q . (g * v / rms(v)) = ((q * g) . v) / rms(v)): no normalised
-copy of a source is kept for the backward; with static queries a source's logits for every aggregator are
-one matrix product taken when it is made.
+Queries: `static` (q_l = w_l), `static-t` (plus the timestep embedding through a zero-initialised head),
+`dynamic` (q_l = W_l v_{l-1}, per token). Chunked DAR (chunk S): a chunk's summary is its last output;
+block AttnRes (block S): the SUM of its outputs. Sublayer l sees the earlier summaries plus its own
+group's outputs (partial sum) so far; S = 1 (block 0) is dense. The key norm is folded into the dot
+product, (q * g) . v / rms(v), so no normalised copy of a source is kept for the backward.
 """
 from __future__ import annotations
 
@@ -31,10 +28,11 @@ RMS_EPS = 1e-6
 
 
 class DepthAttentionTopology(ResidualTopology):
-    """DAR (`grouping="chunk"`, keys scaled by 1/sqrt(d)) or AttnRes (`grouping="block"`, no scaling)."""
+    """DAR with `chunk` (keys scaled by 1/sqrt(d)), else AttnRes with `block` (no scaling)."""
 
-    def __init__(self, num_blocks: int, hidden_size: int, *, query: str, group: int, grouping: str):
+    def __init__(self, num_blocks: int, hidden_size: int, query: str, chunk: int | None = None, block: int = 0):
         super().__init__(num_blocks)
+        grouping, group = ("block", block) if chunk is None else ("chunk", chunk)
         layers = 2 * num_blocks
         if group and layers % group:  # the option's range is checked by the registry; this needs the depth
             raise UserError(f"{grouping} {group} does not divide the {layers} sublayers (2 per block); choose a "
@@ -142,15 +140,11 @@ QUERY = {"query": TopologyOption(Literal["static", "static-t", "dynamic"], "stat
 # Their weights depend on the token and the timestep: no (K, K) matrix, mean weights per time instead.
 DEPTH_ROUTING = {"matrix": False, "weights_per_time": True, "width": True}
 
-
 register_topology("dar", **DEPTH_ROUTING,
                   options={**QUERY, "chunk": TopologyOption(PositiveInt, 4, "sublayers per chunk (1 = dense)")},
                   summary="DAR: softmax attention over earlier sublayer outputs (timestep-aware with static-t), "
-                          "chunked")(
-    lambda num_blocks, hidden_size, query, chunk: DepthAttentionTopology(num_blocks, hidden_size, query=query,
-                                                                         group=chunk, grouping="chunk"))
+                          "chunked")(DepthAttentionTopology)
 register_topology("attnres", **DEPTH_ROUTING,
                   options={**QUERY, "block": TopologyOption(NonNegativeInt, 0, "sublayers per block (0 = full)")},
                   summary="AttnRes: attention residuals over earlier sublayer outputs, block sums with block S")(
-    lambda num_blocks, hidden_size, query, block: DepthAttentionTopology(num_blocks, hidden_size, query=query,
-                                                                         group=block, grouping="block"))
+    DepthAttentionTopology)

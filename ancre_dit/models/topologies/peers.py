@@ -1,7 +1,6 @@
-"""Peer residual schemes, by hand from their papers' formulas (no library has them for a DiT):
-DenseFormer (arXiv 2402.02622), Hyper-Connections, static and dynamic (arXiv 2409.19606), mHC (arXiv
-2512.24880). HC and mHC wire the block's two branches themselves, each keeping its adaLN shift/scale/gate;
-their residual is n streams wide, so `probabilities()` raises `TopologyNotDefined`.
+"""Peer residual schemes from their papers' formulas (no library has them for a DiT): DenseFormer (arXiv
+2402.02622), Hyper-Connections, static and dynamic (arXiv 2409.19606), mHC (arXiv 2512.24880). HC and mHC
+wire the block's two branches themselves; their residual is n streams wide, so it has no (K, K) matrix.
 """
 from __future__ import annotations
 
@@ -25,9 +24,8 @@ def autocast_off(device: torch.device):
     return nullcontext()
 
 
-# mHC's paper fixes no initialisation; ours puts this much weight off HC's (stream l mod n as the branch
-# input, identity mixing). The mixing leak is larger as Sinkhorn-Knopp converges slowly near a permutation:
-# with 0.05, small perturbations leave row sums off by 1e-4..1e-3 after 20 iterations; with 0.25, < 1e-6.
+# mHC's paper fixes no initialisation; ours moves this much weight off HC's to the other streams, evenly.
+# The mixing leak is larger: Sinkhorn-Knopp converges slowly near a permutation.
 MHC_PRE_LEAK = 0.05
 MHC_RES_LEAK = 0.25
 # HC (dynamic): the paper initialises the tanh scales s_alpha, s_beta to 0.01 and W to 0.
@@ -39,9 +37,8 @@ class DenseFormerTopology(ResidualTopology):
 
         X_0 = h_0,   X_j = B_j(Y_{j-1}, c),   Y_j = sum_{i<=j} alpha_{j,i} X_i,   output Y_K
 
-    alpha starts as the identity (the cascaded DiT); X_j includes the block's own residual adds.
-    `alphas.{j-1}` holds block j's weights over X_0..X_j, the newest last; `probabilities()` gives the skip
-    weights P[j, i] = alpha_{j+1, i} (i <= j), `output_scales()` the weights on the blocks' own outputs.
+    alpha starts as the identity (the cascaded DiT). `alphas.{j-1}` holds block j's weights over X_0..X_j,
+    the newest last: `probabilities()` gives P[j, i] = alpha_{j+1, i} (i <= j), `output_scales()` the rest.
     """
 
     def __init__(self, num_blocks: int):
@@ -51,8 +48,7 @@ class DenseFormerTopology(ResidualTopology):
 
     def forward(self, h0, blocks, c):
         self.check_blocks(blocks)
-        history = [h0]
-        y = h0
+        history, y = [h0], h0
         self.emit_state(0, y)
         for j, block in enumerate(blocks):
             history.append(self.run_block(block, y, c))
@@ -74,8 +70,8 @@ class DenseFormerTopology(ResidualTopology):
 
 class _StreamTopology(ResidualTopology):
     """HC's and mHC's trunk: n fp32 streams, started as copies of h_0, summed at the end. `_mix(l, H)` gives
-    sublayer l's branch input, the mixed streams and the write weights; it and the write run with autocast
-    off (bf16 would round every stream at every sublayer), the branch under the caller's autocast."""
+    sublayer l's branch input, the mixed streams and the write weights; only the branch runs under autocast
+    (bf16 would round every stream at every sublayer)."""
 
     streams: int
 
@@ -112,10 +108,8 @@ class HyperConnectionTopology(_StreamTopology):
     with A_m (n,), A_r (n, n), B (n,) learned per sublayer (static HC). Dynamic HC adds, with H' =
     LayerNorm(H): B += s_beta tanh(H' W_beta)^T, A_m += s_alpha tanh(H' W_m), A_r += s_alpha tanh(H' W_r)
     (`dynamic_weights[l]` = [W_beta | W_m | W_r], `dynamic_scales[l]` = [s_alpha, s_beta]).
-
     Init (the paper's Pre-Norm-equivalent): A_m = e_{l mod n}, A_r = I, B = 1, W = 0, s = 0.01. Every
-    stream is then the cascaded hidden state and the trunk returns n * h_K, which the final LayerNorm
-    removes up to its eps acting as eps / n^2 (a relative change ~1e-7).
+    stream is then the cascaded hidden state; the trunk returns n * h_K, which the final LayerNorm undoes.
     """
 
     def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, dynamic: bool = False):
@@ -147,10 +141,9 @@ class HyperConnectionTopology(_StreamTopology):
         return torch.einsum(f"...sd,{per}s->...d", H, a_m), torch.einsum(f"...sd,{per}sr->...rd", H, a_r), b
 
     def probabilities(self) -> torch.Tensor:
-        raise TopologyNotDefined(
-            f"{'hc-dynamic' if self.dynamic else 'hc'} mixes {self.streams} residual streams around each sublayer"
-            + ("" if self.dynamic else " (topology.sublayer_weights() gives its effective sublayer weights)")
-            + ", so it has no (K, K) block-to-block matrix")
+        hint = "" if self.dynamic else " (topology.sublayer_weights() gives its effective sublayer weights)"
+        raise TopologyNotDefined(f"{'hc-dynamic' if self.dynamic else 'hc'} mixes {self.streams} residual streams "
+                                 f"around each sublayer{hint}, so it has no (K, K) block-to-block matrix")
 
     def sublayer_weights(self) -> torch.Tensor:
         """Static HC only: (2K, 2K+1), row l = sublayer l's input weights over [h_0, out_1, ..., out_2K]
@@ -189,24 +182,21 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
         x     <- H_res x + H_post^T F(H_pre x)
 
     (`phi[l]` = [phi_pre | phi_post | phi_res], (n d, 2n + n^2); `alpha[l]` = [a_pre, a_post, a_res]).
-
-    Init (ours): phi = 0, alpha = 0.01, H_post = 1, H_pre = 1 - p on stream l mod n and p / (n - 1)
-    elsewhere, H_res = (1 - r) I + r / (n - 1) (1 1^T - I) (p, r = MHC_PRE_LEAK, MHC_RES_LEAK). The
-    streams equal the cascaded hidden state, as in HC; favouring stream l mod n lets them diverge.
+    Init (ours): phi = 0, alpha = 0.01, H_post = 1, H_pre and H_res HC's (e_{l mod n}, I) with leaks: the
+    streams equal the cascaded hidden state, as in HC, and favouring stream l mod n lets them diverge.
     """
 
-    def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, sinkhorn_iters: int = 20,
-                 pre_leak: float = MHC_PRE_LEAK, res_leak: float = MHC_RES_LEAK):
+    def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, sinkhorn_iters: int = 20):
         super().__init__(num_blocks)
         L, n = 2 * num_blocks, streams
         self.streams, self.sinkhorn_iters = n, sinkhorn_iters
         self.phi = nn.Parameter(torch.zeros(L, n * hidden_size, 2 * n + n * n))
         self.alpha = nn.Parameter(torch.full((L, 3), 0.01))
-        pre = torch.full((L, n), pre_leak / (n - 1))
-        pre[torch.arange(L), torch.arange(L) % n] = 1.0 - pre_leak
+        pre = torch.full((L, n), MHC_PRE_LEAK / (n - 1))
+        pre[torch.arange(L), torch.arange(L) % n] = 1.0 - MHC_PRE_LEAK
         self.bias_pre = nn.Parameter(torch.logit(pre, eps=0.0))
         self.bias_post = nn.Parameter(torch.zeros(L, n))
-        res = torch.full((n, n), res_leak / (n - 1)).fill_diagonal_(1.0 - res_leak)
+        res = torch.full((n, n), MHC_RES_LEAK / (n - 1)).fill_diagonal_(1.0 - MHC_RES_LEAK)
         self.bias_res = nn.Parameter(res.log().repeat(L, 1, 1))
 
     def coefficients(self, l: int, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

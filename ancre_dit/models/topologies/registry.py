@@ -1,11 +1,7 @@
-"""Name -> residual topology: the one place a topology name is interpreted.
-
-    @register_topology("ancre", options={"tau": TopologyOption(PositiveFloat, 0.01, "softmax temperature")},
-                       summary="ANCRe: ingoing softmax over all earlier outputs")
-    def build_ancre(num_blocks: int, hidden_size: int | None, tau: float) -> ResidualTopology: ...
-
-`resolve_options` checks the options (config keys) once, so builders trust them. An entry also declares
-what tools need to know of the topology, so no code outside this package tests names or classes.
+"""Name -> residual topology: the one place a topology name is interpreted. `register_topology` adds a
+builder `build(num_blocks, hidden_size, **options)`; `resolve_options` checks the options (config keys)
+once, so builders trust them. An entry also declares what tools need to know of the topology, so no code
+outside this package tests names or classes.
 """
 from __future__ import annotations
 
@@ -52,8 +48,7 @@ class TopologyEntry:
     build: Callable[..., ResidualTopology]  # build(num_blocks, hidden_size, **options)
     options: Mapping[str, TopologyOption] = field(default_factory=dict)
     check: Callable[[dict[str, Any]], None] | None = None  # raises UserError on bad option values
-    # Rebuilds the module from its state dict (keys without "topology.") and options, e.g. a frozen one.
-    restore: Callable[..., ResidualTopology] | None = None
+    restore: Callable[..., ResidualTopology] | None = None  # (state dict without "topology.", options) -> module
     summary: str = ""
     # What tools need to know (the module declares `takes_time_embedding`, which can depend on its options):
     sparse: bool = False  # it can keep each block's model.topology_topk strongest edges (`enable_topk`, `sparsify`)
