@@ -42,7 +42,8 @@ class TimestepEmbedder(nn.Module):
         return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.timestep_embedding(t, self.frequency_embedding_size).to(self.mlp[0].weight.dtype))
+        t_freq = self.timestep_embedding(t, self.frequency_embedding_size)
+        return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
 
 
 class LabelEmbedder(nn.Module):
@@ -51,7 +52,8 @@ class LabelEmbedder(nn.Module):
 
     def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float):
         super().__init__()
-        self.embedding_table = nn.Embedding(num_classes + (dropout_prob > 0), hidden_size)  # the null row for CFG
+        use_cfg_embedding = dropout_prob > 0  # the null class's row, for classifier-free guidance
+        self.embedding_table = nn.Embedding(num_classes + use_cfg_embedding, hidden_size)
         self.num_classes = num_classes
         self.dropout_prob = dropout_prob
 
@@ -139,7 +141,8 @@ class DiT(nn.Module):
         self.t_embedder = TimestepEmbedder(hidden_size)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
         # Fixed sin-cos embedding, a frozen parameter as in DiT so its checkpoints load unchanged.
-        self.pos_embed = nn.Parameter(torch.zeros(1, self.x_embedder.num_patches, hidden_size), requires_grad=False)
+        num_patches = self.x_embedder.num_patches
+        self.pos_embed = nn.Parameter(torch.zeros(1, num_patches, hidden_size), requires_grad=False)
         self.pos_embed_kind = pos_embed
         rope = axial_rope(hidden_size // num_heads, input_size // patch_size) if "rope2d" in pos_embed else None
         self.blocks = nn.ModuleList([DiTBlock(hidden_size, num_heads, mlp_ratio=mlp_ratio, norm=norm, mlp=mlp,
@@ -250,6 +253,8 @@ def get_2d_sincos_pos_embed(embed_dim: int, grid_size: int) -> np.ndarray:
         raise ValueError(f"sin-cos position embedding needs an even width, got {half}")
     omega = 1.0 / 10000 ** (np.arange(half // 2, dtype=np.float64) / (half / 2.0))
     positions = np.arange(grid_size, dtype=np.float32)
-    outs = [np.einsum("m,d->md", grid.reshape(-1).astype(np.float64), omega)  # the column (varying fastest), the row
-            for grid in np.meshgrid(positions, positions)]
-    return np.concatenate([table(out) for out in outs for table in (np.sin, np.cos)], axis=1)
+    tables = []
+    for grid in np.meshgrid(positions, positions):  # the column (varying fastest), then the row, as in DiT / MAE
+        out = np.einsum("m,d->md", grid.reshape(-1).astype(np.float64), omega)
+        tables += [np.sin(out), np.cos(out)]
+    return np.concatenate(tables, axis=1)

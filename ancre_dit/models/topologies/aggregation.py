@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import itertools
 import os
 from types import ModuleType
 
@@ -80,8 +79,13 @@ def _row_alias(store: torch.Tensor, k: int, shape: torch.Size) -> torch.Tensor:
 
 def _runs(indices: list[int]) -> list[tuple[int, int]]:
     """Sorted indices as maximal runs of consecutive ones: [0, 1, 4] -> [(0, 2), (4, 5)]."""
-    runs = [[i for _, i in run] for _, run in itertools.groupby(enumerate(indices), lambda n_i: n_i[1] - n_i[0])]
-    return [(run[0], run[-1] + 1) for run in runs]
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def _sum_rows(kernels: ModuleType | None, plan: StackedPlan, into: torch.Tensor, base: torch.Tensor | None,
@@ -105,7 +109,10 @@ def _sum_rows(kernels: ModuleType | None, plan: StackedPlan, into: torch.Tensor,
             else:
                 torch.addmv(base, block, part, out=into)
     else:
-        into.zero_() if base is None else into.copy_(base)
+        if base is None:
+            into.zero_()
+        else:
+            into.copy_(base)
         for i in indices:
             into.addcmul_(rows[i], weights[i])
     if copy_to is not None:

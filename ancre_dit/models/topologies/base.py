@@ -129,10 +129,11 @@ class WeightedHistoryTopology(ResidualTopology):
     def forward(self, h0, blocks, c):
         self.check_blocks(blocks)
         weights = self.mixing_weights()
-        device = h0.device.type  # the history kept in bf16 only under bf16 autocast, with a stream not in bf16
-        cast = torch.bfloat16 if (self.history_dtype == torch.bfloat16 and torch.is_autocast_enabled(device)
-                                  and torch.get_autocast_dtype(device) == torch.bfloat16
-                                  and h0.dtype != torch.bfloat16) else None
+        # The history kept in bf16 only under bf16 autocast (and a stream not in bf16 already).
+        device = h0.device.type
+        bf16 = (self.history_dtype == torch.bfloat16 and torch.is_autocast_enabled(device)
+                and torch.get_autocast_dtype(device) == torch.bfloat16 and h0.dtype != torch.bfloat16)
+        cast = torch.bfloat16 if bf16 else None
         h = h0
         self.emit_state(0, h)
         if self.use_chain or torch.compiler.is_compiling():
