@@ -64,7 +64,8 @@ def arm_flops_per_step(out: Path, arms: dict[str, tuple[Sequence[Path], int]]) -
         result[arm] = None
         if (saved := _saved_model(run_dirs)) is not None:  # (model spec, topology tensors)
             key = json.dumps(saved[0]["model"], sort_keys=True)
-            counted[key] = counted[key] if key in counted else flops_per_image(*saved)
+            if key not in counted:
+                counted[key] = flops_per_image(*saved)
             result[arm] = counted[key] * batch
     record = {"per_image": counted, "per_step": result,
               "note": "network forward + backward (matrix products), per image x train.global_batch_size"}
