@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import time
 from datetime import timedelta
+from functools import partial
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
@@ -140,8 +141,8 @@ class Trainer:
         acc.init_trackers(c.log.project, config=flat_config(c))
 
         # What runs beside the steps: the non-finite guard, the stop agreement, metrics, periodic tasks.
-        self.guard = NonFiniteGuard(ctx, self.checkpoints.last_good, lambda position: nonfinite_rows(
-            d, c.train.global_batch_size, c.train.seed, position))
+        self.guard = NonFiniteGuard(ctx, self.checkpoints.last_good,
+                                    bad_rows=partial(nonfinite_rows, d, c.train.global_batch_size, c.train.seed))
         self.stop_agreement = StopAgreement(acc.num_processes, c.train.stop_check_every, c.train.collective_timeout_s)
         self._signals: StopSignals | None = None
         self.flops_per_image = flops_per_training_image(lambda device: create_model(c.model.name, **self.model_kwargs),
