@@ -2,5 +2,3 @@
 each comes from, and the fetcher `scripts/fetch_assets.py` runs on a networked node."""
 from .catalog import ASSETS, Asset
 from .download import fetch, fetch_all, format_listing
-
-__all__ = ["ASSETS", "Asset", "fetch", "fetch_all", "format_listing"]

@@ -4,6 +4,3 @@ from .ddpm import DDPMObjective
 from .flow import TIME_SAMPLINGS, FlowObjective
 from .sampler_registry import (OBJECTIVES, SAMPLERS, SamplerEntry, build_objective, check_time_shift, resolve_sampler,
                                samplers_for)
-
-__all__ = ["LAST_STEPS", "Objective", "SDEOptions", "DDPMObjective", "TIME_SAMPLINGS", "FlowObjective", "OBJECTIVES",
-           "build_objective", "SAMPLERS", "SamplerEntry", "check_time_shift", "resolve_sampler", "samplers_for"]

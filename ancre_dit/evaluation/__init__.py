@@ -11,10 +11,3 @@ from .metrics import (
 from .pipeline import (
     DEFAULT_METRICS, METRICS, EvaluationResult, compute_metrics, evaluate, format_table, save_reference_stats,
 )
-
-__all__ = [
-    "digits_report", "format_digits_report", "WEIGHTS_NAME", "InceptionExtractor", "InceptionFeatures",
-    "check_weights", "write_random_inception_weights", "feature_statistics", "frechet_distance",
-    "frechet_distance_to_features", "inception_score", "kernel_inception_distance", "DEFAULT_METRICS", "METRICS",
-    "EvaluationResult", "compute_metrics", "evaluate", "format_table", "precision_recall", "save_reference_stats",
-]

@@ -3,6 +3,3 @@ from .curves import plot_panels
 from .depth_profile import plot_diagnosis, plot_diagnostics
 from .grids import save_image_grid
 from .topology import plot_topology_heatmap, plot_topology_panels, save_topology_gif
-
-__all__ = ["plot_panels", "plot_diagnostics", "plot_diagnosis", "save_image_grid",
-           "plot_topology_heatmap", "plot_topology_panels", "save_topology_gif"]

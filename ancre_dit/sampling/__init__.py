@@ -4,7 +4,3 @@ from .api import (SampleNoise, SamplingPlan, assign_labels, build_decoder, check
                   sample_images, sample_latents, sample_seed)
 from .guidance import Guidance, GuidedDenoiser
 from .job import JobSettings, run_job
-
-__all__ = ["SamplingPlan", "plan_sampling", "sample_images", "sample_latents", "build_decoder", "decode_pixels",
-           "Guidance", "GuidedDenoiser", "JobSettings", "run_job", "assign_labels", "check_classes", "SampleNoise",
-           "sample_seed"]
