@@ -52,10 +52,13 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 def checkpoint_problem(folder: Path) -> str | None:
     """Why a complete-looking checkpoint cannot be resumed from (a file missing, or one whose
     structure is broken: see ancre_dit.files.file_problem), or None when it looks sound."""
-    for name in (STATE_FILE, SPEC_FILE, *WEIGHT_FILES.values(), ACCELERATE_DIR):
-        if not ((folder / name).is_dir() if name == ACCELERATE_DIR else (folder / name).is_file()):
+    for name in (STATE_FILE, SPEC_FILE, *WEIGHT_FILES.values()):
+        if not (folder / name).is_file():
             return f"{folder / name} is missing"
-    return next(filter(None, map(file_problem, sorted(p for p in folder.rglob("*") if p.is_file()))), None)
+    if not (folder / ACCELERATE_DIR).is_dir():
+        return f"{folder / ACCELERATE_DIR} is missing"
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    return next((problem for problem in map(file_problem, files) if problem), None)
 
 
 def check_resume_path(resume: str) -> Path:
@@ -168,17 +171,23 @@ def save_checkpoint(accelerator, run_dir: str | Path, step: int, generator: torc
     return final
 
 
+def _is_disk_full(err: BaseException, free: int, needed: int) -> bool:
+    """ENOSPC / EDQUOT as an OSError, or as safetensors' text; torch.save (Accelerate's optimizer
+    file) reports a short write only as "unexpected pos", so a failed write with less free space
+    than a checkpoint takes counts as a full disk too."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if any(s in str(err) for s in ("No space left", "os error 28", "code: 28", "Disk quota exceeded")):
+        return True
+    return isinstance(err, (RuntimeError, SafetensorError)) and free < max(needed, 1 << 20)
+
+
 def _write_problem(err: BaseException, root: Path, tmp: Path) -> str | None:
-    """The one line for a failed checkpoint write, or None when `err` is no file-system failure (a bug).
-    A full disk is ENOSPC / EDQUOT as an OSError or in safetensors' text; torch.save (Accelerate's
-    optimizer file) reports a short write only as "unexpected pos", so a failed write with less free
-    space than a checkpoint takes counts as one too."""
+    """The one line for a failed checkpoint write, or None when `err` is no file-system failure (a bug)."""
     earlier = [_folder_bytes(p) for _, p in list_checkpoints(root.parent)]
     needed = max(earlier) if earlier else _folder_bytes(tmp)
     free = shutil.disk_usage(root).free if root.is_dir() else 0
-    if (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
-            or any(s in str(err) for s in ("No space left", "os error 28", "code: 28", "Disk quota exceeded"))
-            or isinstance(err, (RuntimeError, SafetensorError)) and free < max(needed, 1 << 20)):
+    if _is_disk_full(err, free, needed):
         return (f"no space left on the device while writing the checkpoint {tmp} (a checkpoint needs "
                 f"{'about' if earlier else 'over'} {needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB free in {root}); "
                 f"the temporary folder is removed and earlier checkpoints are intact: free space, then rerun with "

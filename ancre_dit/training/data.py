@@ -247,7 +247,10 @@ class GlobalBatchSampler(torch.utils.data.Sampler):
 
 def advance_position(epoch: int, offset: int, global_batch: int, num_samples: int) -> tuple[int, int]:
     """(epoch, offset) after one optimizer step; mirrors GlobalBatchSampler's epoch boundary."""
-    return (epoch + 1, 0) if offset + 2 * global_batch > num_samples else (epoch, offset + global_batch)
+    offset += global_batch
+    if offset + global_batch > num_samples:  # the next global batch would be incomplete: a new epoch
+        return epoch + 1, 0
+    return epoch, offset
 
 
 def collate(items: list[tuple[torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,8 +295,8 @@ def nonfinite_rows(info: DataInfo, global_batch: int, seed: int, position: tuple
     file and row for latents), read again for the non-finite guard's report."""
     dataset = info.dataset
     describe = getattr(dataset, "describe_row", lambda i: f"sample {i}")  # latent shards name file and row
-    found = [describe(i) for i in next(iter(GlobalBatchSampler(len(dataset), global_batch, 1, 0, 1, seed, *position)))
-             if not torch.isfinite(torch.as_tensor(dataset[i][0]).float()).all()]
+    batch = next(iter(GlobalBatchSampler(len(dataset), global_batch, 1, 0, 1, seed, *position)))
+    found = [describe(i) for i in batch if not torch.isfinite(torch.as_tensor(dataset[i][0]).float()).all()]
     if not found:
         return "its stored rows are finite: the non-finite values arose after reading them"
     return "non-finite data: " + ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")

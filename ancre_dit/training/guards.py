@@ -44,7 +44,9 @@ class NonFiniteGuard:
         values = torch.stack([terms[k].detach().float().reshape(()) for k in keys])
         norm = grad_norm.detach().float().reshape(())
         bad = ~torch.isfinite(values).all()
-        local = (bad if self.scaler_handles_grads else bad | ~torch.isfinite(norm)).float()
+        if not self.scaler_handles_grads:
+            bad = bad | ~torch.isfinite(norm)
+        local = bad.float()
         agreed = local
         if self.ctx.accelerator.num_processes > 1:
             agreed = (self.ctx.accelerator.reduce(local.clone(), reduction="sum") > 0).float()

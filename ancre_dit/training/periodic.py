@@ -3,7 +3,7 @@ diagnostics, the evaluation, sparsifying the topology, post-hoc EMA snapshots, c
 
 Tasks see a `RunContext`, the slice of the run they may use (never the trainer), and never draw from
 the training random streams. The loop calls `task.start(ctx)` once, `task.maybe_run(ctx)` after every
-optimizer step, and `task.finish(ctx, stopped)` once at the end (timed by the loop).
+optimizer step, and `task.end(ctx, stopped)` (its `finish`, timed) once at the end.
 """
 from __future__ import annotations
 
@@ -76,6 +76,11 @@ class PeriodicTask:
             start = time.perf_counter()
             self.run(ctx)
             self.seconds += time.perf_counter() - start
+
+    def end(self, ctx: RunContext, stopped: bool) -> None:
+        start = time.perf_counter()
+        self.finish(ctx, stopped)
+        self.seconds += time.perf_counter() - start
 
     def run(self, ctx: RunContext) -> None:
         raise NotImplementedError

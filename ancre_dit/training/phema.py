@@ -145,9 +145,11 @@ def reconstruct(run_dir: Path, std: float, at: int | None = None, name: str = "-
     out = {}
     for name in sorted({key.split("/", 1)[1] for key in last}):
         reference = last[f"{last_stds[0]:g}/{name}"]
-        out[name] = reference if not reference.is_floating_point() else sum(
-            float(w) * snapshots[i][1][f"{d:g}/{name}"].double() for w, (i, d) in zip(weights, tracked)
-        ).to(reference.dtype)
+        if not reference.is_floating_point():
+            out[name] = reference
+            continue
+        total = sum(float(w) * snapshots[i][1][f"{d:g}/{name}"].double() for w, (i, d) in zip(weights, tracked))
+        out[name] = total.to(reference.dtype)
     return out, target, steps
 
 

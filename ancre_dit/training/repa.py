@@ -53,9 +53,10 @@ def make_projector(hidden_size: int, projector_dim: int, encoder_dim: int) -> nn
     of linears (xavier-uniform weights, zero biases)."""
     layers = nn.Sequential(nn.Linear(hidden_size, projector_dim), nn.SiLU(), nn.Linear(projector_dim, projector_dim),
                            nn.SiLU(), nn.Linear(projector_dim, encoder_dim))
-    for linear in layers[::2]:
-        nn.init.xavier_uniform_(linear.weight)
-        nn.init.zeros_(linear.bias)
+    for layer in layers:
+        if isinstance(layer, nn.Linear):
+            nn.init.xavier_uniform_(layer.weight)
+            nn.init.zeros_(layer.bias)
     return layers
 
 

@@ -86,11 +86,12 @@ def plot_run_quality(run_dir: Path, identity: dict[str, Any]) -> Path | None:
     for e in sorted(entries, key=lambda e: e["step"]):
         for k, v in e["metrics"].items():
             metric, _, ema = k.partition("@")
-            if not is_heldout_part(metric):
-                label = ema or ("raw weights" if metric.endswith("_raw") else "ema")
-                steps, values = series.setdefault(metric, {}).setdefault(label, ([], []))
-                steps.append(e["step"])
-                values.append(v)
+            if is_heldout_part(metric):
+                continue
+            label = ema or ("raw weights" if metric.endswith("_raw") else "ema")
+            steps, values = series.setdefault(metric, {}).setdefault(label, ([], []))
+            steps.append(e["step"])
+            values.append(v)
     if not series:
         return None
     several = any(len(lines) > 1 or next(iter(lines)) not in ("ema", "raw weights") for lines in series.values())

@@ -36,8 +36,8 @@ class MetricsLog:
     `peak_source` names what the MFU's `peak_tflops` is (hardware.peak_tflops)."""
 
     def __init__(self, ctx, flops_per_image: float, peak_tflops: float | None, peak_source: str):
-        self.ctx, self.flops_per_image, self.peak_tflops, self.peak_source = (ctx, flops_per_image, peak_tflops,
-                                                                               peak_source)
+        self.ctx, self.flops_per_image = ctx, flops_per_image
+        self.peak_tflops, self.peak_source = peak_tflops, peak_source
         self.path = ctx.run_dir / "logs" / METRICS_FILE
         self.learned_topology = any(True for _ in ctx.raw_model.topology.parameters())  # its matrix is tracked
         self.last: dict[str, float] = {}

@@ -29,7 +29,9 @@ class StopSignals:
     """Context manager: while active, a stop signal sets `requested` instead of killing the process."""
 
     def __init__(self):
-        self.requested, self.signal_name, self._first_sigint = False, None, None
+        self.requested = False
+        self.signal_name: str | None = None
+        self._first_sigint: float | None = None
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -97,8 +99,11 @@ class StopAgreement:
 
     def __init__(self, num_processes: int, check_every: int, timeout_s: float = 1800.0):
         self.num_processes, self.check_every = num_processes, max(1, check_every)
-        self._group = dist.group.WORLD if num_processes > 1 and dist.get_backend() == "gloo" else None
-        if num_processes == 1 or self._group is not None:
+        self._group = None
+        if num_processes == 1:
+            return
+        if dist.get_backend() == "gloo":
+            self._group = dist.group.WORLD
             return
         # Gloo even when training uses NCCL: this flag must not queue behind GPU work (a device sync).
         check_gloo_address()

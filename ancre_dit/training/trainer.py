@@ -198,9 +198,7 @@ class Trainer:
                 self.guard.report()
             progress.close()
             for task in self.tasks:  # the last evaluation and checkpoint
-                started = time.perf_counter()
-                task.finish(self.context, stopped)
-                task.seconds += time.perf_counter() - started
+                task.end(self.context, stopped)
             # Still under the handlers: a repeated SIGTERM must not kill the process after its work is saved.
             if acc.is_main_process and self.config.log.figures:
                 plot_loss(self.run_dir)
