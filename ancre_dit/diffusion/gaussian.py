@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any, Callable
 
 import numpy as np
@@ -32,7 +31,11 @@ def space_timesteps(num_timesteps: int, count: int) -> list[int]:
     """ADM's respacing with one section: `count` evenly strided steps over [0, T) ("250" -> 250 of 1000);
     DDPMObjective.check_steps keeps `count` within T."""
     stride = 1 if count <= 1 else (num_timesteps - 1) / (count - 1)
-    return sorted({round(position) for position in accumulate([stride] * (count - 1), initial=0.0)})
+    position, taken = 0.0, []
+    for _ in range(count):
+        taken.append(round(position))
+        position += stride
+    return sorted(set(taken))
 
 
 # The hybrid loss's variational-bound term (Ho et al. 2020, Nichol & Dhariwal 2021); no library exposes it.

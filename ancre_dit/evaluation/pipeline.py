@@ -65,9 +65,12 @@ def _memmap_member(path: Path, member: str) -> np.ndarray | None:
         name_len, extra_len = struct.unpack("<HH", local[26:30])
         f.seek(info.header_offset + 30 + name_len + extra_len)
         version = np.lib.format.read_magic(f)
-        if version not in ((1, 0), (2, 0)):
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+        elif version == (2, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        else:
             return None
-        shape, fortran, dtype = getattr(np.lib.format, f"read_array_header_{version[0]}_0")(f)
         if fortran or dtype.hasobject:
             return None
         offset = f.tell()

@@ -48,7 +48,10 @@ def paired_ratio(times: Sequence[float], reference: Sequence[float], level: floa
     ratios = sorted(a / b for a, b in zip(times, reference))
     if not ratios:
         raise ValueError("paired timings need at least one round")
-    quartiles = tuple(statistics.quantiles(ratios, n=4)[::2]) if len(ratios) >= 4 else None  # (q1, q3)
+    quartiles = None
+    if len(ratios) >= 4:
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        quartiles = (q1, q3)
     return PairedRatio(statistics.median(ratios), quartiles, median_confidence_interval(ratios, level), len(ratios))
 
 

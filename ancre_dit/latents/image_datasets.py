@@ -302,10 +302,12 @@ def _index_tar(url: str) -> list[tuple[str, int, int, int]]:
 
 def _open_wds(path: str) -> ImageSource:
     urls = _wds_urls(path)
-    indexed = [(t, url, *sample) for t, url in enumerate(urls) for sample in _index_tar(url)]
-    files = [f"{Path(url).name}/{key}" for _, url, key, *_ in indexed]
-    labels = [label for *_, label in indexed]
-    where = [(t, offset, size) for t, _, _, offset, size, _ in indexed]
+    files, labels, where = [], [], []
+    for t, url in enumerate(urls):
+        for key, offset, size, label in _index_tar(url):
+            files.append(f"{Path(url).name}/{key}")
+            labels.append(label)
+            where.append((t, offset, size))
     if not files:
         raise MissingFileError(f"no {'/'.join(WDS_IMAGE_KEYS)} samples in the tar files of {path}")
     names = _numbered_classes(labels)

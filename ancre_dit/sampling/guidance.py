@@ -24,9 +24,10 @@ def check_guidance_scale(name: str, scale: float) -> None:
     """The one rule for a guidance scale wherever it is given, the error calling it `name` (--cfg-scale,
     train.cfg_scale_for_grids, eval.cfg_scales): finite and >= 0 (1 = the conditional model, 0 = the
     unconditional one)."""
-    if not math.isfinite(scale) or scale < 0:
-        problem = "is negative" if math.isfinite(scale) else "is not a finite number"
-        raise UserError(f"{name} {scale} {problem}; use 1 for no guidance or a value > 1 (e.g. 1.5)")
+    if not math.isfinite(scale):
+        raise UserError(f"{name} {scale} is not a finite number; use 1 for no guidance or a value > 1 (e.g. 1.5)")
+    if scale < 0:
+        raise UserError(f"{name} {scale} is negative; use 1 for no guidance or a value > 1 (e.g. 1.5)")
 
 
 @dataclass(frozen=True)

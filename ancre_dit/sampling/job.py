@@ -79,8 +79,9 @@ def job_identity(settings: JobSettings, spec: dict) -> dict:
     keep = ("weights", "batch_size", "sampler", "steps", "cfg_scale", "cfg_channels", "guidance_interval",
             "seed", "label_mode", "classes", "precision", "vae", "sde_last_step", "sde_last_step_size",
             "sde_diffusion_norm")
-    identity = {**{k: v for k, v in asdict(settings).items() if k in keep}, "ckpt": str(Path(settings.ckpt).resolve()),
-                "step": spec.get("step")}
+    identity = {k: v for k, v in asdict(settings).items() if k in keep}
+    identity["ckpt"] = str(Path(settings.ckpt).resolve())
+    identity["step"] = spec.get("step")
     identity["guidance_interval"] = list(settings.guidance_interval) if settings.guidance_interval else None
     if settings.guide_ckpt:  # only when set: the identities of earlier jobs stay as they were
         identity["guide_ckpt"] = str(Path(settings.guide_ckpt).resolve())
