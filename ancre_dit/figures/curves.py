@@ -1,33 +1,11 @@
-"""The Agg canvas every figure draws on, without pyplot (slow to import; its figures need closing), matplotlib
-imported at the first figure; and metric curves: a subplot per metric, a line (+-std band) per run or group."""
+"""Metric curves: one subplot per metric, one line (with an optional +-std band) per run or group."""
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-
-
-def subplots(nrows: int = 1, ncols: int = 1, *, figsize: tuple[float, float] | None = None, **kwargs):
-    """(figure, axes) as `matplotlib.pyplot.subplots` returns them, on an Agg canvas."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=figsize)
-    FigureCanvasAgg(fig)
-    return fig, fig.subplots(nrows, ncols, **kwargs)
-
-
-def save_figure(fig: Figure, path: str | Path, dpi: int = 120) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    return path
-
+from .canvas import save_figure, subplots
 
 Curve = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # x, mean, std (None: a single run)
 

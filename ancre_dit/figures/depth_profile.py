@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .curves import save_figure, subplots
+from .canvas import save_figure, subplots
 
 PROFILES = (("rms", "forward: RMS of z_k", True), ("grad_rms", "backward: RMS of dL/dz_k", True),
             ("cosine", "redundancy: cos(z_k, z_k+1)", False))

@@ -9,7 +9,7 @@ from typing import Mapping
 import numpy as np
 
 from ..models.topologies.analysis import square_topology
-from .curves import save_figure, subplots
+from .canvas import save_figure, subplots
 
 
 def _draw_topology(ax, P: np.ndarray, vmax: float, title: str | None, dense: int = 12, spacing: int = 6,

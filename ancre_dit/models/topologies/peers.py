@@ -182,8 +182,9 @@ class ManifoldHyperConnectionTopology(_StreamTopology):
         x     <- H_res x + H_post^T F(H_pre x)
 
     (`phi[l]` = [phi_pre | phi_post | phi_res], (n d, 2n + n^2); `alpha[l]` = [a_pre, a_post, a_res]).
-    Init (ours): phi = 0, alpha = 0.01, H_post = 1, H_pre and H_res HC's (e_{l mod n}, I) with leaks: the
-    streams equal the cascaded hidden state, as in HC, and favouring stream l mod n lets them diverge.
+    Init (ours): phi = 0, alpha = 0.01, H_post = 1, H_pre = 1 - p on stream l mod n and p / (n - 1)
+    elsewhere, H_res = (1 - r) I + r / (n - 1) (1 1^T - I) (p, r = MHC_PRE_LEAK, MHC_RES_LEAK). The
+    streams equal the cascaded hidden state, as in HC; favouring stream l mod n lets them diverge.
     """
 
     def __init__(self, num_blocks: int, hidden_size: int, streams: int = 4, sinkhorn_iters: int = 20):
