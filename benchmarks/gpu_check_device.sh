@@ -5,6 +5,8 @@
 # the missing pure-Python packages travel with the tree as wheels in .whl/ (git-ignored).
 #
 #   on a machine with network, once:      bash benchmarks/gpu_check_device.sh --fetch
+#   ... for a GPU machine whose Python differs from this one (pydantic-core is a compiled wheel):
+#       bash benchmarks/gpu_check_device.sh --fetch --python-version 3.12 --platform manylinux2014_x86_64
 #   copy the tree, .whl/ included, then:  bash benchmarks/gpu_check_device.sh OUT_DIR
 #   extra arguments go to gpu_check.py:   bash benchmarks/gpu_check_device.sh OUT_DIR --steps 10
 #
@@ -13,11 +15,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="${ANCRE_WHEELS:-.whl}"
-# What a PyTorch-only image usually lacks (diffusers needs importlib_metadata); the versions our CI tests with.
-MISSING_THERE=(diffusers==0.42.1 torch-fidelity==0.4.0 importlib_metadata==10.2.0)
+# What a PyTorch-only image usually lacks (diffusers needs importlib_metadata, pydantic its three helpers);
+# the versions our CI tests with.
+MISSING_THERE=(diffusers==0.42.1 torch-fidelity==0.4.0 importlib_metadata==10.2.0
+               pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2)
 
 if [[ "${1:-}" == --fetch ]]; then
-  python3 -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "${MISSING_THERE[@]}"
+  shift
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$WHEELS" "$@" "${MISSING_THERE[@]}"
   echo "wheels for the GPU machine in $WHEELS: $(ls "$WHEELS" | tr '\n' ' ')($(du -sh "$WHEELS" | cut -f1))"
   exit 0
 fi
