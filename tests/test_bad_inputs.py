@@ -99,6 +99,7 @@ def _more_inputs(w: Path) -> None:
     np.savez(w / "rgba.npz", arr_0=rng.integers(0, 256, (4, 16, 16, 4), dtype=np.uint8), arr_1=np.arange(4))
     np.savez(w / "nchw.npz", arr_0=rng.integers(0, 256, (4, 3, 16, 16), dtype=np.uint8), arr_1=np.arange(4))
     np.savez(w / "empty.npz", arr_0=np.zeros((0, 16, 16, 3), np.uint8), arr_1=np.zeros(0, np.int64))
+    np.savez(w / "empty_stats.npz", arr_0=np.zeros((0, 16, 16, 3), np.uint8), mu=np.zeros(2048), sigma=np.eye(2048))
     # Labels that are not what they look like, in each container that reads a label column.
     from containers import make_hf, rewrite_parquet
     rewrite_parquet(w / "parquet", w / "parquet_float_labels", labels=[1.7, 0.0, 1.0, 0.0])
@@ -528,6 +529,12 @@ CASES: list[tuple[str, str, Callable[[Path], list[str]], str]] = [
     ("samples without images", "evaluate",
      lambda w: ["--samples", str(w / "empty.npz"), "--ref", str(w / "big.npz"), "--inception-weights", _w8(w),
                 "--metrics", "fid", "--device", "cpu"], "empty.npz) holds no images to evaluate"),
+    ("samples without images, with statistics", "evaluate",
+     lambda w: ["--samples", str(w / "empty_stats.npz"), "--ref", str(w / "big.npz"), "--inception-weights", _w8(w),
+                "--metrics", "fid", "--device", "cpu"], "empty_stats.npz) holds no images to evaluate (arr_0 is empty)"),
+    ("reference with statistics but no images, for precision", "evaluate",
+     lambda w: ["--samples", str(w / "big.npz"), "--ref", str(w / "empty_stats.npz"), "--inception-weights", _w8(w),
+                "--metrics", "precision", "--device", "cpu"], "empty_stats.npz) holds no images to evaluate"),
     ("reference without images", "evaluate",
      lambda w: ["--samples", str(w / "big.npz"), "--ref", str(w / "empty.npz"), "--inception-weights", _w8(w),
                 "--metrics", "fid", "--device", "cpu"], "holds no images to evaluate (arr_0 is empty); pass another --ref"),

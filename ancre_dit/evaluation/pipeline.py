@@ -156,6 +156,8 @@ def side_features(side: Side, extractor, batch_size: int, desc: str, workers: in
     when it has none."""
     if side.images is None:
         return None
+    if side.num_images == 0:  # arr_0 empty beside stored statistics, which do not stand in for what needs images
+        raise UserError(f"{side.name} holds no images to evaluate (arr_0 is empty); pass an .npz with images")
     if isinstance(side.images, list):
         batches = ImageFolderBatches(side.images, side.image_size, batch_size, workers)
     else:
