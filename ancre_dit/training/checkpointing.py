@@ -269,7 +269,7 @@ class CheckpointManager:
 
     def _write_files(self, folder: Path) -> None:
         ctx, step, topology = self.ctx, self.ctx.progress.step, self.ctx.config.model.topology
-        ema = ctx.emas["ema"].module
+        ema = ctx.ema_model
         write_model_files(folder, {**self.spec, "step": step}, ctx.raw_model.state_dict(), ema.state_dict())
         for name, other in ctx.emas.items():
             if name != "ema":  # (written with the model above)

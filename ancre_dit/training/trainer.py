@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import gc
 import time
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from functools import partial
-from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Iterator
 
