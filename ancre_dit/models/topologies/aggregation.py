@@ -35,10 +35,12 @@ def check_aggregation_kernel(choice: str, cuda: bool | None = None) -> None:
     has no CUDA device) outside Triton's interpreter."""
     if choice not in AGGREGATION_KERNELS:
         raise UserError(f"unknown aggregation_kernel {choice!r}; choose one of {', '.join(AGGREGATION_KERNELS)}")
-    if choice == "triton" and not triton_installed():
+    if choice != "triton":
+        return
+    if not triton_installed():
         raise UserError("aggregation_kernel=triton needs the triton package (pip install 'ancre-dit[triton]'); "
                         "or use aggregation_kernel=torch")
-    if choice == "triton" and cuda is False and not triton_interpreting():
+    if cuda is False and not triton_interpreting():
         raise UserError("aggregation_kernel=triton runs its kernels on a CUDA device and none is in use; "
                         "use aggregation_kernel=torch")
 
