@@ -35,8 +35,6 @@ from .inception import weights_hint as inception_weights_hint
 from .metric_registry import FEATURES, METRICS, Side, metric_names, stored_stat_keys
 from .metrics import feature_statistics
 
-EVAL_METRICS = metric_names(training=True)  # what eval.metrics accepts
-
 
 def resolve_metrics(settings, data_kind: str) -> list[str]:
     """eval.metrics, or its default: digits on digits data, fid when a reference is given, else none."""
